@@ -1,0 +1,27 @@
+"""The attention stack: the generic layer, its custom ops, the backend trio and the selector."""
+
+from pagedkv.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from pagedkv.attention.layer import Attention, get_attention_context
+from pagedkv.attention.selector import get_attn_backend, register_backend
+
+__all__ = [
+    "Attention",
+    "AttentionBackend",
+    "AttentionCGSupport",
+    "AttentionImpl",
+    "AttentionMetadataBuilder",
+    "AttentionType",
+    "CommonAttentionMetadata",
+    "MultipleOf",
+    "get_attention_context",
+    "get_attn_backend",
+    "register_backend",
+]

@@ -1,0 +1,1 @@
+"""The engine: requests, the scheduler, the sampler and the LLM front end."""

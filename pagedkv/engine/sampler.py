@@ -1,0 +1,47 @@
+"""The sampler: logits of the requests that finished their tokens this step -> next tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.engine.request import SamplingParams
+
+
+class Sampler:
+    """Greedy, or temperature + top-k + top-p sampling with an optional per-request seed."""
+
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]) -> list[int]:
+        """logits [num_reqs, vocab] -> one token id per row."""
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        for row, (req_id, p) in enumerate(zip(req_ids, params)):
+            if not p.greedy:
+                tokens[row] = self._sample(logits[row], p, self._generator(req_id, p, logits.device))
+        return tokens.tolist()
+
+    def _generator(self, req_id: str, params: SamplingParams, device: torch.device) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        if req_id not in self._generators:
+            self._generators[req_id] = torch.Generator(device=device).manual_seed(params.seed)
+        return self._generators[req_id]
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+        logits = logits / p.temperature
+        if p.top_k > 0:
+            kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = logits.sort(descending=True)
+            cumulative = sorted_logits.softmax(-1).cumsum(-1)
+            # Drop a token when the tokens before it already reach top_p (the first always stays).
+            drop = (cumulative - sorted_logits.softmax(-1)) >= p.top_p
+            logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+        return torch.multinomial(logits.softmax(-1), 1, generator=generator)[0]

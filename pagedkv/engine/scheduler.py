@@ -1,0 +1,164 @@
+"""Continuous batching: which requests run this step, and how many tokens each.
+
+Every step has a token budget (`max_num_batched_tokens`). Running requests go first,
+oldest first; then waiting ones are admitted while budget, `max_num_seqs` and KV blocks
+last. A prompt that does not fit the budget is split over steps (chunked prefill):
+
+    step 1: [A decode][B decode][C prompt 0:510        ]   budget 512
+    step 2: [A decode][B decode][C prompt 510:700][D ..]
+
+When a running request needs a block and none is free, the newest running request is
+preempted: its blocks are freed and it goes back to the *front* of the waiting queue
+with `num_computed_tokens = 0`, to be recomputed later. Nothing is ever dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pagedkv.config import SchedulerConfig
+from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.kv_cache.manager import KVCacheManager
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request: Request
+    num_new_tokens: int
+    """Query length this step: positions num_computed_tokens ... + num_new_tokens - 1."""
+
+    @property
+    def is_decode(self) -> bool:
+        req = self.request
+        return self.num_new_tokens == 1 and bool(req.output_token_ids) and req.num_computed_tokens == req.num_tokens - 1
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the request's last known token, so a new one is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step, decodes first."""
+
+    scheduled: list[ScheduledRequest]
+    preempted_req_ids: list[str]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_scheduled_tokens - self.num_decode_tokens
+
+
+class Scheduler:
+    """Waiting queue + running list over a KV cache manager."""
+
+    def __init__(self, config: SchedulerConfig, max_model_len: int, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"Request {request.request_id}: the prompt is empty.")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"Request {request.request_id}: prompt of {request.num_prompt_tokens} tokens does not fit "
+                f"max_model_len={self.max_model_len} (it must leave room for at least one new token). "
+                "Shorten the prompt or raise max_model_len."
+            )
+        longest = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
+        needed = self.kv_cache_manager.blocks_for_tokens(longest)
+        available = self.kv_cache_manager.num_usable_blocks
+        if needed > available:
+            raise ValueError(
+                f"Request {request.request_id}: {longest} tokens (prompt + max_tokens) need {needed} KV cache "
+                f"blocks, but the cache has only {available}. Use num_kv_blocks >= {needed + 1}, a larger "
+                "KV cache memory budget, or a smaller max_tokens."
+            )
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        kv = self.kv_cache_manager
+
+        # 1. Running requests, oldest first; preempt the newest when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request: Request | None = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not kv.allocate_slots(request.request_id, request.num_computed_tokens, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    request = None
+                    break
+            if request is None:
+                break
+            scheduled.append(ScheduledRequest(request, n))
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests, front first -- but not in a step that had to preempt.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            n = request.num_tokens - request.num_computed_tokens
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            if not kv.allocate_slots(request.request_id, request.num_computed_tokens, n):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, n))
+            budget -= n
+
+        # Decodes first: kernels (and MLA) split the batch at num_decode_tokens.
+        scheduled.sort(key=lambda s: not s.is_decode)
+        return SchedulerOutput(scheduled, preempted)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish and free what stopped."""
+        finished = []
+        for s in output.scheduled:
+            request = s.request
+            request.num_computed_tokens += s.num_new_tokens
+            if request.request_id not in sampled:
+                continue
+            request.output_token_ids.append(sampled[request.request_id])
+            if request.check_stop(self.max_model_len):
+                request.status = RequestStatus.FINISHED
+                self.running.remove(request)
+                self.kv_cache_manager.free(request.request_id)
+                finished.append(request)
+        return finished

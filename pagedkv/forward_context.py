@@ -1,0 +1,89 @@
+"""The forward context: per-step data that layers look up by their name.
+
+A model file calls `self.attn(q, k, v)` and nothing else. Everything that changes every
+step (attention metadata, where to write new K/V) is put in a module-level
+`ForwardContext` by the runner for the duration of one forward pass:
+
+    static_forward_context   {"model.layers.0.self_attn.attn": <Attention>, ...}   (start-up)
+    ForwardContext           .attn_metadata[name], .slot_mapping[name]            (each step)
+
+The custom attention op receives only tensors and the layer *name*, and resolves the
+rest here -- like an actor taking tonight's props from the spot labelled with their name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedkv.config import CUDAGraphMode, EngineConfig
+
+
+@dataclass(frozen=True)
+class BatchDescriptor:
+    """The shape of a batch, as far as CUDA graphs care: the key a graph is captured under."""
+
+    num_tokens: int
+    uniform_decode: bool = False
+    """Every request has exactly one query token."""
+    has_lora: bool = False
+
+
+@dataclass
+class ForwardContext:
+    """What one forward pass can look up by layer name."""
+
+    no_compile_layers: dict[str, Any]
+    """`compilation_config.static_forward_context` itself (not a copy): name -> layer."""
+    attn_metadata: dict[str, Any] | None
+    """Layer name -> this step's attention metadata. None during the profile run."""
+    slot_mapping: dict[str, torch.Tensor]
+    """Layer name -> flat cache slot of every new token (-1 for padding)."""
+    cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE
+    batch_descriptor: BatchDescriptor | None = None
+
+
+_forward_context: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    """The context of the forward pass in progress."""
+    if _forward_context is None:
+        raise RuntimeError(
+            "Forward context is not set. "
+            "Please use `set_forward_context` to set the forward context."
+        )
+    return _forward_context
+
+
+def is_forward_context_available() -> bool:
+    return _forward_context is not None
+
+
+@contextlib.contextmanager
+def set_forward_context(
+    attn_metadata: dict[str, Any] | None,
+    config: EngineConfig,
+    *,
+    slot_mapping: dict[str, torch.Tensor] | None = None,
+    cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+    batch_descriptor: BatchDescriptor | None = None,
+) -> Iterator[ForwardContext]:
+    """Install a `ForwardContext` for the `with` block; restore the previous one on exit."""
+    global _forward_context
+    previous = _forward_context
+    _forward_context = ForwardContext(
+        no_compile_layers=config.compilation_config.static_forward_context,
+        attn_metadata=attn_metadata,
+        slot_mapping=slot_mapping if slot_mapping is not None else {},
+        cudagraph_runtime_mode=cudagraph_runtime_mode,
+        batch_descriptor=batch_descriptor,
+    )
+    try:
+        yield _forward_context
+    finally:
+        _forward_context = previous

@@ -1,0 +1,31 @@
+"""Triton kernels: the KV cache scatter and paged attention.
+
+`HAS_TRITON` says whether they can be used; without Triton the names exist but raise a clear
+error when called, so `import pagedkv` works everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    import triton  # noqa: F401
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    HAS_TRITON = False
+else:
+    HAS_TRITON = True
+
+if HAS_TRITON:
+    from pagedkv.kernels.attention_config import KernelConfig
+    from pagedkv.kernels.reshape_and_cache import reshape_and_cache
+    from pagedkv.kernels.split_kv import SplitKVWorkspace
+    from pagedkv.kernels.unified_attention import unified_attention
+else:  # pragma: no cover
+
+    def _missing(*args: Any, **kwargs: Any) -> Any:
+        raise ImportError("pagedkv.kernels needs the `triton` package (pip install triton)")
+
+    reshape_and_cache = unified_attention = _missing  # type: ignore[assignment]
+    KernelConfig = SplitKVWorkspace = None  # type: ignore[assignment,misc]
+
+__all__ = ["HAS_TRITON", "KernelConfig", "SplitKVWorkspace", "reshape_and_cache", "unified_attention"]

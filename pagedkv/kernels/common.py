@@ -1,0 +1,49 @@
+"""Checks and device facts shared by the Triton kernels."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_SIZE = 16
+MAX_HEAD_SIZE = 256
+
+
+def check_attention_dtype(dtype: torch.dtype, name: str) -> None:
+    """Raise a readable error unless `dtype` is one the kernels compute in."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} has dtype {dtype}; the Triton kernels support {list(SUPPORTED_DTYPES)}")
+
+
+def check_head_size(head_size: int) -> None:
+    """Any multiple of 8 in [16, 256]; tiles are padded to the next power of two (80, 96 -> 128)."""
+    if not (MIN_HEAD_SIZE <= head_size <= MAX_HEAD_SIZE and head_size % 8 == 0):
+        raise ValueError(
+            f"head size {head_size} is not supported by the Triton kernels: use a multiple of 8 "
+            f"from {MIN_HEAD_SIZE} to {MAX_HEAD_SIZE} (e.g. 64, 80, 96, 128, 256)"
+        )
+
+
+def interpreting() -> bool:
+    """True under `TRITON_INTERPRET=1`: kernels run on the CPU through numpy (tests, notebooks)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_device(tensor: torch.Tensor) -> None:
+    """Triton compiles for GPUs; CPU tensors only work under its interpreter."""
+    if tensor.device.type == "cpu" and not interpreting():
+        raise RuntimeError(
+            "Triton kernels got CPU tensors: use a CUDA device, or set TRITON_INTERPRET=1 before "
+            "importing triton to run them (slowly) on the CPU"
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def num_compute_units(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (a few, under the CPU interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4

@@ -1,0 +1,84 @@
+"""Split-KV scratch and the merge kernel.
+
+When one sequence's keys are split over S programs, program s returns the attention of the
+query over its share of the keys, already normalised (`o_s`), and the log-sum-exp of its
+scores (`lse_s`, base 2). Softmax over the union of the shares is the weighted mix
+
+    out = sum_s w_s * o_s,    w_s = 2^(lse_s - lse),    lse = log2(sum_s 2^lse_s)
+
+because `2^lse_s` is exactly the softmax denominator of share s. The merge subtracts the
+largest `lse_s` before exponentiating, so nothing overflows; an empty share has
+`lse_s = -inf` and weight 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+class SplitKVWorkspace:
+    """Scratch for split-KV partial results; allocate once, reuse every step (CUDA-graph safe).
+
+    `rows` bounds `num_tokens * num_splits` of a call: the launcher picks fewer splits rather
+    than overflow it.
+    """
+
+    def __init__(self, rows: int, num_q_heads: int, head_size: int, device: torch.device | str) -> None:
+        self.rows = rows
+        self.partial_out = torch.empty(rows, num_q_heads, head_size, dtype=torch.float32, device=device)
+        self.partial_lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=device)
+
+    def views(self, num_tokens: int, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `num_tokens * num_splits` rows (row = token * num_splits + split); no copy."""
+        needed = num_tokens * num_splits
+        if needed > self.rows:
+            raise ValueError(f"split-KV workspace has {self.rows} rows, this call needs {needed}")
+        return self.partial_out[:needed], self.partial_lse[:needed]
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, num_reqs,
+    stride_o_t, stride_o_h, stride_o_d,
+    stride_po_r, stride_po_h, stride_po_d,
+    stride_lse_r, stride_lse_h,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_reqs):
+        return  # a padding token: no program wrote its partials
+
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_PAD)
+    rows = token.to(tl.int64) * NUM_SPLITS + splits
+    split_ok = splits < NUM_SPLITS
+    lse = tl.load(partial_lse_ptr + rows * stride_lse_r + head * stride_lse_h, mask=split_ok, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    weights = weights / tl.sum(weights, 0)
+    parts = tl.load(
+        partial_out_ptr + rows[:, None] * stride_po_r + head * stride_po_h + dims[None, :] * stride_po_d,
+        mask=split_ok[:, None] & (dims[None, :] < HEAD_SIZE), other=0.0,
+    )
+    merged = tl.sum(parts * weights[:, None], 0)
+    tl.store(out_ptr + token * stride_o_t + head * stride_o_h + dims * stride_o_d, merged, mask=dims < HEAD_SIZE)
+
+
+def merge_splits(
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_splits: int,
+) -> None:
+    """out[t, h] = log-sum-exp weighted mix of the `num_splits` partial rows of token t."""
+    num_tokens, num_q_heads, head_size = out.shape
+    _merge_splits_kernel[(num_tokens, num_q_heads)](
+        out, partial_out, partial_lse, query_start_loc, query_start_loc.shape[0] - 1,
+        *out.stride(), *partial_out.stride(), *partial_lse.stride(),
+        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        HEAD_SIZE=head_size, HEAD_PAD=triton.next_power_of_2(head_size),
+        num_warps=1 if head_size * num_splits <= 2048 else 4,
+    )

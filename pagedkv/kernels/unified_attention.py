@@ -1,0 +1,312 @@
+"""Causal attention over a paged KV cache: prefill, chunked prefill, decode and mixed batches.
+
+The one idea: a paged cache is only an indirection. Key position `k` of request `r` lives at
+`block_table[r, k // block_size]`, offset `k % block_size`; once each K/V tile is gathered
+through that lookup, the rest is ordinary flash attention (tiles of keys, online softmax).
+
+The grid is (query tile, KV head, split):
+
+* A **query tile** holds `BLOCK_Q` consecutive query tokens of one request times the
+  `G = num_q_heads // num_kv_heads` query heads that share one KV head (GQA/MQA), flattened to
+  `BLOCK_M = BLOCK_Q * G` rows. Every K/V tile is therefore loaded once for all G heads.
+* Ragged batches need no host sync: request `r` owns tile slots starting at
+  `query_start_loc[r] // BLOCK_Q + r`, which is always enough slots; a program finds its request
+  by binary search and exits if its slot is unused. `num_tokens // BLOCK_Q + num_reqs` slots
+  cover any batch.
+* **Split-KV** (decode): when each request fits one tile, there may be too few programs to fill
+  the GPU. Then the key range is cut into `NUM_SPLITS` parts, each program writes its normalised
+  partial output plus its log-sum-exp, and a small second kernel merges the parts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.kernels.attention_config import KernelConfig, choose_config
+from pagedkv.kernels.common import check_attention_dtype, check_device, check_head_size
+from pagedkv.kernels.split_kv import SplitKVWorkspace, merge_splits
+
+LOG2_E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # "unbounded" sliding window that still fits an int32
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, q_tile, BLOCK_Q: tl.constexpr):
+    """Largest request r whose first tile slot `query_start_loc[r] // BLOCK_Q + r` is <= q_tile."""
+    lo = 0
+    hi = num_reqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_tile:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def _attend_key_tile(
+    acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len, block_size,
+    sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_kv_k, dims_kv_v,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold one tile of BLOCK_N keys into the running softmax state (online softmax)."""
+    keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_seq = keys < seq_len
+    # The paging: each key's physical block comes from the request's block table row.
+    block = tl.load(block_table_row + keys // block_size, mask=in_seq, other=0).to(tl.int64)
+    offset = keys % block_size
+    k = tl.load(k_base + (block * stride_kc_b + offset * stride_kc_s)[:, None] + dims_kv_k, mask=in_seq[:, None])
+    v = tl.load(v_base + (block * stride_vc_b + offset * stride_vc_s)[:, None] + dims_kv_v, mask=in_seq[:, None])
+
+    # Scores in log2 units (qk_scale includes log2(e)) so the exponentials are exp2.
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:  # only boundary tiles pay for the causal / window / end-of-sequence mask
+        visible = (keys[None, :] <= positions[:, None]) & in_seq[None, :]
+        if USE_WINDOW:
+            visible = visible & (positions[:, None] - keys[None, :] < sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+
+    # Online softmax: rescale what was accumulated so far to the new running maximum.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    p = tl.exp2(s - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _unified_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,  # out: final output, or split partials
+    lse_ptr,  # split partials only: log2-sum-exp per row
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+    num_reqs, qk_scale, sliding_window, block_size,
+    stride_q_t, stride_q_h, stride_q_d,
+    stride_o_t, stride_o_h, stride_o_d,  # for splits: row = token * NUM_SPLITS + split
+    stride_lse_t, stride_lse_h,
+    stride_kc_b, stride_kc_s, stride_kc_h, stride_kc_d,
+    stride_vc_b, stride_vc_s, stride_vc_h, stride_vc_d,
+    stride_bt,
+    G: tl.constexpr,  # query heads per KV head
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, ONE_TILE_PER_REQ: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # --- which request, which of its query tokens --------------------------------------------
+    if ONE_TILE_PER_REQ:
+        req = q_tile
+        first = 0
+    else:
+        req = _find_request(query_start_loc_ptr, num_reqs, q_tile, BLOCK_Q)
+        first = (q_tile - tl.load(query_start_loc_ptr + req) // BLOCK_Q - req) * BLOCK_Q
+    q_start = tl.load(query_start_loc_ptr + req)
+    query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if first >= query_len:
+        return  # an unused tile slot (or a padded, empty request)
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - query_len  # the queries are the last query_len positions
+
+    # Row m of the tile is query token first + m // G, query head kv_head * G + m % G.
+    rows = tl.arange(0, BLOCK_M)
+    q_local = first + rows // G
+    heads = kv_head * G + rows % G
+    row_ok = (rows < BLOCK_Q * G) & (q_local < query_len)
+    positions = context_len + q_local
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_SIZE
+    tokens = (q_start + q_local).to(tl.int64)
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims[None, :] * stride_q_d,
+        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+    )
+
+    # --- which key tiles ----------------------------------------------------------------------
+    # Keys needed by some row: [p_first - window + 1, p_last]. Keys every row sees unmasked:
+    # [p_last - window + 1, p_first]. Tiles wholly inside the second range skip the mask.
+    p_first = context_len + first
+    p_last = context_len + tl.minimum(first + BLOCK_Q, query_len) - 1
+    tiles_end = tl.cdiv(p_last + 1, BLOCK_N)
+    if USE_WINDOW:
+        tiles_start = tl.maximum(p_first - sliding_window + 1, 0) // BLOCK_N
+        full_start = tl.cdiv(tl.maximum(p_last - sliding_window + 1, 0), BLOCK_N)
+    else:
+        tiles_start = 0
+        full_start = 0
+    full_start = tl.minimum(tl.maximum(full_start, tiles_start), tiles_end)
+    full_end = tl.minimum(tl.maximum((p_first + 1) // BLOCK_N, full_start), tiles_end)
+
+    # This program's share of the tiles (all of them unless the keys are split).
+    per_split = tl.cdiv(tiles_end - tiles_start, NUM_SPLITS)
+    mine_start = tiles_start + split * per_split
+    mine_end = tl.minimum(mine_start + per_split, tiles_end)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    k_base = k_cache_ptr + kv_head * stride_kc_h
+    v_base = v_cache_ptr + kv_head * stride_vc_h
+    dims_k = (dims * stride_kc_d)[None, :]
+    dims_v = (dims * stride_vc_d)[None, :]
+    block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    if USE_WINDOW:  # tiles at the window's lower edge
+        for tile in range(tl.maximum(tiles_start, mine_start), tl.minimum(full_start, mine_end)):
+            acc, m_i, l_i = _attend_key_tile(
+                acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len, block_size,
+                sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v,
+                BLOCK_N, True, USE_WINDOW, DOT_PRECISION,
+            )
+    for tile in range(tl.maximum(full_start, mine_start), tl.minimum(full_end, mine_end)):
+        acc, m_i, l_i = _attend_key_tile(
+            acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len, block_size,
+            sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v,
+            BLOCK_N, False, USE_WINDOW, DOT_PRECISION,
+        )
+    for tile in range(tl.maximum(full_end, mine_start), mine_end):  # the causal diagonal
+        acc, m_i, l_i = _attend_key_tile(
+            acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len, block_size,
+            sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v,
+            BLOCK_N, True, USE_WINDOW, DOT_PRECISION,
+        )
+
+    # --- write back ---------------------------------------------------------------------------
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: output 0, weight exp2(-inf) = 0
+    out = acc / l_safe[:, None]
+    out_rows = tokens * NUM_SPLITS + split
+    tl.store(
+        out_ptr + out_rows[:, None] * stride_o_t + heads[:, None] * stride_o_h + dims[None, :] * stride_o_d,
+        out, mask=row_ok[:, None] & dim_ok[None, :],
+    )
+    if NUM_SPLITS > 1:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(lse_ptr + out_rows * stride_lse_t + heads * stride_lse_h, lse, mask=row_ok)
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    sliding_window: int | None = None,
+    workspace: SplitKVWorkspace | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Causal paged attention for a ragged batch; writes `out` and returns it.
+
+    q, out: [num_tokens, num_q_heads, head_size]. k_cache, v_cache: [num_blocks, block_size,
+    num_kv_heads, head_size] (strided views are fine). query_start_loc: int32 [num_reqs + 1];
+    seq_lens: int32 [num_reqs] (context + query; a request's queries are its last positions);
+    block_table: int32 [num_reqs, max_blocks]. A query at position p sees key k iff k <= p and,
+    with a sliding window, p - k < sliding_window.
+
+    `max_query_len` / `max_seq_len` are host-side upper bounds that choose the launch shape: a
+    CUDA graph captured with them stays correct for any batch within them. `workspace` holds
+    the split-KV scratch (allocated once by the metadata builder); without it, scratch is
+    allocated per call. With a workspace the call does no allocation and no host sync.
+    `config` overrides the tile heuristics (benchmarks, tuning).
+    """
+    num_tokens, num_q_heads, head_size = q.shape
+    num_kv_heads = k_cache.shape[2]
+    _check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table)
+    _check_window(sliding_window)
+    if num_tokens == 0 or seq_lens.shape[0] == 0:
+        return out
+    num_reqs = seq_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    head_pad = triton.next_power_of_2(head_size)
+    if config is None:
+        config = choose_config(
+            device=q.device, head_pad=head_pad, dtype=q.dtype, num_queries_per_kv=group,
+            num_kv_heads=num_kv_heads, num_reqs=num_reqs, num_tokens=num_tokens,
+            max_query_len=max_query_len, max_seq_len=max_seq_len,
+            split_rows_capacity=None if workspace is None else workspace.rows,
+        )
+    block_q = config.block_m // group
+    if block_q < 1:
+        raise ValueError(f"block_m={config.block_m} is smaller than the {group} query heads per KV head")
+    one_tile_per_req = block_q >= max_query_len
+    if config.num_splits > 1 and not one_tile_per_req:
+        raise ValueError("split-KV needs every request's queries in one tile (a decode-like batch)")
+    num_q_tiles = num_reqs if one_tile_per_req else num_tokens // block_q + num_reqs
+
+    if config.num_splits > 1:
+        if workspace is None:
+            workspace = SplitKVWorkspace(num_tokens * config.num_splits, num_q_heads, head_size, q.device)
+        partial_out, partial_lse = workspace.views(num_tokens, config.num_splits)
+        target, lse = partial_out, partial_lse
+    else:
+        target, lse = out, out  # lse is unused without splits
+
+    _unified_attention_kernel[(num_q_tiles, num_kv_heads, config.num_splits)](
+        q, k_cache, v_cache, target, lse,
+        query_start_loc, seq_lens, block_table,
+        num_reqs, softmax_scale * LOG2_E, NO_WINDOW if sliding_window is None else sliding_window,
+        k_cache.shape[1],
+        *q.stride(), *target.stride(), *lse.stride()[:2], *k_cache.stride(), *v_cache.stride(),
+        block_table.stride(0),
+        G=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
+        NUM_SPLITS=config.num_splits, ONE_TILE_PER_REQ=one_tile_per_req,
+        USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if config.num_splits > 1:
+        merge_splits(partial_out, partial_lse, out, query_start_loc, config.num_splits)
+    return out
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+) -> None:
+    if q.dim() != 3 or out.shape != q.shape:
+        raise ValueError(f"q and out must be [num_tokens, num_q_heads, head_size]; got {tuple(q.shape)}, {tuple(out.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != q.shape[2]:
+        raise ValueError(
+            f"k_cache/v_cache must be [num_blocks, block_size, num_kv_heads, {q.shape[2]}]; "
+            f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
+    check_head_size(q.shape[2])
+    for name, tensor in (("q", q), ("k_cache", k_cache), ("out", out)):
+        check_attention_dtype(tensor.dtype, name)
+    if k_cache.dtype != q.dtype:
+        raise ValueError(f"KV cache dtype {k_cache.dtype} must equal the query dtype {q.dtype}")
+    for name, tensor in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
+        if tensor.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {tensor.dtype}")
+    if query_start_loc.shape[0] != seq_lens.shape[0] + 1 or block_table.shape[0] < seq_lens.shape[0]:
+        raise ValueError(
+            f"inconsistent batch: query_start_loc {tuple(query_start_loc.shape)}, seq_lens "
+            f"{tuple(seq_lens.shape)}, block_table {tuple(block_table.shape)}"
+        )
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table rows must be contiguous")
+    check_device(q)
+
+
+def _check_window(sliding_window: int | None) -> None:
+    if sliding_window is not None and not 1 <= sliding_window < NO_WINDOW:
+        raise ValueError(f"sliding_window must be None or a positive int below {NO_WINDOW}, got {sliding_window}")

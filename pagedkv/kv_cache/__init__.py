@@ -1,0 +1,1 @@
+"""The paged KV cache: specs and groups, the block pool, the per-request manager."""

@@ -1,0 +1,1 @@
+"""Model files (Llama) and their building blocks, plus loading weights."""

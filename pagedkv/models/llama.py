@@ -1,0 +1,218 @@
+"""Llama, written the way a serving engine wants it.
+
+The attention module holds the math a checkpoint defines -- fused qkv projection, RoPE,
+output projection -- and hands the rest to the generic `Attention` layer:
+
+    hidden ─ qkv_proj ─┬─ q ─ RoPE ─┐
+                       ├─ k ─ RoPE ─┼─ self.attn(q, k, v) ─ o_proj ─ out
+                       └─ v ────────┘
+
+No block table, slot mapping or batch shape appears here: `self.attn` finds them in the
+forward context by its name, e.g. "model.layers.3.self_attn.attn".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedkv.attention.layer import Attention
+from pagedkv.config import get_current_engine_config
+from pagedkv.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, head_layout
+
+
+@dataclass
+class LlamaConfig:
+    """The architecture fields of a Hugging Face Llama `config.json` that this model reads."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    """Per layer "full_attention" or "sliding_attention" (with `sliding_window`)."""
+    bos_token_id: int | None = 1
+    eos_token_id: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    def layer_sliding_window(self, i: int) -> int | None:
+        if self.layer_types is not None:
+            return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+        return self.sliding_window
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> LlamaConfig:
+        """Read a `config.json` of transformers 4 (rope_theta + rope_scaling) or 5 (rope_parameters)."""
+        kwargs = {k: hf[k] for k in cls.__dataclass_fields__ if k in hf and hf[k] is not None}
+        rope = hf.get("rope_parameters")
+        if rope:
+            kwargs["rope_theta"] = rope.get("rope_theta", cls.rope_theta)
+            kwargs["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+        eos = hf.get("eos_token_id")
+        kwargs["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if hf.get("model_type") == "llama" or hf.get("use_sliding_window") is False:
+            kwargs.pop("sliding_window", None)  # Llama has no window; Qwen2 may switch it off
+        return cls(**kwargs)
+
+
+class LlamaAttention(nn.Module):
+    """qkv_proj -> RoPE -> Attention -> o_proj, with this rank's share of the heads."""
+
+    def __init__(self, config: LlamaConfig, prefix: str, sliding_window: int | None) -> None:
+        super().__init__()
+        tp_size = get_current_engine_config().parallel_config.tensor_parallel_size
+        layout = head_layout(config.num_attention_heads, config.num_key_value_heads, tp_size)
+        self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            prefix=f"{prefix}.attn",
+            sliding_window=sliding_window,
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.act_fn = SiluAndMul()
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: LlamaConfig, prefix: str, sliding_window: int | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", sliding_window)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm."""
+
+    def __init__(self, config: LlamaConfig, prefix: str = "model") -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, f"{prefix}.layers.{i}", config.layer_sliding_window(i))
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(positions, hidden_states)
+        return self.norm(hidden_states)
+
+
+# Hugging Face keeps q/k/v and gate/up as separate matrices; we fuse them.
+# hf name part -> (our fused name part, shard index)
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model: tokens + positions -> hidden states -> logits."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] (all requests packed) -> hidden [num_tokens, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be set."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name, shard = hf_name, None
+            for part, (fused, index) in _STACKED.items():
+                if part in hf_name:
+                    name, shard = hf_name.replace(part, fused), index
+                    break
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            if name not in params:
+                raise ValueError(f"Checkpoint tensor {hf_name!r} has no matching parameter in LlamaForCausalLM.")
+            param = params[name]
+            target = param.data if shard is None else self._shard(name, param.data, shard)
+            if target.shape != tensor.shape:
+                raise ValueError(f"Shape mismatch for {hf_name!r}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}.")
+            target.copy_(tensor)
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        expected = set()
+        for n in params:
+            shards = 3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else 0
+            expected |= {f"{n}#{i}" for i in range(shards)} if shards else {n}
+        if self.config.tie_word_embeddings:
+            expected.discard("lm_head.weight")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"Checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}.")
+
+    def _shard(self, name: str, data: torch.Tensor, shard: int) -> torch.Tensor:
+        """The rows of fused parameter `name` that hold shard `shard` (q/k/v or gate/up)."""
+        if "qkv_proj" in name:
+            attn = self.model.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [data.shape[0] // 2] * 2
+        return data.split(sizes, dim=0)[shard]

@@ -1,0 +1,72 @@
+"""Getting a model: random-init presets, or a local Hugging Face Llama-family directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from pagedkv.models.llama import LlamaConfig, LlamaForCausalLM
+
+PRESETS: dict[str, LlamaConfig] = {
+    # A few hundred thousand parameters: fast on a laptop CPU, big enough to show GQA.
+    "tiny": LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=256, eos_token_id=[257], tie_word_embeddings=True,
+    ),
+    # The same, with every other layer looking only at the last 32 tokens: two KV cache groups.
+    "tiny-hybrid": LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=256, eos_token_id=[257], tie_word_embeddings=True, sliding_window=32,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
+    # Llama-3-8B's shapes, random weights: for GPU benchmarks.
+    "llama3-8b": LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, bos_token_id=128000, eos_token_id=[128001, 128009],
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+}
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def load_config(model: str) -> LlamaConfig:
+    """A preset by name, or the `config.json` of a local directory."""
+    if model in PRESETS:
+        return PRESETS[model]
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"Model {model!r} is neither a preset ({sorted(PRESETS)}) nor a directory with a "
+            "config.json (a Hugging Face model saved with save_pretrained)."
+        )
+    hf = json.loads((path / "config.json").read_text())
+    archs = hf.get("architectures") or ["LlamaForCausalLM"]
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"Architecture {archs[0]!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}.")
+    return LlamaConfig.from_hf_dict(hf)
+
+
+def load_model(model: str, config: LlamaConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
+    """Build the model on `device` and fill it: checkpoint tensors, or seeded random weights."""
+    with torch.device(device):
+        net = LlamaForCausalLM(config)
+    if model in PRESETS:
+        generator = torch.Generator(device=device).manual_seed(seed)
+        for name, param in net.named_parameters():
+            if "norm" not in name:  # norms start at 1
+                param.data.normal_(0.0, 0.02, generator=generator)
+    else:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(model).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"No *.safetensors files in {model!r}.")
+        net.load_weights(item for f in files for item in load_file(f, device=str(device)).items())
+    return net.to(dtype=dtype).eval()

@@ -1,0 +1,59 @@
+"""Tokenizers: a byte-level one for presets, the model directory's own Hugging Face one otherwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (ids 0-255), plus BOS 256 and EOS 257."""
+
+    bos_token_id = 256
+    eos_token_id = 257
+
+    def encode(self, text: str) -> list[int]:
+        return [self.bos_token_id, *text.encode("utf-8")]
+
+    def decode(self, token_ids: list[int]) -> str:
+        # Random-init models emit ids above 255 too; show them as a replacement mark.
+        data = bytes(t for t in token_ids if t < 256)
+        text = data.decode("utf-8", errors="replace")
+        return text + "\ufffd" * sum(1 for t in token_ids if t > self.eos_token_id)
+
+
+class HFTokenizer:
+    """Wraps `transformers.AutoTokenizer` loaded from a local directory."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(path)
+        self.eos_token_id = self._tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True)
+
+
+def get_tokenizer(model: str, is_preset: bool) -> Tokenizer | None:
+    """ByteTokenizer for presets; the directory's tokenizer if it has one (and transformers is installed)."""
+    if is_preset:
+        return ByteTokenizer()
+    path = Path(model)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    try:
+        return HFTokenizer(model)
+    except ImportError:
+        return None

@@ -1,0 +1,96 @@
+"""One step's input tensors: packed tokens, positions, lengths, block tables, slot mappings.
+
+Three requests, decodes first, block_size 4:
+
+    request        A (decode)   B (decode)   C (prefill chunk)
+    context_len        5            2             0
+    query_len          1            1             3
+    tokens         [a5]         [b2]         [c0 c1 c2]        input_ids / positions packed
+    query_start_loc  0            1            2           5
+    seq_lens         6            3            3
+
+    block_table row A = [3, 8]      position 5 -> block 8, offset 1 -> slot 8*4+1 = 33
+    slot_mapping = [33, 2*4+2, 5*4+0, 5*4+1, 5*4+2, -1, -1]   (-1: padding tokens)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def compute_slot_mapping(
+    block_table: torch.Tensor,
+    req_indices: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    num_padded_tokens: int | None = None,
+) -> torch.Tensor:
+    """slot = block_table[req, pos // block_size] * block_size + pos % block_size; pads are -1."""
+    block_numbers = block_table[req_indices, positions // block_size].long()
+    slots = block_numbers * block_size + positions % block_size
+    if num_padded_tokens is not None and num_padded_tokens > slots.shape[0]:
+        pad = torch.full((num_padded_tokens - slots.shape[0],), -1, dtype=slots.dtype, device=slots.device)
+        slots = torch.cat([slots, pad])
+    return slots
+
+
+class BlockTable:
+    """Per KV cache group: every running request's physical block ids, on the CPU and the device.
+
+    The CPU copy is written by the runner each step; the device copy is what kernels read.
+    Unused entries are 0 (the null block), so a kernel reading past a row's end stays in bounds.
+    """
+
+    def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.max_num_blocks_per_req = max_num_blocks_per_req
+        self.cpu = torch.zeros(max_num_reqs, max_num_blocks_per_req, dtype=torch.int32)
+        self.device_tensor = torch.zeros_like(self.cpu, device=device)
+        self.num_reqs = 0
+
+    def set_rows(self, rows: list[list[int]]) -> None:
+        """Write this step's rows (one per scheduled request, in batch order) and copy them over."""
+        self.cpu[: len(rows)].zero_()
+        for i, row in enumerate(rows):
+            if len(row) > self.max_num_blocks_per_req:
+                raise ValueError(f"A request holds {len(row)} blocks; the block table has room for {self.max_num_blocks_per_req}.")
+            self.cpu[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        self.num_reqs = len(rows)
+        self.device_tensor[: len(rows)].copy_(self.cpu[: len(rows)], non_blocking=True)
+
+    def get_device_tensor(self) -> torch.Tensor:
+        return self.device_tensor[: self.num_reqs]
+
+    def get_cpu_tensor(self) -> torch.Tensor:
+        return self.cpu[: self.num_reqs]
+
+
+@dataclass
+class InputBatch:
+    """Everything the model and the metadata builders read in one step."""
+
+    req_ids: list[str]
+    input_ids: torch.Tensor
+    """[num_tokens] token ids of every scheduled token, request after request."""
+    positions: torch.Tensor
+    """[num_tokens] position of each token in its sequence."""
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_tables: list[torch.Tensor]
+    """Per KV cache group: [num_reqs, max_blocks] on the device."""
+    slot_mappings: list[torch.Tensor]
+    """Per KV cache group: [num_tokens] flat slot of each new token."""
+    logits_indices: torch.Tensor
+    """Row of the last token of each request that samples this step."""
+    sampling_req_ids: list[str]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
