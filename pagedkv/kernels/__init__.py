@@ -2,11 +2,18 @@
 
 `HAS_TRITON` says whether they can be used; without Triton the names exist but raise a clear
 error when called, so `import pagedkv` works everywhere.
+
+Without a GPU, Triton can only run kernels through its interpreter (numpy on the CPU), and it
+decides interpreted-or-compiled when a kernel is *defined*. So on a machine with no CUDA device
+`TRITON_INTERPRET=1` is set before the kernel modules are imported (unless already set).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+import torch
 
 try:
     import triton  # noqa: F401
@@ -16,6 +23,8 @@ else:
     HAS_TRITON = True
 
 if HAS_TRITON:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     from pagedkv.kernels.attention_config import KernelConfig
     from pagedkv.kernels.reshape_and_cache import reshape_and_cache
     from pagedkv.kernels.split_kv import SplitKVWorkspace

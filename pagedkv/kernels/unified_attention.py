@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.attention_config import KernelConfig, choose_config
-from pagedkv.kernels.common import check_attention_dtype, check_device, check_head_size
+from pagedkv.kernels.common import check_attention_dtype, check_device, check_head_size, interpreting
 from pagedkv.kernels.split_kv import SplitKVWorkspace, merge_splits
 
 LOG2_E = 1.4426950408889634
@@ -47,10 +47,20 @@ def _find_request(query_start_loc_ptr, num_reqs, q_tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation. UPCAST works around Triton's CPU interpreter, which
+    multiplies bf16 operands as raw 16-bit integers (seen in triton 3.6 and 3.9)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _attend_key_tile(
     acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len, block_size,
     sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_kv_k, dims_kv_v,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Fold one tile of BLOCK_N keys into the running softmax state (online softmax)."""
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -62,7 +72,7 @@ def _attend_key_tile(
     v = tl.load(v_base + (block * stride_vc_b + offset * stride_vc_s)[:, None] + dims_kv_v, mask=in_seq[:, None])
 
     # Scores in log2 units (qk_scale includes log2(e)) so the exponentials are exp2.
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale
     if MASKED:  # only boundary tiles pay for the causal / window / end-of-sequence mask
         visible = (keys[None, :] <= positions[:, None]) & in_seq[None, :]
         if USE_WINDOW:
@@ -75,7 +85,7 @@ def _attend_key_tile(
     p = tl.exp2(s - m_shift[:, None])
     alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
     return acc, m_new, l_i
 
 
@@ -95,7 +105,7 @@ def _unified_attention_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, ONE_TILE_PER_REQ: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -162,19 +172,19 @@ def _unified_attention_kernel(
             acc, m_i, l_i = _attend_key_tile(
                 acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len, block_size,
                 sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v,
-                BLOCK_N, True, USE_WINDOW, DOT_PRECISION,
+                BLOCK_N, True, USE_WINDOW, DOT_PRECISION, UPCAST,
             )
     for tile in range(tl.maximum(full_start, mine_start), tl.minimum(full_end, mine_end)):
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len, block_size,
             sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v,
-            BLOCK_N, False, USE_WINDOW, DOT_PRECISION,
+            BLOCK_N, False, USE_WINDOW, DOT_PRECISION, UPCAST,
         )
     for tile in range(tl.maximum(full_end, mine_start), mine_end):  # the causal diagonal
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len, block_size,
             sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v,
-            BLOCK_N, True, USE_WINDOW, DOT_PRECISION,
+            BLOCK_N, True, USE_WINDOW, DOT_PRECISION, UPCAST,
         )
 
     # --- write back ---------------------------------------------------------------------------
@@ -264,6 +274,7 @@ def unified_attention(
         NUM_SPLITS=config.num_splits, ONE_TILE_PER_REQ=one_tile_per_req,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=interpreting() and q.dtype == torch.bfloat16,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if config.num_splits > 1:

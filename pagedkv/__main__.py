@@ -1,0 +1,134 @@
+"""Command line: `python -m pagedkv {generate,backends,workbook} ...`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from pagedkv import LLM, SamplingParams, StepEvent
+
+
+def _generate(args: argparse.Namespace) -> None:
+    llm = LLM(
+        args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    if args.show_steps:
+        print(f"{'step':>4} {'reqs':>4} {'prefill':>7} {'decode':>6} {'blocks used/free':>16} {'preempt':>7}")
+
+        def show(event: StepEvent) -> None:
+            sched = event.scheduler_output
+            free = event.num_free_blocks[0]
+            used = llm.kv_cache_manager.num_usable_blocks - free
+            print(f"{event.step:>4} {len(sched.scheduled):>4} {sched.num_prefill_tokens:>7} "
+                  f"{sched.num_decode_tokens:>6} {f'{used}/{free}':>16} {len(sched.preempted_req_ids):>7}")
+
+        llm.add_step_listener(show)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    start = time.perf_counter()
+    outputs = llm.generate(args.prompt * args.n, params)
+    elapsed = time.perf_counter() - start
+    for out in outputs:
+        print(out.outputs[0].text)
+    s = llm.stats
+    print(f"# {s.num_steps} steps, {s.num_prefill_tokens} prefill + {s.num_decode_tokens} decode tokens, "
+          f"{s.num_preemptions} preemptions, {elapsed:.2f} s", file=sys.stderr)
+
+
+def _backends(args: argparse.Namespace) -> None:
+    from pagedkv.attention.selector import backend_report
+    from pagedkv.config import parse_dtype
+    from pagedkv.models.loader import load_config
+    from pagedkv.platforms import default_device
+
+    import torch
+
+    device = torch.device(args.device) if args.device else default_device()
+    cfg = load_config(args.model)
+    dtype = parse_dtype(args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    layer = dict(head_size=cfg.head_dim, dtype=dtype, kv_cache_dtype=dtype, block_size=args.block_size,
+                 sliding_window=cfg.sliding_window)
+    print(f"model {args.model}: head size {cfg.head_dim}, dtype {dtype}, block size {args.block_size}, "
+          f"sliding window {cfg.sliding_window}, device {device.type}")
+    report = backend_report(device, **layer)
+    width = max(map(len, report))
+    for name, reasons in report.items():
+        print(f"  {name:<{width}}  {'ok' if not reasons else '; '.join(reasons)}")
+
+
+def _workbook(args: argparse.Namespace) -> None:
+    notebooks = Path(args.notebooks)
+    first = notebooks / "00_start_here.ipynb"
+    has_display = bool(os.environ.get("DISPLAY")) or sys.platform in ("darwin", "win32")
+    if args.lab or (has_display and not args.execute):
+        from jupyterlab.labapp import main as lab
+
+        sys.exit(lab([str(first)]))
+    import nbformat
+    from nbclient import NotebookClient
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in sorted(notebooks.glob("[0-9][0-9]_*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        if nb.metadata.get("pagedkv", {}).get("requires_gpu") and not _cuda():
+            print(f"skip {path.name} (needs a GPU)")
+            continue
+        start = time.perf_counter()
+        NotebookClient(nb, timeout=1200, resources={"metadata": {"path": str(notebooks)}},
+                       store_widget_state=True).execute()
+        nbformat.write(nb, out_dir / path.name)
+        print(f"ran  {path.name} in {time.perf_counter() - start:.1f} s -> {out_dir / path.name}")
+    print(f"Open them with: python -m pagedkv workbook --lab  (or jupyter lab {out_dir})")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text and optionally show every engine step")
+    gen.add_argument("--model", default="tiny", help="preset name or Hugging Face model directory")
+    gen.add_argument("--prompt", action="append", required=True, help="may be given several times")
+    gen.add_argument("--n", type=int, default=1, help="repeat the prompts n times (a bigger batch)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default=None)
+    gen.add_argument("--dtype", default=None)
+    gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--num-kv-blocks", type=int, default=None)
+    gen.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    gen.add_argument("--attention-backend", default=None)
+    gen.add_argument("--show-steps", action="store_true", help="print a table row per engine step")
+    gen.set_defaults(func=_generate)
+
+    be = sub.add_parser("backends", help="which attention backends can serve this model here, and why not")
+    be.add_argument("--model", default="tiny")
+    be.add_argument("--device", default=None)
+    be.add_argument("--dtype", default=None)
+    be.add_argument("--block-size", type=int, default=16)
+    be.set_defaults(func=_backends)
+
+    wb = sub.add_parser("workbook", help="open the workbook in JupyterLab, or execute it when there is no display")
+    wb.add_argument("--notebooks", default=str(Path(__file__).resolve().parent.parent / "notebooks"))
+    wb.add_argument("--lab", action="store_true", help="always open JupyterLab")
+    wb.add_argument("--execute", action="store_true", help="always execute every notebook")
+    wb.add_argument("--out", default="build/workbook", help="where executed notebooks are written")
+    wb.set_defaults(func=_workbook)
+
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

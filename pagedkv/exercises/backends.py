@@ -1,0 +1,284 @@
+"""Checkers for notebook 04 (attention backends): "write your own backend".
+
+`check_backend(MyBackend)` registers the class, serves the same greedy requests with it and
+with TORCH_REF (the oracle), and compares every attention layer's output in every step. When
+they differ, it looks at *which* rows and heads differ and names the usual cause:
+
+    only earlier rows of a prompt differ, its last row is right   -> no causal mask
+    only requests with cached context differ                      -> cache write / block table read
+    some query heads right, others wrong                          -> GQA head mapping
+    rows are all zero                                             -> `output` not written in place
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedkv.attention.backend import AttentionBackend
+from pagedkv.attention.layer import Attention
+from pagedkv.attention.selector import backend_report, register_backend
+from pagedkv.engine.llm import LLM, StepEvent
+from pagedkv.engine.request import SamplingParams
+from pagedkv.exercises import CheckResult
+
+REFERENCE_BACKEND = "TORCH_REF"
+
+# Two prompts of different lengths and a small token budget, so that the steps mix a
+# prefill from scratch, a prefill chunk on top of cached context, and decodes.
+_PROMPTS: list[list[int]] = [
+    [(7 * i + 3) % 250 for i in range(11)],
+    [(5 * i + 1) % 250 for i in range(23)],
+]
+_ENGINE_KWARGS: dict[str, Any] = dict(
+    block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, dtype=torch.float32
+)
+_MAX_TOKENS = 5
+_ATOL = 1e-4
+
+
+def layer_selector_kwargs(layer: Attention) -> dict[str, Any]:
+    """What the selector is asked about `layer` (the keyword arguments of `validate_configuration`)."""
+    return dict(
+        head_size=layer.head_size,
+        dtype=layer.dtype,
+        kv_cache_dtype=layer.kv_cache_dtype,
+        block_size=layer.block_size,
+        attn_type=layer.attn_type,
+        sliding_window=layer.sliding_window,
+    )
+
+
+def selector_report(llm: LLM, layer_name: str) -> dict[str, list[str]]:
+    """Every registered backend -> its reasons for rejecting `layer_name` of `llm` (empty = usable)."""
+    layer = llm.runner.attn_layers[layer_name]
+    return backend_report(llm.config.device, **layer_selector_kwargs(layer))
+
+
+@dataclass
+class StepRecord:
+    """One engine step as the checker saw it: the batch and each layer's attention output."""
+
+    step: int
+    req_ids: list[str]
+    context_lens: list[int]
+    query_lens: list[int]
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Layer name -> attention output [tokens, num_heads, head_size] (before o_proj), on the CPU."""
+    cache_errors: dict[str, str] = field(default_factory=dict)
+    """Layer name -> what is wrong with the K/V found in this step's slots after the step."""
+
+    def describe(self) -> str:
+        parts = []
+        for rid, ctx, q in zip(self.req_ids, self.context_lens, self.query_lens):
+            kind = "decode" if q == 1 and ctx > 0 else ("prefill chunk" if ctx > 0 else "prefill")
+            parts.append(f"request {rid}: {kind}, context_len {ctx}, query_len {q}")
+        return "; ".join(parts)
+
+
+@dataclass
+class BackendRun:
+    """Everything one engine run with one backend produced."""
+
+    backend_names: dict[str, str]
+    tokens: list[list[int]]
+    steps: list[StepRecord]
+
+
+def run_backend(name: str, device: torch.device | str | None = None) -> BackendRun:
+    """Serve the checker's prompts greedily with backend `name`, recording every attention output."""
+    llm = LLM("tiny", attention_backend=name, device=device, **_ENGINE_KWARGS)
+    steps: list[StepRecord] = []
+    current: dict[str, torch.Tensor] = {}
+    new_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def record_kv(module: Attention, args: tuple[Any, ...]) -> None:
+        _, key, value = args
+        new_kv[module.layer_name] = (key.detach().clone(), value.detach().clone())
+
+    def record_output(module: Attention, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        current[module.layer_name] = output.detach().view(-1, module.num_heads, module.head_size).float().cpu()
+
+    def record_step(event: StepEvent) -> None:
+        batch = event.result.batch
+        qsl = batch.query_start_loc_cpu.tolist()
+        query_lens = [b - a for a, b in zip(qsl, qsl[1:])]
+        seq_lens = batch.seq_lens_cpu.tolist()
+        record = StepRecord(
+            event.step, list(batch.req_ids), [s - q for s, q in zip(seq_lens, query_lens)], query_lens,
+            dict(current),
+        )
+        for layer_name, (key, value) in new_kv.items():
+            error = cache_write_error(
+                llm.runner.attn_layers[layer_name], key, value, event.result.slot_mapping[layer_name]
+            )
+            if error:
+                record.cache_errors[layer_name] = error
+        steps.append(record)
+        current.clear()
+        new_kv.clear()
+
+    hooks = [layer.register_forward_hook(record_output) for layer in llm.runner.attn_layers.values()]
+    hooks += [layer.register_forward_pre_hook(record_kv) for layer in llm.runner.attn_layers.values()]
+    llm.add_step_listener(record_step)
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in _PROMPTS], SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS)
+        )
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return BackendRun(
+        {n: layer.attn_backend.get_name() for n, layer in llm.runner.attn_layers.items()},
+        [o.outputs[0].token_ids for o in outs],
+        steps,
+    )
+
+
+def cache_write_error(layer: Attention, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> str:
+    """What is wrong with the new K/V in `layer`'s cache after a step ("" if right or not checkable).
+
+    Only the default layout (2, num_blocks, block_size, num_kv_heads, head_size) is checked.
+    """
+    cache = layer.kv_cache
+    if cache.dim() != 5 or cache.shape[0] != 2 or tuple(cache.shape[3:]) != (layer.num_kv_heads, layer.head_size):
+        return ""
+    flat = cache.view(2, -1, layer.num_kv_heads, layer.head_size)
+    n = slot_mapping.shape[0]
+    tokens = (slot_mapping >= 0).nonzero().flatten()
+    slots = slot_mapping[tokens]
+    for index, which, new in ((0, "key", key), (1, "value", value)):
+        expected = new[:n].view(n, layer.num_kv_heads, layer.head_size)[tokens].float()
+        wrong = ~torch.isclose(flat[index, slots].float(), expected, atol=_ATOL, rtol=1e-3).flatten(1).all(dim=1)
+        if wrong.any():
+            token = int(tokens[wrong.nonzero()[0, 0]])
+            slot = int(slot_mapping[token])
+            return (
+                f"after the step, slot {slot} does not hold the {which} of token {token} "
+                f"(slot_mapping[{token}] = {slot}). Write token t's key into kv_cache[0] and its value "
+                "into kv_cache[1], at flat slot slot_mapping[t] of the (num_blocks * block_size) "
+                "token rows, and skip slots of -1."
+            )
+    return ""
+
+
+def _diagnose(step: StepRecord, layer: str, got: torch.Tensor, ref: torch.Tensor) -> str:
+    """Name the most likely cause of a difference in one layer's output of one step."""
+    diff = (got - ref).abs()
+    if not torch.isfinite(got).all():
+        cause = (
+            "the output contains NaN or inf. A fully masked row gives softmax(-inf, ...) = NaN: "
+            "check that every query sees at least itself (its own key is at position seq_len - query_len + i)."
+        )
+        return f"Step {step.step}, layer {layer!r} ({step.describe()}): {cause}"
+    bad_row = diff.amax(dim=(1, 2)) > _ATOL  # [tokens]
+    bad_head = diff.amax(dim=(0, 2)) > _ATOL  # [heads]
+    starts = [0]
+    for q in step.query_lens:
+        starts.append(starts[-1] + q)
+    bad_reqs = [i for i in range(len(step.query_lens)) if bad_row[starts[i] : starts[i + 1]].any()]
+    where = (
+        f"Step {step.step}, layer {layer!r}: max |yours - {REFERENCE_BACKEND}| = {diff.max().item():.3g} "
+        f"in {int(bad_row.sum())} of {len(bad_row)} token rows ({step.describe()})."
+    )
+    rows_bad = bad_row.nonzero().flatten()
+    if len(rows_bad) and got[rows_bad].abs().max() == 0:
+        cause = (
+            "Your rows are all zeros: write the result into the `output` tensor you are given "
+            "(output[...] = ..., or output.copy_(...)) instead of returning a new tensor."
+        )
+    elif 0 < int(bad_head.sum()) < len(bad_head):
+        good = (~bad_head).nonzero().flatten().tolist()
+        bad = bad_head.nonzero().flatten().tolist()
+        cause = (
+            f"Query heads {good} are right but heads {bad} are wrong: query head h must read KV head "
+            "h // (num_heads // num_kv_heads). Repeat each KV head for its query heads with "
+            "repeat_interleave (0,0,1,1), not repeat (0,1,0,1)."
+        )
+    elif all(
+        not bad_row[starts[i + 1] - 1] and bad_row[starts[i] : starts[i + 1] - 1].any()
+        for i in bad_reqs
+    ) and bad_reqs:
+        cause = (
+            "In each wrong request only the earlier query rows differ; its last row is right. "
+            "The last query token may see every key, the others must not see later ones: "
+            "apply the causal mask (key position <= query position)."
+        )
+    elif bad_reqs and all(step.context_lens[i] > 0 for i in bad_reqs) and any(
+        step.context_lens[i] == 0 for i in range(len(step.query_lens))
+    ):
+        cause = (
+            "Requests with no cached context are right, those that read earlier tokens from the "
+            "cache are wrong. Check the cache write (slot = slot_mapping[token]) and the read "
+            "through the block table (logical block j of request i is block_table[i, j])."
+        )
+    elif bad_reqs and all(step.context_lens[i] > 0 for i in bad_reqs):
+        cause = (
+            "Only steps that read cached tokens are wrong (the first prefill step was right). "
+            "Check the cache write (slot = slot_mapping[token]), the read through the block table, "
+            "and that seq_len (not query_len) keys are attended to."
+        )
+    else:
+        cause = (
+            "Every kind of row is wrong. Check the scale (impl.scale = 1/sqrt(head_size)), that the "
+            "softmax runs over the key axis, and that V is weighted by the probabilities."
+        )
+    return f"{where} {cause}"
+
+
+def check_backend(backend: Any, device: torch.device | str | None = None) -> CheckResult:
+    """Register `backend`, serve requests with it, and compare with TORCH_REF layer by layer.
+
+    `backend` is your `AttentionBackend` subclass (the class itself, not an instance).
+    Runs in float32 so that the comparison can be tight.
+    """
+    if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
+        return CheckResult(
+            False,
+            f"Expected an AttentionBackend subclass (the class itself), got {backend!r}. "
+            "Subclass pagedkv.attention.backend.AttentionBackend and pass the class.",
+        )
+    try:
+        name = backend.get_name()
+        impl_cls, builder_cls = backend.get_impl_cls(), backend.get_builder_cls()
+    except TypeError as exc:
+        return CheckResult(False, f"The backend class is incomplete: {exc}. It needs get_name, get_impl_cls and get_builder_cls.")
+    if name == REFERENCE_BACKEND or name in ("TRITON_ATTN", "FLASH_ATTN"):
+        return CheckResult(False, f"{name!r} is a built-in backend's name; give yours a name of its own.")
+    register_backend(backend)
+    try:
+        mine = run_backend(name, device)
+    except Exception as exc:  # the student's code may fail anywhere; say where
+        return CheckResult(
+            False,
+            f"Serving with {name} failed: {type(exc).__name__}: {exc}. "
+            f"(impl {impl_cls.__name__}, builder {builder_cls.__name__}.)",
+        )
+    not_used = sorted(n for n, b in mine.backend_names.items() if b != name)
+    if not_used:
+        return CheckResult(False, f"The engine did not use {name} for layers {not_used}: {mine.backend_names}.")
+    ref = run_backend(REFERENCE_BACKEND, device)
+    for step_mine, step_ref in zip(mine.steps, ref.steps):
+        for layer, error in step_mine.cache_errors.items():
+            return CheckResult(False, f"Step {step_mine.step}, layer {layer!r}: the KV cache write is wrong: {error}")
+        for layer, out_ref in step_ref.outputs.items():
+            out = step_mine.outputs.get(layer)
+            if out is None or out.shape != out_ref.shape:
+                shape = None if out is None else tuple(out.shape)
+                return CheckResult(
+                    False,
+                    f"Step {step_ref.step}, layer {layer!r}: output shape {shape}, expected {tuple(out_ref.shape)}.",
+                )
+            if not torch.isfinite(out).all() or not torch.allclose(out, out_ref, atol=_ATOL, rtol=1e-3):
+                return CheckResult(False, _diagnose(step_mine, layer, out, out_ref))
+    if mine.tokens != ref.tokens:
+        return CheckResult(False, f"Attention outputs agree but greedy tokens differ: {mine.tokens} vs {ref.tokens}.")
+    num_layers = len(mine.backend_names)
+    return CheckResult(
+        True,
+        f"{name} served all {num_layers} layers for {len(mine.steps)} steps (prefills, a prefill chunk on "
+        f"cached context, decodes); every attention output matches {REFERENCE_BACKEND} and so do the "
+        f"greedy tokens {mine.tokens}.",
+    )

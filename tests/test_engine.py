@@ -1,0 +1,154 @@
+"""The engine end to end on the CPU: scheduling, preemption, hybrid groups, sampling, errors, CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedkv import LLM, SamplingParams, StepEvent
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def prompts(lengths: list[int]) -> list[dict[str, list[int]]]:
+    return [{"prompt_token_ids": [(11 * i + j) % 250 + 1 for j in range(n)]} for i, n in enumerate(lengths)]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_chunked_prefill_and_decode_first() -> None:
+    llm = LLM("tiny", device="cpu", num_kv_blocks=64, max_num_batched_tokens=24)
+    events: list[StepEvent] = []
+    llm.add_step_listener(events.append)
+    outs = llm.generate(prompts([5, 60, 3]), GREEDY)
+    for e in events:
+        kinds = [s.is_decode for s in e.scheduler_output.scheduled]
+        assert kinds == sorted(kinds, reverse=True), "decodes must come first"
+        assert e.scheduler_output.num_scheduled_tokens <= 24
+    # The 60-token prompt needed several steps (chunked), and the result does not depend on it.
+    unchunked = LLM("tiny", device="cpu", num_kv_blocks=64).generate(prompts([5, 60, 3]), GREEDY)
+    assert tokens(outs) == tokens(unchunked)
+    assert any(e.scheduler_output.num_decode_tokens and e.scheduler_output.num_prefill_tokens for e in events), \
+        "expected at least one mixed prefill + decode step"
+    assert llm.stats.num_prefill_tokens == 68 and llm.stats.num_decode_tokens == 3 * 5
+
+
+def test_preemption_recomputes_and_loses_nothing() -> None:
+    roomy = LLM("tiny", device="cpu", num_kv_blocks=64, block_size=4)
+    tight = LLM("tiny", device="cpu", num_kv_blocks=9, block_size=4)  # 8 usable blocks = 32 tokens
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    batch = prompts([9, 14, 6, 11])
+    expected = tokens(roomy.generate(batch, params))
+    got = tokens(tight.generate(batch, params))
+    assert tight.stats.num_preemptions > 0
+    assert got == expected and all(len(t) == 10 for t in got)
+    assert tight.kv_cache_manager.num_free_blocks() == 8
+
+
+def test_hybrid_model_has_two_groups_and_matches_with_small_cache() -> None:
+    llm = LLM("tiny-hybrid", device="cpu", num_kv_blocks=64, block_size=8)
+    groups = llm.runner.kv_cache_config.kv_cache_groups
+    assert len(groups) == 2
+    assert sorted(len(g.layer_names) for g in groups) == [2, 2]
+    events: list[StepEvent] = []
+    llm.add_step_listener(events.append)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    out = llm.generate(prompts([70]), params)
+    # Late in the run, the sliding-window group's row starts with null blocks; the full one does not.
+    rows = events[-1].block_ids["0"]
+    window_group = next(i for i, g in enumerate(groups) if hasattr(g.kv_cache_spec, "sliding_window"))
+    assert rows[window_group][0] == 0 and 0 not in rows[1 - window_group]
+    # One metadata object per attention group, shared by its layers.
+    metadata = events[-1].result.attn_metadata
+    for attn_group in [g for gs in llm.runner.attn_groups for g in gs]:
+        assert len({id(metadata[n]) for n in attn_group.layer_names}) == 1
+    assert len({id(m) for m in metadata.values()}) == 2
+    # Same tokens with the cache half as big and a token budget that forces chunking.
+    small = LLM("tiny-hybrid", device="cpu", num_kv_blocks=14, block_size=8, max_num_batched_tokens=16)
+    assert tokens(small.generate(prompts([70]), params)) == tokens(out)
+
+
+def test_stop_conditions() -> None:
+    llm = LLM("tiny", device="cpu", num_kv_blocks=32)
+    free = tokens(llm.generate(prompts([4]), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))[0]
+    stop_at = free[3]
+    out = llm.generate(prompts([4]), SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at]))[0]
+    assert out.outputs[0].token_ids == free[: free.index(stop_at) + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    eos = LLM("tiny", device="cpu", num_kv_blocks=32)
+    eos.eos_token_ids = [free[1]]
+    eos_out = eos.generate(prompts([4]), SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    assert eos_out.token_ids == free[: free.index(free[1]) + 1] and eos_out.finish_reason == "stop"
+    capped = LLM("tiny", device="cpu", num_kv_blocks=32, max_model_len=7)
+    out = capped.generate(prompts([4]), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].finish_reason == "length"
+
+
+def test_sampling_seed_top_k_top_p() -> None:
+    llm = LLM("tiny", device="cpu", num_kv_blocks=64)
+    hot = SamplingParams(temperature=5.0, max_tokens=12, seed=7, ignore_eos=True)
+    a = tokens(llm.generate(prompts([3, 3]), [hot, hot]))
+    b = tokens(llm.generate(prompts([3, 3]), [hot, hot]))
+    assert a == b, "a seed must make sampling reproducible"
+    other = tokens(llm.generate(prompts([3]), SamplingParams(temperature=5.0, max_tokens=12, seed=8, ignore_eos=True)))
+    assert other[0] != a[0]
+    greedy = tokens(llm.generate(prompts([3]), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
+    top1 = tokens(llm.generate(prompts([3]), SamplingParams(temperature=5.0, top_k=1, max_tokens=12, seed=1, ignore_eos=True)))
+    tiny_p = tokens(llm.generate(prompts([3]), SamplingParams(temperature=5.0, top_p=1e-6, max_tokens=12, seed=1, ignore_eos=True)))
+    assert top1 == greedy == tiny_p
+
+
+def test_sampler_top_p_keeps_the_nucleus() -> None:
+    from pagedkv.engine.sampler import Sampler
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = {Sampler()(logits, [str(i)], [SamplingParams(temperature=1.0, top_p=0.7, seed=i)])[0] for i in range(200)}
+    assert seen == {0, 1}, "top_p=0.7 keeps exactly the two tokens that reach 0.8"
+
+
+def test_clear_errors() -> None:
+    llm = LLM("tiny", device="cpu", num_kv_blocks=5, block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match=r"prompt of 64 tokens does not fit max_model_len=64"):
+        llm.generate(prompts([64]), GREEDY)
+    with pytest.raises(ValueError, match=r"need 5 KV cache blocks, but the cache has only 4\. Use num_kv_blocks >= 6"):
+        llm.generate(prompts([14]), GREEDY)
+    with pytest.raises(ValueError, match="has no matching|neither a preset"):
+        LLM("no-such-model")
+    with pytest.raises(ValueError, match="must be in \\(0, 1\\]"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="'prompt_token_ids'"):
+        llm.generate({"tokens": [1]})
+    with pytest.raises(ValueError, match="at least 2 are needed"):
+        LLM("tiny", device="cpu", num_kv_blocks=1)
+    with pytest.raises(ValueError, match=r"Prompt token ids must be in \[0, 320\)"):
+        llm.generate({"prompt_token_ids": [999]})
+
+
+def test_string_prompts_and_text() -> None:
+    llm = LLM("tiny", device="cpu", num_kv_blocks=32)
+    out = llm.generate(["Hello", "paged"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert [o.prompt for o in out] == ["Hello", "paged"]
+    assert out[0].prompt_token_ids == [256, *b"Hello"]
+    assert out[0].outputs[0].text == llm.tokenizer.decode(out[0].outputs[0].token_ids)
+
+
+def test_cli_generate_show_steps() -> None:
+    cmd = [sys.executable, "-m", "pagedkv", "generate", "--model", "tiny", "--prompt", "hi there",
+           "--max-tokens", "4", "--show-steps", "--num-kv-blocks", "16", "--device", "cpu"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["step", "reqs", "prefill", "decode", "blocks", "used/free", "preempt"]
+    assert lines[1].split()[:4] == ["1", "1", "9", "0"]  # BOS + 8 bytes of prefill in step 1
+    assert len(lines) == 1 + 4 + 1  # header, 4 steps, the text
+    assert "4 steps" in done.stderr
+
+
+def test_cli_backends_table() -> None:
+    done = subprocess.run([sys.executable, "-m", "pagedkv", "backends", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300, check=True)
+    assert "TORCH_REF" in done.stdout and "FLASH_ATTN" in done.stdout

@@ -1,0 +1,118 @@
+"""Forward context, layer registration by name, custom ops, KV sharing validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.attention import Attention, get_attention_context
+from pagedkv.config import EngineConfig, ModelConfig, set_current_engine_config
+from pagedkv.forward_context import (
+    BatchDescriptor,
+    get_forward_context,
+    is_forward_context_available,
+    set_forward_context,
+)
+
+
+@pytest.fixture
+def config() -> EngineConfig:
+    cfg = EngineConfig(ModelConfig(model="test"))
+    with set_current_engine_config(cfg):
+        yield cfg
+
+
+def test_get_outside_context_fails_with_hint() -> None:
+    with pytest.raises(RuntimeError, match=r"Forward context is not set\. Please use `set_forward_context`"):
+        get_forward_context()
+
+
+def test_set_restores_previous_context(config: EngineConfig) -> None:
+    assert not is_forward_context_available()
+    with set_forward_context({"a": 1}, config, batch_descriptor=BatchDescriptor(4)) as outer:
+        assert get_forward_context() is outer
+        assert outer.no_compile_layers is config.compilation_config.static_forward_context
+        with set_forward_context({"b": 2}, config) as inner:
+            assert get_forward_context().attn_metadata == {"b": 2}
+        assert get_forward_context() is outer
+        with pytest.raises(KeyError), set_forward_context(None, config):
+            raise KeyError("boom")  # an exception inside still restores
+        assert get_forward_context() is outer
+    assert inner is not outer and not is_forward_context_available()
+
+
+def test_layer_registers_by_name_and_rejects_duplicates(config: EngineConfig) -> None:
+    layer = Attention(4, 8, 0.35, 2, prefix="model.layers.0.self_attn.attn")
+    assert config.compilation_config.static_forward_context["model.layers.0.self_attn.attn"] is layer
+    assert layer.kv_cache.numel() == 0  # placeholder until bound
+    with pytest.raises(ValueError, match=r"^Duplicate layer name: model.layers.0.self_attn.attn$"):
+        Attention(4, 8, 0.35, 2, prefix="model.layers.0.self_attn.attn")
+
+
+def test_heads_must_divide(config: EngineConfig) -> None:
+    with pytest.raises(ValueError, match=r"num_heads \(6\) must be divisible by num_kv_heads \(4\)"):
+        Attention(6, 8, 0.35, 4, prefix="x.0.attn")
+
+
+def test_kv_sharing_errors(config: EngineConfig) -> None:
+    Attention(4, 8, 0.35, prefix="model.layers.0.attn")
+    config.compilation_config.static_forward_context["model.layers.1.mlp"] = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="must come before the current layer"):
+        Attention(4, 8, 0.35, prefix="model.layers.2.attn", kv_sharing_target_layer_name="model.layers.5.attn")
+    with pytest.raises(ValueError, match="is not a valid Attention layer in the model"):
+        Attention(4, 8, 0.35, prefix="model.layers.3.attn", kv_sharing_target_layer_name="model.layers.1.attn")
+    with pytest.raises(ValueError, match="is not a valid Attention layer in the model"):
+        Attention(4, 8, 0.35, prefix="model.layers.3.attn", kv_sharing_target_layer_name="model.layers.1.mlp")
+
+    class OtherAttention(Attention):
+        pass
+
+    with pytest.raises(ValueError, match="must be the same type as the current layer"):
+        OtherAttention(4, 8, 0.35, prefix="model.layers.4.attn", kv_sharing_target_layer_name="model.layers.0.attn")
+    shared = Attention(4, 8, 0.35, prefix="model.layers.6.attn", kv_sharing_target_layer_name="model.layers.0.attn")
+    assert shared.get_kv_cache_spec() is None
+
+
+def test_custom_ops_are_registered() -> None:
+    assert hasattr(torch.ops.pagedkv, "unified_kv_cache_update")
+    assert hasattr(torch.ops.pagedkv, "unified_attention_with_output")
+    # The fake (meta) implementations let torch.compile trace shapes without running attention.
+    q = torch.empty(3, 4, 8, device="meta")
+    dep = torch.ops.pagedkv.unified_kv_cache_update(q, q, "nowhere")
+    assert dep.shape == (0,) and dep.device.type == "meta"
+
+
+def test_attention_context_resolves_name(config: EngineConfig) -> None:
+    layer = Attention(2, 4, 0.5, prefix="m.0.attn")
+    cache = torch.zeros(2, 3, 4, 2, 4)
+    layer.bind_kv_cache(cache)
+    slots = torch.tensor([0, 1])
+    with set_forward_context({"m.0.attn": "META"}, config, slot_mapping={"m.0.attn": slots}):
+        assert get_attention_context("m.0.attn") == ("META", layer, cache, slots)
+    with set_forward_context(None, config):  # profile run: no metadata, no slots
+        metadata, _, _, slot_mapping = get_attention_context("m.0.attn")
+        assert metadata is None and slot_mapping is None
+        out = layer(torch.randn(5, 8), torch.randn(5, 8), torch.randn(5, 8))
+        assert torch.equal(out, torch.zeros(5, 8))  # the profile run fills zeros
+    assert cache.abs().sum() == 0  # and writes nothing
+
+
+@pytest.mark.parametrize("opaque", [True, False])
+def test_opaque_op_and_direct_call_agree(opaque: bool) -> None:
+    from pagedkv import LLM, SamplingParams
+
+    llm = LLM("tiny", device="cpu", num_kv_blocks=32)
+    for layer in llm.runner.attn_layers.values():
+        layer.use_direct_call = not opaque
+    out = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0, max_tokens=5))
+    reference = LLM("tiny", device="cpu", num_kv_blocks=32)
+    expected = reference.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0, max_tokens=5))
+    assert out[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+
+
+def test_model_outside_forward_context_fails() -> None:
+    from pagedkv import LLM
+
+    llm = LLM("tiny", device="cpu", num_kv_blocks=8)
+    with pytest.raises(RuntimeError, match="Forward context is not set"):
+        llm.model(torch.tensor([1, 2]), torch.tensor([0, 1]))

@@ -1,0 +1,109 @@
+"""Backend selection: explicit choice, reasons, the env var, and a student's own backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.attention.backends.torch_ref import TorchRefBackend
+from pagedkv.attention.selector import backend_report, get_attn_backend, register_backend, unregister_backend
+
+LAYER = dict(head_size=16, dtype=torch.float32, kv_cache_dtype=torch.float32, block_size=16)
+
+
+def test_cpu_picks_reference() -> None:
+    assert get_attn_backend(**LAYER, device="cpu") is TorchRefBackend
+
+
+def test_unknown_backend_name() -> None:
+    with pytest.raises(ValueError, match=r"Unknown attention backend 'NOPE'\. Registered backends: \[.*'TORCH_REF'"):
+        get_attn_backend(**LAYER, device="cpu", selected="NOPE")
+    with pytest.raises(ValueError, match="Unknown attention backend 'NOPE'"):
+        LLM("tiny", device="cpu", attention_backend="NOPE", num_kv_blocks=8)
+
+
+def test_env_var_selects(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDKV_ATTENTION_BACKEND", "MISSING_ONE")
+    with pytest.raises(ValueError, match="Unknown attention backend 'MISSING_ONE'"):
+        get_attn_backend(**LAYER, device="cpu")
+
+
+class _Picky(TorchRefBackend):
+    """A backend with narrow support, to see the selector's reasons."""
+
+    supported_dtypes = (torch.float16,)
+    supported_devices = ("cpu",)
+
+    @staticmethod
+    def get_name() -> str:
+        return "PICKY"
+
+    @staticmethod
+    def get_supported_head_sizes() -> list[int]:
+        return [64, 128]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int]:
+        return [32]
+
+
+@pytest.fixture
+def picky():
+    register_backend(_Picky)
+    yield _Picky
+    unregister_backend("PICKY")
+
+
+def test_explicit_choice_lists_every_reason(picky) -> None:
+    with pytest.raises(ValueError) as err:
+        get_attn_backend(**LAYER, device="cpu", selected="PICKY", layer_name="model.layers.0.self_attn.attn")
+    msg = str(err.value)
+    assert "'PICKY' cannot serve layer 'model.layers.0.self_attn.attn'" in msg
+    assert "head size 16 not supported (supported: [64, 128])" in msg
+    assert "dtype torch.float32 not supported" in msg
+    assert "block size 16 not supported" in msg
+    with pytest.raises(ValueError, match="head size 16 not supported"):
+        LLM("tiny", device="cpu", attention_backend="PICKY", num_kv_blocks=8)
+
+
+def test_no_backend_at_all_lists_each() -> None:
+    with pytest.raises(ValueError, match=r"No attention backend can serve .*\n  TORCH_REF: device 'xpu' not supported"):
+        get_attn_backend(**LAYER, device="xpu")
+
+
+def test_report_has_every_backend(picky) -> None:
+    report = backend_report("cpu", **LAYER)
+    assert report["TORCH_REF"] == []
+    assert len(report["PICKY"]) == 3
+    assert set(report) >= {"TORCH_REF", "TRITON_ATTN", "FLASH_ATTN", "PICKY"}
+    assert report["FLASH_ATTN"], "FLASH_ATTN must say why it cannot run on the CPU"
+
+
+def test_students_backend_is_used_by_the_engine() -> None:
+    calls: list[int] = []
+
+    class CountingImpl(TorchRefBackend.get_impl_cls()):
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output):
+            calls.append(query.shape[0])
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+
+    @register_backend
+    class Counting(TorchRefBackend):
+        @staticmethod
+        def get_name() -> str:
+            return "COUNTING"
+
+        @staticmethod
+        def get_impl_cls():
+            return CountingImpl
+
+    try:
+        prompt = {"prompt_token_ids": [4, 5, 6]}
+        params = SamplingParams(temperature=0, max_tokens=3)
+        ours = LLM("tiny", device="cpu", attention_backend="COUNTING", num_kv_blocks=8).generate(prompt, params)
+        ref = LLM("tiny", device="cpu", num_kv_blocks=8).generate(prompt, params)
+        assert ours[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+        assert calls[:4] == [3, 3, 3, 3] and len(calls) == 4 * 3  # 4 layers x 3 steps (num_kv_blocks given: no profile run)
+    finally:
+        unregister_backend("COUNTING")
