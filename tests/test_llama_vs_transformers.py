@@ -81,3 +81,23 @@ def test_greedy_matches_transformers_under_preemption(tmp_path: Path) -> None:
     assert llm.stats.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.kv_cache_manager.num_free_blocks() == 16  # every block came back
+
+
+def test_sliding_window_matches_transformers_mistral(tmp_path: Path) -> None:
+    """A Mistral directory (Llama weights + a sliding window on every layer) against transformers."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, sliding_window=8, initializer_range=0.3,
+        bos_token_id=1, eos_token_id=2,
+    )
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
+    ref = transformers.MistralForCausalLM.from_pretrained(tmp_path / "mistral", dtype=torch.float32).eval()
+    prompt = PROMPTS[5]  # 48 tokens: far longer than the window
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    llm = LLM(str(tmp_path / "mistral"), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
+    assert llm.runner.attn_layers["model.layers.0.self_attn.attn"].sliding_window == 8
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == expected[0, len(prompt):].tolist()

@@ -51,6 +51,8 @@ class TraceView(ipywidgets.HTML):
     """
 
     index = traitlets.Int(-1, help="Index into trace.steps; -1 = the newest step.")
+    needs_step = True
+    """False for views that can draw start-up facts before the first step."""
 
     def __init__(self, trace: StepTrace, *, index: int = -1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -82,13 +84,13 @@ class TraceView(ipywidgets.HTML):
 
     def redraw(self) -> None:
         record = self.record
-        if record is None:
+        if record is None and self.needs_step:
             self.value = f'<div style="{FONT}; color: #666">{esc(type(self).__name__)}: waiting for the first step.</div>'
         else:
             self.value = self.render(record)
 
     def render(self, record: StepRecord) -> str:
-        """HTML for one step."""
+        """HTML for one step (None only when `needs_step` is False and no step ran yet)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

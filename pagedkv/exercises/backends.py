@@ -69,6 +69,8 @@ class StepRecord:
     """Layer name -> attention output [tokens, num_heads, head_size] (before o_proj), on the CPU."""
     cache_errors: dict[str, str] = field(default_factory=dict)
     """Layer name -> what is wrong with the K/V found in this step's slots after the step."""
+    returned: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Layer name -> what impl.forward returned, when that was not the `output` it was given."""
 
     def describe(self) -> str:
         parts = []
@@ -85,6 +87,17 @@ class BackendRun:
     backend_names: dict[str, str]
     tokens: list[list[int]]
     steps: list[StepRecord]
+
+
+_reference_runs: dict[str, BackendRun] = {}
+
+
+def reference_run(device: torch.device | str | None = None) -> BackendRun:
+    """`run_backend(TORCH_REF)`, computed once per device and session."""
+    key = str(device)
+    if key not in _reference_runs:
+        _reference_runs[key] = run_backend(REFERENCE_BACKEND, device)
+    return _reference_runs[key]
 
 
 def run_backend(name: str, device: torch.device | str | None = None) -> BackendRun:
@@ -108,7 +121,7 @@ def run_backend(name: str, device: torch.device | str | None = None) -> BackendR
         seq_lens = batch.seq_lens_cpu.tolist()
         record = StepRecord(
             event.step, list(batch.req_ids), [s - q for s, q in zip(seq_lens, query_lens)], query_lens,
-            dict(current),
+            dict(current), returned=dict(returned),
         )
         for layer_name, (key, value) in new_kv.items():
             error = cache_write_error(
@@ -119,7 +132,22 @@ def run_backend(name: str, device: torch.device | str | None = None) -> BackendR
         steps.append(record)
         current.clear()
         new_kv.clear()
+        returned.clear()
 
+    returned: dict[str, torch.Tensor] = {}
+
+    def watch_return(layer_name: str, forward: Any) -> Any:
+        def forward_and_watch(layer: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            output = args[4] if len(args) > 4 else kwargs["output"]
+            result = forward(layer, query, *args, **kwargs)
+            if isinstance(result, torch.Tensor) and result.data_ptr() != output.data_ptr():
+                returned[layer_name] = result.detach().float().cpu()
+            return result
+
+        return forward_and_watch
+
+    for name, layer in llm.runner.attn_layers.items():
+        layer.impl.forward = watch_return(name, layer.impl.forward)
     hooks = [layer.register_forward_hook(record_output) for layer in llm.runner.attn_layers.values()]
     hooks += [layer.register_forward_pre_hook(record_kv) for layer in llm.runner.attn_layers.values()]
     llm.add_step_listener(record_step)
@@ -183,11 +211,18 @@ def _diagnose(step: StepRecord, layer: str, got: torch.Tensor, ref: torch.Tensor
         f"Step {step.step}, layer {layer!r}: max |yours - {REFERENCE_BACKEND}| = {diff.max().item():.3g} "
         f"in {int(bad_row.sum())} of {len(bad_row)} token rows ({step.describe()})."
     )
-    rows_bad = bad_row.nonzero().flatten()
-    if len(rows_bad) and got[rows_bad].abs().max() == 0:
+    result = step.returned.get(layer)
+    if result is not None and result.numel() == ref.numel() and torch.allclose(
+        result.view_as(ref), ref, atol=_ATOL, rtol=1e-3
+    ):
         cause = (
-            "Your rows are all zeros: write the result into the `output` tensor you are given "
-            "(output[...] = ..., or output.copy_(...)) instead of returning a new tensor."
+            "impl.forward returned the right values in a new tensor, but the engine reads the `output` "
+            "tensor it passed in: write into it (output[...] = ..., or output.copy_(...))."
+        )
+    elif got[bad_row].abs().max() == 0:
+        cause = (
+            "The engine reads the `output` tensor it passed to impl.forward, and yours left rows "
+            "of it unwritten: write every row of the result into `output`."
         )
     elif 0 < int(bad_head.sum()) < len(bad_head):
         good = (~bad_head).nonzero().flatten().tolist()
@@ -222,7 +257,7 @@ def _diagnose(step: StepRecord, layer: str, got: torch.Tensor, ref: torch.Tensor
         )
     else:
         cause = (
-            "Every kind of row is wrong. Check the scale (impl.scale = 1/sqrt(head_size)), that the "
+            "Requests of every kind are wrong. Check the scale (impl.scale = 1/sqrt(head_size)), that the "
             "softmax runs over the key axis, and that V is weighted by the probabilities."
         )
     return f"{where} {cause}"
@@ -259,7 +294,7 @@ def check_backend(backend: Any, device: torch.device | str | None = None) -> Che
     not_used = sorted(n for n, b in mine.backend_names.items() if b != name)
     if not_used:
         return CheckResult(False, f"The engine did not use {name} for layers {not_used}: {mine.backend_names}.")
-    ref = run_backend(REFERENCE_BACKEND, device)
+    ref = reference_run(device)
     for step_mine, step_ref in zip(mine.steps, ref.steps):
         for layer, error in step_mine.cache_errors.items():
             return CheckResult(False, f"Step {step_mine.step}, layer {layer!r}: the KV cache write is wrong: {error}")
