@@ -16,6 +16,7 @@ CONFIGS = {
     "mha": dict(num_attention_heads=4, num_key_value_heads=4),
     "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
     "mqa": dict(num_attention_heads=4, num_key_value_heads=1),
+    "biases-head_dim-32": dict(attention_bias=True, mlp_bias=True, head_dim=32, num_key_value_heads=2),
     "llama3-rope-tied": dict(
         num_attention_heads=8, num_key_value_heads=2, hidden_size=64, tie_word_embeddings=True,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -101,3 +102,22 @@ def test_sliding_window_matches_transformers_mistral(tmp_path: Path) -> None:
     assert llm.runner.attn_layers["model.layers.0.self_attn.attn"].sliding_window == 8
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert out[0].outputs[0].token_ids == expected[0, len(prompt):].tolist()
+
+
+def test_qwen2_directory_matches_transformers(tmp_path: Path) -> None:
+    """Qwen2 = Llama + q/k/v biases: the loader maps it onto the same model file."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
+    )
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen2")
+    ref = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "qwen2", dtype=torch.float32).eval()
+    prompt = PROMPTS[4]
+    llm = LLM(str(tmp_path / "qwen2"), device="cpu", num_kv_blocks=32)
+    logits: list[torch.Tensor] = []
+    llm.add_step_listener(lambda e: logits.append(e.result.logits[0].clone()))
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompt])).logits[0, -1]
+    assert (logits[0] - expected).abs().max().item() <= 1e-4

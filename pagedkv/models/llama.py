@@ -42,6 +42,11 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    """Biases on q/k/v and o_proj (Llama's flag)."""
+    qkv_bias: bool | None = None
+    """Biases on q/k/v only (Qwen2); None follows `attention_bias`."""
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
     sliding_window: int | None = None
     layer_types: list[str] | None = None
     """Per layer "full_attention" or "sliding_attention" (with `sliding_window`)."""
@@ -53,6 +58,10 @@ class LlamaConfig:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.qkv_bias is None:
+            self.qkv_bias = self.attention_bias
+        if self.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act={self.hidden_act!r} is not supported; Llama-family models use 'silu'.")
 
     def layer_sliding_window(self, i: int) -> int | None:
         if self.layer_types is not None:
@@ -69,6 +78,8 @@ class LlamaConfig:
             kwargs["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
         eos = hf.get("eos_token_id")
         kwargs["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if hf.get("model_type") == "qwen2":
+            kwargs["qkv_bias"] = True  # Qwen2 always has q/k/v biases, and none on o_proj
         if hf.get("model_type") == "llama" or hf.get("use_sliding_window") is False:
             kwargs.pop("sliding_window", None)  # Llama has no window; Qwen2 may switch it off
         return cls(**kwargs)
@@ -85,8 +96,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.rotary_emb = RotaryEmbedding(
             self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -110,9 +121,9 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.act_fn = SiluAndMul()
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

@@ -1,0 +1,105 @@
+"""Checkers for notebook 03 (the forward context): resolve a layer name like the attention op does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pagedkv.attention.layer import Attention, get_attention_context
+from pagedkv.engine.llm import LLM
+from pagedkv.engine.request import SamplingParams
+from pagedkv.exercises import CheckResult
+from pagedkv.forward_context import get_forward_context
+
+_FIELDS = ("attn_metadata", "layer", "kv_cache", "slot_mapping")
+
+
+def capture_forward_context(llm: LLM, prompt_token_ids: list[int], max_tokens: int = 1,
+                            layer_name: str | None = None) -> list[Any]:
+    """Run a request and return the ForwardContext seen by `layer_name` (default: the first layer) in each step.
+
+    The context only exists while the model runs, so a forward pre-hook on the attention
+    layer grabs it from inside the pass.
+    """
+    layer = llm.runner.attn_layers[layer_name or next(iter(llm.runner.attn_layers))]
+    seen: list[Any] = []
+    hook = layer.register_forward_pre_hook(lambda module, args: seen.append(get_forward_context()))
+    try:
+        llm.generate([{"prompt_token_ids": prompt_token_ids}], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    finally:
+        hook.remove()
+    return seen
+
+
+def _same(got: Any, expected: Any) -> bool:
+    if isinstance(expected, torch.Tensor):
+        return isinstance(got, torch.Tensor) and got.data_ptr() == expected.data_ptr() and got.shape == expected.shape
+    return got is expected
+
+
+def _explain(field: str, got: Any, expected: Any, layer_name: str, context: Any) -> str:
+    """Why `got` is not the `field` that `get_attention_context(layer_name)` returns."""
+    if field == "attn_metadata" and got is context.attn_metadata:
+        return "you returned the whole attn_metadata dict; take this layer's entry: attn_metadata[layer_name]"
+    if field == "slot_mapping" and got is context.slot_mapping:
+        return "you returned the whole slot_mapping dict; take this layer's entry (it may be missing: use .get)"
+    if field == "attn_metadata" and any(got is m for m in context.attn_metadata.values()):
+        return "that is the metadata of a layer in another group; index attn_metadata with this layer's name"
+    if field == "layer" and isinstance(got, torch.nn.Module) and not isinstance(got, Attention):
+        return (f"that is a {type(got).__name__}; the registry no_compile_layers holds the generic "
+                "Attention layer under the name")
+    if field == "layer" and isinstance(got, Attention):
+        return f"that is the layer registered as {got.layer_name!r}, not {layer_name!r}"
+    if field == "kv_cache" and isinstance(got, torch.Tensor):
+        return (f"a tensor of shape {tuple(got.shape)}, but not this layer's cache "
+                f"{tuple(expected.shape)}: the layer object carries it, as layer.kv_cache")
+    return f"got {type(got).__name__}, expected this layer's {field} ({type(expected).__name__})"
+
+
+def check_attention_context(llm: LLM, fn: Callable[[str], Any]) -> CheckResult:
+    """Call `fn(layer_name)` inside real forward passes of `llm`, for every attention layer, and
+    compare with the engine's `get_attention_context(layer_name)`:
+    (attn_metadata, layer, kv_cache, slot_mapping), the very same objects.
+    """
+    if not callable(fn):
+        return CheckResult(False, f"Pass your function itself, got {fn!r}.")
+    problems: list[str] = []
+    calls = 0
+
+    def compare(module: Attention, args: tuple[Any, ...]) -> None:
+        nonlocal calls
+        if problems:
+            return
+        calls += 1
+        name = module.layer_name
+        expected = get_attention_context(name)
+        try:
+            got = fn(name)
+        except Exception as exc:
+            problems.append(f"{_signature(name)} raised {type(exc).__name__}: {exc}")
+            return
+        if not isinstance(got, tuple) or len(got) != 4:
+            problems.append(f"{_signature(name)} returned {type(got).__name__}; return a tuple of 4: {_FIELDS}")
+            return
+        context = get_forward_context()
+        for field, g, e in zip(_FIELDS, got, expected):
+            if not _same(g, e):
+                problems.append(f"{_signature(name)}: {field} is wrong: {_explain(field, g, e, name, context)}")
+                return
+
+    hooks = [layer.register_forward_pre_hook(compare) for layer in llm.runner.attn_layers.values()]
+    try:
+        llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], SamplingParams(temperature=0.0, max_tokens=2))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if problems:
+        return CheckResult(False, problems[0] + ".")
+    return CheckResult(True, f"Your lookup returned the engine's own objects in all {calls} layer calls "
+                             f"({len(llm.runner.attn_layers)} layers x 2 steps).")
+
+
+def _signature(layer_name: str) -> str:
+    return f"fn({layer_name!r})"

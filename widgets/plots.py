@@ -1,0 +1,130 @@
+"""Plots over a whole trace (matplotlib), and `PlotView`, which redraws one with a step cursor.
+
+    plot_kv_cache_usage(trace)      blocks in use per step, preemptions marked
+    plot_batch_composition(trace)   prefill vs decode tokens per step, against the token budget
+    plot_request_timeline(trace)    per request: waiting, prefill, decode, preempted, finished
+    plot_throughput(trace)          tokens per second of each step
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Callable
+from typing import Any
+
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from pagedkv.trace import StepRecord, StepTrace
+from widgets.common import TraceView, request_color
+
+PHASE_COLORS = {"prefill": "#0072B2", "decode": "#009E73", "unscheduled": "#cccccc"}
+PlotFn = Callable[[StepTrace, Axes], Axes]
+
+
+def _axes(ax: Axes | None) -> Axes:
+    if ax is None:
+        _fig, ax = plt.subplots(figsize=(8, 2.8), layout="constrained")
+    return ax
+
+
+def plot_kv_cache_usage(trace: StepTrace, ax: Axes | None = None) -> Axes:
+    """Blocks held during each step, per KV cache group; the pool's size; steps that preempted."""
+    ax = _axes(ax)
+    steps = trace.step_numbers()
+    usable = trace.engine.num_blocks - 1
+    for g in range(trace.engine.num_kv_cache_groups):
+        ax.step(steps, [r.num_blocks_in_use[g] for r in trace], where="mid", label=f"in use (group {g})")
+    ax.axhline(usable, color="#888", linestyle="--", label=f"usable blocks ({usable})")
+    preempting = [r.step for r in trace if r.preempted_req_ids]
+    if preempting:
+        ax.scatter(preempting, [usable] * len(preempting), marker="v", color="#D55E00", zorder=3, label="preemption")
+    ax.set(xlabel="step", ylabel="blocks", title="KV cache usage")
+    ax.set_ylim(0, usable * 1.15)
+    ax.legend(loc="lower right", fontsize=8)
+    return ax
+
+
+def plot_batch_composition(trace: StepTrace, ax: Axes | None = None) -> Axes:
+    """Stacked tokens per step: decodes (1 token each) first, prefill chunks fill the budget."""
+    ax = _axes(ax)
+    steps = trace.step_numbers()
+    decode = [r.num_decode_tokens for r in trace]
+    prefill = [r.num_prefill_tokens for r in trace]
+    ax.bar(steps, decode, color=PHASE_COLORS["decode"], label="decode tokens")
+    ax.bar(steps, prefill, bottom=decode, color=PHASE_COLORS["prefill"], label="prefill tokens")
+    budget = trace.engine.max_num_batched_tokens
+    ax.axhline(budget, color="#888", linestyle="--", label=f"token budget ({budget})")
+    ax.set(xlabel="step", ylabel="tokens", title="Batch composition")
+    ax.legend(loc="upper right", fontsize=8)
+    return ax
+
+
+def plot_request_timeline(trace: StepTrace, ax: Axes | None = None) -> Axes:
+    """One row per request: what it did in each step (blank = waiting in the queue)."""
+    ax = _axes(ax)
+    req_ids = trace.req_ids()
+    row = {r: i for i, r in enumerate(req_ids)}
+    for record in trace:
+        for r in record.requests:
+            ax.barh(row[r.req_id], 1, left=record.step - 0.5, color=PHASE_COLORS[r.phase], height=0.6)
+        for req_id in record.preempted_req_ids:
+            ax.plot(record.step - 0.5, row[req_id], "x", color="#D55E00", markersize=9, mew=2)
+        for req_id in record.finished_req_ids:
+            ax.plot(record.step + 0.5, row[req_id], "|", color="#000", markersize=12, mew=2)
+    ax.set_yticks(range(len(req_ids)), [f"req {r}" for r in req_ids])
+    for label, req_id in zip(ax.get_yticklabels(), req_ids):
+        label.set_color(request_color(req_id))
+    ax.invert_yaxis()
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLORS.values()]
+    handles += [
+        plt.Line2D([], [], marker="x", color="#D55E00", linestyle="", mew=2),
+        plt.Line2D([], [], marker="|", color="#000", linestyle="", mew=2),
+    ]
+    ax.legend(handles, [*PHASE_COLORS, "preempted", "finished"], fontsize=8, loc="upper left",
+              bbox_to_anchor=(1.0, 1.0))
+    ax.set(xlabel="step", title="Requests over time")
+    return ax
+
+
+def plot_throughput(trace: StepTrace, ax: Axes | None = None) -> Axes:
+    """Tokens computed per second in each step (model + sampling time), and the mean."""
+    ax = _axes(ax)
+    records = [r for r in trace if r.duration_s > 0]
+    steps = [r.step for r in records]
+    rates = [r.num_tokens / r.duration_s for r in records]
+    ax.bar(steps, rates, color=["#0072B2" if r.num_prefill_tokens else "#009E73" for r in records])
+    total_time = sum(r.duration_s for r in records)
+    if total_time:
+        mean = sum(r.num_tokens for r in records) / total_time
+        ax.axhline(mean, color="#000", linestyle=":", label=f"overall {mean:,.0f} tok/s")
+        ax.legend(loc="upper right", fontsize=8)
+    ax.set(xlabel="step (blue: has prefill, green: decode only)", ylabel="tokens / s", title="Throughput")
+    return ax
+
+
+class PlotView(TraceView):
+    """A plot of the whole trace with a vertical cursor at the step on display.
+
+    Put it in a `StepPlayer` to see where in the run the other views are; attached to a
+    live engine it grows with every step (rendering a PNG costs ~0.1 s per step).
+    """
+
+    def __init__(self, trace: StepTrace, plot: PlotFn = plot_kv_cache_usage, **kwargs: Any) -> None:
+        self.plot = plot
+        super().__init__(trace, **kwargs)
+
+    def render(self, record: StepRecord) -> str:
+        # A Figure without pyplot: nothing is registered globally, nothing extra is displayed.
+        fig = Figure(figsize=(8, 2.8), layout="constrained")
+        ax = self.plot(self.trace, fig.add_subplot())
+        ax.axvline(record.step, color="#D55E00", linewidth=1.5)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=72)
+        data = base64.b64encode(buffer.getvalue()).decode()
+        return f'<img class="pkv-plot" data-step="{record.step}" src="data:image/png;base64,{data}"/>'
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", {self.plot.__name__})"
