@@ -11,72 +11,18 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
-import math
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
 from pagedkv.kernels import KernelConfig, SplitKVWorkspace, reshape_and_cache, unified_attention
+from pagedkv.kernels.testing import PagedBatch, random_paged_batch
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests need TRITON_INTERPRET=1"
 )
 DEVICE = "cpu"
-
-
-@dataclass
-class PagedBatch:
-    """A ragged batch: queries, a paged K/V cache and the metadata the kernel reads."""
-
-    q: torch.Tensor  # [num_tokens, num_q_heads, head_size]
-    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_size]
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    query_lens: list[int]
-
-    @property
-    def k_cache(self) -> torch.Tensor:
-        return self.kv_cache[0]
-
-    @property
-    def v_cache(self) -> torch.Tensor:
-        return self.kv_cache[1]
-
-
-def make_batch(
-    query_lens: list[int],
-    context_lens: list[int],
-    *,
-    num_q_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_size: int = 64,
-    block_size: int = 16,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-) -> PagedBatch:
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_req) + 3  # a few blocks nobody owns
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    block_table = torch.zeros(len(seq_lens), max(max(blocks_per_req), 1) + 1, dtype=torch.int32)
-    for i, n in enumerate(blocks_per_req):
-        block_table[i, :n] = torch.tensor(order[:n], dtype=torch.int32)
-        order = order[n:]
-    shape = (2, num_blocks, block_size, num_kv_heads, head_size)
-    kv_cache = torch.randn(shape, generator=gen).to(dtype)
-    q = torch.randn(sum(query_lens), num_q_heads, head_size, generator=gen).to(dtype)
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    return PagedBatch(
-        q, kv_cache, torch.tensor(starts, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
-        block_table, list(query_lens),
-    )
 
 
 def dense_reference(batch: PagedBatch, scale: float, sliding_window: int | None = None) -> torch.Tensor:
@@ -107,10 +53,7 @@ def dense_reference(batch: PagedBatch, scale: float, sliding_window: int | None 
 def run_kernel(batch: PagedBatch, sliding_window: int | None = None, **kwargs: object) -> torch.Tensor:
     out = torch.full_like(batch.q, float("nan"))  # poisoned: every row must be written
     unified_attention(
-        batch.q, batch.k_cache, batch.v_cache, out,
-        query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
-        max_query_len=max(batch.query_lens), max_seq_len=int(batch.seq_lens.max()),
-        block_table=batch.block_table, softmax_scale=batch.q.shape[2] ** -0.5,
+        batch.q, batch.k_cache, batch.v_cache, out, **batch.attention_kwargs(),
         sliding_window=sliding_window, **kwargs,
     )
     return out
@@ -138,7 +81,7 @@ HEADS = {"mha": (2, 2), "gqa": (4, 2), "gqa3": (6, 2), "mqa": (4, 1)}
 def test_attention_batches_and_head_layouts(kind: str, heads: str) -> None:
     query_lens, context_lens = BATCHES[kind]
     num_q_heads, num_kv_heads = HEADS[heads]
-    batch = make_batch(query_lens, context_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads)
+    batch = random_paged_batch(query_lens, context_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads)
     assert_close(run_kernel(batch), dense_reference(batch, 64**-0.5), torch.float32)
 
 
@@ -146,14 +89,14 @@ def test_attention_batches_and_head_layouts(kind: str, heads: str) -> None:
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("kind", ["mixed", "decode"])
 def test_attention_head_and_block_sizes(head_size: int, block_size: int, kind: str) -> None:
-    batch = make_batch(*BATCHES[kind], head_size=head_size, block_size=block_size, seed=head_size + block_size)
+    batch = random_paged_batch(*BATCHES[kind], head_size=head_size, block_size=block_size, seed=head_size + block_size)
     assert_close(run_kernel(batch), dense_reference(batch, head_size**-0.5), torch.float32)
 
 
 @pytest.mark.parametrize("window", [1, 5, 16, 40])
 @pytest.mark.parametrize("kind", ["mixed", "decode", "chunked"])
 def test_attention_sliding_window(window: int, kind: str) -> None:
-    batch = make_batch(*BATCHES[kind], seed=window)
+    batch = random_paged_batch(*BATCHES[kind], seed=window)
     ref = dense_reference(batch, 64**-0.5, sliding_window=window)
     assert_close(run_kernel(batch, sliding_window=window), ref, torch.float32)
 
@@ -162,14 +105,14 @@ def test_attention_sliding_window(window: int, kind: str) -> None:
 @pytest.mark.parametrize("window", [None, 20])
 def test_split_kv_decode_matches_unsplit(num_splits: int, window: int | None) -> None:
     # Splits with no keys at all (7 splits of a 15-key sequence) must merge to the same result.
-    batch = make_batch([1, 1, 1, 2], [14, 45, 90, 30], seed=num_splits)
+    batch = random_paged_batch([1, 1, 1, 2], [14, 45, 90, 30], seed=num_splits)
     ref = dense_reference(batch, 64**-0.5, sliding_window=window)
     config = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=num_splits)
     assert_close(run_kernel(batch, window, config=config), ref, torch.float32)
 
 
 def test_split_kv_workspace_is_reused_and_bounds_the_splits() -> None:
-    batch = make_batch([1, 1, 1], [100, 60, 7])
+    batch = random_paged_batch([1, 1, 1], [100, 60, 7])
     workspace = SplitKVWorkspace(rows=6, num_q_heads=4, head_size=64, device=DEVICE)
     ref = dense_reference(batch, 64**-0.5)
     for _ in range(2):  # the same scratch serves consecutive calls
@@ -180,13 +123,13 @@ def test_split_kv_workspace_is_reused_and_bounds_the_splits() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_attention_low_precision(dtype: torch.dtype) -> None:
-    batch = make_batch(*BATCHES["mixed"], dtype=dtype, seed=3)
+    batch = random_paged_batch(*BATCHES["mixed"], dtype=dtype, seed=3)
     assert_close(run_kernel(batch), dense_reference(batch, 64**-0.5), dtype)
 
 
 def test_padding_tokens_and_empty_requests_are_left_alone() -> None:
     # CUDA-graph padding: a request with no tokens, and rows past query_start_loc[-1].
-    batch = make_batch([3, 0, 1], [5, 0, 20])
+    batch = random_paged_batch([3, 0, 1], [5, 0, 20])
     ref = dense_reference(batch, 64**-0.5)
     padded_q = torch.cat([batch.q, torch.randn(2, *batch.q.shape[1:])])
     out = torch.full_like(padded_q, float("nan"))
@@ -202,7 +145,7 @@ def test_padding_tokens_and_empty_requests_are_left_alone() -> None:
 
 def test_matches_reference_backend() -> None:
     torch_ref = pytest.importorskip("pagedkv.attention.backends.torch_ref")
-    batch = make_batch(*BATCHES["mixed"], num_q_heads=4, num_kv_heads=1, head_size=96, seed=11)
+    batch = random_paged_batch(*BATCHES["mixed"], num_q_heads=4, num_kv_heads=1, head_size=96, seed=11)
     expected = torch.empty_like(batch.q)
     torch_ref.paged_attention_reference(
         batch.q, batch.k_cache, batch.v_cache, expected, batch.query_start_loc.tolist(),
@@ -212,7 +155,7 @@ def test_matches_reference_backend() -> None:
 
 
 def test_attention_rejects_unsupported_inputs() -> None:
-    batch = make_batch([2], [0], head_size=64)
+    batch = random_paged_batch([2], [0], head_size=64)
     kwargs = dict(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, max_query_len=2,
                   max_seq_len=2, block_table=batch.block_table, softmax_scale=1.0)
     q = torch.zeros(2, 4, 300)
@@ -256,16 +199,12 @@ def test_reshape_and_cache_scatters_by_slot(
 
 def test_reshape_and_cache_then_attention_low_precision() -> None:
     # A whole step: write this step's K/V, then attend over the cache that now holds them.
-    batch = make_batch([4, 1], [0, 21], dtype=torch.bfloat16, seed=5)
+    batch = random_paged_batch([4, 1], [0, 21], dtype=torch.bfloat16, seed=5)
     num_kv_heads, head_size = batch.kv_cache.shape[3:]
-    block_size = batch.kv_cache.shape[2]
     new_k = torch.randn(5, num_kv_heads, head_size).to(torch.bfloat16)
     new_v = torch.randn(5, num_kv_heads, head_size).to(torch.bfloat16)
-    slots = []
-    for r, (q_len, seq_len) in enumerate(zip(batch.query_lens, batch.seq_lens.tolist())):
-        for pos in range(seq_len - q_len, seq_len):
-            slots.append(int(batch.block_table[r, pos // block_size]) * block_size + pos % block_size)
-    reshape_and_cache(new_k, new_v, batch.k_cache, batch.v_cache, torch.tensor(slots))
+    slots = batch.query_slots()
+    reshape_and_cache(new_k, new_v, batch.k_cache, batch.v_cache, slots)
     flat = batch.kv_cache.reshape(2, -1, num_kv_heads, head_size)
     assert torch.equal(flat[0, slots], new_k) and torch.equal(flat[1, slots], new_v)
     assert_close(run_kernel(batch), dense_reference(batch, head_size**-0.5), torch.bfloat16)
@@ -277,3 +216,32 @@ def test_reshape_and_cache_rejects_mismatched_shapes() -> None:
         reshape_and_cache(torch.zeros(3, 2, 32), torch.zeros(3, 2, 32), cache[0], cache[1], torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="int32/int64"):
         reshape_and_cache(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), cache[0], cache[1], torch.zeros(3))
+
+
+# --- the backends on top of the kernels ----------------------------------------------------------
+
+
+def test_triton_backend_in_the_engine_matches_reference() -> None:
+    from pagedkv import LLM, SamplingParams
+
+    prompts = ["Hello there", {"prompt_token_ids": list(range(1, 30))}]
+    tokens = {}
+    for backend in ("TRITON_ATTN", "TORCH_REF"):
+        llm = LLM(model="tiny", device="cpu", dtype="float32", attention_backend=backend,
+                  max_model_len=64, max_num_seqs=4, num_kv_blocks=16)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4))
+        tokens[backend] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens["TRITON_ATTN"] == tokens["TORCH_REF"]
+
+
+def test_backend_reasons_on_the_cpu() -> None:
+    from pagedkv.attention.backends.flash_attn import FlashAttentionBackend
+    from pagedkv.attention.backends.triton_attn import TritonAttentionBackend
+
+    layer = dict(head_size=64, dtype=torch.float32, kv_cache_dtype=torch.float32, block_size=16, device_type="cpu")
+    assert TritonAttentionBackend.validate_configuration(**layer) == []  # the interpreter runs it
+    assert any("head size 12" in r for r in TritonAttentionBackend.validate_configuration(**dict(layer, head_size=12)))
+    reasons = FlashAttentionBackend.validate_configuration(**layer)
+    assert any("device 'cpu'" in r for r in reasons) and any("float32" in r for r in reasons)
+    if not torch.cuda.is_available():
+        assert any("not installed" in r or "compute capability" in r for r in reasons)

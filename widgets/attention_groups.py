@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagedkv.trace import StepRecord
-from widgets.common import FONT, TraceView, esc, short_layer
+from widgets.common import BASE_STYLE, TraceView, esc, short_layer
 
 ROW_H = 28
 COLUMNS = {"layer": (0, 130), "kv": (170, 230), "attn": (440, 250), "meta": (730, 210)}
@@ -91,7 +91,7 @@ class AttentionGroupsView(TraceView):
                  f"{len(record.attn_metadata_keys)} layers"
         )
         return (
-            f'<div class="pkv-attention-groups" style="{FONT}"><div>{esc(caption)}</div>'
+            f'<div class="pkv-attention-groups" style="{BASE_STYLE}"><div>{esc(caption)}</div>'
             f'<svg width="100%" viewBox="0 0 {WIDTH} {height}" style="max-width:{WIDTH}px" '
             f'xmlns="http://www.w3.org/2000/svg" font-family="ui-monospace, Menlo, Consolas, monospace">'
             '<defs><marker id="pkv-arrow" viewBox="0 0 6 6" refX="6" refY="3" markerWidth="6" '

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedkv.trace import KVCacheGroupInfo, StepRecord, StepTrace
-from widgets.common import FONT, TraceView, esc, request_color, short_layer
+from widgets.common import BASE_STYLE, TraceView, esc, request_color, short_layer
 
 CELL_W, CELL_H, GAP = 56, 40, 4
 
@@ -52,7 +52,7 @@ class BlockTableView(TraceView):
             lines.append(f"finished in this step (blocks freed after it): {esc(', '.join(record.finished_req_ids))}")
         grids = "".join(self._grid(record, group) for group in engine.kv_cache_groups)
         return (
-            f'<div class="pkv-block-table" data-step="{record.step}" style="{FONT}">'
+            f'<div class="pkv-block-table" data-step="{record.step}" style="{BASE_STYLE}">'
             f'<div>{"<br>".join(lines)}</div>{grids}{self._rows(record)}{_LEGEND}</div>'
         )
 

@@ -19,7 +19,11 @@ PALETTE = (
     "#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9",
     "#D55E00", "#F0E442", "#332288", "#88CCEE", "#AA4499",
 )
-FONT = "font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12px"
+# The HTML widget's container does not wrap lines and has a tall line height: undo both.
+BASE_STYLE = (
+    "font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12px; "
+    "white-space: normal; line-height: 1.35"
+)
 
 
 def request_color(req_id: str) -> str:
@@ -85,7 +89,7 @@ class TraceView(ipywidgets.HTML):
     def redraw(self) -> None:
         record = self.record
         if record is None and self.needs_step:
-            self.value = f'<div style="{FONT}; color: #666">{esc(type(self).__name__)}: waiting for the first step.</div>'
+            self.value = f'<div style="{BASE_STYLE}; color: #666">{esc(type(self).__name__)}: waiting for the first step.</div>'
         else:
             self.value = self.render(record)
 

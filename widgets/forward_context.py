@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagedkv.trace import StepRecord
-from widgets.common import FONT, TraceView, esc
+from widgets.common import BASE_STYLE, TraceView, esc
 
 _CELL = "padding:2px 6px; border:1px solid #ddd; text-align:left; vertical-align:top"
 
@@ -51,7 +51,7 @@ class ForwardContextView(TraceView):
             for h in ("layer name (the key)", "attn_metadata[name]", "slot_mapping[name]", "kv_cache shape (bound once)")
         )
         return (
-            f'<div class="pkv-forward-context" data-step="{record.step}" style="{FONT}">'
+            f'<div class="pkv-forward-context" data-step="{record.step}" style="{BASE_STYLE}">'
             f"<div><b>step {record.step}</b> &middot; cudagraph_runtime_mode={esc(record.cudagraph_mode)} "
             f"&middot; batch_descriptor=({esc(descriptor)})</div>"
             f'<table style="border-collapse:collapse; margin-top:4px"><tr>{header}</tr>{"".join(rows)}</table>'

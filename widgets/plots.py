@@ -16,6 +16,8 @@ from typing import Any
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Rectangle
 
 from pagedkv.trace import StepRecord, StepTrace
 from widgets.common import TraceView, request_color
@@ -78,10 +80,10 @@ def plot_request_timeline(trace: StepTrace, ax: Axes | None = None) -> Axes:
     for label, req_id in zip(ax.get_yticklabels(), req_ids):
         label.set_color(request_color(req_id))
     ax.invert_yaxis()
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLORS.values()]
+    handles = [Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLORS.values()]
     handles += [
-        plt.Line2D([], [], marker="x", color="#D55E00", linestyle="", mew=2),
-        plt.Line2D([], [], marker="|", color="#000", linestyle="", mew=2),
+        Line2D([], [], marker="x", color="#D55E00", linestyle="", mew=2),
+        Line2D([], [], marker="|", color="#000", linestyle="", mew=2),
     ]
     ax.legend(handles, [*PHASE_COLORS, "preempted", "finished"], fontsize=8, loc="upper left",
               bbox_to_anchor=(1.0, 1.0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedkv.trace import StepRecord, StepTrace
-from widgets.common import FONT, TraceView, esc, request_color
+from widgets.common import BASE_STYLE, TraceView, esc, request_color
 
 _CELL = "padding:1px 4px; border:1px solid #ddd; text-align:center"
 
@@ -31,7 +31,7 @@ class SlotMappingView(TraceView):
         shown = min(num_slots, self.max_tokens)
 
         def row(label: str, cells: list[str]) -> str:
-            return f'<tr><th style="{_CELL}; text-align:right">{label}</th>{"".join(cells)}</tr>'
+            return f'<tr><th style="{_CELL}; text-align:right; white-space:nowrap">{label}</th>{"".join(cells)}</tr>'
 
         def cell(i: int, text: object, slot: int | None = None) -> str:
             if i >= len(req_ids):  # a padding token
@@ -69,7 +69,7 @@ class SlotMappingView(TraceView):
             ]
         more = f"<div>... {num_slots - shown} more tokens not drawn</div>" if num_slots > shown else ""
         return (
-            f'<div class="pkv-slot-mapping" data-step="{record.step}" style="{FONT}">'
+            f'<div class="pkv-slot-mapping" data-step="{record.step}" style="{BASE_STYLE}">'
             f"<div><b>step {record.step}</b> &middot; {record.num_tokens} tokens &middot; "
             f"slot = block_table[request][position // block_size] * block_size + position % block_size</div>"
             f'<div style="overflow-x:auto"><table style="border-collapse:collapse; margin-top:4px">'

@@ -37,6 +37,10 @@ _ENGINE_KWARGS: dict[str, Any] = dict(
 )
 _MAX_TOKENS = 5
 _ATOL = 1e-4
+_QUERY_POSITIONS = (
+    "query row i of a request sits at position seq_len - query_len + i, so a mask aligned to the "
+    "top-left corner (like scaled_dot_product_attention's is_causal=True) is wrong when query_len < seq_len."
+)
 
 
 def layer_selector_kwargs(layer: Attention) -> dict[str, Any]:
@@ -153,7 +157,7 @@ def run_backend(name: str, device: torch.device | str | None = None) -> BackendR
     llm.add_step_listener(record_step)
     try:
         outs = llm.generate(
-            [{"prompt_token_ids": p} for p in _PROMPTS], SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS)
+            [{"prompt_token_ids": p} for p in _PROMPTS], SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, ignore_eos=True)
         )
     finally:
         for hook in hooks:
@@ -246,14 +250,13 @@ def _diagnose(step: StepRecord, layer: str, got: torch.Tensor, ref: torch.Tensor
     ):
         cause = (
             "Requests with no cached context are right, those that read earlier tokens from the "
-            "cache are wrong. Check the cache write (slot = slot_mapping[token]) and the read "
-            "through the block table (logical block j of request i is block_table[i, j])."
+            "cache are wrong. Check the read through the block table (logical block j of request i "
+            f"is block_table[i, j]) and the causal mask: {_QUERY_POSITIONS}"
         )
     elif bad_reqs and all(step.context_lens[i] > 0 for i in bad_reqs):
         cause = (
-            "Only steps that read cached tokens are wrong (the first prefill step was right). "
-            "Check the cache write (slot = slot_mapping[token]), the read through the block table, "
-            "and that seq_len (not query_len) keys are attended to."
+            "Only requests that read cached tokens are wrong. Check the read through the block table, "
+            f"that all seq_len keys (not just query_len) are attended to, and the causal mask: {_QUERY_POSITIONS}"
         )
     else:
         cause = (

@@ -11,6 +11,7 @@ import importlib
 import os
 import platform
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -48,6 +49,50 @@ def environment_report() -> dict[str, str]:
     report["triton"] = _package_version("triton")
     report["flash-attn"] = _package_version("flash_attn")
     return report
+
+
+@dataclass(frozen=True)
+class NotebookInfo:
+    """One notebook of the workbook and what it needs to run."""
+
+    name: str
+    topic: str
+    needs: str
+    """"cpu" (runs anywhere), "triton", "cuda" or "flash-attn" (a CUDA GPU with flash-attn)."""
+    later: bool = False
+    """Planned, not written yet."""
+
+
+WORKBOOK: list[NotebookInfo] = [
+    NotebookInfo("00_start_here", "this notebook: the machine, the map, a first engine", "cpu"),
+    NotebookInfo("01_the_model_file", "LlamaAttention: qkv, RoPE, attn, o_proj; MHA / GQA / MQA; TP head layout", "cpu"),
+    NotebookInfo("02_paged_kv_cache", "block pool, block tables, slot mapping, the null block", "cpu"),
+    NotebookInfo("03_the_forward_context", "layers find per-step data by name; the torch.ops.pagedkv ops", "cpu"),
+    NotebookInfo("04_attention_backends", "backend / builder / impl; the selector; write your own backend", "cpu"),
+    NotebookInfo("05_attention_groups_and_metadata", "KV cache groups, attention groups, CommonAttentionMetadata", "cpu"),
+    NotebookInfo("06_triton_kernels", "paged attention and cache writes as Triton kernels", "triton"),
+    NotebookInfo("07_flash_attention", "the FLASH_ATTN backend on a GPU", "flash-attn"),
+    NotebookInfo("08_cuda_graphs_and_torch_compile", "piecewise and full CUDA graphs, torch.compile", "cuda", later=True),
+    NotebookInfo("09_serving_end_to_end", "continuous batching, chunked prefill, preemption, throughput", "cpu"),
+]
+
+
+def runs_here(needs: str) -> str:
+    """How a notebook with requirement `needs` runs on this machine, in a few words."""
+    cuda = torch.cuda.is_available()
+    if needs == "cpu":
+        return "yes" + (" (on the GPU)" if cuda else " (on the CPU)")
+    if needs == "triton":
+        if "not available" in _package_version("triton"):
+            return "no: triton is not installed"
+        return "yes (native kernels)" if cuda else "yes, in the Triton interpreter (TRITON_INTERPRET=1): slow, tiny shapes"
+    if needs == "cuda":
+        return "yes" if cuda else "no: needs a CUDA GPU"
+    if needs == "flash-attn":
+        if not cuda:
+            return "no: needs a CUDA GPU with flash-attn"
+        return "yes" if "not available" not in _package_version("flash_attn") else "no: flash-attn is not installed"
+    raise ValueError(f"Unknown requirement {needs!r}.")
 
 
 def check_backend_choice(llm: LLM, answer: object, layer_name: str = "model.layers.0.self_attn.attn") -> CheckResult:

@@ -27,7 +27,7 @@ def capture_forward_context(llm: LLM, prompt_token_ids: list[int], max_tokens: i
     seen: list[Any] = []
     hook = layer.register_forward_pre_hook(lambda module, args: seen.append(get_forward_context()))
     try:
-        llm.generate([{"prompt_token_ids": prompt_token_ids}], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        llm.generate([{"prompt_token_ids": prompt_token_ids}], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     finally:
         hook.remove()
     return seen
@@ -91,7 +91,7 @@ def check_attention_context(llm: LLM, fn: Callable[[str], Any]) -> CheckResult:
 
     hooks = [layer.register_forward_pre_hook(compare) for layer in llm.runner.attn_layers.values()]
     try:
-        llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], SamplingParams(temperature=0.0, max_tokens=2))
+        llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     finally:
         for hook in hooks:
             hook.remove()

@@ -1,41 +1,70 @@
-"""Checkers for notebook 01 (the model file): the fused qkv projection and the TP head layout."""
+"""Notebook 01 (the model file): building one rank's attention module, and the checkers for the
+fused qkv projection width and the tensor-parallel head layout."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from pagedkv.engine.llm import LLM
+import torch
+
+from pagedkv.config import EngineConfig, ModelConfig, ParallelConfig, set_current_engine_config
 from pagedkv.exercises import CheckResult
 from pagedkv.models.layers import HeadLayout, head_layout
-from pagedkv.models.llama import LlamaAttention
+from pagedkv.models.llama import LlamaAttention, LlamaConfig
 
 # (total query heads, total KV heads): MHA, GQA as in Llama-3-8B and -70B, an uneven GQA, MQA.
 MODEL_HEADS: list[tuple[int, int]] = [(32, 32), (32, 8), (64, 8), (28, 4), (32, 1)]
 TP_SIZES: list[int] = [1, 2, 4, 8, 16]
 
 
-def attention_module(llm: LLM, layer: int = 0) -> LlamaAttention:
-    """The model file's attention module of decoder layer `layer` (qkv_proj, rotary_emb, attn, o_proj)."""
-    return llm.model.model.layers[layer].self_attn
+def build_attention(num_heads: int, num_kv_heads: int, tp_size: int = 1,
+                    head_dim: int = 128, hidden_size: int = 4096) -> LlamaAttention:
+    """One rank's `LlamaAttention` of this geometry, on the meta device (shapes only, no memory).
+
+    It gets a fresh `EngineConfig`, so it registers in its own `static_forward_context`
+    and not in any live engine's.
+    """
+    model = LlamaConfig(hidden_size=hidden_size, num_attention_heads=num_heads,
+                        num_key_value_heads=num_kv_heads, head_dim=head_dim, num_hidden_layers=1)
+    engine = EngineConfig(ModelConfig("sandbox", dtype=torch.bfloat16),
+                          parallel_config=ParallelConfig(tensor_parallel_size=tp_size))
+    with set_current_engine_config(engine), torch.device("meta"):
+        return LlamaAttention(model, prefix="model.layers.0.self_attn", sliding_window=None)
 
 
-def check_qkv_width(llm: LLM, answer: Any) -> CheckResult:
-    """Is `answer` the number of output features of layer 0's fused qkv_proj?"""
-    attn = attention_module(llm)
-    expected = attn.qkv_proj.out_features
-    hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+def check_qkv_width(answer: Any, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                    hidden_size: int, tp_size: int = 1) -> CheckResult:
+    """Is `answer` the number of output features of one rank's fused qkv_proj for this geometry?
+
+    The expected value is read from a real `LlamaAttention` built for one rank.
+    """
     if not isinstance(answer, int) or isinstance(answer, bool):
         return CheckResult(False, f"Give a whole number of features (an int), got {answer!r}.")
+    try:
+        rank = build_attention(num_heads, num_kv_heads, tp_size, head_dim, hidden_size)
+    except ValueError as exc:
+        return CheckResult(False, f"This geometry cannot be built: {exc}")
+    expected = rank.qkv_proj.out_features
+    hq, hkv, d = rank.num_heads, rank.num_kv_heads, head_dim
     if answer == expected:
-        return CheckResult(True, f"qkv_proj has {expected} output features = ({hq} + 2 x {hkv}) heads x {d}.")
+        return CheckResult(
+            True, f"One rank's qkv_proj has {expected} output features = ({hq} + 2 x {hkv}) heads x {d}."
+        )
     hints = {
-        hq * d: "that is only the query part",
-        3 * hq * d: f"that counts as many K and V heads as query heads; this model has {hkv} KV heads for {hq} query heads",
-        (hq + hkv) * d: "that counts K and V together as one set of KV heads; each KV head has a K and a V",
-        llm.model_config.hidden_size: "that is the input width (hidden_size), not the output width",
+        hq * d: "that is only the query part; k and v follow it in the same output",
+        3 * hq * d: f"that gives every query head its own K and V, but each rank holds only {hkv} KV head(s) "
+                    f"for its {hq} query heads",
+        (hq + hkv) * d: "that counts each KV head once, but every KV head has a K part and a V part",
+        hidden_size: "that is the input width (hidden_size), not the output width",
     }
-    hint = hints.get(answer, f"the output holds q, k and v of every head of this rank, {d} features per head")
+    if tp_size > 1:
+        hints.setdefault((num_heads + 2 * num_kv_heads) * d,
+                         f"that is the whole model's qkv_proj; with tp_size {tp_size} a rank holds only its share of the heads")
+        hints.setdefault((num_heads // tp_size + 2 * (num_kv_heads // tp_size)) * d,
+                         f"{num_kv_heads} KV heads cannot be split {tp_size} ways without giving some rank less than "
+                         "a whole head: each rank keeps one whole KV head (replicated)")
+    hint = hints.get(answer, f"count the q, k and v heads this one rank holds, {d} features each")
     return CheckResult(False, f"{answer} is not it: {hint}.")
 
 

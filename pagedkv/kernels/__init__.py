@@ -4,26 +4,23 @@
 error when called, so `import pagedkv` works everywhere.
 
 Without a GPU, Triton can only run kernels through its interpreter (numpy on the CPU), and it
-decides interpreted-or-compiled when a kernel is *defined*. So on a machine with no CUDA device
-`TRITON_INTERPRET=1` is set before the kernel modules are imported (unless already set).
+decides interpreted-or-compiled when `triton` is first imported. So on a machine with no CUDA
+device, if nothing has imported triton yet, `TRITON_INTERPRET=1` is set first (unless set).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from typing import Any
 
 import torch
 
-try:
-    import triton  # noqa: F401
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    HAS_TRITON = False
-else:
-    HAS_TRITON = True
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 if HAS_TRITON:
-    if not torch.cuda.is_available():
+    if "triton" not in sys.modules and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from pagedkv.kernels.attention_config import KernelConfig
     from pagedkv.kernels.reshape_and_cache import reshape_and_cache

@@ -22,10 +22,30 @@ from pagedkv.kernels.common import interpreting, num_compute_units
 
 MAX_SPLITS = 64
 """Most programs one sequence's keys are split over."""
-MIN_TILES_PER_SPLIT = 2
-"""A split reads at least this many key tiles, so fixed costs (Q load, merge) stay small."""
-PROGRAMS_PER_COMPUTE_UNIT = 4
-"""Decode aims for this many programs per multiprocessor: enough loads in flight to hide latency."""
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The knobs of `choose_config`, for head size 128 in 16-bit types on the tensor cores.
+
+    Other head sizes derive from these (halved key tiles above 128). `benchmarks/attention.py
+    --sweep` measures alternatives on a GPU.
+    """
+
+    decode_block_n: int = 64
+    """Keys per tile when streaming K/V for decode (64 keys x 128 x 2 bytes = 16 KB per tile)."""
+    decode_warps: int = 4
+    decode_stages: int = 3
+    """K/V tiles in flight per program: enough loads outstanding to cover memory latency."""
+    programs_per_cu: int = 4
+    """Decode aims for this many programs per multiprocessor, splitting the keys to get there."""
+    min_tiles_per_split: int = 2
+    """A split reads at least this many key tiles, so fixed costs (Q load, merge) stay small."""
+    prefill_block_m: int = 128
+    """Query rows per prefill tile: 8 warps = two Hopper warpgroups of 64 rows each."""
+    prefill_block_n: int = 64
+    prefill_warps: int = 8
+    prefill_stages: int = 3
 
 
 @dataclass(frozen=True)
@@ -43,16 +63,13 @@ class KernelConfig:
     """Programs sharing one sequence's key range (decode); 1 = no split, no merge kernel."""
 
 
-def _block_m(num_queries_per_kv: int, max_query_len: int, head_pad: int, on_gpu: bool) -> tuple[int, bool]:
+def _block_m(num_queries_per_kv: int, max_query_len: int, prefill_rows: int) -> tuple[int, bool]:
     """Rows of a query tile, and whether every request fits in a single tile (decode-like)."""
     small = triton.next_power_of_2(num_queries_per_kv * max_query_len)
     if small <= 64:
         # All queries of a request fit one tile: at least 16 rows (the smallest tl.dot).
         return max(16, small), True
-    if not on_gpu:
-        return max(32, triton.next_power_of_2(num_queries_per_kv)), False
-    block_m = 64 if head_pad > 128 else 128
-    return max(block_m, triton.next_power_of_2(num_queries_per_kv)), False
+    return max(prefill_rows, triton.next_power_of_2(num_queries_per_kv)), False
 
 
 def choose_config(
@@ -67,6 +84,7 @@ def choose_config(
     max_query_len: int,
     max_seq_len: int,
     split_rows_capacity: int | None,
+    tuning: Tuning = Tuning(),
 ) -> KernelConfig:
     """Pick tiles for this batch from host-side facts only (shapes and the caller's Python ints).
 
@@ -75,27 +93,33 @@ def choose_config(
     `split_rows_capacity` (rows of the split scratch buffer, None = unlimited) caps the splits.
     """
     on_gpu = device.type == "cuda" and not interpreting()
-    block_m, one_tile_per_req = _block_m(num_queries_per_kv, max_query_len, head_pad, on_gpu)
-
-    if not on_gpu:
-        # The interpreter runs programs one after another: small tiles keep tests quick and still
-        # cross several cache blocks, tiles and splits on short sequences.
-        block_n, num_warps, num_stages = 16, 4, 1
-    elif one_tile_per_req:
-        # Decode: stream K/V in 64-key tiles, 3 in flight (2 x 3 x 16 KB for head 128 in bf16).
-        block_n = 32 if head_pad > 128 else 64
-        num_warps, num_stages = 4, 3
+    tensor_cores = on_gpu and dtype != torch.float32
+    wide = head_pad > 128  # a [rows, head] accumulator this wide needs fewer rows per tile
+    if tensor_cores:
+        prefill_rows = tuning.prefill_block_m // 2 if wide else tuning.prefill_block_m
     else:
-        # Prefill: 8 warps = two Hopper warpgroups over 128 query rows.
-        block_n = 32 if head_pad > 128 else 64
-        num_warps = 8 if block_m >= 128 or head_pad > 128 else 4
-        num_stages = 2 if head_pad > 128 or dtype == torch.float32 else 3
+        prefill_rows = 32
+    block_m, one_tile_per_req = _block_m(num_queries_per_kv, max_query_len, prefill_rows)
+
+    if not tensor_cores:
+        # The interpreter runs programs one after another: small tiles keep tests quick and still
+        # cross several cache blocks, tiles and splits on short sequences. Exact fp32 dots run on
+        # the CUDA cores, whose register-hungry code wants small tiles too.
+        block_n, num_warps = 16, 4
+        num_stages = 2 if on_gpu and one_tile_per_req else 1
+    elif one_tile_per_req:
+        block_n = tuning.decode_block_n // 2 if wide else tuning.decode_block_n
+        num_warps, num_stages = tuning.decode_warps, tuning.decode_stages
+    else:
+        block_n = tuning.prefill_block_n // 2 if wide else tuning.prefill_block_n
+        num_warps = tuning.prefill_warps
+        num_stages = min(tuning.prefill_stages, 2) if wide else tuning.prefill_stages
 
     num_splits = 1
     if one_tile_per_req:
         programs = num_reqs * num_kv_heads
-        wanted = triton.cdiv(PROGRAMS_PER_COMPUTE_UNIT * num_compute_units(device), max(programs, 1))
-        worth = triton.cdiv(max_seq_len, block_n * MIN_TILES_PER_SPLIT)
+        wanted = triton.cdiv(tuning.programs_per_cu * num_compute_units(device), max(programs, 1))
+        worth = triton.cdiv(max_seq_len, block_n * tuning.min_tiles_per_split)
         num_splits = min(wanted, worth, MAX_SPLITS)
         if split_rows_capacity is not None:
             num_splits = min(num_splits, split_rows_capacity // max(num_tokens, 1))

@@ -33,11 +33,26 @@ def interpreting() -> bool:
 
 
 def check_device(tensor: torch.Tensor) -> None:
-    """Triton compiles for GPUs; CPU tensors only work under its interpreter."""
-    if tensor.device.type == "cpu" and not interpreting():
+    """Triton compiles for GPUs; CPU tensors only work under its interpreter.
+
+    Triton picks interpreted or compiled once, when `triton` is first imported (its own
+    library functions such as `tl.sum` are made then), so the variable must be set before that.
+    """
+    if tensor.device.type != "cpu":
+        return
+    if not interpreting():
         raise RuntimeError(
             "Triton kernels got CPU tensors: use a CUDA device, or set TRITON_INTERPRET=1 before "
-            "importing triton to run them (slowly) on the CPU"
+            "anything imports triton to run them (slowly) on the CPU"
+        )
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.sum, InterpretedFunction):
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 was set after triton had been imported (torch._dynamo imports it, "
+            "for one), so Triton is not in interpreter mode: set it before that import, e.g. at "
+            "the top of the script or in conftest.py"
         )
 
 

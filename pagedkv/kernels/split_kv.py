@@ -40,11 +40,11 @@ class SplitKVWorkspace:
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, num_reqs,
+    out_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, num_reqs, num_splits,
     stride_o_t, stride_o_h, stride_o_d,
     stride_po_r, stride_po_h, stride_po_d,
     stride_lse_r, stride_lse_h,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -53,8 +53,8 @@ def _merge_splits_kernel(
 
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_PAD)
-    rows = token.to(tl.int64) * NUM_SPLITS + splits
-    split_ok = splits < NUM_SPLITS
+    rows = token.to(tl.int64) * num_splits + splits
+    split_ok = splits < num_splits
     lse = tl.load(partial_lse_ptr + rows * stride_lse_r + head * stride_lse_h, mask=split_ok, other=float("-inf"))
     weights = tl.exp2(lse - tl.max(lse, 0))
     weights = weights / tl.sum(weights, 0)
@@ -76,9 +76,9 @@ def merge_splits(
     """out[t, h] = log-sum-exp weighted mix of the `num_splits` partial rows of token t."""
     num_tokens, num_q_heads, head_size = out.shape
     _merge_splits_kernel[(num_tokens, num_q_heads)](
-        out, partial_out, partial_lse, query_start_loc, query_start_loc.shape[0] - 1,
+        out, partial_out, partial_lse, query_start_loc, query_start_loc.shape[0] - 1, num_splits,
         *out.stride(), *partial_out.stride(), *partial_lse.stride(),
-        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
         HEAD_SIZE=head_size, HEAD_PAD=triton.next_power_of_2(head_size),
         num_warps=1 if head_size * num_splits <= 2048 else 4,
     )

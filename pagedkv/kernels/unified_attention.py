@@ -14,7 +14,7 @@ The grid is (query tile, KV head, split):
   by binary search and exits if its slot is unused. `num_tokens // BLOCK_Q + num_reqs` slots
   cover any batch.
 * **Split-KV** (decode): when each request fits one tile, there may be too few programs to fill
-  the GPU. Then the key range is cut into `NUM_SPLITS` parts, each program writes its normalised
+  the GPU. Then the key range is cut into `num_splits` parts, each program writes its normalised
   partial output plus its log-sum-exp, and a small second kernel merges the parts.
 """
 
@@ -94,9 +94,9 @@ def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,  # out: final output, or split partials
     lse_ptr,  # split partials only: log2-sum-exp per row
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    num_reqs, qk_scale, sliding_window, block_size,
+    num_reqs, num_splits, qk_scale, sliding_window, block_size,
     stride_q_t, stride_q_h, stride_q_d,
-    stride_o_t, stride_o_h, stride_o_d,  # for splits: row = token * NUM_SPLITS + split
+    stride_o_t, stride_o_h, stride_o_d,  # for splits: row = token * num_splits + split
     stride_lse_t, stride_lse_h,
     stride_kc_b, stride_kc_s, stride_kc_h, stride_kc_d,
     stride_vc_b, stride_vc_s, stride_vc_h, stride_vc_d,
@@ -104,7 +104,7 @@ def _unified_attention_kernel(
     G: tl.constexpr,  # query heads per KV head
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, ONE_TILE_PER_REQ: tl.constexpr, USE_WINDOW: tl.constexpr,
+    SPLIT_KV: tl.constexpr, ONE_TILE_PER_REQ: tl.constexpr, USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
@@ -155,7 +155,7 @@ def _unified_attention_kernel(
     full_end = tl.minimum(tl.maximum((p_first + 1) // BLOCK_N, full_start), tiles_end)
 
     # This program's share of the tiles (all of them unless the keys are split).
-    per_split = tl.cdiv(tiles_end - tiles_start, NUM_SPLITS)
+    per_split = tl.cdiv(tiles_end - tiles_start, num_splits)
     mine_start = tiles_start + split * per_split
     mine_end = tl.minimum(mine_start + per_split, tiles_end)
 
@@ -190,12 +190,12 @@ def _unified_attention_kernel(
     # --- write back ---------------------------------------------------------------------------
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: output 0, weight exp2(-inf) = 0
     out = acc / l_safe[:, None]
-    out_rows = tokens * NUM_SPLITS + split
+    out_rows = tokens * num_splits + split
     tl.store(
         out_ptr + out_rows[:, None] * stride_o_t + heads[:, None] * stride_o_h + dims[None, :] * stride_o_d,
         out, mask=row_ok[:, None] & dim_ok[None, :],
     )
-    if NUM_SPLITS > 1:
+    if SPLIT_KV:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(lse_ptr + out_rows * stride_lse_t + heads * stride_lse_h, lse, mask=row_ok)
 
@@ -265,13 +265,13 @@ def unified_attention(
     _unified_attention_kernel[(num_q_tiles, num_kv_heads, config.num_splits)](
         q, k_cache, v_cache, target, lse,
         query_start_loc, seq_lens, block_table,
-        num_reqs, softmax_scale * LOG2_E, NO_WINDOW if sliding_window is None else sliding_window,
+        num_reqs, config.num_splits, softmax_scale * LOG2_E, NO_WINDOW if sliding_window is None else sliding_window,
         k_cache.shape[1],
         *q.stride(), *target.stride(), *lse.stride()[:2], *k_cache.stride(), *v_cache.stride(),
         block_table.stride(0),
         G=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
-        NUM_SPLITS=config.num_splits, ONE_TILE_PER_REQ=one_tile_per_req,
+        SPLIT_KV=config.num_splits > 1, ONE_TILE_PER_REQ=one_tile_per_req,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreting() and q.dtype == torch.bfloat16,

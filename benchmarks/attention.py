@@ -1,0 +1,319 @@
+"""Paged attention on the GPU: TRITON_ATTN vs flash-attn 4 vs the reference backend vs dense SDPA.
+
+    python benchmarks/attention.py [--json results.json] [--quick]
+    python benchmarks/attention.py --sweep decode|prefill --json sweep.json   # tuning search
+    python benchmarks/attention.py --tuning sweep_decode.json sweep_prefill.json  # use the winners
+
+bf16, 32 query heads / 8 KV heads / head size 128, block size 16, random page tables.
+flash-attn 4 (`flash_attn.cute`) is used when importable, with its default `num_splits=1` and
+its split heuristic (`num_splits=0`); the faster of the two is its number. Dense SDPA reads
+contiguous K/V (no paging): the ceiling. Prints a table; writes every number as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import bench_us, copies_for, copy_bandwidth_gbps, graph_us  # noqa: E402
+
+from pagedkv.attention.backends.torch_ref import paged_attention_reference  # noqa: E402
+from pagedkv.kernels import SplitKVWorkspace, reshape_and_cache, unified_attention  # noqa: E402
+from pagedkv.kernels.attention_config import Tuning, choose_config  # noqa: E402
+from pagedkv.kernels.testing import PagedBatch, random_paged_batch  # noqa: E402
+
+HQ, HKV, D, BLOCK, DTYPE = 32, 8, 128, 16, torch.bfloat16
+HBM_GBPS = 4800.0
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str  # decode | prefill | mixed
+    query_lens: list[int]
+    context_lens: list[int]
+
+
+def cases(quick: bool) -> list[Case]:
+    decode = [(1, 4096), (8, 4096), (32, 4096), (128, 2048), (64, 8192), (8, 32768), (256, 1024)]
+    prefill = [(1, 4096), (8, 1024), (4, 8192)]
+    if quick:
+        decode, prefill = decode[:3], prefill[:1]
+    out = [Case(f"decode {b}x{n}", "decode", [1] * b, [n - 1] * b) for b, n in decode]
+    out += [Case(f"prefill {b}x{n}", "prefill", [n] * b, [0] * b) for b, n in prefill]
+    out.append(Case("mixed 2K+63x4K", "mixed", [1] * 63 + [2048], [4095] * 63 + [0]))
+    return out
+
+
+def kv_bytes(case: Case) -> int:
+    seq = sum(q + c for q, c in zip(case.query_lens, case.context_lens))
+    return 2 * seq * HKV * D * 2 + 2 * sum(case.query_lens) * HQ * D * 2  # K, V + q, out
+
+
+def causal_flops(case: Case) -> float:
+    pairs = sum(q * c + q * (q + 1) / 2 for q, c in zip(case.query_lens, case.context_lens))
+    return 4.0 * pairs * HQ * D
+
+
+# --- providers: each returns a no-argument callable over one input copy -----------------------
+
+
+def triton_fn(batch: PagedBatch, tuning: Tuning | None) -> Callable[[], object]:
+    out = torch.empty_like(batch.q)
+    kwargs = batch.attention_kwargs()
+    workspace = SplitKVWorkspace(batch.q.shape[0] * 64, HQ, D, "cuda")
+    config = None
+    if tuning is not None:
+        config = choose_config(
+            device=batch.q.device, head_pad=D, dtype=DTYPE, num_queries_per_kv=HQ // HKV,
+            num_kv_heads=HKV, num_reqs=len(batch.query_lens), num_tokens=batch.q.shape[0],
+            max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
+            split_rows_capacity=workspace.rows, tuning=tuning,
+        )
+    return lambda: unified_attention(batch.q, batch.k_cache, batch.v_cache, out, **kwargs,
+                                     workspace=workspace, config=config)
+
+
+def fa4_fn(batch: PagedBatch, num_splits: int) -> Callable[[], object]:
+    from flash_attn.cute import flash_attn_varlen_func
+
+    return lambda: flash_attn_varlen_func(
+        batch.q, batch.k_cache, batch.v_cache, cu_seqlens_q=batch.query_start_loc,
+        seqused_k=batch.seq_lens, max_seqlen_q=batch.max_query_len, max_seqlen_k=batch.max_seq_len,
+        page_table=batch.block_table, causal=True, softmax_scale=D**-0.5, num_splits=num_splits,
+    )
+
+
+def reference_fn(batch: PagedBatch) -> Callable[[], object]:
+    out = torch.empty_like(batch.q)
+    starts, seq_lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
+    return lambda: paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, out, starts,
+                                             seq_lens, batch.block_table, D**-0.5)
+
+
+def sdpa_fn(case: Case, seed: int) -> Callable[[], object]:
+    """Dense SDPA over contiguous K/V of the same lengths (requests of one kind at a time)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=DTYPE)
+
+    calls = []
+    decodes = [c + 1 for q, c in zip(case.query_lens, case.context_lens) if q == 1]
+    prefills = [q for q in case.query_lens if q > 1]
+    if decodes:  # the G query heads of one KV head are G query rows: GQA decode, K/V read once
+        dq, dk, dv = randn(len(decodes), HKV, HQ // HKV, D), randn(len(decodes), HKV, decodes[0], D), randn(len(decodes), HKV, decodes[0], D)
+        calls.append(lambda: F.scaled_dot_product_attention(dq, dk, dv))
+    if prefills:  # compute-bound: K/V repeated per query head, so any fused SDPA kernel applies
+        pq, pk, pv = randn(len(prefills), HQ, prefills[0], D), randn(len(prefills), HQ, prefills[0], D), randn(len(prefills), HQ, prefills[0], D)
+        calls.append(lambda: F.scaled_dot_product_attention(pq, pk, pv, is_causal=True))
+    return lambda: [call() for call in calls]
+
+
+def measure(make: Callable[[int], Callable[[], object]], copies: int, graph: bool = True) -> dict[str, float | str]:
+    try:
+        fns = [make(i) for i in range(copies)]
+        result: dict[str, float | str] = {"bench_us": bench_us(fns[0])}
+        if graph:
+            result["graph_us"] = graph_us(fns)
+        return result
+    except Exception as exc:  # a provider that cannot run this shape says why in the table
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
+    finally:
+        torch.cuda.empty_cache()
+
+
+def fa4_available() -> str | None:
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as exc:
+        return f"flash_attn.cute not importable ({type(exc).__name__})"
+    return None
+
+
+def run_case(case: Case, tunings: dict[str, Tuning | None], with_peers: bool) -> dict[str, object]:
+    copies = copies_for(kv_bytes(case))
+    batches = [random_paged_batch(case.query_lens, case.context_lens, num_q_heads=HQ, num_kv_heads=HKV,
+                                  head_size=D, block_size=BLOCK, dtype=DTYPE, device="cuda", seed=i)
+               for i in range(copies)]
+    row: dict[str, object] = {"case": case.name, "kind": case.kind, "bytes": kv_bytes(case),
+                              "flops": causal_flops(case), "copies": copies}
+    for name, tuning in tunings.items():
+        row[name] = measure(lambda i: triton_fn(batches[i], tuning), copies)
+    if with_peers:
+        if fa4_available() is None:
+            for splits in (1, 0):  # 0 = its split heuristic (refused on Hopper by b36)
+                row[f"fa4_splits{splits}"] = measure(lambda i: fa4_fn(batches[i], splits), copies)
+            row["max_abs_diff_vs_fa4"] = max_diff(batches[0], tunings)
+        else:
+            row["fa4_splits1"] = {"error": fa4_available()}
+        row["torch_ref"] = measure(lambda i: reference_fn(batches[i]), min(copies, 2),
+                                   graph=case.kind != "prefill")
+        row["sdpa_dense"] = measure(lambda i: sdpa_fn(case, i), copies)
+    del batches
+    torch.cuda.empty_cache()
+    return row
+
+
+def max_diff(batch: PagedBatch, tunings: dict[str, Tuning | None]) -> float:
+    ours = triton_fn(batch, next(iter(tunings.values())))()
+    theirs = fa4_fn(batch, 1)()
+    theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+    return (ours.float() - theirs.float()).abs().max().item()
+
+
+def run_reshape(tokens: int) -> dict[str, object]:
+    num_blocks = max(tokens // BLOCK * 2, 64)
+    kv_cache = torch.randn(2, num_blocks, BLOCK, HKV, D, device="cuda", dtype=DTYPE)
+    key, value = (torch.randn(tokens, HKV, D, device="cuda", dtype=DTYPE) for _ in "kv")
+    slots = torch.randperm(num_blocks * BLOCK, device="cuda")[:tokens]
+    dense = torch.empty(2, tokens, HKV, D, device="cuda", dtype=DTYPE)
+    copies = copies_for(4 * key.numel() * 2)
+    row: dict[str, object] = {"case": f"reshape_and_cache {tokens}", "kind": "reshape", "bytes": 4 * key.numel() * 2}
+    row["triton"] = measure(lambda i: lambda: reshape_and_cache(key, value, kv_cache[0], kv_cache[1], slots), 1)
+    flat = kv_cache.view(2, -1, HKV, D)
+    row["torch_ref"] = measure(lambda i: lambda: (flat[0].index_copy_(0, slots, key), flat[1].index_copy_(0, slots, value)), 1)
+    row["dense_copy"] = measure(lambda i: lambda: (dense[0].copy_(key), dense[1].copy_(value)), 1)
+    row["copies"] = copies
+    return row
+
+
+# --- reporting --------------------------------------------------------------------------------
+
+
+def us(entry: object, key: str = "graph_us") -> float | None:
+    return entry.get(key) if isinstance(entry, dict) else None
+
+
+def best_fa4(row: dict[str, object], key: str = "graph_us") -> float | None:
+    times = [t for t in (us(row.get("fa4_splits1"), key), us(row.get("fa4_splits0"), key)) if t]
+    return min(times) if times else None
+
+
+def summarize(rows: list[dict[str, object]], ours: str, copy_gbps: float) -> list[str]:
+    lines = [f"{'case':<24}{'ours us':>9}{'FA4 us':>9}{'ref us':>10}{'SDPA us':>9}{'ours eager':>11}"
+             f"{'GB/s':>7}{'%HBM':>6}{'TFLOP/s':>8}{'xFA4':>6}{'xSDPA':>6}"]
+    speedups, checks = [], []
+    for row in rows:
+        t = us(row.get(ours))
+        if row["kind"] == "reshape":
+            dense = us(row.get("dense_copy"))
+            gbps = row["bytes"] / (t * 1e-6) / 1e9 if t else float("nan")
+            lines.append(f"{row['case']:<24}{t or float('nan'):9.1f}{'':>9}{us(row.get('torch_ref')) or float('nan'):10.1f}"
+                         f"{dense or float('nan'):9.1f}{us(row.get(ours), 'bench_us') or float('nan'):11.1f}{gbps:7.0f}"
+                         f"{100 * gbps / copy_gbps:5.0f}%")
+            if row["case"].endswith(" 8192"):
+                checks.append(f"reshape_and_cache 8192: {100 * gbps / copy_gbps:.0f}% of copy bandwidth (target >= 70%)")
+            continue
+        fa4, sdpa, ref = best_fa4(row), us(row.get("sdpa_dense")), us(row.get("torch_ref"))
+        gbps = row["bytes"] / (t * 1e-6) / 1e9 if t else float("nan")
+        tflops = row["flops"] / (t * 1e-6) / 1e12 if t else float("nan")
+        x_fa4 = fa4 / t if fa4 and t else float("nan")
+        x_sdpa = sdpa / t if sdpa and t else float("nan")
+        lines.append(f"{row['case']:<24}{t or float('nan'):9.1f}{fa4 or float('nan'):9.1f}{ref or float('nan'):10.1f}"
+                     f"{sdpa or float('nan'):9.1f}{us(row.get(ours), 'bench_us') or float('nan'):11.1f}{gbps:7.0f}"
+                     f"{100 * gbps / HBM_GBPS:5.0f}%{tflops:8.0f}{x_fa4:6.2f}{x_sdpa:6.2f}")
+        if row["kind"] == "decode":
+            speedups.append(x_fa4)
+            b, n = (int(v) for v in row["case"].split()[1].split("x"))
+            if b * n >= 128 * 1024:
+                checks.append(f"{row['case']}: {x_sdpa:.2f}x dense SDPA (target >= 0.9)")
+        if row["kind"] == "prefill":
+            fa4_tflops = row["flops"] / (fa4 * 1e-6) / 1e12 if fa4 else float("nan")
+            checks.append(f"{row['case']}: {tflops:.0f} TFLOP/s = {tflops / fa4_tflops:.2f}x FA4 (target >= 0.7)")
+    valid = [s for s in speedups if s == s]
+    if valid:
+        geo = math.exp(sum(math.log(s) for s in valid) / len(valid))
+        checks.insert(0, f"decode geomean speedup vs FA4: {geo:.2f}x over {len(valid)} shapes (target >= 1.2)")
+    lines.append(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
+    return lines + checks
+
+
+# --- tuning search ------------------------------------------------------------------------------
+
+
+def sweep(kind: str, quick: bool) -> dict[str, object]:
+    """Time candidate Tunings on every case of one kind; return them ranked by geometric mean."""
+    if kind == "decode":
+        tiles = [(n, 4, s) for n in (32, 64, 128) for s in (2, 3, 4)] + [(128, 8, 2), (128, 8, 3)]
+        grid = [dict(decode_block_n=n, decode_warps=w, decode_stages=s, programs_per_cu=p)
+                for (n, w, s), p in itertools.product(tiles, (2, 4, 8))]
+    else:
+        grid = [dict(prefill_block_m=m, prefill_block_n=n, prefill_warps=w, prefill_stages=s)
+                for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
+    chosen = [c for c in cases(quick) if (c.kind == "decode") == (kind == "decode")]
+    results = []
+    batches = {c.name: [random_paged_batch(c.query_lens, c.context_lens, num_q_heads=HQ, num_kv_heads=HKV,
+                                           head_size=D, block_size=BLOCK, dtype=DTYPE, device="cuda", seed=i)
+                        for i in range(copies_for(kv_bytes(c)))] for c in chosen}
+    for knobs in grid:
+        tuning = dataclasses.replace(Tuning(), **knobs)
+        times = {}
+        for c in chosen:
+            try:
+                times[c.name] = graph_us([triton_fn(b, tuning) for b in batches[c.name]], rep_ms=10)
+            except Exception as exc:
+                times[c.name] = f"{type(exc).__name__}"
+                break
+        ok = all(isinstance(t, float) for t in times.values())
+        geo = math.exp(sum(math.log(t) for t in times.values()) / len(times)) if ok else float("inf")
+        results.append({"knobs": knobs, "geomean_us": geo, "times_us": times})
+        print(f"{json.dumps(knobs):<100} geomean {geo:9.1f} us", flush=True)
+    results.sort(key=lambda r: r["geomean_us"])
+    return {"kind": kind, "best": results[0]["knobs"], "ranked": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="write all numbers here")
+    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--sweep", choices=["decode", "prefill"], help="search tile knobs instead")
+    parser.add_argument("--tuning", type=Path, nargs="*", default=[], help="sweep results whose winners to use too")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/attention.py needs a CUDA GPU")
+    if args.sweep:
+        result = sweep(args.sweep, args.quick)
+        print("best:", result["best"])
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+        return
+
+    tunings: dict[str, Tuning | None] = {"triton": None}
+    if args.tuning:
+        knobs = {k: v for path in args.tuning for k, v in json.loads(path.read_text())["best"].items()}
+        tunings["triton_tuned"] = dataclasses.replace(Tuning(), **knobs)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; FA4: {fa4_available() or 'yes'}", flush=True)
+    copy_gbps = copy_bandwidth_gbps()
+    rows = []
+    for case in cases(args.quick):
+        rows.append(run_case(case, tunings, with_peers=True))
+        print(json.dumps(rows[-1]), flush=True)
+    for tokens in (1, 256, 8192):
+        rows.append(run_reshape(tokens))
+        print(json.dumps(rows[-1]), flush=True)
+    for name in tunings:
+        rows_for = [dict(r, triton=r.get(name, r.get("triton"))) for r in rows]
+        print(f"\n== TRITON_ATTN ({name}) — GPU time under a CUDA graph; 'eager' = do_bench with L2 flush ==")
+        print("\n".join(summarize(rows_for, "triton", copy_gbps)))
+    if args.json:
+        args.json.write_text(json.dumps({"copy_gbps": copy_gbps, "device": torch.cuda.get_device_name(),
+                                         "tunings": {k: dataclasses.asdict(v) if v else None for k, v in tunings.items()},
+                                         "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""GPU timing helpers: event timing with L2 flushes, CUDA-graph timing over rotating inputs.
+
+Two numbers per kernel, as the benchmarks report them:
+
+* `bench_us`: `triton.testing.do_bench` (median; L2 flushed before every call, host launch
+  overhead included).
+* `graph_us`: GPU time inside one CUDA graph of many calls (median of replays / calls). The
+  calls rotate over several copies of the inputs so that a problem smaller than the 60 MB L2
+  is not timed from the cache.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+
+import torch
+import triton.testing
+
+L2_BYTES = 60 * 2**20  # H200
+
+
+def copies_for(bytes_per_copy: int, limit: int = 16) -> int:
+    """How many input copies to rotate over so the working set is ~4x the L2."""
+    return max(1, min(limit, -(-4 * L2_BYTES // max(bytes_per_copy, 1))))
+
+
+def bench_us(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
+
+
+def graph_us(fns: Sequence[Callable[[], object]], rep_ms: float = 30.0) -> float:
+    """Median GPU time of one call, from replays of a graph that cycles through `fns`."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for fn in fns:  # compile and warm up outside the capture
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(10):
+            fns[i % len(fns)]()
+        end.record()
+        torch.cuda.synchronize()
+        estimate_ms = max(start.elapsed_time(end) / 10, 1e-3)
+        calls = max(len(fns), min(2000, int(rep_ms / estimate_ms)))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(calls):
+                fns[i % len(fns)]()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(7):
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times) * 1e3
+
+
+def copy_bandwidth_gbps(nbytes: int = 2**30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written), the ceiling for a scatter."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
+    return 2 * nbytes / (ms * 1e-3) / 1e9

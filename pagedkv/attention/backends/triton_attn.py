@@ -1,0 +1,189 @@
+"""TRITON_ATTN: the paged-attention Triton kernels of `pagedkv.kernels` as a backend.
+
+    builder (one per attention group)   allocates the split-KV scratch once; each step it only
+                                        repackages CommonAttentionMetadata (no host work)
+    impl (one per layer)                do_kv_cache_update -> reshape_and_cache (scatter by slot)
+                                        forward            -> unified_attention (one launch,
+                                                              + a merge launch for split decode)
+
+Nothing per step reads device memory on the host or allocates, so any batch, mixed prefill and
+decode included, can be captured in a full CUDA graph (AttentionCGSupport.ALWAYS). The launch
+shape depends on two host integers, `max_query_len` and `max_seq_len`; a graph stays correct
+for every batch whose true values are at most those seen at capture, so the capture metadata
+uses upper bounds (see `build_for_cudagraph_capture`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from pagedkv.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from pagedkv.config import EngineConfig
+from pagedkv.kernels import HAS_TRITON, SplitKVWorkspace, reshape_and_cache, unified_attention
+from pagedkv.kernels.common import check_head_size, interpreting
+from pagedkv.kv_cache.spec import KVCacheSpec
+
+SPLIT_ROWS_PER_SEQ = 32
+"""Split-KV scratch rows per request slot. Decode splits only when there are few requests, so
+this rarely binds; where it does, the launcher picks fewer splits."""
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """What `unified_attention` needs, built once per attention group and step."""
+
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    workspace: SplitKVWorkspace | None
+    causal: bool = True
+
+
+class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMetadata]):
+    """Holds the split-KV scratch; per step it only repackages tensors."""
+
+    cudagraph_support = AttentionCGSupport.ALWAYS
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        layer_names: list[str],
+        config: EngineConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, config, device)
+        num_q_heads = config.compilation_config.static_forward_context[layer_names[0]].num_heads
+        rows = config.scheduler_config.max_num_seqs * SPLIT_ROWS_PER_SEQ
+        # All layers of the group run one after another, so they can share one scratch buffer.
+        self.workspace = SplitKVWorkspace(rows, num_q_heads, kv_cache_spec.head_size, device)
+
+    def build(self, common_attn_metadata: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        cm = common_attn_metadata
+        return TritonAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            max_query_len=cm.max_query_len,
+            max_seq_len=cm.max_seq_len,
+            query_start_loc=cm.query_start_loc,
+            seq_lens=cm.seq_lens,
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+            workspace=self.workspace,
+            causal=cm.causal,
+        )
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        """Capture with upper bounds, so that the graph is right for every batch replayed in it.
+
+        A pure-decode capture keeps max_query_len = 1 (it is replayed for pure decodes only);
+        any other batch of N tokens may hold a request of up to N tokens. max_seq_len only
+        sizes the split-KV grid: the model's longest sequence keeps long decodes fast.
+        """
+        metadata = self.build(common_attn_metadata)
+        if metadata.max_query_len > 1:
+            metadata.max_query_len = max(metadata.max_query_len, metadata.num_actual_tokens)
+        metadata.max_seq_len = self.config.model_config.max_model_len
+        return metadata
+
+
+class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
+    """Scatter with `reshape_and_cache`, attend with `unified_attention`."""
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TritonAttentionMetadata | None,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        if attn_metadata is None:  # profile run: shapes only
+            return output.zero_()
+        if not attn_metadata.causal:
+            raise NotImplementedError("TRITON_ATTN implements causal (decoder) attention only")
+        k_cache, v_cache = kv_cache.unbind(0)
+        # Rows past the batch's last token (CUDA graph padding) are left as they are.
+        return unified_attention(
+            query, k_cache, v_cache, output,
+            query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens,
+            max_query_len=attn_metadata.max_query_len, max_seq_len=attn_metadata.max_seq_len,
+            block_table=attn_metadata.block_table, softmax_scale=self.scale,
+            sliding_window=self.sliding_window, workspace=attn_metadata.workspace,
+        )
+
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        reshape_and_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Triton paged attention: CUDA, or the CPU under Triton's interpreter (slow; for learning)."""
+
+    forward_includes_kv_cache_update = False
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
+    supported_kv_cache_dtypes = supported_dtypes
+    supported_devices = ("cuda", "cpu")
+
+    @staticmethod
+    def get_name() -> str:
+        return "TRITON_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[TritonAttentionImpl]:
+        return TritonAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TritonAttentionMetadataBuilder]:
+        return TritonAttentionMetadataBuilder
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return None if HAS_TRITON else "triton is not installed"
+
+    @classmethod
+    def validate_configuration(
+        cls,
+        *,
+        head_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: torch.dtype,
+        block_size: int,
+        attn_type: AttentionType = AttentionType.DECODER,
+        sliding_window: int | None = None,
+        device_type: str = "cpu",
+    ) -> list[str]:
+        reasons = super().validate_configuration(
+            head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+            attn_type=attn_type, sliding_window=sliding_window, device_type=device_type,
+        )
+        try:
+            check_head_size(head_size)
+        except ValueError as exc:
+            reasons.append(str(exc))
+        if kv_cache_dtype != dtype:
+            reasons.append(f"KV cache dtype {kv_cache_dtype} must equal the model dtype {dtype}")
+        if device_type == "cpu" and not interpreting():
+            reasons.append("on the CPU the Triton kernels need TRITON_INTERPRET=1 (Triton's interpreter)")
+        return reasons

@@ -1,0 +1,142 @@
+"""The workbook as a student sees it: JupyterLab in a real Chromium, notebook 02 run from the menu.
+
+Starts JupyterLab on a free loopback port in a fresh copy of `notebooks/`, opens
+`02_paged_kv_cache.ipynb`, clears the saved outputs, runs all cells, then checks that the
+StepPlayer's BlockTableView drew one cell per KV cache block, that moving the slider with the
+keyboard redraws the views through the kernel, and saves screenshots to `tests/artifacts/`.
+
+Needs Debian's `chromium` (`apt-get install -y chromium`) and the `playwright` Python package;
+skipped with the reason when either is missing. Never `playwright install`: no downloads here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "tests" / "artifacts"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+NOTEBOOK = "02_paged_kv_cache.ipynb"
+NUM_KV_BLOCKS = 32  # the engine of notebook 02's StepPlayer: LLM("tiny", num_kv_blocks=32, ...)
+STEPS = 20  # its generate() runs 20 steps (max_tokens=20, ignore_eos=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_until_up(url: str, process: subprocess.Popen[bytes], timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"JupyterLab exited with {process.returncode} before it answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"JupyterLab did not answer {url} within {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL (with token query) of a JupyterLab serving a fresh copy of the notebooks."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} not found: install Debian's chromium (apt-get install -y chromium)")
+    pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
+    tmp = tmp_path_factory.mktemp("jupyterlab")
+    root = tmp / "work"
+    shutil.copytree(REPO / "notebooks", root, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+    config_dir = tmp / "config"
+    (config_dir / "labconfig").mkdir(parents=True)
+    # The "Jupyter news" pop-up would cover the notebook.
+    (config_dir / "labconfig" / "page_config.json").write_text(
+        json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
+    )
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config_dir), "JUPYTER_RUNTIME_DIR": str(tmp / "runtime")}
+    log = (tmp / "jupyterlab.log").open("wb")
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
+            f"--port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
+        ],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_up(f"{base}/api/status?token={token}", process)
+        yield f"{base}|{token}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def test_notebook_02_widgets_draw_and_redraw(lab: str) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    base, token = lab.split("|")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 2400})
+            page.goto(f"{base}/doc/tree/{NOTEBOOK}?token={token}")
+            expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_have_count(1, timeout=90_000)
+            # Saved outputs hold widget state from the last nbclient run: clear them so every
+            # widget checked below was drawn by this run.
+            page.evaluate("window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs')")
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+            # The last cell (exercise 2) prints its checker's message once everything above ran.
+            expect(page.get_by_text("Replace `...` with a list of 3 slot numbers")).to_be_visible(timeout=180_000)
+
+            live = page.locator(".pkv-block-table").first
+            expect(live).to_have_attribute("data-step", str(STEPS))  # redrawn after every step
+
+            player = page.locator(".pkv-step-player")
+            table = player.locator(".pkv-block-table")
+            expect(table.locator(".pkv-block")).to_have_count(NUM_KV_BLOCKS)
+            expect(table).to_have_attribute("data-step", "1")
+            expect(table.locator('.pkv-block[data-state="null"]')).to_have_count(1)
+            used_at_step_1 = table.locator('.pkv-block[data-state="used"]').count()
+            assert used_at_step_1 > 0
+            player.scroll_into_view_if_needed()
+            player.screenshot(path=str(ARTIFACTS / "02_step_player_step1.png"))
+
+            # Move the slider with the keyboard, as a student would; the kernel redraws the views.
+            handle = player.locator(".pkv-step-slider .noUi-handle")
+            handle.focus()
+            for _ in range(10):
+                handle.press("ArrowRight")
+            expect(table).to_have_attribute("data-step", "11")
+            expect(player.locator(".pkv-slot-mapping")).to_have_attribute("data-step", "11")
+            expect(table.locator(".pkv-block")).to_have_count(NUM_KV_BLOCKS)
+            assert table.locator('.pkv-block[data-state="used"]').count() > used_at_step_1  # rows grew
+            player.screenshot(path=str(ARTIFACTS / "02_step_player_step11.png"))
+            page.screenshot(path=str(ARTIFACTS / "02_page.png"))
+        finally:
+            browser.close()

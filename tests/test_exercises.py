@@ -1,0 +1,248 @@
+"""The workbook's exercise checkers (notebooks 00, 01, 03, 04, 05): each accepts the right
+answer, recomputed from a live engine, and rejects a wrong one with a message that says what is wrong."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from pagedkv.attention.selector import unregister_backend
+from pagedkv.exercises import CheckResult
+from pagedkv.exercises.attention_groups import check_lengths, check_null_blocks, step_lengths
+from pagedkv.exercises.backends import check_backend
+from pagedkv.exercises.environment import WORKBOOK, check_backend_choice, environment_report, runs_here
+from pagedkv.exercises.forward_context import check_attention_context
+from pagedkv.exercises.model_file import check_head_layout, check_qkv_width
+from pagedkv.forward_context import get_forward_context
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LLM:
+    return LLM("tiny", device="cpu", num_kv_blocks=32)
+
+
+def assert_rejected(result: CheckResult, *phrases: str) -> None:
+    assert isinstance(result, CheckResult)
+    assert not result, result.message
+    assert repr(result).startswith("❌")
+    for phrase in phrases:
+        assert phrase in result.message, result.message
+
+
+# ---- 00: environment -------------------------------------------------------------------
+
+
+def test_environment_report_and_workbook_map() -> None:
+    report = environment_report()
+    assert report["torch"] == torch.__version__
+    assert report["default device"] in ("cpu", "cuda")
+    assert [nb.name[:2] for nb in WORKBOOK] == [f"{i:02d}" for i in range(10)]
+    assert runs_here("cpu").startswith("yes")
+    with pytest.raises(ValueError):
+        runs_here("tpu")
+
+
+def test_backend_choice(tiny: LLM) -> None:
+    chosen = tiny.runner.attn_layers["model.layers.0.self_attn.attn"].attn_backend.get_name()
+    assert check_backend_choice(tiny, chosen)
+    assert_rejected(check_backend_choice(tiny, chosen.lower()), "upper case")
+    assert_rejected(check_backend_choice(tiny, "FLASH_ATTN"), "cannot serve this layer")
+    assert_rejected(check_backend_choice(tiny, "NO_SUCH"), "not a registered backend")
+    assert_rejected(check_backend_choice(tiny, ...), "Replace `...`")
+
+
+# ---- 01: the model file ------------------------------------------------------------------
+
+QWEN2_7B = dict(hidden_size=3584, num_heads=28, num_kv_heads=4, head_dim=128)
+
+
+def test_qkv_width() -> None:
+    assert check_qkv_width((7 + 2 * 1) * 128, **QWEN2_7B, tp_size=4)
+    assert_rejected(check_qkv_width((28 + 2 * 4) * 128, **QWEN2_7B, tp_size=4), "whole model")
+    assert_rejected(check_qkv_width(3 * 7 * 128, **QWEN2_7B, tp_size=4), "own K and V")
+    assert_rejected(check_qkv_width(7 * 128, **QWEN2_7B, tp_size=4), "only the query part")
+    assert_rejected(check_qkv_width("1152", **QWEN2_7B, tp_size=4), "an int")
+    assert_rejected(check_qkv_width(1152, **QWEN2_7B, tp_size=8), "cannot be built")
+
+
+def test_head_layout() -> None:
+    def right(hq: int, hkv: int, tp: int) -> tuple[int, int, int]:
+        return hq // tp, max(hkv // tp, 1), max(tp // hkv, 1)
+
+    assert check_head_layout(right)
+    assert_rejected(check_head_layout(lambda hq, hkv, tp: (hq // tp, hkv // tp, 1)),
+                    "KV heads per rank 0 (expected 1)", "copied")
+    assert_rejected(check_head_layout(lambda hq, hkv, tp: (hq // tp, max(hkv // tp, 1), 1)),
+                    "replicas of each KV head 1 (expected 2)")
+    assert_rejected(check_head_layout(lambda hq, hkv, tp: None), "tuple of three ints")
+    assert_rejected(check_head_layout(42), "function itself")
+
+
+# ---- 03: the forward context ---------------------------------------------------------------
+
+
+def test_attention_context(tiny: LLM) -> None:
+    def right(name: str) -> tuple[Any, ...]:
+        ctx = get_forward_context()
+        layer = ctx.no_compile_layers[name]
+        return ctx.attn_metadata[name], layer, layer.kv_cache, ctx.slot_mapping.get(name)
+
+    def whole_dict(name: str) -> tuple[Any, ...]:
+        ctx = get_forward_context()
+        layer = ctx.no_compile_layers[name]
+        return ctx.attn_metadata, layer, layer.kv_cache, ctx.slot_mapping.get(name)
+
+    def other_layer(name: str) -> tuple[Any, ...]:
+        ctx = get_forward_context()
+        layer = ctx.no_compile_layers["model.layers.3.self_attn.attn"]
+        return ctx.attn_metadata[name], layer, layer.kv_cache, ctx.slot_mapping.get(name)
+
+    assert check_attention_context(tiny, right)
+    assert_rejected(check_attention_context(tiny, whole_dict), "whole attn_metadata dict")
+    assert_rejected(check_attention_context(tiny, other_layer), "layer is wrong", "model.layers.3")
+    assert_rejected(check_attention_context(tiny, lambda name: name), "tuple of 4")
+    assert_rejected(check_attention_context(tiny, lambda name: 1 / 0), "ZeroDivisionError")
+    assert not any(layer._forward_pre_hooks for layer in tiny.runner.attn_layers.values())  # hooks removed
+
+
+# ---- 04: attention backends -----------------------------------------------------------------
+
+
+@dataclass
+class _Meta:
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class _Builder(AttentionMetadataBuilder[_Meta]):
+    def build(self, common_attn_metadata: CommonAttentionMetadata) -> _Meta:
+        cm = common_attn_metadata
+        return _Meta(cm.query_start_loc_cpu.tolist(), cm.seq_lens_cpu.tolist(), cm.block_table_tensor, cm.slot_mapping)
+
+
+class _Impl(AttentionImpl[_Meta]):
+    """A correct naive paged attention; class flags switch on the classic bugs."""
+
+    causal = True
+    interleave = True
+    in_place = True
+    slot_shift = 0
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: _Meta | None, output: torch.Tensor) -> torch.Tensor:
+        if attn_metadata is None:
+            return output.zero_()
+        m = attn_metadata
+        k_cache, v_cache = kv_cache.unbind(0)
+        bs = k_cache.shape[1]
+        real = m.slot_mapping >= 0
+        slots = m.slot_mapping[real] + self.slot_shift
+        n = m.slot_mapping.shape[0]
+        k_cache[slots // bs, slots % bs] = key[:n][real]
+        v_cache[slots // bs, slots % bs] = value[:n][real]
+        result = torch.zeros_like(output)
+        g = self.num_queries_per_kv
+        for i, seq_len in enumerate(m.seq_lens):
+            start, end = m.query_start_loc[i], m.query_start_loc[i + 1]
+            pos = torch.arange(seq_len)
+            blocks = m.block_table[i, pos // bs].long()
+            k, v = k_cache[blocks, pos % bs], v_cache[blocks, pos % bs]
+            k, v = (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)) if self.interleave else (k.repeat(1, g, 1), v.repeat(1, g, 1))
+            scores = torch.einsum("qhd,khd->hqk", query[start:end], k) * self.scale
+            if self.causal:
+                q_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
+                scores = scores.masked_fill(pos[None, :] > q_pos, float("-inf"))
+            result[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        if self.in_place:
+            output.copy_(result)
+            return output
+        return result
+
+
+def _backend(name: str, **bugs: object) -> type[AttentionBackend]:
+    impl = type(f"{name}Impl", (_Impl,), bugs)
+
+    class _Backend(AttentionBackend):
+        forward_includes_kv_cache_update = True
+        supported_devices = ("cpu", "cuda")
+
+        @staticmethod
+        def get_name() -> str:
+            return name
+
+        @staticmethod
+        def get_impl_cls() -> type[AttentionImpl[Any]]:
+            return impl
+
+        @staticmethod
+        def get_builder_cls() -> type[AttentionMetadataBuilder[Any]]:
+            return _Builder
+
+    return _Backend
+
+
+@pytest.mark.parametrize(
+    ("name", "bugs", "phrases"),
+    [
+        ("TEST_NO_MASK", {"causal": False}, ["causal mask"]),
+        ("TEST_REPEAT", {"interleave": False}, ["heads [1, 2] are wrong", "repeat_interleave"]),
+        ("TEST_NEW_TENSOR", {"in_place": False}, ["new tensor", "output"]),
+        ("TEST_SHIFTED", {"slot_shift": 1}, ["KV cache write is wrong", "slot_mapping"]),
+    ],
+)
+def test_backend_rejects_classic_bugs(name: str, bugs: dict[str, object], phrases: list[str]) -> None:
+    try:
+        assert_rejected(check_backend(_backend(name, **bugs), device="cpu"), *phrases)
+    finally:
+        unregister_backend(name)
+
+
+def test_backend_accepts_a_correct_one() -> None:
+    try:
+        result = check_backend(_backend("TEST_NAIVE"), device="cpu")
+        assert result, result.message
+        assert "every attention output matches TORCH_REF" in result.message
+    finally:
+        unregister_backend("TEST_NAIVE")
+
+
+def test_backend_rejects_non_backends() -> None:
+    assert_rejected(check_backend(42), "AttentionBackend subclass")
+    assert_rejected(check_backend(_backend("TEST_X")()), "AttentionBackend subclass")  # an instance
+    assert_rejected(check_backend(_backend("TORCH_REF")), "built-in backend's name")
+
+
+# ---- 05: attention groups and metadata ---------------------------------------------------------
+
+
+def test_lengths() -> None:
+    llm = LLM("tiny-hybrid", device="cpu", block_size=4, num_kv_blocks=32, max_num_batched_tokens=8)
+    events: list[Any] = []
+    llm.add_step_listener(events.append)
+    llm.generate([{"prompt_token_ids": list(range(1, 6))}, {"prompt_token_ids": list(range(1, 12))}],
+                 SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    event = events[1]  # a decode of request 0 and a prefill chunk of request 1
+    expected = step_lengths(event)
+    assert expected["query_lens"] == [1, 7] and expected["context_lens"] == [5, 3]
+    assert check_lengths(event, query_lens=[1, 7], context_lens=(5, 3))
+    assert_rejected(check_lengths(event, query_lens=[1, 8], context_lens=[5, 3]), "query_lens", "entry 1 is 8")
+    assert_rejected(check_lengths(event, query_lens=[1, 7], context_lens=[6, 10]), "context_lens", "seq_len - query_len")
+
+
+def test_null_blocks() -> None:
+    assert check_null_blocks(lambda c, w, b: max(c - w + 1, 0) // b)
+    assert_rejected(check_null_blocks(lambda c, w, b: (c - w) // b), "your function says -8", "max(")
+    assert_rejected(check_null_blocks(lambda c, w, b: max(c - w, 0) // b), "null block(s)")
+    assert_rejected(check_null_blocks(lambda c, w: 0), "raised TypeError")

@@ -1,0 +1,116 @@
+"""StepTrace: what it records matches what the engine did, and it survives JSON unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.trace import StepTrace
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPTS = ["hello world!", "abc", "a longer prompt here, chunked"]
+
+
+def run(model: str = "tiny-hybrid", **engine: int) -> StepTrace:
+    llm = LLM(model, block_size=4, **{"num_kv_blocks": 24, "max_num_batched_tokens": 16, **engine})
+    with StepTrace.attach(llm) as trace:
+        llm.generate(PROMPTS, PARAMS)
+    return trace
+
+
+@pytest.fixture(scope="module")
+def trace() -> StepTrace:
+    return run()
+
+
+def test_records_only_while_attached() -> None:
+    llm = LLM("tiny", num_kv_blocks=16, block_size=4)
+    trace = StepTrace.attach(llm)
+    llm.generate("ab", SamplingParams(temperature=0, max_tokens=2))
+    assert len(trace) == 2 and trace.is_live
+    trace.detach()
+    llm.generate("ab", SamplingParams(temperature=0, max_tokens=2))
+    assert len(trace) == 2 and not trace.is_live
+    assert trace.step_numbers() == [1, 2]
+
+
+def test_requests_phases_and_tokens(trace: StepTrace) -> None:
+    first = trace[0]
+    # Budget 16: the 13-token prompt fits, the next gets the 3 tokens left (chunked prefill).
+    assert [(r.req_id, r.phase, r.num_computed_tokens, r.num_new_tokens) for r in first.scheduled] == [
+        ("0", "prefill", 0, 13), ("1", "prefill", 0, 3),
+    ]
+    assert first.num_prefill_tokens == 16 and first.num_decode_tokens == 0
+    for record in trace:
+        assert record.num_tokens <= trace.engine.max_num_batched_tokens
+        phases = [r.phase for r in record.scheduled]
+        assert phases == sorted(phases, key=lambda p: p != "decode"), "decodes come first"
+        for r in record.scheduled:
+            if r.phase == "decode":
+                assert r.num_new_tokens == 1
+    # A request continues where the previous step left it.
+    seen: dict[str, int] = {}
+    for record in trace:
+        for r in record.scheduled:
+            assert r.num_computed_tokens == seen.get(r.req_id, 0)
+            seen[r.req_id] = r.num_computed_tokens + r.num_new_tokens
+    assert sorted(rid for record in trace for rid in record.finished_req_ids) == ["0", "1", "2"]
+
+
+def test_slot_mapping_follows_block_tables(trace: StepTrace) -> None:
+    for record in trace:
+        owners = record.token_req_ids()
+        rows = {r.req_id: r.block_ids for r in record.requests}
+        for group in trace.engine.kv_cache_groups:
+            bs = group.spec.block_size
+            expected = [
+                rows[rid][group.group_id][pos // bs] * bs + pos % bs
+                for rid, pos in zip(owners, record.positions)
+            ]
+            assert record.slot_mappings[group.group_id] == expected
+
+
+def test_block_counts(trace: StepTrace) -> None:
+    usable = trace.engine.num_blocks - 1
+    for record in trace:
+        for g in range(trace.engine.num_kv_cache_groups):
+            assert 0 < record.num_blocks_in_use[g] <= usable
+            assert 0 <= record.num_free_blocks[g] <= usable
+    assert trace[-1].num_free_blocks == [usable] * trace.engine.num_kv_cache_groups  # all finished
+
+
+def test_attention_groups_and_shared_metadata(trace: StepTrace) -> None:
+    engine = trace.engine
+    assert engine.num_kv_cache_groups == 2  # sliding-window layers + full-attention layers
+    assert {a.backend for a in engine.attention_groups} == {"TORCH_REF"}
+    assert sorted(n for a in engine.attention_groups for n in a.layer_names) == sorted(engine.layer_names)
+    for record in trace:
+        assert sorted(record.attn_metadata_keys) == sorted(engine.layer_names)
+        assert sorted(record.slot_mapping_keys) == sorted(engine.layer_names)
+        assert len(record.metadata) == len(engine.attention_groups)  # one build per attention group
+        for group in engine.attention_groups:
+            assert len({record.metadata_index(n) for n in group.layer_names}) == 1
+        assert record.cudagraph_mode == "NONE"
+        assert record.batch_descriptor["num_tokens"] == record.num_tokens
+
+
+def test_preemption_is_recorded() -> None:
+    trace = run("tiny", num_kv_blocks=11, max_num_batched_tokens=32)
+    preempting = [r for r in trace if r.preempted_req_ids]
+    assert preempting, "10 usable blocks of 4 tokens cannot hold all three requests at once"
+    victim = preempting[0].preempted_req_ids[0]
+    assert victim not in [r.req_id for r in preempting[0].requests]
+    later = next(r for rec in trace if rec.step > preempting[0].step for r in rec.scheduled if r.req_id == victim)
+    assert later.phase == "prefill" and later.num_computed_tokens == 0  # recomputed from scratch
+
+
+def test_json_round_trip(trace: StepTrace, tmp_path: Path) -> None:
+    loaded = StepTrace.load(trace.save(tmp_path / "trace.json"))
+    assert loaded.engine == trace.engine
+    assert loaded.steps == trace.steps
+    assert not loaded.is_live
+    assert repr(loaded) == repr(trace)
+    with pytest.raises(ValueError, match="Not a pagedkv-trace"):
+        StepTrace.from_json('{"format": "something else"}')

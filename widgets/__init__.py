@@ -1,0 +1,61 @@
+"""Live views of a pagedkv engine for Jupyter (ipywidgets 8, HTML/SVG, matplotlib).
+
+Every view draws one step of a `pagedkv.trace.StepTrace`; the same code draws a step live
+(the trace is attached to a running `LLM`) and replayed (a trace loaded from JSON):
+
+    from pagedkv import LLM, SamplingParams
+    from pagedkv.trace import StepTrace
+    from widgets import BlockTableView, SlotMappingView, StepPlayer, plot_kv_cache_usage
+
+    llm = LLM("tiny", num_kv_blocks=32)
+    trace = StepTrace.attach(llm)                     # record every step from now on
+    live = BlockTableView(trace)                      # index=-1: follows the newest step
+    display(live)                                     # redraws while generate() runs
+    llm.generate(["Hello", "paged attention"], SamplingParams(temperature=0, max_tokens=8))
+    trace.detach()
+
+    StepPlayer(trace, [BlockTableView(trace), SlotMappingView(trace)])   # slider + play
+    plot_kv_cache_usage(trace)                        # matplotlib Axes
+    trace.save("run.json"); StepTrace.load("run.json")   # replay elsewhere, e.g. a GPU run on a laptop
+
+Shortcut: `BlockTableView.attach(llm)` makes the trace for you (`view.trace`).
+
+Views (all `TraceView`s: an `ipywidgets.HTML` with an `index` trait, -1 = newest step):
+    BlockTableView       physical blocks coloured by owner, free pool, null block, slots
+                         written this step; each request's logical -> physical row
+    SlotMappingView      each token: position -> block table -> slot (-1 = padding)
+    AttentionGroupsView  layers -> KV cache groups -> attention groups -> one metadata object
+    ForwardContextView   per layer name: metadata, slot mapping, KV cache shape
+    PlotView             one of the plots below with a cursor at the step on display
+StepPlayer(trace, views)   Play + IntSlider setting `index` on every view.
+Plots: plot_kv_cache_usage, plot_batch_composition, plot_request_timeline, plot_throughput.
+"""
+
+from widgets.attention_groups import AttentionGroupsView
+from widgets.block_table import BlockTableView
+from widgets.common import TraceView, request_color
+from widgets.forward_context import ForwardContextView
+from widgets.player import StepPlayer
+from widgets.plots import (
+    PlotView,
+    plot_batch_composition,
+    plot_kv_cache_usage,
+    plot_request_timeline,
+    plot_throughput,
+)
+from widgets.slot_mapping import SlotMappingView
+
+__all__ = [
+    "AttentionGroupsView",
+    "BlockTableView",
+    "ForwardContextView",
+    "PlotView",
+    "SlotMappingView",
+    "StepPlayer",
+    "TraceView",
+    "plot_batch_composition",
+    "plot_kv_cache_usage",
+    "plot_request_timeline",
+    "plot_throughput",
+    "request_color",
+]
