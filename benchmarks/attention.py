@@ -5,9 +5,9 @@
     python benchmarks/attention.py --tuning sweep_decode.json sweep_prefill.json  # use the winners
 
 bf16, 32 query heads / 8 KV heads / head size 128, block size 16, random page tables.
-flash-attn 4 (`flash_attn.cute`) is used when importable, with its default `num_splits=1` and
-its split heuristic (`num_splits=0`); the faster of the two is its number. Dense SDPA reads
-contiguous K/V (no paging): the ceiling. Prints a table; writes every number as JSON.
+flash-attn 4 (`flash_attn.cute`) is used when importable, with `num_splits=1` (its split-KV
+path asserts "SplitKV not supported on SM 9.0" in 4.0.0b36). Dense SDPA reads contiguous K/V
+(no paging): the ceiling. Prints a table; writes every number as JSON.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import bench_us, copies_for, copy_bandwidth_gbps, graph_us  # noqa: E402
+from timing import bench_us, copies_for, copy_bandwidth_gbps, graph1_us, graph_us  # noqa: E402
 
 from pagedkv.attention.backends.torch_ref import paged_attention_reference  # noqa: E402
 from pagedkv.kernels import SplitKVWorkspace, reshape_and_cache, unified_attention  # noqa: E402
-from pagedkv.kernels.attention_config import Tuning, choose_config  # noqa: E402
+from pagedkv.kernels.attention_config import Tiles, Tuning, choose_config  # noqa: E402
 from pagedkv.kernels.testing import PagedBatch, random_paged_batch  # noqa: E402
 
 HQ, HKV, D, BLOCK, DTYPE = 32, 8, 128, 16, torch.bfloat16
@@ -124,16 +124,18 @@ def sdpa_fn(case: Case, seed: int) -> Callable[[], object]:
 
 
 def measure(make: Callable[[int], Callable[[], object]], copies: int, graph: bool = True) -> dict[str, float | str]:
+    result: dict[str, float | str] = {}
     try:
         fns = [make(i) for i in range(copies)]
-        result: dict[str, float | str] = {"bench_us": bench_us(fns[0])}
+        result["bench_us"] = bench_us(fns[0])
         if graph:
+            result["graph1_us"] = graph1_us(fns[-1])
             result["graph_us"] = graph_us(fns)
-        return result
     except Exception as exc:  # a provider that cannot run this shape says why in the table
-        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
+        result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     finally:
         torch.cuda.empty_cache()
+    return result
 
 
 def fa4_available() -> str | None:
@@ -155,11 +157,10 @@ def run_case(case: Case, tunings: dict[str, Tuning | None], with_peers: bool) ->
         row[name] = measure(lambda i: triton_fn(batches[i], tuning), copies)
     if with_peers:
         if fa4_available() is None:
-            for splits in (1, 0):  # 0 = its split heuristic (refused on Hopper by b36)
-                row[f"fa4_splits{splits}"] = measure(lambda i: fa4_fn(batches[i], splits), copies)
+            row["fa4"] = measure(lambda i: fa4_fn(batches[i], 1), copies)
             row["max_abs_diff_vs_fa4"] = max_diff(batches[0], tunings)
         else:
-            row["fa4_splits1"] = {"error": fa4_available()}
+            row["fa4"] = {"error": fa4_available()}
         row["torch_ref"] = measure(lambda i: reference_fn(batches[i]), min(copies, 2),
                                    graph=case.kind != "prefill")
         row["sdpa_dense"] = measure(lambda i: sdpa_fn(case, i), copies)
@@ -198,9 +199,13 @@ def us(entry: object, key: str = "graph_us") -> float | None:
     return entry.get(key) if isinstance(entry, dict) else None
 
 
-def best_fa4(row: dict[str, object], key: str = "graph_us") -> float | None:
-    times = [t for t in (us(row.get("fa4_splits1"), key), us(row.get("fa4_splits0"), key)) if t]
-    return min(times) if times else None
+def versus(row: dict[str, object], ours: str, peer: str) -> tuple[float | None, float | None, str]:
+    """(our time, the peer's time, method) by the same graph method: many calls per graph if
+    the peer could be captured that way, else single-call graphs for both."""
+    for key in ("graph_us", "graph1_us"):
+        if us(row.get(peer), key) and us(row.get(ours), key):
+            return us(row.get(ours), key), us(row.get(peer), key), key
+    return None, None, ""
 
 
 def summarize(rows: list[dict[str, object]], ours: str, copy_gbps: float) -> list[str]:
@@ -218,14 +223,16 @@ def summarize(rows: list[dict[str, object]], ours: str, copy_gbps: float) -> lis
             if row["case"].endswith(" 8192"):
                 checks.append(f"reshape_and_cache 8192: {100 * gbps / copy_gbps:.0f}% of copy bandwidth (target >= 70%)")
             continue
-        fa4, sdpa, ref = best_fa4(row), us(row.get("sdpa_dense")), us(row.get("torch_ref"))
+        sdpa, ref = us(row.get("sdpa_dense")), us(row.get("torch_ref"))
+        ours_vs_fa4, fa4, method = versus(row, ours, "fa4")
         gbps = row["bytes"] / (t * 1e-6) / 1e9 if t else float("nan")
         tflops = row["flops"] / (t * 1e-6) / 1e12 if t else float("nan")
-        x_fa4 = fa4 / t if fa4 and t else float("nan")
+        x_fa4 = fa4 / ours_vs_fa4 if fa4 and ours_vs_fa4 else float("nan")
         x_sdpa = sdpa / t if sdpa and t else float("nan")
         lines.append(f"{row['case']:<24}{t or float('nan'):9.1f}{fa4 or float('nan'):9.1f}{ref or float('nan'):10.1f}"
                      f"{sdpa or float('nan'):9.1f}{us(row.get(ours), 'bench_us') or float('nan'):11.1f}{gbps:7.0f}"
-                     f"{100 * gbps / HBM_GBPS:5.0f}%{tflops:8.0f}{x_fa4:6.2f}{x_sdpa:6.2f}")
+                     f"{100 * gbps / HBM_GBPS:5.0f}%{tflops:8.0f}{x_fa4:6.2f}{x_sdpa:6.2f}"
+                     f"{' (FA4: 1-call graphs)' if method == 'graph1_us' else ''}")
         if row["kind"] == "decode":
             speedups.append(x_fa4)
             b, n = (int(v) for v in row["case"].split()[1].split("x"))
@@ -233,7 +240,7 @@ def summarize(rows: list[dict[str, object]], ours: str, copy_gbps: float) -> lis
                 checks.append(f"{row['case']}: {x_sdpa:.2f}x dense SDPA (target >= 0.9)")
         if row["kind"] == "prefill":
             fa4_tflops = row["flops"] / (fa4 * 1e-6) / 1e12 if fa4 else float("nan")
-            checks.append(f"{row['case']}: {tflops:.0f} TFLOP/s = {tflops / fa4_tflops:.2f}x FA4 (target >= 0.7)")
+            checks.append(f"{row['case']}: {tflops:.0f} TFLOP/s, FA4 {fa4_tflops:.0f}: {x_fa4:.2f}x FA4 (target >= 0.7)")
     valid = [s for s in speedups if s == s]
     if valid:
         geo = math.exp(sum(math.log(s) for s in valid) / len(valid))
@@ -245,22 +252,26 @@ def summarize(rows: list[dict[str, object]], ours: str, copy_gbps: float) -> lis
 # --- tuning search ------------------------------------------------------------------------------
 
 
+def make_tuning(knobs: dict[str, object]) -> Tuning:
+    """A Tuning from JSON-style knobs (tile settings as [block_m, block_n, warps, stages])."""
+    return dataclasses.replace(Tuning(), **{k: Tiles(*v) if isinstance(v, (list, tuple)) else v for k, v in knobs.items()})
+
+
 def sweep(kind: str, quick: bool) -> dict[str, object]:
     """Time candidate Tunings on every case of one kind; return them ranked by geometric mean."""
     if kind == "decode":
-        tiles = [(n, 4, s) for n in (32, 64, 128) for s in (2, 3, 4)] + [(128, 8, 2), (128, 8, 3)]
-        grid = [dict(decode_block_n=n, decode_warps=w, decode_stages=s, programs_per_cu=p)
-                for (n, w, s), p in itertools.product(tiles, (2, 4, 8))]
+        grid = [dict(decode_programs_per_sm=p, split_overhead_tiles=o) for p, o in itertools.product((3, 4, 5), (1, 2, 4))]
     else:
-        grid = [dict(prefill_block_m=m, prefill_block_n=n, prefill_warps=w, prefill_stages=s)
-                for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
+        longs = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
+        shorts = [(64, 32, 4, 2), (64, 64, 4, 2)]
+        grid = [dict(long_prefill=a, short_prefill=b) for a, b in itertools.product(longs, shorts)]
     chosen = [c for c in cases(quick) if (c.kind == "decode") == (kind == "decode")]
     results = []
     batches = {c.name: [random_paged_batch(c.query_lens, c.context_lens, num_q_heads=HQ, num_kv_heads=HKV,
                                            head_size=D, block_size=BLOCK, dtype=DTYPE, device="cuda", seed=i)
                         for i in range(copies_for(kv_bytes(c)))] for c in chosen}
     for knobs in grid:
-        tuning = dataclasses.replace(Tuning(), **knobs)
+        tuning = make_tuning(knobs)
         times = {}
         for c in chosen:
             try:
@@ -271,7 +282,7 @@ def sweep(kind: str, quick: bool) -> dict[str, object]:
         ok = all(isinstance(t, float) for t in times.values())
         geo = math.exp(sum(math.log(t) for t in times.values()) / len(times)) if ok else float("inf")
         results.append({"knobs": knobs, "geomean_us": geo, "times_us": times})
-        print(f"{json.dumps(knobs):<100} geomean {geo:9.1f} us", flush=True)
+        print(f"{json.dumps(knobs):<70} geomean {geo:9.1f} us  {json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in times.items()})}", flush=True)
     results.sort(key=lambda r: r["geomean_us"])
     return {"kind": kind, "best": results[0]["knobs"], "ranked": results}
 
@@ -295,7 +306,7 @@ def main() -> None:
     tunings: dict[str, Tuning | None] = {"triton": None}
     if args.tuning:
         knobs = {k: v for path in args.tuning for k, v in json.loads(path.read_text())["best"].items()}
-        tunings["triton_tuned"] = dataclasses.replace(Tuning(), **knobs)
+        tunings["triton_tuned"] = make_tuning(knobs)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; FA4: {fa4_available() or 'yes'}", flush=True)
     copy_gbps = copy_bandwidth_gbps()
     rows = []

@@ -7,6 +7,9 @@ Two numbers per kernel, as the benchmarks report them:
 * `graph_us`: GPU time inside one CUDA graph of many calls (median of replays / calls). The
   calls rotate over several copies of the inputs so that a problem smaller than the 60 MB L2
   is not timed from the cache.
+* `graph1_us`: a graph of a single call, replayed back to back (median over replays). Some
+  kernels (flash-attn 4 b36 here) capture alone but not many to a graph; comparisons with
+  them use this number for both sides.
 """
 
 from __future__ import annotations
@@ -55,6 +58,32 @@ def graph_us(fns: Sequence[Callable[[], object]], rep_ms: float = 30.0) -> float
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times) * 1e3
+
+
+def graph1_us(fn: Callable[[], object], rep_ms: float = 30.0) -> float:
+    """Median GPU time of one call captured alone and replayed many times."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    replays = max(5, min(2000, int(rep_ms / max(start.elapsed_time(end) / 5, 1e-3))))
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / replays)
     del graph
     return statistics.median(times) * 1e3
 

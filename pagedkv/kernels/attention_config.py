@@ -25,27 +25,37 @@ MAX_SPLITS = 64
 
 
 @dataclass(frozen=True)
-class Tuning:
-    """The knobs of `choose_config`, for head size 128 in 16-bit types on the tensor cores.
+class Tiles:
+    """Tile shape and launch parameters of one regime."""
 
-    Other head sizes derive from these (halved key tiles above 128). `benchmarks/attention.py
-    --sweep` measures alternatives on a GPU.
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The knobs of `choose_config`, measured on an H200 for head size 128 in bf16.
+
+    Other head sizes derive from these (half the rows and keys above 128). `benchmarks/
+    attention.py --sweep` times alternatives (numbers in benchmarks/README.md).
     """
 
-    decode_block_n: int = 64
-    """Keys per tile when streaming K/V for decode (64 keys x 128 x 2 bytes = 16 KB per tile)."""
-    decode_warps: int = 4
-    decode_stages: int = 3
-    """K/V tiles in flight per program: enough loads outstanding to cover memory latency."""
-    programs_per_cu: int = 4
-    """Decode aims for this many programs per multiprocessor, splitting the keys to get there."""
-    min_tiles_per_split: int = 2
-    """A split reads at least this many key tiles, so fixed costs (Q load, merge) stay small."""
-    prefill_block_m: int = 128
-    """Query rows per prefill tile: 8 warps = two Hopper warpgroups of 64 rows each."""
-    prefill_block_n: int = 64
-    prefill_warps: int = 8
-    prefill_stages: int = 3
+    decode: Tiles = Tiles(16, 64, 4, 2)
+    """block_m is a minimum (the query rows of a request decide); 64 keys x 128 x 2 bytes =
+    16 KB per K or V tile; 2 stages keep registers at ~126 so 4 programs fit on an SM."""
+    decode_programs_per_sm: int = 4
+    """How many decode programs an SM runs at once (occupancy of the decode tiles above)."""
+    split_overhead_tiles: int = 2
+    """A program's fixed cost (loading Q and the block table, writing its part) in key tiles."""
+    long_prefill: Tiles = Tiles(128, 128, 8, 3)
+    """Long prompts: 8 warps = two Hopper warpgroups of 64 rows, long key loops."""
+    short_prefill: Tiles = Tiles(64, 32, 4, 2)
+    """Short prompts and mixed batches: short key loops favour small tiles (and decodes in a
+    mixed batch waste less of a 64-row tile than of a 128-row one)."""
+    long_prefill_tokens: int = 2048
+    """Average query tokens per request from which the long-prefill tiles win."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,21 @@ class KernelConfig:
     """Software-pipelining depth: tiles being loaded while an earlier one is computed."""
     num_splits: int = 1
     """Programs sharing one sequence's key range (decode); 1 = no split, no merge kernel."""
+
+
+def _num_splits(base_programs: int, num_tiles: int, slots: int, overhead: int) -> int:
+    """Split count that minimises (waves of programs) x (tiles per program + fixed cost).
+
+    Programs run in waves of `slots` (the GPU's concurrent programs). More splits fill a
+    wave better and shorten each program, but a wave that is only partly full costs as much
+    as a full one, and each program pays a fixed start-up cost.
+    """
+
+    def cost(splits: int) -> int:
+        waves = triton.cdiv(base_programs * splits, slots)
+        return waves * (triton.cdiv(num_tiles, splits) + overhead)
+
+    return min(range(1, min(MAX_SPLITS, num_tiles) + 1), key=lambda splits: (cost(splits), splits))
 
 
 def _block_m(num_queries_per_kv: int, max_query_len: int, prefill_rows: int) -> tuple[int, bool]:
@@ -94,11 +119,12 @@ def choose_config(
     """
     on_gpu = device.type == "cuda" and not interpreting()
     tensor_cores = on_gpu and dtype != torch.float32
+    long = num_tokens >= tuning.long_prefill_tokens * num_reqs
+    prefill = tuning.long_prefill if long else tuning.short_prefill
+    if not tensor_cores:
+        prefill = Tiles(32, 16, 4, 1)
     wide = head_pad > 128  # a [rows, head] accumulator this wide needs fewer rows per tile
-    if tensor_cores:
-        prefill_rows = tuning.prefill_block_m // 2 if wide else tuning.prefill_block_m
-    else:
-        prefill_rows = 32
+    prefill_rows = prefill.block_m // 2 if wide and tensor_cores else prefill.block_m
     block_m, one_tile_per_req = _block_m(num_queries_per_kv, max_query_len, prefill_rows)
 
     if not tensor_cores:
@@ -107,21 +133,17 @@ def choose_config(
         # the CUDA cores, whose register-hungry code wants small tiles too.
         block_n, num_warps = 16, 4
         num_stages = 2 if on_gpu and one_tile_per_req else 1
-    elif one_tile_per_req:
-        block_n = tuning.decode_block_n // 2 if wide else tuning.decode_block_n
-        num_warps, num_stages = tuning.decode_warps, tuning.decode_stages
     else:
-        block_n = tuning.prefill_block_n // 2 if wide else tuning.prefill_block_n
-        num_warps = tuning.prefill_warps
-        num_stages = min(tuning.prefill_stages, 2) if wide else tuning.prefill_stages
+        tiles = tuning.decode if one_tile_per_req else prefill
+        block_n = tiles.block_n // 2 if wide else tiles.block_n
+        num_warps = tiles.num_warps
+        num_stages = min(tiles.num_stages, 2) if wide else tiles.num_stages
 
     num_splits = 1
     if one_tile_per_req:
-        programs = num_reqs * num_kv_heads
-        wanted = triton.cdiv(tuning.programs_per_cu * num_compute_units(device), max(programs, 1))
-        worth = triton.cdiv(max_seq_len, block_n * tuning.min_tiles_per_split)
-        num_splits = min(wanted, worth, MAX_SPLITS)
+        slots = tuning.decode_programs_per_sm * num_compute_units(device)
+        num_tiles = triton.cdiv(max(max_seq_len, 1), block_n)
+        num_splits = _num_splits(num_reqs * num_kv_heads, num_tiles, slots, tuning.split_overhead_tiles)
         if split_rows_capacity is not None:
-            num_splits = min(num_splits, split_rows_capacity // max(num_tokens, 1))
-        num_splits = max(num_splits, 1)
+            num_splits = max(min(num_splits, split_rows_capacity // max(num_tokens, 1)), 1)
     return KernelConfig(block_m, block_n, num_warps, num_stages, num_splits)

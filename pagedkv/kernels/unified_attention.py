@@ -57,33 +57,42 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _attend_key_tile(
-    acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len, block_size,
+    acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
     sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_kv_k, dims_kv_v,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Fold one tile of BLOCK_N keys into the running softmax state (online softmax)."""
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_seq = keys < seq_len
     # The paging: each key's physical block comes from the request's block table row.
-    block = tl.load(block_table_row + keys // block_size, mask=in_seq, other=0).to(tl.int64)
-    offset = keys % block_size
-    k = tl.load(k_base + (block * stride_kc_b + offset * stride_kc_s)[:, None] + dims_kv_k, mask=in_seq[:, None])
-    v = tl.load(v_base + (block * stride_vc_b + offset * stride_vc_s)[:, None] + dims_kv_v, mask=in_seq[:, None])
+    # (PAGE_SIZE is a compile-time constant, so // and % are shifts and masks.)
+    page = keys // PAGE_SIZE
+    offset = keys % PAGE_SIZE
+    if MASKED:  # only boundary tiles pay for masks: keys past the sequence, causal, window
+        in_seq = keys < seq_len
+        block = tl.load(block_table_row + page, mask=in_seq, other=0).to(tl.int64)
+        k_rows = (block * stride_kc_b + offset * stride_kc_s)[:, None]
+        v_rows = (block * stride_vc_b + offset * stride_vc_s)[:, None]
+        k = tl.load(k_base + k_rows + dims_kv_k, mask=in_seq[:, None], other=0.0)
+        v = tl.load(v_base + v_rows + dims_kv_v, mask=in_seq[:, None], other=0.0)
+    else:
+        block = tl.load(block_table_row + page).to(tl.int64)
+        k = tl.load(k_base + (block * stride_kc_b + offset * stride_kc_s)[:, None] + dims_kv_k)
+        v = tl.load(v_base + (block * stride_vc_b + offset * stride_vc_s)[:, None] + dims_kv_v)
 
-    # Scores in log2 units (qk_scale includes log2(e)) so the exponentials are exp2.
-    s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale
-    if MASKED:  # only boundary tiles pay for the causal / window / end-of-sequence mask
+    s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
+    if MASKED:
         visible = (keys[None, :] <= positions[:, None]) & in_seq[None, :]
         if USE_WINDOW:
             visible = visible & (positions[:, None] - keys[None, :] < sliding_window)
         s = tl.where(visible, s, float("-inf"))
 
-    # Online softmax: rescale what was accumulated so far to the new running maximum.
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Online softmax, in log2 units (qk_scale includes log2(e)) so the exponentials are exp2.
+    # The running maximum m is kept scaled; s * qk_scale - m is then one fused multiply-add.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-    p = tl.exp2(s - m_shift[:, None])
-    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(s * qk_scale - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)  # rescales what was accumulated under the old maximum
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
     return acc, m_new, l_i
@@ -94,7 +103,7 @@ def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,  # out: final output, or split partials
     lse_ptr,  # split partials only: log2-sum-exp per row
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    num_reqs, num_splits, qk_scale, sliding_window, block_size,
+    num_reqs, num_splits, qk_scale, sliding_window,
     stride_q_t, stride_q_h, stride_q_d,
     stride_o_t, stride_o_h, stride_o_d,  # for splits: row = token * num_splits + split
     stride_lse_t, stride_lse_h,
@@ -103,7 +112,7 @@ def _unified_attention_kernel(
     stride_bt,
     G: tl.constexpr,  # query heads per KV head
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, ONE_TILE_PER_REQ: tl.constexpr, USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -170,21 +179,21 @@ def _unified_attention_kernel(
     if USE_WINDOW:  # tiles at the window's lower edge
         for tile in range(tl.maximum(tiles_start, mine_start), tl.minimum(full_start, mine_end)):
             acc, m_i, l_i = _attend_key_tile(
-                acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len, block_size,
+                acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
                 sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v,
-                BLOCK_N, True, USE_WINDOW, DOT_PRECISION, UPCAST,
+                BLOCK_N, PAGE_SIZE, True, USE_WINDOW, DOT_PRECISION, UPCAST,
             )
     for tile in range(tl.maximum(full_start, mine_start), tl.minimum(full_end, mine_end)):
         acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len, block_size,
+            acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
             sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v,
-            BLOCK_N, False, USE_WINDOW, DOT_PRECISION, UPCAST,
+            BLOCK_N, PAGE_SIZE, False, USE_WINDOW, DOT_PRECISION, UPCAST,
         )
     for tile in range(tl.maximum(full_end, mine_start), mine_end):  # the causal diagonal
         acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len, block_size,
+            acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
             sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v,
-            BLOCK_N, True, USE_WINDOW, DOT_PRECISION, UPCAST,
+            BLOCK_N, PAGE_SIZE, True, USE_WINDOW, DOT_PRECISION, UPCAST,
         )
 
     # --- write back ---------------------------------------------------------------------------
@@ -266,11 +275,10 @@ def unified_attention(
         q, k_cache, v_cache, target, lse,
         query_start_loc, seq_lens, block_table,
         num_reqs, config.num_splits, softmax_scale * LOG2_E, NO_WINDOW if sliding_window is None else sliding_window,
-        k_cache.shape[1],
         *q.stride(), *target.stride(), *lse.stride()[:2], *k_cache.stride(), *v_cache.stride(),
         block_table.stride(0),
         G=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
-        BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
+        BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, PAGE_SIZE=k_cache.shape[1],
         SPLIT_KV=config.num_splits > 1, ONE_TILE_PER_REQ=one_tile_per_req,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

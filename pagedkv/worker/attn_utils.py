@@ -48,18 +48,24 @@ class AttentionGroup:
         return self.metadata_builder.build(common)
 
     def _to_kernel_blocks(self, common: CommonAttentionMetadata) -> CommonAttentionMetadata:
-        """Rewrite the block table into kernel-sized blocks when the kernel's are smaller.
-
-        Manager block b of size B = k kernel blocks b*k, ..., b*k + k-1 of size B/k, so
-        row [7, 2] with k = 2 becomes [14, 15, 4, 5]. Slots stay the same numbers.
-        """
+        """The step's metadata with the block table in kernel-sized blocks, when those are smaller."""
         k = self.kv_cache_spec.block_size // self.kernel_block_size
         if k == 1:
             return common
-        table = common.block_table_tensor
-        offsets = torch.arange(k, device=table.device, dtype=table.dtype)
-        kernel_table = (table[:, :, None] * k + offsets).flatten(1)
+        kernel_table = to_kernel_block_table(common.block_table_tensor, k)
         return CommonAttentionMetadata(**{**common.__dict__, "block_table_tensor": kernel_table})
+
+
+def to_kernel_block_table(block_table: torch.Tensor, kernel_blocks_per_block: int) -> torch.Tensor:
+    """Rewrite a block table of manager blocks into one of `k` times smaller kernel blocks.
+
+    Manager block b of size B is kernel blocks b*k, ..., b*k + k-1 of size B/k (the same
+    memory), so row [7, 2] with k = 2 becomes [14, 15, 4, 5]. Slots keep their numbers:
+    b*B + o == (b*k + o // (B/k)) * (B/k) + o % (B/k).
+    """
+    k = kernel_blocks_per_block
+    offsets = torch.arange(k, device=block_table.device, dtype=block_table.dtype)
+    return (block_table[:, :, None] * k + offsets).flatten(1)
 
 
 def select_kernel_block_size(backend: type[AttentionBackend], block_size: int) -> int:
