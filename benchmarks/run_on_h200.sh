@@ -7,10 +7,10 @@
 #   bash benchmarks/run_on_h200.sh 2   (carry .whl/fa4b)  tuning sweeps (decode splits, prefill tiles)
 #   bash benchmarks/run_on_h200.sh 3   (carry .whl/fa4c)  flash-attn 4 tests + the benchmark
 #
-# Everything worth keeping lands in $OUT (or benchmarks/out when OUT is unset).
+# Everything worth keeping lands in $OUT (or /tmp/pagedkv-bench when OUT is unset).
 set -uo pipefail
 step=${1:?usage: run_on_h200.sh 1|2|3}
-out=${OUT:-benchmarks/out}
+out=${OUT:-/tmp/pagedkv-bench}
 mkdir -p "$out" /root/stage
 export PYTHONUNBUFFERED=1
 case $step in

@@ -8,8 +8,11 @@ Two numbers per kernel, as the benchmarks report them:
   calls rotate over several copies of the inputs so that a problem smaller than the 60 MB L2
   is not timed from the cache.
 * `graph1_us`: a graph of a single call, replayed back to back (median over replays). Some
-  kernels (flash-attn 4 b36 here) capture alone but not many to a graph; comparisons with
-  them use this number for both sides.
+  kernels capture alone but not many to a graph; comparisons with them use this number for
+  both sides.
+* `kernel_us`: the summed duration of the kernels one call launches, read from the profiler's
+  device-side records (CUPTI). GPU time without launch gaps, like a graph, for kernels that
+  cannot be captured at all (flash-attn 4 b36 inside this benchmark).
 """
 
 from __future__ import annotations
@@ -86,6 +89,19 @@ def graph1_us(fn: Callable[[], object], rep_ms: float = 30.0) -> float:
         times.append(start.elapsed_time(end) / replays)
     del graph
     return statistics.median(times) * 1e3
+
+
+def kernel_us(fns: Sequence[Callable[[], object]], calls: int = 10) -> float:
+    """Mean GPU kernel time of one call, cycling over `fns`, from the profiler's device records."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fns[i % len(fns)]()
+        torch.cuda.synchronize()
+    # Only device activity is recorded, so every event is a kernel, memcpy or memset.
+    return sum(event.self_device_time_total for event in prof.key_averages()) / calls
 
 
 def copy_bandwidth_gbps(nbytes: int = 2**30) -> float:

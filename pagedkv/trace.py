@@ -239,13 +239,6 @@ class StepTrace:
     def __iter__(self) -> Iterator[StepRecord]:
         return iter(self.steps)
 
-    def at_step(self, step: int) -> StepRecord:
-        """The record of engine step number `step`."""
-        for record in self.steps:
-            if record.step == step:
-                return record
-        raise KeyError(f"Step {step} is not in this trace (it has steps {self.step_numbers()}).")
-
     def step_numbers(self) -> list[int]:
         return [r.step for r in self.steps]
 
@@ -365,6 +358,8 @@ def _summarize(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         head = f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
         return f"{head} {value.tolist()}" if value.numel() <= 16 else head
+    if type(value).__repr__ is object.__repr__:
+        return f"<{type(value).__name__}>"  # the default repr holds a memory address: not replayable
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 

@@ -84,7 +84,7 @@ def test_block_counts(trace: StepTrace) -> None:
 def test_attention_groups_and_shared_metadata(trace: StepTrace) -> None:
     engine = trace.engine
     assert engine.num_kv_cache_groups == 2  # sliding-window layers + full-attention layers
-    assert {a.backend for a in engine.attention_groups} == {"TORCH_REF"}
+    assert len({a.backend for a in engine.attention_groups}) == 1  # TORCH_REF on the CPU, a kernel on a GPU
     assert sorted(n for a in engine.attention_groups for n in a.layer_names) == sorted(engine.layer_names)
     for record in trace:
         assert sorted(record.attn_metadata_keys) == sorted(engine.layer_names)

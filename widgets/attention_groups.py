@@ -5,15 +5,16 @@ from __future__ import annotations
 from pagedkv.trace import StepRecord
 from widgets.common import BASE_STYLE, TraceView, esc, short_layer
 
-ROW_H = 28
-COLUMNS = {"layer": (0, 130), "kv": (170, 230), "attn": (440, 250), "meta": (730, 210)}
-WIDTH = 940
+ROW_H = 26
+GROUP_MIN_H = 56
+"""An attention group is drawn at least this tall, so its three lines of text fit."""
+COLUMNS = {"layer": (0, 110), "kv": (140, 240), "attn": (410, 260), "meta": (700, 250)}
+WIDTH = 952
 
 
-def _box(column: str, top: int, rows: int, lines: list[str], cls: str, color: str, data: str = "") -> str:
-    """A rounded box spanning `rows` rows in `column`, with one text line per entry."""
+def _box(column: str, y: float, h: float, lines: list[str], cls: str, color: str, data: str = "") -> str:
+    """A rounded box in `column` from `y` to `y + h` (pixels), one text line per entry."""
     x, w = COLUMNS[column]
-    y, h = top * ROW_H + 2, rows * ROW_H - 4
     first = y + h / 2 - (len(lines) - 1) * 7 + 4
     text = "".join(
         f'<text x="{x + 6}" y="{first + i * 14:.0f}" font-size="11" font-weight="{"bold" if i == 0 else "normal"}">'
@@ -21,16 +22,14 @@ def _box(column: str, top: int, rows: int, lines: list[str], cls: str, color: st
         for i, line in enumerate(lines)
     )
     return (
-        f'<g class="{cls}"{data}><rect x="{x}" y="{y}" width="{w}" height="{h}" rx="5" '
+        f'<g class="{cls}"{data}><rect x="{x}" y="{y + 2:.0f}" width="{w}" height="{h - 4:.0f}" rx="5" '
         f'fill="{color}" stroke="#555"/>{text}</g>'
     )
 
 
-def _link(left: str, right: str, row: float) -> str:
-    """A horizontal connector between two columns at the middle of `row`."""
-    x1 = sum(COLUMNS[left])
-    x2 = COLUMNS[right][0]
-    y = row * ROW_H + ROW_H / 2
+def _link(left: str, right: str, y: float) -> str:
+    """A horizontal arrow from the right edge of one column to the left edge of the next, at height `y`."""
+    x1, x2 = sum(COLUMNS[left]), COLUMNS[right][0]
     return f'<line x1="{x1}" y1="{y:.0f}" x2="{x2}" y2="{y:.0f}" stroke="#777" marker-end="url(#pkv-arrow)"/>'
 
 
@@ -49,42 +48,37 @@ class AttentionGroupsView(TraceView):
     def render(self, record: StepRecord | None) -> str:
         engine = self.engine
         parts: list[str] = []
-        row = 0
+        y = 0.0
         for kv_group in engine.kv_cache_groups:
             spec = kv_group.spec
-            attn_groups = [a for a in engine.attention_groups if a.kv_cache_group_id == kv_group.group_id]
-            kv_rows = sum(len(a.layer_names) for a in attn_groups)
-            window = f", window {spec.sliding_window}" if spec.sliding_window else ""
-            parts.append(_box("kv", row, kv_rows, [
-                f"KV cache group {kv_group.group_id}",
-                f"{spec.kind}{window}",
-                f"{spec.block_size} tok/block, {spec.num_kv_heads} kv heads x {spec.head_size}",
-            ], "pkv-kv-group", "#e8f0fb", f' data-group="{kv_group.group_id}"'))
-            for attn in attn_groups:
+            kv_top = y
+            for attn in (a for a in engine.attention_groups if a.kv_cache_group_id == kv_group.group_id):
                 n = len(attn.layer_names)
+                h = max(n * ROW_H, GROUP_MIN_H)
                 for i, name in enumerate(attn.layer_names):
-                    parts.append(_box("layer", row + i, 1, [short_layer(name)], "pkv-layer", "#fff",
+                    parts.append(_box("layer", y + i * h / n, h / n, [short_layer(name)], "pkv-layer", "#fff",
                                       f' data-layer="{esc(name)}"'))
-                    parts.append(_link("layer", "kv", row + i))
-                center = row + (n - 1) / 2
+                    parts.append(_link("layer", "kv", y + (i + 0.5) * h / n))
+                center = y + h / 2
                 parts.append(_link("kv", "attn", center))
-                parts.append(_box("attn", row, n, [
-                    f"attention group: {attn.backend}",
-                    f"builder: {attn.builder}",
-                    f"{attn.num_heads} query heads, {n} layer(s)",
+                parts.append(_box("attn", y, h, [
+                    f"attention group: {attn.backend}", attn.builder, f"{attn.num_heads} query heads, {n} layer(s)",
                 ], "pkv-attn-group", "#fdf1dc"))
                 if record is not None:
-                    indices = sorted({record.metadata_index(name) for name in attn.layer_names})
-                    for k in indices:
+                    # One box per distinct object the group's layers received: one, unless build() misbehaves.
+                    for k in sorted({record.metadata_index(name) for name in attn.layer_names}):
                         meta = record.metadata[k]
                         parts.append(_link("attn", "meta", center))
-                        parts.append(_box("meta", row, n, [
-                            f"metadata #{k}: {meta.type_name}",
-                            f"built once in step {record.step}",
-                            f"same object in {len(meta.layer_names)} layer(s)",
+                        parts.append(_box("meta", y, h, [
+                            f"#{k} {meta.type_name}", f"metadata built once in step {record.step}",
+                            f"the same object in {len(meta.layer_names)} layer(s)",
                         ], "pkv-metadata", "#e3f4e6", f' data-metadata-index="{k}"'))
-                row += n
-        height = row * ROW_H
+                y += h
+            window = f", window {spec.sliding_window}" if spec.sliding_window else ""
+            parts.insert(0, _box("kv", kv_top, y - kv_top, [
+                f"KV cache group {kv_group.group_id}", f"{spec.kind}{window}",
+                f"{spec.block_size} tok/block, {spec.num_kv_heads} kv heads x {spec.head_size}",
+            ], "pkv-kv-group", "#e8f0fb", f' data-group="{kv_group.group_id}"'))
         caption = (
             "no step yet: run the engine to see the metadata objects" if record is None
             else f"step {record.step}: {len(record.metadata)} metadata object(s) built for "
@@ -92,7 +86,7 @@ class AttentionGroupsView(TraceView):
         )
         return (
             f'<div class="pkv-attention-groups" style="{BASE_STYLE}"><div>{esc(caption)}</div>'
-            f'<svg width="100%" viewBox="0 0 {WIDTH} {height}" style="max-width:{WIDTH}px" '
+            f'<svg width="100%" viewBox="0 0 {WIDTH} {y:.0f}" style="max-width:{WIDTH}px" '
             f'xmlns="http://www.w3.org/2000/svg" font-family="ui-monospace, Menlo, Consolas, monospace">'
             '<defs><marker id="pkv-arrow" viewBox="0 0 6 6" refX="6" refY="3" markerWidth="6" '
             'markerHeight="6" orient="auto"><path d="M0,0 L6,3 L0,6 z" fill="#777"/></marker></defs>'

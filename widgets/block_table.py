@@ -110,14 +110,16 @@ class BlockTableView(TraceView):
                 f'<rect x="{x + 3 + offset * tick_w:.1f}" y="{y + 24}" width="{tick_w:.1f}" height="12" '
                 f'fill="{fill}" fill-opacity="{opacity}"{stroke}/>'
             )
-        tip = f"block {block}: {'shared by' if shared else 'held by'} request(s) {', '.join(owners)}; {filled}/{bs} slots filled"
+        holders = f"{'shared by' if shared else 'held by'} request(s) {', '.join(owners)}"
+        tip = f"block {block}: {holders}; {filled}/{bs} slots filled"
         return (
             f'<g {attrs} data-state="{"shared" if shared else "used"}" data-owner="{esc(",".join(owners))}">'
             f"<title>{esc(tip)}</title>"
             f'<rect x="{x}" y="{y}" width="{CELL_W}" height="{CELL_H}" rx="3" fill="{color}" fill-opacity="0.18" '
             f'stroke="{color}" stroke-width="{3 if shared else 1.5}"/>'
             f'<text x="{x + 4}" y="{y + 13}" font-size="10">{block}</text>'
-            f'<text x="{x + CELL_W - 4}" y="{y + 13}" font-size="10" text-anchor="end" fill="{color}">{esc(label)}</text>'
+            f'<text x="{x + CELL_W - 4}" y="{y + 13}" font-size="10" text-anchor="end" fill="{color}">'
+            f"{esc(label)}</text>"
             f'{"".join(ticks)}</g>'
         )
 

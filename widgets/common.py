@@ -14,15 +14,16 @@ from pagedkv.trace import EngineInfo, StepRecord, StepTrace
 if TYPE_CHECKING:
     from pagedkv.engine.llm import LLM
 
-# Colour-blind friendly (Okabe-Ito + Tol): request i always gets the same colour in every view.
+# Colour-blind friendly (Okabe-Ito + Tol) and dark enough for text on white.
+# Request i gets the same colour in every view.
 PALETTE = (
     "#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9",
-    "#D55E00", "#F0E442", "#332288", "#88CCEE", "#AA4499",
+    "#D55E00", "#999933", "#332288", "#882255", "#AA4499",
 )
 # The HTML widget's container does not wrap lines and has a tall line height: undo both.
 BASE_STYLE = (
     "font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12px; "
-    "white-space: normal; line-height: 1.35"
+    "white-space: normal; line-height: 1.35; max-width: 980px"
 )
 
 
@@ -89,7 +90,8 @@ class TraceView(ipywidgets.HTML):
     def redraw(self) -> None:
         record = self.record
         if record is None and self.needs_step:
-            self.value = f'<div style="{BASE_STYLE}; color: #666">{esc(type(self).__name__)}: waiting for the first step.</div>'
+            name = esc(type(self).__name__)
+            self.value = f'<div style="{BASE_STYLE}; color: #666">{name}: waiting for the first step.</div>'
         else:
             self.value = self.render(record)
 

@@ -48,7 +48,8 @@ class ForwardContextView(TraceView):
         )
         header = "".join(
             f'<th style="{_CELL}; background:#f4f4f4">{h}</th>'
-            for h in ("layer name (the key)", "attn_metadata[name]", "slot_mapping[name]", "kv_cache shape (bound once)")
+            for h in ("layer name (the key)", "attn_metadata[name]", "slot_mapping[name]",
+                      "kv_cache shape (bound once)")
         )
         return (
             f'<div class="pkv-forward-context" data-step="{record.step}" style="{BASE_STYLE}">'

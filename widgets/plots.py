@@ -124,7 +124,7 @@ class PlotView(TraceView):
         ax = self.plot(self.trace, fig.add_subplot())
         ax.axvline(record.step, color="#D55E00", linewidth=1.5)
         buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=72)
+        fig.savefig(buffer, format="png", dpi=80)
         data = base64.b64encode(buffer.getvalue()).decode()
         return f'<img class="pkv-plot" data-step="{record.step}" src="data:image/png;base64,{data}"/>'
 

@@ -32,7 +32,7 @@ def check_blocks_held(llm: LLM, req_id: str, num_blocks: object, num_empty_slots
     """How many blocks does the request hold now, and how many of their slots are still empty?"""
     req = next((r for r in llm.scheduler.running if r.request_id == req_id), None)
     if req is None:
-        return CheckResult(False, f"Request {req_id!r} is not running in this engine; pick one from show_cache_state(llm).")
+        return CheckResult(False, f"Request {req_id!r} is not running in this engine; see show_cache_state(llm).")
     if num_blocks is ... or num_empty_slots is ...:
         return CheckResult(False, "Replace both `...` with numbers, then run the cell again.")
     bs = llm.kv_cache_manager.specs[0].block_size
@@ -116,7 +116,7 @@ def check_next_slot_mapping(llm: LLM, answer: object) -> CheckResult:
     tokens = _next_step_tokens(llm)
     expected = [t.slot for t in tokens]
     if answer is ... or answer is None:
-        return CheckResult(False, f"Replace `...` with a list of {len(expected)} slot numbers, one per token of the next step.")
+        return CheckResult(False, f"Replace `...` with a list of {len(expected)} slots, one per token of the next step.")
     if not isinstance(answer, (list, tuple)) or len(answer) != len(expected):
         return compare("next step's slot mapping", answer, expected,
                        f"the next step has {len(expected)} token(s): one decode token per running request.")

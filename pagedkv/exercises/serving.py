@@ -44,32 +44,31 @@ def _plan(llm: LLM) -> SchedulerOutput:
 
 def _why(llm: LLM, plan: SchedulerOutput, req_id: str) -> str:
     """The scheduler's rule that decided `req_id`'s share of the next step."""
-    budget = llm.scheduler.config.max_num_batched_tokens
+    scheduler = llm.scheduler
     given = {s.request.request_id: s.num_new_tokens for s in plan.scheduled}
-    order = [*llm.scheduler.running, *llm.scheduler.waiting]
-    for req in order:
-        rid = req.request_id
-        left = req.num_tokens - req.num_computed_tokens
-        if rid != req_id:
-            budget -= given.get(rid, 0)
+    budget = scheduler.config.max_num_batched_tokens  # what is left when the request's turn comes
+    for req in [*scheduler.running, *scheduler.waiting]:  # the order `schedule()` visits them
+        if req.request_id != req_id:
+            budget -= given.get(req.request_id, 0)
             continue
-        n = given.get(rid, 0)
-        if rid in plan.preempted_req_ids:
-            return f"request {rid} is preempted: a request before it needed a block and none was free, so the newest running request gives its blocks back."
-        if n == 0 and plan.preempted_req_ids and req in llm.scheduler.waiting:
-            return f"request {rid} waits: no new request is admitted in a step that had to preempt."
+        n, left = given.get(req_id, 0), req.num_tokens - req.num_computed_tokens
+        if req_id in plan.preempted_req_ids:
+            return (f"request {req_id} is preempted: a running request needed a new block and none was free, "
+                    "so the newest running request gives all its blocks back.")
+        if n == 0 and plan.preempted_req_ids and req in scheduler.waiting:
+            return f"request {req_id} waits: no new request is admitted in a step that had to preempt."
         if n == 0 and budget <= 0:
-            return f"request {rid} gets nothing: the {llm.scheduler.config.max_num_batched_tokens}-token budget is used up by the requests before it (running ones first, oldest first)."
+            return (f"request {req_id} gets nothing: the token budget is used up by the requests before it "
+                    "(running ones first, oldest first).")
         if n == 0:
-            return (
-                f"request {rid} is not admitted: the free blocks do not cover its next chunk (or max_num_seqs "
-                "is reached), and the waiting queue is served front first, stopping at the first that does not fit."
-            )
+            return (f"request {req_id} is not admitted: the free blocks do not cover its next chunk (or "
+                    "max_num_seqs is reached); the waiting queue stops at the first request that does not fit.")
         if left == 1 and req.output_token_ids:
-            return f"request {rid} is decoding: it computes exactly its one newest token."
+            return f"request {req_id} is decoding: it computes exactly its one newest token."
         if n == left:
-            return f"request {rid} has {left} tokens left to compute and {budget} tokens of budget are left at its turn: all fit."
-        return f"request {rid} has {left} tokens left but only {budget} tokens of budget remain at its turn: its prefill is chunked, {n} now and the rest in later steps."
+            return f"request {req_id} has {left} tokens left and {budget} tokens of budget at its turn: all fit."
+        return (f"request {req_id} has {left} tokens left but only {budget} tokens of budget remain at its turn: "
+                f"its prefill is chunked, {n} now and the rest in later steps.")
     return f"request {req_id} is neither running nor waiting in this engine."
 
 
@@ -81,6 +80,10 @@ def check_next_schedule(llm: LLM, tokens: object, preempted: object = ()) -> Che
         return CheckResult(False, "Replace `...` with a dict {request id: number of tokens} for the next step.")
     if not isinstance(tokens, dict):
         return CheckResult(False, f"tokens must be a dict such as {{'0': 1, '3': 12}}, got {type(tokens).__name__}.")
+    if preempted is ...:
+        return CheckResult(False, "Replace the `...` of `preempted` with a list of request ids ([] if none).")
+    if not isinstance(preempted, (list, tuple)):
+        return CheckResult(False, f"preempted must be a list such as ['2'] or [], got {type(preempted).__name__}.")
     got = {str(k): v for k, v in tokens.items() if v}  # a request with 0 tokens may be left out
     for rid in sorted(set(expected) | set(got), key=lambda r: (len(r), r)):
         if got.get(rid, 0) != expected.get(rid, 0):

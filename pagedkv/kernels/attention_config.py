@@ -3,8 +3,8 @@
 Two regimes decide everything:
 
 * **Prefill-like** batches (some request has many query tokens) are bound by the tensor cores.
-  Tiles of 128 query rows x 64 keys keep the matrix units busy; each request's queries are cut
-  into tiles and every (query tile, KV head) pair is one program.
+  Each request's queries are cut into tiles (128 query rows x 128 keys for long prompts, 64 x
+  32 otherwise) and every (query tile, KV head) pair is one program.
 * **Decode-like** batches (every request's queries fit in one small tile) are bound by memory
   bandwidth: each program streams its sequence's K and V once. With few sequences there are
   too few programs to keep every multiprocessor loading, so the key range of each sequence is
@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from pagedkv.kernels.common import interpreting, num_compute_units
+from pagedkv.kernels.common import cdiv, interpreting, next_power_of_2, num_compute_units
 
 MAX_SPLITS = 64
 """Most programs one sequence's keys are split over."""
@@ -36,10 +35,10 @@ class Tiles:
 
 @dataclass(frozen=True)
 class Tuning:
-    """The knobs of `choose_config`, measured on an H200 for head size 128 in bf16.
+    """The knobs of `choose_config`, chosen from sweeps on an H200 (head size 128, bf16).
 
     Other head sizes derive from these (half the rows and keys above 128). `benchmarks/
-    attention.py --sweep` times alternatives (numbers in benchmarks/README.md).
+    attention.py --sweep decode|prefill` times alternatives (see benchmarks/README.md).
     """
 
     decode: Tiles = Tiles(16, 64, 4, 2)
@@ -82,19 +81,19 @@ def _num_splits(base_programs: int, num_tiles: int, slots: int, overhead: int) -
     """
 
     def cost(splits: int) -> int:
-        waves = triton.cdiv(base_programs * splits, slots)
-        return waves * (triton.cdiv(num_tiles, splits) + overhead)
+        waves = cdiv(base_programs * splits, slots)
+        return waves * (cdiv(num_tiles, splits) + overhead)
 
     return min(range(1, min(MAX_SPLITS, num_tiles) + 1), key=lambda splits: (cost(splits), splits))
 
 
 def _block_m(num_queries_per_kv: int, max_query_len: int, prefill_rows: int) -> tuple[int, bool]:
     """Rows of a query tile, and whether every request fits in a single tile (decode-like)."""
-    small = triton.next_power_of_2(num_queries_per_kv * max_query_len)
+    small = next_power_of_2(num_queries_per_kv * max_query_len)
     if small <= 64:
         # All queries of a request fit one tile: at least 16 rows (the smallest tl.dot).
         return max(16, small), True
-    return max(prefill_rows, triton.next_power_of_2(num_queries_per_kv)), False
+    return max(prefill_rows, next_power_of_2(num_queries_per_kv)), False
 
 
 def choose_config(
@@ -108,14 +107,12 @@ def choose_config(
     num_tokens: int,
     max_query_len: int,
     max_seq_len: int,
-    split_rows_capacity: int | None,
     tuning: Tuning = Tuning(),
 ) -> KernelConfig:
     """Pick tiles for this batch from host-side facts only (shapes and the caller's Python ints).
 
     Nothing here reads device memory, so the choice is the same when a CUDA graph is captured
     and when it is replayed.
-    `split_rows_capacity` (rows of the split scratch buffer, None = unlimited) caps the splits.
     """
     on_gpu = device.type == "cuda" and not interpreting()
     tensor_cores = on_gpu and dtype != torch.float32
@@ -142,8 +139,6 @@ def choose_config(
     num_splits = 1
     if one_tile_per_req:
         slots = tuning.decode_programs_per_sm * num_compute_units(device)
-        num_tiles = triton.cdiv(max(max_seq_len, 1), block_n)
+        num_tiles = cdiv(max(max_seq_len, 1), block_n)
         num_splits = _num_splits(num_reqs * num_kv_heads, num_tiles, slots, tuning.split_overhead_tiles)
-        if split_rows_capacity is not None:
-            num_splits = max(min(num_splits, split_rows_capacity // max(num_tokens, 1)), 1)
     return KernelConfig(block_m, block_n, num_warps, num_stages, num_splits)

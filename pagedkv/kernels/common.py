@@ -12,6 +12,16 @@ MIN_HEAD_SIZE = 16
 MAX_HEAD_SIZE = 256
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (plain Python: `triton.cdiv` costs ~20 us per call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (tile shapes in Triton must be powers of two)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def check_attention_dtype(dtype: torch.dtype, name: str) -> None:
     """Raise a readable error unless `dtype` is one the kernels compute in."""
     if dtype not in SUPPORTED_DTYPES:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.kernels.common import check_attention_dtype
+from pagedkv.kernels.common import check_attention_dtype, next_power_of_2
 
 
 @triton.jit
@@ -82,8 +82,8 @@ def reshape_and_cache(
         k_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_SIZE=head_size,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_PAD=triton.next_power_of_2(head_size),
+        HEADS_PAD=next_power_of_2(num_kv_heads),
+        HEAD_PAD=next_power_of_2(head_size),
         num_warps=4,
     )
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv.kernels.common import next_power_of_2
+
 
 class SplitKVWorkspace:
     """Scratch for split-KV partial results; allocate once, reuse every step (CUDA-graph safe).
@@ -78,7 +80,7 @@ def merge_splits(
     _merge_splits_kernel[(num_tokens, num_q_heads)](
         out, partial_out, partial_lse, query_start_loc, query_start_loc.shape[0] - 1, num_splits,
         *out.stride(), *partial_out.stride(), *partial_lse.stride(),
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
-        HEAD_SIZE=head_size, HEAD_PAD=triton.next_power_of_2(head_size),
+        SPLITS_PAD=next_power_of_2(num_splits),
+        HEAD_SIZE=head_size, HEAD_PAD=next_power_of_2(head_size),
         num_warps=1 if head_size * num_splits <= 2048 else 4,
     )

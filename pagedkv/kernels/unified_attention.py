@@ -20,12 +20,14 @@ The grid is (query tile, KV head, split):
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from pagedkv.kernels.attention_config import KernelConfig, choose_config
-from pagedkv.kernels.common import check_attention_dtype, check_device, check_head_size, interpreting
+from pagedkv.kernels.common import check_attention_dtype, check_device, check_head_size, interpreting, next_power_of_2
 from pagedkv.kernels.split_kv import SplitKVWorkspace, merge_splits
 
 LOG2_E = 1.4426950408889634
@@ -116,6 +118,7 @@ def _unified_attention_kernel(
     SPLIT_KV: tl.constexpr, ONE_TILE_PER_REQ: tl.constexpr, USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    """One program: one query tile of one request, one KV head, one share of its keys."""
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -247,14 +250,16 @@ def unified_attention(
         return out
     num_reqs = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
-    head_pad = triton.next_power_of_2(head_size)
+    head_pad = next_power_of_2(head_size)
     if config is None:
         config = choose_config(
             device=q.device, head_pad=head_pad, dtype=q.dtype, num_queries_per_kv=group,
             num_kv_heads=num_kv_heads, num_reqs=num_reqs, num_tokens=num_tokens,
             max_query_len=max_query_len, max_seq_len=max_seq_len,
-            split_rows_capacity=None if workspace is None else workspace.rows,
         )
+    if workspace is not None and num_tokens * config.num_splits > workspace.rows:
+        # The scratch bounds num_tokens * num_splits: take fewer splits rather than overflow.
+        config = dataclasses.replace(config, num_splits=max(workspace.rows // num_tokens, 1))
     block_q = config.block_m // group
     if block_q < 1:
         raise ValueError(f"block_m={config.block_m} is smaller than the {group} query heads per KV head")

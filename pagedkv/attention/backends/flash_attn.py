@@ -69,8 +69,10 @@ class FlashAttentionMetadata:
 class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
     """Repackages the common metadata; flash-attn 2 also needs the key prefix sums."""
 
-    # Replays of one captured decode graph are checked in tests/gpu; mixed batches are not.
-    cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    # flash-attn 4.0.0b36 calls captured and replayed correctly in tests/gpu, but failed to
+    # capture inside benchmarks/attention.py ("operation failed due to a previous error during
+    # capture"), cause not found: until it is, no full CUDA graphs with this backend.
+    cudagraph_support = AttentionCGSupport.NEVER
 
     def build(self, common_attn_metadata: CommonAttentionMetadata) -> FlashAttentionMetadata:
         cm = common_attn_metadata

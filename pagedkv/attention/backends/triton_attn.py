@@ -1,7 +1,8 @@
 """TRITON_ATTN: the paged-attention Triton kernels of `pagedkv.kernels` as a backend.
 
-    builder (one per attention group)   allocates the split-KV scratch once; each step it only
-                                        repackages CommonAttentionMetadata (no host work)
+    builder (one per attention group)   allocates the split-KV scratch once; each step it picks
+                                        the kernel's tiles and splits (host-side, once for all
+                                        layers of the group) and repackages the metadata
     impl (one per layer)                do_kv_cache_update -> reshape_and_cache (scatter by slot)
                                         forward            -> unified_attention (one launch,
                                                               + a merge launch for split decode)
@@ -31,7 +32,8 @@ from pagedkv.attention.backend import (
 )
 from pagedkv.config import EngineConfig
 from pagedkv.kernels import HAS_TRITON, SplitKVWorkspace, reshape_and_cache, unified_attention
-from pagedkv.kernels.common import check_head_size, interpreting
+from pagedkv.kernels.attention_config import KernelConfig, choose_config
+from pagedkv.kernels.common import check_head_size, interpreting, next_power_of_2
 from pagedkv.kv_cache.spec import KVCacheSpec
 
 SPLIT_ROWS_PER_SEQ = 32
@@ -50,12 +52,14 @@ class TritonAttentionMetadata:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
-    workspace: SplitKVWorkspace | None
+    workspace: SplitKVWorkspace
+    config: KernelConfig
+    """Tiles, warps and split count, chosen once per step for all layers of the group."""
     causal: bool = True
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMetadata]):
-    """Holds the split-KV scratch; per step it only repackages tensors."""
+    """Holds the split-KV scratch; per step it picks the launch config and repackages tensors."""
 
     cudagraph_support = AttentionCGSupport.ALWAYS
 
@@ -67,23 +71,27 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         device: torch.device,
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, config, device)
-        num_q_heads = config.compilation_config.static_forward_context[layer_names[0]].num_heads
+        self.num_q_heads = config.compilation_config.static_forward_context[layer_names[0]].num_heads
         rows = config.scheduler_config.max_num_seqs * SPLIT_ROWS_PER_SEQ
         # All layers of the group run one after another, so they can share one scratch buffer.
-        self.workspace = SplitKVWorkspace(rows, num_q_heads, kv_cache_spec.head_size, device)
+        self.workspace = SplitKVWorkspace(rows, self.num_q_heads, kv_cache_spec.head_size, device)
 
     def build(self, common_attn_metadata: CommonAttentionMetadata) -> TritonAttentionMetadata:
         cm = common_attn_metadata
+        return self._metadata(cm, cm.max_query_len, cm.max_seq_len)
+
+    def _metadata(self, cm: CommonAttentionMetadata, max_query_len: int, max_seq_len: int) -> TritonAttentionMetadata:
+        spec = self.kv_cache_spec
+        config = choose_config(
+            device=self.device, head_pad=next_power_of_2(spec.head_size), dtype=spec.dtype,
+            num_queries_per_kv=self.num_q_heads // spec.num_kv_heads, num_kv_heads=spec.num_kv_heads,
+            num_reqs=cm.num_reqs, num_tokens=cm.num_actual_tokens, max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        )
         return TritonAttentionMetadata(
-            num_actual_tokens=cm.num_actual_tokens,
-            max_query_len=cm.max_query_len,
-            max_seq_len=cm.max_seq_len,
-            query_start_loc=cm.query_start_loc,
-            seq_lens=cm.seq_lens,
-            block_table=cm.block_table_tensor,
-            slot_mapping=cm.slot_mapping,
-            workspace=self.workspace,
-            causal=cm.causal,
+            num_actual_tokens=cm.num_actual_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
+            query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping, workspace=self.workspace, config=config, causal=cm.causal,
         )
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> TritonAttentionMetadata:
@@ -93,11 +101,9 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         any other batch of N tokens may hold a request of up to N tokens. max_seq_len only
         sizes the split-KV grid: the model's longest sequence keeps long decodes fast.
         """
-        metadata = self.build(common_attn_metadata)
-        if metadata.max_query_len > 1:
-            metadata.max_query_len = max(metadata.max_query_len, metadata.num_actual_tokens)
-        metadata.max_seq_len = self.config.model_config.max_model_len
-        return metadata
+        cm = common_attn_metadata
+        max_query_len = cm.max_query_len if cm.max_query_len == 1 else max(cm.max_query_len, cm.num_actual_tokens)
+        return self._metadata(cm, max_query_len, self.config.model_config.max_model_len)
 
 
 class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
@@ -125,6 +131,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             max_query_len=attn_metadata.max_query_len, max_seq_len=attn_metadata.max_seq_len,
             block_table=attn_metadata.block_table, softmax_scale=self.scale,
             sliding_window=self.sliding_window, workspace=attn_metadata.workspace,
+            config=attn_metadata.config,
         )
 
     def do_kv_cache_update(
