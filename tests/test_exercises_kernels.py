@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import pagedkv.kernels as K
 from pagedkv.exercises.kernels import check_kernel_block_row, check_scatter_kernel

@@ -283,4 +283,13 @@ class AttentionBackend(ABC):
             reasons.append(f"attention type {attn_type.value!r} not supported (decoder only)")
         if sliding_window is not None and not cls.supports_sliding_window:
             reasons.append("sliding window not supported")
-        return reasons
+        return reasons + cls.extra_reasons(
+            head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device_type=device_type
+        )
+
+    @classmethod
+    def extra_reasons(
+        cls, *, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype, device_type: str
+    ) -> list[str]:
+        """Backend-specific refusals beyond the declared lists above (a kernel's own limits)."""
+        return []

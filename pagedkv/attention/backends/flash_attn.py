@@ -29,11 +29,11 @@ from pagedkv.attention.backend import (
     AttentionImpl,
     AttentionLayer,
     AttentionMetadataBuilder,
-    AttentionType,
     CommonAttentionMetadata,
     MultipleOf,
 )
-from pagedkv.kernels import HAS_TRITON, reshape_and_cache
+from pagedkv.attention.backends.triton_attn import TritonAttentionImpl
+from pagedkv.kernels import HAS_TRITON
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,15 +138,8 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         output[:n].copy_(result[0] if isinstance(result, tuple) else result)
         return output
 
-    def do_kv_cache_update(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        reshape_and_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+    # The same Triton scatter as TRITON_ATTN: flash-attn reads the cache but never writes it.
+    do_kv_cache_update = TritonAttentionImpl.do_kv_cache_update
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -184,21 +177,10 @@ class FlashAttentionBackend(AttentionBackend):
         return None
 
     @classmethod
-    def validate_configuration(
-        cls,
-        *,
-        head_size: int,
-        dtype: torch.dtype,
-        kv_cache_dtype: torch.dtype,
-        block_size: int,
-        attn_type: AttentionType = AttentionType.DECODER,
-        sliding_window: int | None = None,
-        device_type: str = "cpu",
+    def extra_reasons(
+        cls, *, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype, device_type: str
     ) -> list[str]:
-        reasons = super().validate_configuration(
-            head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
-            attn_type=attn_type, sliding_window=sliding_window, device_type=device_type,
-        )
+        reasons = []
         if device_type == "cuda" and not torch.cuda.is_available():
             reasons.append("CUDA required, but no CUDA device is visible")
         if not (head_size % 8 == 0 and 8 <= head_size <= 256):

@@ -27,7 +27,6 @@ from pagedkv.attention.backend import (
     AttentionImpl,
     AttentionLayer,
     AttentionMetadataBuilder,
-    AttentionType,
     CommonAttentionMetadata,
 )
 from pagedkv.config import EngineConfig
@@ -170,21 +169,10 @@ class TritonAttentionBackend(AttentionBackend):
         return None if HAS_TRITON else "triton is not installed"
 
     @classmethod
-    def validate_configuration(
-        cls,
-        *,
-        head_size: int,
-        dtype: torch.dtype,
-        kv_cache_dtype: torch.dtype,
-        block_size: int,
-        attn_type: AttentionType = AttentionType.DECODER,
-        sliding_window: int | None = None,
-        device_type: str = "cpu",
+    def extra_reasons(
+        cls, *, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype, device_type: str
     ) -> list[str]:
-        reasons = super().validate_configuration(
-            head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
-            attn_type=attn_type, sliding_window=sliding_window, device_type=device_type,
-        )
+        reasons = []
         try:
             check_head_size(head_size)
         except ValueError as exc:
