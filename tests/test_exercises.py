@@ -63,7 +63,7 @@ def test_backend_choice(tiny: LLM) -> None:
 
 # ---- 01: the model file ------------------------------------------------------------------
 
-QWEN2_7B = dict(hidden_size=3584, num_heads=28, num_kv_heads=4, head_dim=128)
+QWEN2_7B = {"hidden_size": 3584, "num_heads": 28, "num_kv_heads": 4, "head_dim": 128}
 
 
 def test_qkv_width() -> None:
@@ -159,7 +159,10 @@ class _Impl(AttentionImpl[_Meta]):
             pos = torch.arange(seq_len)
             blocks = m.block_table[i, pos // bs].long()
             k, v = k_cache[blocks, pos % bs], v_cache[blocks, pos % bs]
-            k, v = (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)) if self.interleave else (k.repeat(1, g, 1), v.repeat(1, g, 1))
+            if self.interleave:
+                k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+            else:
+                k, v = k.repeat(1, g, 1), v.repeat(1, g, 1)
             scores = torch.einsum("qhd,khd->hqk", query[start:end], k) * self.scale
             if self.causal:
                 q_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
@@ -238,7 +241,8 @@ def test_lengths() -> None:
     assert expected["query_lens"] == [1, 7] and expected["context_lens"] == [5, 3]
     assert check_lengths(event, query_lens=[1, 7], context_lens=(5, 3))
     assert_rejected(check_lengths(event, query_lens=[1, 8], context_lens=[5, 3]), "query_lens", "entry 1 is 8")
-    assert_rejected(check_lengths(event, query_lens=[1, 7], context_lens=[6, 10]), "context_lens", "seq_len - query_len")
+    assert_rejected(check_lengths(event, query_lens=[1, 7], context_lens=[6, 10]),
+                    "context_lens", "seq_len - query_len")
 
 
 def test_null_blocks() -> None:

@@ -143,7 +143,14 @@ def get_attention_context(layer_name: str) -> tuple[Any, Attention, torch.Tensor
     its slot mapping or None).
     """
     forward_context = get_forward_context()
+    if layer_name not in forward_context.no_compile_layers:
+        raise KeyError(f"No layer named {layer_name!r} is registered in the static forward context.")
     metadata = forward_context.attn_metadata
+    if metadata is not None and layer_name not in metadata:
+        raise KeyError(
+            f"The forward context has no attention metadata for layer {layer_name!r} "
+            f"(it has {len(metadata)} entries); build_attn_metadata covers every layer of every attention group."
+        )
     attn_metadata = metadata[layer_name] if metadata is not None else None
     layer: Attention = forward_context.no_compile_layers[layer_name]
     return attn_metadata, layer, layer.kv_cache, forward_context.slot_mapping.get(layer_name)

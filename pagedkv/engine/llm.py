@@ -54,7 +54,11 @@ class EngineStats:
 
 @dataclass
 class StepEvent:
-    """Everything a listener (trace recorder, widget) may want to know about one step."""
+    """Everything a listener (trace recorder, widget) may want to know about one step.
+
+    Read it inside the listener: `result` holds views of the runner's persistent buffers (the
+    device block tables, for one), which the next step overwrites. `block_ids` is a copy.
+    """
 
     step: int
     scheduler_output: SchedulerOutput

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from pagedkv.engine.llm import LLM, StepEvent
@@ -16,7 +17,7 @@ def step_lengths(event: StepEvent) -> dict[str, list[int]]:
     """context_lens, query_lens and seq_lens of a recorded step, per request in batch order."""
     batch = event.result.batch
     qsl = batch.query_start_loc_cpu.tolist()
-    query_lens = [b - a for a, b in zip(qsl, qsl[1:])]
+    query_lens = [b - a for a, b in pairwise(qsl)]
     seq_lens = batch.seq_lens_cpu.tolist()
     return {
         "context_lens": [s - q for s, q in zip(seq_lens, query_lens)],
@@ -101,7 +102,7 @@ def check_null_blocks(fn: Callable[[int, int, int], Any]) -> CheckResult:
         for s in sliding_window_rows(block_size):
             try:
                 got = fn(s.context_len, s.sliding_window, s.block_size)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
                 return CheckResult(False, f"fn({s.context_len}, {s.sliding_window}, {s.block_size}) raised "
                                           f"{type(exc).__name__}: {exc}.")
             checked += 1

@@ -4,14 +4,16 @@
 with TORCH_REF (the oracle), and compares every attention layer's output in every step. When
 they differ, it looks at *which* rows and heads differ and names the usual cause:
 
-    only earlier rows of a prompt differ, its last row is right   -> no causal mask
-    only requests with cached context differ                      -> cache write / block table read
+    the step's K/V are not in their slots after the step          -> cache write
+    the right values came back in a new tensor                    -> `output` not written in place
     some query heads right, others wrong                          -> GQA head mapping
-    rows are all zero                                             -> `output` not written in place
+    only earlier rows of a prompt differ, its last row is right   -> no causal mask
+    only requests with cached context differ                      -> block table read / mask offset
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,7 @@ from pagedkv.attention.selector import backend_report, register_backend
 from pagedkv.engine.llm import LLM, StepEvent
 from pagedkv.engine.request import SamplingParams
 from pagedkv.exercises import CheckResult
+from pagedkv.exercises.attention_groups import step_lengths
 
 REFERENCE_BACKEND = "TORCH_REF"
 
@@ -32,9 +35,9 @@ _PROMPTS: list[list[int]] = [
     [(7 * i + 3) % 250 for i in range(11)],
     [(5 * i + 1) % 250 for i in range(23)],
 ]
-_ENGINE_KWARGS: dict[str, Any] = dict(
-    block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, dtype=torch.float32
-)
+_ENGINE_KWARGS: dict[str, Any] = {
+    "block_size": 4, "num_kv_blocks": 64, "max_num_batched_tokens": 16, "dtype": torch.float32,
+}
 _MAX_TOKENS = 5
 _ATOL = 1e-4
 _QUERY_POSITIONS = (
@@ -45,14 +48,14 @@ _QUERY_POSITIONS = (
 
 def layer_selector_kwargs(layer: Attention) -> dict[str, Any]:
     """What the selector is asked about `layer` (the keyword arguments of `validate_configuration`)."""
-    return dict(
-        head_size=layer.head_size,
-        dtype=layer.dtype,
-        kv_cache_dtype=layer.kv_cache_dtype,
-        block_size=layer.block_size,
-        attn_type=layer.attn_type,
-        sliding_window=layer.sliding_window,
-    )
+    return {
+        "head_size": layer.head_size,
+        "dtype": layer.dtype,
+        "kv_cache_dtype": layer.kv_cache_dtype,
+        "block_size": layer.block_size,
+        "attn_type": layer.attn_type,
+        "sliding_window": layer.sliding_window,
+    }
 
 
 def selector_report(llm: LLM, layer_name: str) -> dict[str, list[str]]:
@@ -108,39 +111,20 @@ def run_backend(name: str, device: torch.device | str | None = None) -> BackendR
     """Serve the checker's prompts greedily with backend `name`, recording every attention output."""
     llm = LLM("tiny", attention_backend=name, device=device, **_ENGINE_KWARGS)
     steps: list[StepRecord] = []
-    current: dict[str, torch.Tensor] = {}
+    # What the current step produced so far, per layer name; moved into a StepRecord after the step.
+    outputs: dict[str, torch.Tensor] = {}
     new_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    returned: dict[str, torch.Tensor] = {}
 
     def record_kv(module: Attention, args: tuple[Any, ...]) -> None:
         _, key, value = args
         new_kv[module.layer_name] = (key.detach().clone(), value.detach().clone())
 
     def record_output(module: Attention, args: tuple[Any, ...], output: torch.Tensor) -> None:
-        current[module.layer_name] = output.detach().view(-1, module.num_heads, module.head_size).float().cpu()
+        outputs[module.layer_name] = output.detach().view(-1, module.num_heads, module.head_size).float().cpu()
 
-    def record_step(event: StepEvent) -> None:
-        batch = event.result.batch
-        qsl = batch.query_start_loc_cpu.tolist()
-        query_lens = [b - a for a, b in zip(qsl, qsl[1:])]
-        seq_lens = batch.seq_lens_cpu.tolist()
-        record = StepRecord(
-            event.step, list(batch.req_ids), [s - q for s, q in zip(seq_lens, query_lens)], query_lens,
-            dict(current), returned=dict(returned),
-        )
-        for layer_name, (key, value) in new_kv.items():
-            error = cache_write_error(
-                llm.runner.attn_layers[layer_name], key, value, event.result.slot_mapping[layer_name]
-            )
-            if error:
-                record.cache_errors[layer_name] = error
-        steps.append(record)
-        current.clear()
-        new_kv.clear()
-        returned.clear()
-
-    returned: dict[str, torch.Tensor] = {}
-
-    def watch_return(layer_name: str, forward: Any) -> Any:
+    def watch_return(layer_name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap impl.forward to keep what it returns when that is not the `output` it was given."""
         def forward_and_watch(layer: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             output = args[4] if len(args) > 4 else kwargs["output"]
             result = forward(layer, query, *args, **kwargs)
@@ -150,21 +134,38 @@ def run_backend(name: str, device: torch.device | str | None = None) -> BackendR
 
         return forward_and_watch
 
-    for name, layer in llm.runner.attn_layers.items():
-        layer.impl.forward = watch_return(name, layer.impl.forward)
-    hooks = [layer.register_forward_hook(record_output) for layer in llm.runner.attn_layers.values()]
-    hooks += [layer.register_forward_pre_hook(record_kv) for layer in llm.runner.attn_layers.values()]
-    llm.add_step_listener(record_step)
-    try:
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in _PROMPTS], SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, ignore_eos=True)
+    def record_step(event: StepEvent) -> None:
+        lengths = step_lengths(event)
+        record = StepRecord(
+            event.step, list(event.result.batch.req_ids), lengths["context_lens"], lengths["query_lens"],
+            dict(outputs), returned=dict(returned),
         )
+        for layer_name, (key, value) in new_kv.items():
+            error = cache_write_error(
+                llm.runner.attn_layers[layer_name], key, value, event.result.slot_mapping[layer_name]
+            )
+            if error:
+                record.cache_errors[layer_name] = error
+        steps.append(record)
+        outputs.clear()
+        new_kv.clear()
+        returned.clear()
+
+    layers = llm.runner.attn_layers
+    for layer_name, layer in layers.items():
+        layer.impl.forward = watch_return(layer_name, layer.impl.forward)
+    hooks = [layer.register_forward_hook(record_output) for layer in layers.values()]
+    hooks += [layer.register_forward_pre_hook(record_kv) for layer in layers.values()]
+    llm.add_step_listener(record_step)
+    params = SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, ignore_eos=True)
+    try:
+        results = llm.generate([{"prompt_token_ids": p} for p in _PROMPTS], params)
     finally:
         for hook in hooks:
             hook.remove()
     return BackendRun(
-        {n: layer.attn_backend.get_name() for n, layer in llm.runner.attn_layers.items()},
-        [o.outputs[0].token_ids for o in outs],
+        {n: layer.attn_backend.get_name() for n, layer in layers.items()},
+        [r.outputs[0].token_ids for r in results],
         steps,
     )
 
@@ -282,13 +283,15 @@ def check_backend(backend: Any, device: torch.device | str | None = None) -> Che
         name = backend.get_name()
         impl_cls, builder_cls = backend.get_impl_cls(), backend.get_builder_cls()
     except TypeError as exc:
-        return CheckResult(False, f"The backend class is incomplete: {exc}. It needs get_name, get_impl_cls and get_builder_cls.")
+        return CheckResult(
+            False, f"The backend class is incomplete: {exc}. It needs get_name, get_impl_cls and get_builder_cls."
+        )
     if name == REFERENCE_BACKEND or name in ("TRITON_ATTN", "FLASH_ATTN"):
         return CheckResult(False, f"{name!r} is a built-in backend's name; give yours a name of its own.")
     register_backend(backend)
     try:
         mine = run_backend(name, device)
-    except Exception as exc:  # the student's code may fail anywhere; say where
+    except Exception as exc:  # noqa: BLE001  (the student's code may fail anywhere; say where)
         return CheckResult(
             False,
             f"Serving with {name} failed: {type(exc).__name__}: {exc}. "

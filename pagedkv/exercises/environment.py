@@ -26,7 +26,7 @@ def _package_version(module: str) -> str:
     """`module.__version__`, or why it cannot be imported."""
     try:
         return getattr(importlib.import_module(module), "__version__", "installed")
-    except Exception as exc:  # ImportError, or a broken install raising something else
+    except Exception as exc:  # noqa: BLE001  (ImportError, or a broken install raising something else)
         return f"not available ({type(exc).__name__})"
 
 
@@ -48,7 +48,19 @@ def environment_report() -> dict[str, str]:
         report["gpu"] = "none visible"
     report["triton"] = _package_version("triton")
     report["flash-attn"] = _package_version("flash_attn")
+    flavour = _flash_attn_flavour()
+    if flavour is not None:
+        report["flash-attn"] += f" (the FLASH_ATTN backend would use flash-attn {flavour})"
     return report
+
+
+def _flash_attn_flavour() -> int | None:
+    """Which flash-attn the FLASH_ATTN backend would use here (4 or 2), or None."""
+    try:
+        from pagedkv.attention.backends.flash_attn import flash_attn_version
+    except ImportError:
+        return None
+    return flash_attn_version()
 
 
 @dataclass(frozen=True)
@@ -65,14 +77,15 @@ class NotebookInfo:
 
 WORKBOOK: list[NotebookInfo] = [
     NotebookInfo("00_start_here", "this notebook: the machine, the map, a first engine", "cpu"),
-    NotebookInfo("01_the_model_file", "LlamaAttention: qkv, RoPE, attn, o_proj; MHA / GQA / MQA; TP head layout", "cpu"),
+    NotebookInfo("01_the_model_file", "LlamaAttention: qkv, RoPE, attn, o_proj; MHA / GQA / MQA; TP heads", "cpu"),
     NotebookInfo("02_paged_kv_cache", "block pool, block tables, slot mapping, the null block", "cpu"),
     NotebookInfo("03_the_forward_context", "layers find per-step data by name; the torch.ops.pagedkv ops", "cpu"),
     NotebookInfo("04_attention_backends", "backend / builder / impl; the selector; write your own backend", "cpu"),
-    NotebookInfo("05_attention_groups_and_metadata", "KV cache groups, attention groups, CommonAttentionMetadata", "cpu"),
+    NotebookInfo("05_attention_groups_and_metadata", "KV cache groups, attention groups, common metadata", "cpu"),
     NotebookInfo("06_triton_kernels", "paged attention and cache writes as Triton kernels", "triton"),
     NotebookInfo("07_flash_attention", "the FLASH_ATTN backend on a GPU", "flash-attn"),
-    NotebookInfo("08_cuda_graphs_and_torch_compile", "piecewise and full CUDA graphs, torch.compile", "cuda", later=True),
+    NotebookInfo("08_cuda_graphs_and_torch_compile", "piecewise and full CUDA graphs, torch.compile", "cuda",
+                 later=True),
     NotebookInfo("09_serving_end_to_end", "continuous batching, chunked prefill, preemption, throughput", "cpu"),
 ]
 
@@ -85,13 +98,16 @@ def runs_here(needs: str) -> str:
     if needs == "triton":
         if "not available" in _package_version("triton"):
             return "no: triton is not installed"
-        return "yes (native kernels)" if cuda else "yes, in the Triton interpreter (TRITON_INTERPRET=1): slow, tiny shapes"
+        if cuda:
+            return "yes (native kernels)"
+        return "yes, in the Triton interpreter (TRITON_INTERPRET=1): slow, tiny shapes"
     if needs == "cuda":
         return "yes" if cuda else "no: needs a CUDA GPU"
     if needs == "flash-attn":
         if not cuda:
             return "no: needs a CUDA GPU with flash-attn"
-        return "yes" if "not available" not in _package_version("flash_attn") else "no: flash-attn is not installed"
+        flavour = _flash_attn_flavour()
+        return f"yes (flash-attn {flavour})" if flavour is not None else "no: flash-attn is not installed"
     raise ValueError(f"Unknown requirement {needs!r}.")
 
 
@@ -121,7 +137,9 @@ def check_backend_choice(llm: LLM, answer: object, layer_name: str = "model.laye
     if answer.upper() == chosen:
         return CheckResult(False, f"Almost: backend names are upper case, {chosen!r}.")
     if answer not in report:
-        return CheckResult(False, f"{answer!r} is not a registered backend; the registry holds {registered_backends()}.")
+        return CheckResult(
+            False, f"{answer!r} is not a registered backend; the registry holds {registered_backends()}."
+        )
     if report[answer]:
         return CheckResult(False, f"{answer} cannot serve this layer here: {'; '.join(report[answer])}.")
     return CheckResult(

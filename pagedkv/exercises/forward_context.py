@@ -16,23 +16,6 @@ from pagedkv.forward_context import get_forward_context
 _FIELDS = ("attn_metadata", "layer", "kv_cache", "slot_mapping")
 
 
-def capture_forward_context(llm: LLM, prompt_token_ids: list[int], max_tokens: int = 1,
-                            layer_name: str | None = None) -> list[Any]:
-    """Run a request and return the ForwardContext seen by `layer_name` (default: the first layer) in each step.
-
-    The context only exists while the model runs, so a forward pre-hook on the attention
-    layer grabs it from inside the pass.
-    """
-    layer = llm.runner.attn_layers[layer_name or next(iter(llm.runner.attn_layers))]
-    seen: list[Any] = []
-    hook = layer.register_forward_pre_hook(lambda module, args: seen.append(get_forward_context()))
-    try:
-        llm.generate([{"prompt_token_ids": prompt_token_ids}], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    finally:
-        hook.remove()
-    return seen
-
-
 def _same(got: Any, expected: Any) -> bool:
     if isinstance(expected, torch.Tensor):
         return isinstance(got, torch.Tensor) and got.data_ptr() == expected.data_ptr() and got.shape == expected.shape
@@ -77,7 +60,7 @@ def check_attention_context(llm: LLM, fn: Callable[[str], Any]) -> CheckResult:
         expected = get_attention_context(name)
         try:
             got = fn(name)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
             problems.append(f"{_signature(name)} raised {type(exc).__name__}: {exc}")
             return
         if not isinstance(got, tuple) or len(got) != 4:
@@ -91,7 +74,8 @@ def check_attention_context(llm: LLM, fn: Callable[[str], Any]) -> CheckResult:
 
     hooks = [layer.register_forward_pre_hook(compare) for layer in llm.runner.attn_layers.values()]
     try:
-        llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], params)
     finally:
         for hook in hooks:
             hook.remove()

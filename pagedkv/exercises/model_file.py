@@ -60,7 +60,8 @@ def check_qkv_width(answer: Any, *, num_heads: int, num_kv_heads: int, head_dim:
     }
     if tp_size > 1:
         hints.setdefault((num_heads + 2 * num_kv_heads) * d,
-                         f"that is the whole model's qkv_proj; with tp_size {tp_size} a rank holds only its share of the heads")
+                         f"that is the whole model's qkv_proj; with tp_size {tp_size} a rank holds only "
+                         "its share of the heads")
         hints.setdefault((num_heads // tp_size + 2 * (num_kv_heads // tp_size)) * d,
                          f"{num_kv_heads} KV heads cannot be split {tp_size} ways without giving some rank less than "
                          "a whole head: each rank keeps one whole KV head (replicated)")
@@ -95,7 +96,7 @@ def check_head_layout(fn: Callable[[int, int, int], Any]) -> CheckResult:
             want = (expected.num_heads, expected.num_kv_heads, expected.kv_head_replicas)
             try:
                 got_raw = fn(hq, hkv, tp)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
                 return CheckResult(False, f"fn({hq}, {hkv}, {tp}) raised {type(exc).__name__}: {exc}.")
             got = _as_triple(got_raw)
             case = f"{hq} query heads, {hkv} KV heads, tp_size {tp}"

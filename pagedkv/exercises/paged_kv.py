@@ -11,7 +11,7 @@ import copy
 from dataclasses import dataclass
 
 from pagedkv.engine.llm import LLM
-from pagedkv.exercises import CheckResult, compare
+from pagedkv.exercises import CheckResult
 
 
 def show_cache_state(llm: LLM, group: int = 0) -> str:
@@ -117,9 +117,10 @@ def check_next_slot_mapping(llm: LLM, answer: object) -> CheckResult:
     expected = [t.slot for t in tokens]
     if answer is ... or answer is None:
         return CheckResult(False, f"Replace `...` with a list of {len(expected)} slots, one per token of the next step.")
-    if not isinstance(answer, (list, tuple)) or len(answer) != len(expected):
-        return compare("next step's slot mapping", answer, expected,
-                       f"the next step has {len(expected)} token(s): one decode token per running request.")
+    if not isinstance(answer, (list, tuple)):
+        return CheckResult(False, f"The answer is a list of slot numbers, got {type(answer).__name__}.")
+    if len(answer) != len(expected):
+        return CheckResult(False, f"The next step computes {len(expected)} token(s); you gave {len(answer)} slot(s).")
     for token, got in zip(tokens, answer):
         if got != token.slot:
             return CheckResult(False, "next step's slot mapping: " + token.explain(got))

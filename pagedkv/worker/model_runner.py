@@ -68,34 +68,34 @@ class ModelRunner:
         return {name: spec for name, spec in specs.items() if spec is not None}
 
     @torch.inference_mode()
-    def profile_run(self) -> int:
-        """Run the largest batch without metadata (attention outputs zeros); return peak bytes."""
+    def profile_run(self) -> None:
+        """Run the largest batch without metadata (attention outputs zeros), so that its
+        activations are counted before the KV cache takes what memory is left."""
         n = self.config.scheduler_config.max_num_batched_tokens
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         positions = torch.arange(n, device=self.device) % self.config.model_config.max_model_len
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
         with set_forward_context(None, self.config):
             hidden = self.model(ids, positions)
         self.model.compute_logits(hidden[-self.config.scheduler_config.max_num_seqs:])
-        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
 
     def determine_kv_cache_config(self) -> KVCacheConfig:
         specs = self.get_kv_cache_specs()
         cache = self.config.cache_config
         if cache.num_kv_blocks is not None:
             return get_kv_cache_config(specs, num_blocks=cache.num_kv_blocks)
-        peak = self.profile_run()
+        self.profile_run()
         if cache.kv_cache_memory is not None:
             budget = cache.kv_cache_memory
         elif self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = int(total * cache.memory_utilization) - peak
+            # What is still free after the weights and the profile run's activations, minus the
+            # share of the GPU the engine must leave alone (other engines in this process count too).
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - (1.0 - cache.memory_utilization) * total)
         else:
             budget = CPU_DEFAULT_KV_CACHE_BYTES
         config = get_kv_cache_config(specs, memory_bytes=max(budget, 0))
-        if self.device.type == "cpu" and cache.kv_cache_memory is None:
-            # On the CPU, allocate no more than a full batch of max-length requests needs.
+        if cache.kv_cache_memory is None:
+            # Never more than a full batch of max-length requests can use.
             sched = self.config.scheduler_config
             needed = sched.max_num_seqs * math.ceil(self.config.model_config.max_model_len / self.block_size) + 1
             config.num_blocks = min(config.num_blocks, needed)
