@@ -46,7 +46,10 @@ def test_scatter_checker_accepts_reference_kernel() -> None:
 
 def test_scatter_checker_catches_padding_writes() -> None:
     result = check_scatter_kernel(_launcher(skip_padding=False))
-    assert not result.ok and "slot -1" in result.message
+    # The padding token lands in slot 0. If a real token owns slot 0 too, which write wins is a
+    # race on a GPU, so the checker may report either the clobbered token or the stray write.
+    assert not result.ok
+    assert "slot -1" in result.message or "does not hold its" in result.message
 
 
 def test_scatter_checker_catches_torch_mistake() -> None:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from pagedkv.exercises import CheckResult, compare
+from pagedkv.platforms import default_device
 from pagedkv.worker.attn_utils import to_kernel_block_table
 
 ScatterFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -21,7 +22,8 @@ def _scatter_case(seed: int, num_tokens: int, block_size: int, num_kv_heads: int
     slots[torch.randperm(num_tokens, generator=gen)[: max(1, num_tokens // 4)]] = -1  # padding tokens
     # The engine's layout: one (2, blocks, block_size, heads, head_size) tensor, K and V as views.
     kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size)
-    return key, value, kv_cache, slots
+    device = default_device()  # compiled Triton needs GPU tensors; the interpreter takes CPU ones
+    return key.to(device), value.to(device), kv_cache.to(device), slots.to(device)
 
 
 def check_scatter_kernel(scatter: ScatterFn) -> CheckResult:
