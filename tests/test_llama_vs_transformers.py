@@ -16,6 +16,7 @@ CONFIGS = {
     "mha": dict(num_attention_heads=4, num_key_value_heads=4),
     "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
     "mqa": dict(num_attention_heads=4, num_key_value_heads=1),
+    "dynamic-rope-head_dim-80": dict(num_key_value_heads=1, head_dim=80, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
     "biases-head_dim-32": dict(attention_bias=True, mlp_bias=True, head_dim=32, num_key_value_heads=2),
     "llama3-rope-tied": dict(
         num_attention_heads=8, num_key_value_heads=2, hidden_size=64, tie_word_embeddings=True,

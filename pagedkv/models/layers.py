@@ -28,7 +28,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     """Inverse frequencies of the rotary embedding, with Llama-3 or linear scaling applied."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
+    if rope_type in ("default", "dynamic"):
+        # Dynamic NTK scaling only changes the frequencies for sequences longer than the
+        # model's max_position_embeddings, which the engine never runs (max_model_len is capped).
         return inv_freq.float()
     if rope_type == "linear":
         return (inv_freq / scaling["factor"]).float()
@@ -44,7 +46,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         scaled = (1 - blend) * inv_freq / factor + blend * inv_freq
         return scaled.float()
     raise NotImplementedError(
-        f"RoPE scaling type {rope_type!r} is not supported; supported: 'default', 'linear', 'llama3'."
+        f"RoPE scaling type {rope_type!r} is not supported; supported: 'default', 'linear', 'dynamic', 'llama3'."
     )
 
 
