@@ -72,7 +72,6 @@ class ParallelConfig:
     """Tensor parallelism (this package runs one rank; the head layout is still computed per rank)."""
 
     tensor_parallel_size: int = 1
-    rank: int = 0
 
 
 @dataclass
@@ -82,7 +81,6 @@ class CompilationConfig:
     static_forward_context: dict[str, Any] = field(default_factory=dict)
     """Map from layer name to the layer objects that must be reachable outside model code."""
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
-    cudagraph_capture_sizes: list[int] = field(default_factory=list)
     splitting_ops: list[str] = field(
         default_factory=lambda: [
             "pagedkv::unified_attention_with_output",

@@ -382,21 +382,15 @@ def _metadata_records(attn_metadata: dict[str, Any]) -> list[MetadataRecord]:
 def step_record(event: StepEvent, llm: LLM, duration_s: float) -> StepRecord:
     """Turn a `StepEvent` into plain data.
 
-    The event arrives after `Scheduler.update`, which already advanced every scheduled
-    request by its `num_new_tokens` and appended its sampled token; both are undone here so
-    the record describes the request as the step saw it.
+    The event arrives after `Scheduler.update` has advanced the requests; the
+    `ScheduledRequest`s keep what the step itself saw (computed tokens, decode or prefill).
     """
     sched, result = event.scheduler_output, event.result
-    sampled = set(result.batch.sampling_req_ids)
     requests = []
     for s in sched.scheduled:
         req = s.request
-        computed = req.num_computed_tokens - s.num_new_tokens
-        num_tokens = req.num_tokens - (req.request_id in sampled)
-        # vLLM's rule: a decode computes exactly the one token sampled last step.
-        decode = s.num_new_tokens == 1 and computed == num_tokens - 1 and num_tokens > req.num_prompt_tokens
         requests.append(RequestRecord(
-            req.request_id, "decode" if decode else "prefill", computed, s.num_new_tokens,
+            req.request_id, "decode" if s.is_decode else "prefill", s.num_computed_tokens, s.num_new_tokens,
             req.num_prompt_tokens, event.block_ids[req.request_id],
         ))
     manager = llm.kv_cache_manager

@@ -152,3 +152,10 @@ def test_cli_backends_table() -> None:
     done = subprocess.run([sys.executable, "-m", "pagedkv", "backends", "--device", "cpu"],
                           capture_output=True, text=True, timeout=300, check=True)
     assert "TORCH_REF" in done.stdout and "FLASH_ATTN" in done.stdout
+
+
+def test_one_token_prompt_counts_as_prefill() -> None:
+    """Phases are fixed when a step is planned, so a 1-token prompt's step stays a prefill."""
+    llm = LLM("tiny", device="cpu", num_kv_blocks=8)
+    llm.generate({"prompt_token_ids": [5]}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert (llm.stats.num_prefill_tokens, llm.stats.num_decode_tokens) == (1, 2)

@@ -62,15 +62,7 @@ class Attention(nn.Module):
         self.block_size = config.cache_config.block_size
 
         self.attn_backend = attn_backend or get_attn_backend(
-            head_size=head_size,
-            dtype=self.dtype,
-            kv_cache_dtype=self.kv_cache_dtype,
-            block_size=self.block_size,
-            attn_type=attn_type,
-            sliding_window=sliding_window,
-            device=config.device,
-            selected=config.attention_backend,
-            layer_name=prefix,
+            **self.selector_kwargs(), device=config.device, selected=config.attention_backend, layer_name=prefix
         )
         self.impl = self.attn_backend.get_impl_cls()(
             num_heads, head_size, scale, num_kv_heads, sliding_window, self.kv_cache_dtype, attn_type
@@ -90,6 +82,13 @@ class Attention(nn.Module):
 
         # An empty placeholder until the runner binds this layer's view of the cache.
         self.kv_cache = torch.tensor([])
+
+    def selector_kwargs(self) -> dict[str, Any]:
+        """What the selector asks backends about this layer (`validate_configuration`'s keywords)."""
+        return dict(
+            head_size=self.head_size, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
+            block_size=self.block_size, attn_type=self.attn_type, sliding_window=self.sliding_window,
+        )
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Called once by the runner: this layer's view of its group's backing buffer."""

@@ -75,10 +75,6 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
-
     def check_stop(self, max_model_len: int) -> bool:
         """Set the finish reason after a new token; True when the request is done."""
         last = self.output_token_ids[-1]

@@ -15,7 +15,7 @@ with `num_computed_tokens = 0`, to be recomputed later. Nothing is ever dropped.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedkv.config import SchedulerConfig
 from pagedkv.engine.request import Request, RequestStatus
@@ -24,21 +24,22 @@ from pagedkv.kv_cache.manager import KVCacheManager
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step."""
+    """One request's share of a step, as planned: a snapshot that `Scheduler.update` does not change."""
 
     request: Request
     num_new_tokens: int
     """Query length this step: positions num_computed_tokens ... + num_new_tokens - 1."""
+    num_computed_tokens: int = field(init=False)
+    """Tokens already in the KV cache when the step was planned (its context_len)."""
+    samples: bool = field(init=False)
+    """The step computes the request's last known token, so a new one is sampled."""
+    is_decode: bool = field(init=False)
+    """One new token right after a sampled one (vLLM's decode)."""
 
-    @property
-    def is_decode(self) -> bool:
-        req = self.request
-        return self.num_new_tokens == 1 and bool(req.output_token_ids) and req.num_computed_tokens == req.num_tokens - 1
-
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the request's last known token, so a new one is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.num_computed_tokens = self.request.num_computed_tokens
+        self.samples = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        self.is_decode = self.num_new_tokens == 1 and self.samples and bool(self.request.output_token_ids)
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Any
 
 from pagedkv.engine.llm import LLM, StepEvent
@@ -14,15 +13,15 @@ from pagedkv.kv_cache.spec import SlidingWindowSpec
 
 
 def step_lengths(event: StepEvent) -> dict[str, list[int]]:
-    """context_lens, query_lens and seq_lens of a recorded step, per request in batch order."""
-    batch = event.result.batch
-    qsl = batch.query_start_loc_cpu.tolist()
-    query_lens = [b - a for a, b in pairwise(qsl)]
-    seq_lens = batch.seq_lens_cpu.tolist()
+    """context_lens, query_lens and seq_lens of a recorded step, per request in batch order.
+
+    Read off the step's CommonAttentionMetadata (the lengths are the same in every KV cache group).
+    """
+    common = event.runner.common_attn_metadata(event.result.batch, kv_group=0)
     return {
-        "context_lens": [s - q for s, q in zip(seq_lens, query_lens)],
-        "query_lens": query_lens,
-        "seq_lens": seq_lens,
+        "context_lens": common.context_lens_cpu.tolist(),
+        "query_lens": common.query_lens_cpu.tolist(),
+        "seq_lens": common.seq_lens_cpu.tolist(),
     }
 
 

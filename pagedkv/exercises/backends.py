@@ -46,22 +46,10 @@ _QUERY_POSITIONS = (
 )
 
 
-def layer_selector_kwargs(layer: Attention) -> dict[str, Any]:
-    """What the selector is asked about `layer` (the keyword arguments of `validate_configuration`)."""
-    return {
-        "head_size": layer.head_size,
-        "dtype": layer.dtype,
-        "kv_cache_dtype": layer.kv_cache_dtype,
-        "block_size": layer.block_size,
-        "attn_type": layer.attn_type,
-        "sliding_window": layer.sliding_window,
-    }
-
-
 def selector_report(llm: LLM, layer_name: str) -> dict[str, list[str]]:
     """Every registered backend -> its reasons for rejecting `layer_name` of `llm` (empty = usable)."""
     layer = llm.runner.attn_layers[layer_name]
-    return backend_report(llm.config.device, **layer_selector_kwargs(layer))
+    return backend_report(llm.config.device, **layer.selector_kwargs())
 
 
 @dataclass

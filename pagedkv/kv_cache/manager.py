@@ -26,10 +26,6 @@ class KVCacheManager:
         self.block_pools = [BlockPool(kv_cache_config.num_blocks) for _ in self.specs]
         self.req_to_blocks: dict[str, list[list[KVCacheBlock]]] = {}
 
-    @property
-    def num_groups(self) -> int:
-        return len(self.specs)
-
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks one request of `num_tokens` tokens holds at most, in its hungriest group."""
         return max(spec.blocks_needed(num_tokens) for spec in self.specs)

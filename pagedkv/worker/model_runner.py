@@ -58,6 +58,8 @@ class ModelRunner:
         self.kv_cache_config: KVCacheConfig
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.attn_groups: list[list[AttentionGroup]] = []
+        self.layer_kv_group: dict[str, int] = {}
+        """Layer name -> its KV cache group: whose slot mapping the layer reads each step."""
         self.block_tables: list[BlockTable] = []
 
     # ---- start-up -------------------------------------------------------------------
@@ -121,6 +123,9 @@ class ModelRunner:
             target = layer.kv_sharing_target_layer_name
             layer.bind_kv_cache(self.kv_caches[target if target is not None else name])
         self.attn_groups = init_attn_groups(self.attn_layers, kv_cache_config, self.config, self.device)
+        self.layer_kv_group = {
+            name: group.kv_cache_group_id for groups in self.attn_groups for group in groups for name in group.layer_names
+        }
         max_blocks = math.ceil(self.config.model_config.max_model_len / self.block_size)
         self.block_tables = [
             BlockTable(self.config.scheduler_config.max_num_seqs, max_blocks, g.kv_cache_spec.block_size, self.device)
@@ -140,7 +145,7 @@ class ModelRunner:
         sampling_req_ids: list[str] = []
         for i, s in enumerate(sched.scheduled):
             req = s.request
-            start = req.num_computed_tokens
+            start = s.num_computed_tokens
             end = start + s.num_new_tokens
             token_ids += req.all_token_ids[start:end]
             positions += range(start, end)
@@ -197,10 +202,7 @@ class ModelRunner:
         batch = self.prepare_inputs(sched, block_ids)
         commons = [self.common_attn_metadata(batch, g) for g in range(len(self.block_tables))]
         attn_metadata = build_attn_metadata(self.attn_groups, commons)
-        slot_mapping = {
-            name: batch.slot_mappings[group.kv_cache_group_id]
-            for groups in self.attn_groups for group in groups for name in group.layer_names
-        }
+        slot_mapping = {name: batch.slot_mappings[g] for name, g in self.layer_kv_group.items()}
         descriptor = BatchDescriptor(num_tokens=batch.num_tokens, uniform_decode=batch.max_query_len == 1)
         with set_forward_context(attn_metadata, self.config, slot_mapping=slot_mapping, batch_descriptor=descriptor):
             hidden = self.model(batch.input_ids, batch.positions)
