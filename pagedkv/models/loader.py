@@ -53,15 +53,54 @@ def load_config(model: str) -> LlamaConfig:
     return LlamaConfig.from_hf_dict(hf)
 
 
+# Presets drawn on the CPU with weights scaled so that attention decides the output.
+ATTENTION_DRIVEN_PRESETS = ("tiny", "tiny-hybrid")
+
+
+def init_preset_weights(net: LlamaForCausalLM, model: str, seed: int) -> None:
+    """Seeded random weights for a preset; RMSNorm weights keep their 1s.
+
+    N(0, 0.02) everywhere (Hugging Face's Llama init) leaves a tiny model nearly blind to its
+    context: the residual stream is almost only the current token's embedding, and with tied
+    embeddings greedy decoding repeats the last prompt token whatever attention computes, so
+    a broken attention backend would still produce the right tokens. The tiny presets are
+    scaled instead so that attention decides the next token:
+
+    - q, k, v, o: std 2 / sqrt(fan_in). Scores q.k / sqrt(head_dim) spread over several units,
+      so each head attends to a few context positions, and what it reads (v, o) outweighs the
+      current token's embedding in the residual stream.
+    - MLP: std 1 / sqrt(fan_in).
+    - Embeddings (tied with lm_head): std 0.5, so logits spread by about sqrt(hidden) * 0.5 and
+      greedy choices are rarely near a tie.
+
+    Replacing attention by zeros, or never writing the KV cache, then changes the greedy
+    continuation of every prompt of the engine tests (tests/test_broken_backends.py checks it).
+    The tiny presets are drawn on the CPU, so every device gets the same weights; the others
+    (benchmark shapes, billions of weights) are drawn on their device with N(0, 0.02).
+    """
+    if model not in ATTENTION_DRIVEN_PRESETS:
+        generator = torch.Generator(device=net.lm_head.weight.device).manual_seed(seed)
+        for name, param in net.named_parameters():
+            if "norm" not in name:
+                param.data.normal_(0.0, 0.02, generator=generator)
+        return
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in net.named_parameters():  # the tied lm_head is the embedding: listed once
+        if "norm" in name:
+            continue
+        if "embed_tokens" in name:
+            std = 0.5
+        else:  # Linear weights are [out, in]
+            std = (2.0 if ".self_attn." in name else 1.0) / param.shape[-1] ** 0.5
+        param.data.copy_(torch.empty(param.shape).normal_(0.0, std, generator=generator))
+
+
 def load_model(model: str, config: LlamaConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
     """Build the model on `device` and fill it: checkpoint tensors, or seeded random weights."""
     with torch.device(device):
         net = LlamaForCausalLM(config)
     if model in PRESETS:
-        generator = torch.Generator(device=device).manual_seed(seed)
-        for name, param in net.named_parameters():
-            if "norm" not in name:  # norms start at 1
-                param.data.normal_(0.0, 0.02, generator=generator)
+        init_preset_weights(net, model, seed)
     else:
         from safetensors.torch import load_file
 
