@@ -9,31 +9,76 @@ import time
 from pathlib import Path
 
 from pagedkv import LLM, SamplingParams, StepEvent
+from pagedkv.engine.llm import Prompt
+
+
+def _token_ids(text: str) -> list[int]:
+    """ "1,2,3" -> [1, 2, 3]; anything else is a ValueError naming the option."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--prompt-token-ids {text!r}: expected integer token ids separated by commas, such as 1,2,3."
+        ) from None
+
+
+def _prompts(args: argparse.Namespace) -> list[Prompt]:
+    """--prompt / --prompt-token-ids in the order given, repeated --n times."""
+    if not args.prompts:
+        raise ValueError("give at least one --prompt TEXT or --prompt-token-ids 1,2,3.")
+    prompts: list[Prompt] = [p if kind == "text" else {"prompt_token_ids": _token_ids(p)} for kind, p in args.prompts]
+    return prompts * args.n
+
+
+def _show_steps(llm: LLM) -> None:
+    print(f"{'step':>4} {'reqs':>4} {'prefill':>7} {'decode':>6} {'blocks used/free':>16} {'preempt':>7}")
+
+    def show(event: StepEvent) -> None:
+        sched = event.scheduler_output
+        free = event.num_free_blocks[0]
+        used = llm.kv_cache_manager.num_usable_blocks - free
+        print(f"{event.step:>4} {len(sched.scheduled):>4} {sched.num_prefill_tokens:>7} "
+              f"{sched.num_decode_tokens:>6} {f'{used}/{free}':>16} {len(sched.preempted_req_ids):>7}")
+
+    llm.add_step_listener(show)
+
+
+def _stream(llm: LLM, prompts: list[Prompt], params: SamplingParams) -> None:
+    """Drive the engine step by step, printing each new token as `[request id] token_id 'text'`."""
+    for prompt in prompts:
+        llm.add_request(prompt, params)
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            completion = out.outputs[0]
+            if completion.token_ids:
+                token = completion.token_ids[-1]
+                piece = llm.tokenizer.decode([token]) if llm.tokenizer is not None else ""
+                print(f"[{out.request_id}] {token} {piece!r}", flush=True)
+            if out.error is not None:
+                print(f"[{out.request_id}] failed: {out.error}", flush=True)
+            elif out.finished:
+                print(f"[{out.request_id}] done ({completion.finish_reason}): {completion.text!r}", flush=True)
 
 
 def _generate(args: argparse.Namespace) -> None:
+    prompts = _prompts(args)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     llm = LLM(
         args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     if args.show_steps:
-        print(f"{'step':>4} {'reqs':>4} {'prefill':>7} {'decode':>6} {'blocks used/free':>16} {'preempt':>7}")
-
-        def show(event: StepEvent) -> None:
-            sched = event.scheduler_output
-            free = event.num_free_blocks[0]
-            used = llm.kv_cache_manager.num_usable_blocks - free
-            print(f"{event.step:>4} {len(sched.scheduled):>4} {sched.num_prefill_tokens:>7} "
-                  f"{sched.num_decode_tokens:>6} {f'{used}/{free}':>16} {len(sched.preempted_req_ids):>7}")
-
-        llm.add_step_listener(show)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+        _show_steps(llm)
     start = time.perf_counter()
-    outputs = llm.generate(args.prompt * args.n, params)
+    if args.stream:
+        _stream(llm, prompts, params)
+    else:
+        for out in llm.generate(prompts, params):
+            print(out.outputs[0].text)
+            if out.error is not None:
+                print(f"# request {out.request_id} failed: {out.error}", file=sys.stderr)
     elapsed = time.perf_counter() - start
-    for out in outputs:
-        print(out.outputs[0].text)
     s = llm.stats
     print(f"# {s.num_steps} steps, {s.num_prefill_tokens} prefill + {s.num_decode_tokens} decode tokens, "
           f"{s.num_preemptions} preemptions, {elapsed:.2f} s", file=sys.stderr)
@@ -96,9 +141,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text and optionally show every engine step")
+    gen = sub.add_parser("generate", help="generate text, optionally streaming tokens or showing every engine step")
     gen.add_argument("--model", default="tiny", help="preset name or Hugging Face model directory")
-    gen.add_argument("--prompt", action="append", required=True, help="may be given several times")
+    gen.add_argument("--prompt", dest="prompts", action="append", type=lambda text: ("text", text), default=[],
+                     metavar="TEXT", help="a text prompt; may be given several times")
+    gen.add_argument("--prompt-token-ids", dest="prompts", action="append", type=lambda ids: ("ids", ids),
+                     metavar="1,2,3", help="one prompt as comma-separated token ids; may be given several "
+                     "times (one prompt each), mixed with --prompt in the order given")
     gen.add_argument("--n", type=int, default=1, help="repeat the prompts n times (a bigger batch)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -110,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--max-num-batched-tokens", type=int, default=2048)
     gen.add_argument("--attention-backend", default=None)
     gen.add_argument("--show-steps", action="store_true", help="print a table row per engine step")
+    gen.add_argument("--stream", action="store_true",
+                     help="print every token as its step produces it: [request id] token_id 'text'")
     gen.set_defaults(func=_generate)
 
     be = sub.add_parser("backends", help="which attention backends can serve this model here, and why not")
@@ -127,7 +178,12 @@ def main(argv: list[str] | None = None) -> None:
     wb.set_defaults(func=_workbook)
 
     args = parser.parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except (ValueError, TypeError) as error:  # bad input: one line, no traceback, argparse's exit code
+        message = " ".join(str(error).split())
+        print(f"pagedkv: error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

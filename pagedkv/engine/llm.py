@@ -4,6 +4,13 @@
     outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0))
     outs[0].outputs[0].token_ids, outs[0].outputs[0].text, llm.stats
 
+Or drive it yourself and stream (what a server does):
+
+    request_id = llm.add_request("Hello", SamplingParams(max_tokens=8))
+    while llm.has_unfinished_requests():
+        for out in llm.step():              # one RequestOutput per request that got a token
+            print(out.request_id, out.outputs[0].token_ids[-1:], out.finished)
+
 One `step()` = schedule -> run the model -> sample -> update; step listeners see each one.
 """
 
@@ -27,16 +34,27 @@ from pagedkv.config import (
     SchedulerConfig,
     parse_dtype,
 )
-from pagedkv.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
+from pagedkv.engine.checks import (
+    check_bool,
+    check_device,
+    check_dtype,
+    check_float,
+    check_int,
+    check_model,
+    check_optional_int,
+    check_token_ids,
+)
+from pagedkv.engine.request import SEED_RANGE, CompletionOutput, Request, RequestOutput, SamplingParams
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.models.loader import PRESETS, load_config
 from pagedkv.models.tokenizer import get_tokenizer
-from pagedkv.platforms import default_device
 from pagedkv.worker.model_runner import ModelRunner, StepResult
 
 Prompt = str | dict[str, Any]
+"""Text, or {"prompt_token_ids": [...]}."""
+
 
 
 @dataclass
@@ -75,7 +93,11 @@ StepListener = Callable[[StepEvent], None]
 
 
 class LLM:
-    """A small paged-KV serving engine: continuous batching over one model on one device."""
+    """A small paged-KV serving engine: continuous batching over one model on one device.
+
+    Every argument is checked here, before anything is built: a wrong type is a `TypeError`,
+    a value out of range a `ValueError`, each naming the argument.
+    """
 
     def __init__(
         self,
@@ -94,27 +116,45 @@ class LLM:
         memory_utilization: float = 0.9,
         seed: int = 0,
     ) -> None:
-        device = torch.device(device) if device is not None else default_device()
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        model = check_model(model, sorted(PRESETS))
+        device = check_device(device)
+        dtype = check_dtype(dtype, device)
+        block_size = check_int("block_size", block_size, 1, hint=" (tokens per KV cache block)")
+        num_kv_blocks = check_optional_int(
+            "num_kv_blocks", num_kv_blocks, 2,
+            hint=" or None: at least 2 are needed (block 0 is the reserved null block); None sizes the cache "
+                 "from memory",
+        )
+        max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1, hint=" (most requests in one step)")
+        max_num_batched_tokens = check_int(
+            "max_num_batched_tokens", max_num_batched_tokens, 1, hint=" (the token budget of one step)"
+        )
+        max_model_len = check_optional_int(
+            "max_model_len", max_model_len, 2,
+            hint=" or None for the model's limit (room for a 1-token prompt and one new token)",
+        )
+        if attention_backend is not None and not isinstance(attention_backend, str):
+            raise TypeError(f"attention_backend must be a backend name (str) or None, got {attention_backend!r}.")
+        enable_chunked_prefill = check_bool("enable_chunked_prefill", enable_chunked_prefill)
+        kv_cache_memory = check_optional_int("kv_cache_memory", kv_cache_memory, 1, hint=" (bytes) or None")
+        memory_utilization = check_float("memory_utilization", memory_utilization, 0, 1, low_open=True)
+        seed = check_int("seed", seed, *SEED_RANGE)
+
         model_cfg = load_config(model)
-        if dtype is None:  # CPU: float32 (fast and exact there); GPU: bfloat16
-            dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-        max_model_len = max_model_len or model_cfg.max_position_embeddings
+        if max_model_len is None:  # only None means "the model's limit"
+            max_model_len = model_cfg.max_position_embeddings
         if max_model_len > model_cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
                 f"({model_cfg.max_position_embeddings})."
             )
-        if block_size < 1:
-            raise ValueError(f"block_size must be a positive number of tokens, got {block_size}.")
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"Without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
                 f"max_model_len ({max_model_len}) so that any prompt fits one step."
             )
         self.config = EngineConfig(
-            model_config=ModelConfig(model=model, dtype=parse_dtype(dtype), max_model_len=max_model_len, seed=seed),
+            model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
             cache_config=CacheConfig(
                 block_size=block_size, num_kv_blocks=num_kv_blocks,
                 kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization,
@@ -137,6 +177,7 @@ class LLM:
         self.stats = EngineStats()
         self._listeners: list[StepListener] = []
         self._ids = itertools.count()
+        # Unfinished requests only: a record goes when its final output is returned or it is aborted.
         self._requests: dict[str, Request] = {}
 
     def _eos_token_ids(self, model: str) -> list[int]:
@@ -161,11 +202,37 @@ class LLM:
     # ---- requests --------------------------------------------------------------------
 
     def add_request(self, prompt: Prompt, params: SamplingParams) -> str:
-        """Queue one prompt; returns its request id."""
+        """Queue one prompt; returns its request id. Bad input raises and queues nothing."""
+        return self._add(*self._prepare(prompt, params))
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop an unfinished (waiting or running) request now and free its blocks.
+
+        Returns False, and does nothing, for an id that is not unfinished: unknown, aborted
+        already, or finished (its last output came from `step`) -- as in vLLM, where a request
+        may well finish in the step just before its abort.
+        """
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str (what add_request returned), got {request_id!r}.")
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self._end(request, "abort")
+        self._forget(request)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None, SamplingParams]:
+        """Check one prompt and its parameters completely; nothing is queued here."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"Sampling parameters must be a SamplingParams, got {params!r}.")
+        params.validate()  # again: fields may have been changed since the object was made
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise ValueError(f"A dict prompt needs 'prompt_token_ids', got keys {sorted(prompt)}.")
-            token_ids = [int(t) for t in prompt["prompt_token_ids"]]
+            token_ids = check_token_ids("prompt_token_ids", prompt["prompt_token_ids"])
         elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
@@ -176,32 +243,73 @@ class LLM:
         else:
             raise TypeError(f"A prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}.")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"Prompt token ids must be in [0, {vocab}) for this model.")
-        request = Request(str(next(self._ids)), token_ids, params, eos_token_ids=self.eos_token_ids)
+        if any(t >= vocab for t in token_ids):
+            raise ValueError(
+                f"Prompt token ids must be in [0, {vocab}) for this model, got {max(token_ids)}."
+            )
+        self.scheduler.check_request(len(token_ids), params.max_tokens)
+        return token_ids, prompt if isinstance(prompt, str) else None, params
+
+    def _add(self, token_ids: list[int], text: str | None, params: SamplingParams) -> str:
+        request = Request(str(next(self._ids)), token_ids, params, eos_token_ids=self.eos_token_ids, prompt=text)
         self.scheduler.add_request(request)
         self._requests[request.request_id] = request
         return request.request_id
 
-    def step(self) -> list[Request]:
-        """Run one engine step; returns the requests that finished in it."""
+    def _end(self, request: Request, reason: str, error: BaseException | None = None) -> None:
+        """Finish an unfinished request early ("abort", "error"): out of the scheduler, blocks freed."""
+        self.scheduler.finish_request(request, reason)
+        if error is not None:
+            request.error = f"{type(error).__name__}: {error}"
+
+    def _forget(self, request: Request) -> None:
+        """Drop a finished request's record and sampler state."""
+        self.sampler.forget(request.request_id)
+        self._requests.pop(request.request_id, None)
+
+    # ---- stepping --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; a `RequestOutput` per request that got a token (or failed) in it.
+
+        Outputs are cumulative (all tokens and text so far) with `finished` set on a request's
+        last one, after which the engine forgets the request. With nothing to do, returns [].
+
+        Failures: a request whose sampling raises is finished with finish_reason "error" (the
+        reason in `RequestOutput.error`) while the others go on. When the model forward itself
+        raises, no single request can be blamed (they share the batch), and retrying would most
+        likely raise again; vLLM's engine core shuts down in that case. Here the step's requests
+        are finished with an error and their blocks freed, then the exception is re-raised with
+        a note naming them: the error is not hidden, and the engine serves later requests.
+        """
+        if not self.scheduler.has_unfinished_requests():
+            return []
         sched = self.scheduler.schedule()
+        self.stats.num_preemptions += len(sched.preempted_req_ids)
         if not sched.scheduled:
-            raise RuntimeError("Nothing could be scheduled although requests are waiting.")
+            raise RuntimeError("Nothing could be scheduled although requests are unfinished (an engine bug).")
         block_ids = {s.request.request_id: self.kv_cache_manager.get_block_ids(s.request.request_id) for s in sched.scheduled}
         start = time.perf_counter()
-        result = self.runner.execute_model(sched, block_ids)
-        params = [self._requests[r].sampling_params for r in result.batch.sampling_req_ids]
-        tokens = self.sampler(result.logits, result.batch.sampling_req_ids, params) if params else []
+        try:
+            result = self.runner.execute_model(sched, block_ids)
+        except Exception as error:  # not KeyboardInterrupt: a step interrupted that way can simply run again
+            self._fail_step(sched, error)
+            raise
+        requests = [self._requests[r] for r in result.batch.sampling_req_ids]
+        sampled = self.sampler(
+            result.logits, [r.request_id for r in requests], [r.sampling_params for r in requests]
+        ) if requests else []
         self.stats.model_time_s += time.perf_counter() - start
-        finished = self.scheduler.update(sched, dict(zip(result.batch.sampling_req_ids, tokens)))
+        tokens = {r.request_id: t for r, t in zip(requests, sampled) if not isinstance(t, Exception)}
+        finished = self.scheduler.update(sched, tokens)
+        for request, token in zip(requests, sampled):
+            if isinstance(token, Exception):  # this request's failure alone: the others go on
+                self._end(request, "error", token)
+                finished.append(request)
+        outputs = [self._output(r) for r in requests]
         for request in finished:
-            self.sampler.forget(request.request_id)
-        self.stats.num_steps += 1
-        self.stats.num_preemptions += len(sched.preempted_req_ids)
-        self.stats.num_prefill_tokens += sched.num_prefill_tokens
-        self.stats.num_decode_tokens += sched.num_decode_tokens
-        self.stats.num_finished_requests += len(finished)
+            self._forget(request)
+        self._count(sched, finished)
         if self._listeners:
             event = StepEvent(
                 step=self.stats.num_steps, scheduler_output=sched, result=result, block_ids=block_ids,
@@ -210,10 +318,37 @@ class LLM:
             )
             for listener in list(self._listeners):
                 listener(event)
-        return finished
+        return outputs
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+    def _fail_step(self, sched: SchedulerOutput, error: Exception) -> None:
+        req_ids = [s.request.request_id for s in sched.scheduled]
+        for s in sched.scheduled:
+            self._end(s.request, "error", error)
+            self._forget(s.request)
+        error.add_note(
+            f"pagedkv: the model step failed, so its requests {req_ids} were finished with an error and "
+            "their KV cache blocks freed; the engine can serve other requests."
+        )
+
+    def _count(self, sched: SchedulerOutput, finished: list[Request]) -> None:
+        self.stats.num_steps += 1
+        self.stats.num_prefill_tokens += sched.num_prefill_tokens
+        self.stats.num_decode_tokens += sched.num_decode_tokens
+        self.stats.num_finished_requests += len(finished)
+
+    def _output(self, request: Request) -> RequestOutput:
+        tokens = list(request.output_token_ids)
+        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[CompletionOutput(0, text, tokens, request.finish_reason)],
+            finished=request.finish_reason is not None,
+            error=request.error,
+        )
+
+    # ---- offline batch ---------------------------------------------------------------
 
     def generate(
         self,
@@ -222,27 +357,46 @@ class LLM:
         *,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; one RequestOutput per prompt, in prompt order."""
+        """Run prompts to completion; one RequestOutput per prompt, in prompt order.
+
+        All or nothing: every prompt is checked before any is queued, and if the run is
+        interrupted (an exception in a step listener, Ctrl-C) this call's requests are aborted
+        before the exception goes on. A request that fails on its own is returned with
+        finish_reason "error". The engine must be idle: requests queued with `add_request`
+        are driven with `step()` (or aborted) first.
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}.")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"Got {len(prompts)} prompts but {len(sampling_params)} sampling params.")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
-        show = use_tqdm if use_tqdm is not None else len(ids) >= 8
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not show) as bar:
-            while self.has_unfinished_requests():
-                bar.update(len(self.step()))
-        return [self._output(self._requests.pop(i), p) for i, p in zip(ids, prompts)]
+        if self.has_unfinished_requests():
+            raise ValueError(
+                f"generate() needs an idle engine, but {len(self._requests)} request(s) added with add_request are "
+                "unfinished: call step() until has_unfinished_requests() is False, or abort_request() them."
+            )
+        prepared = []
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            try:
+                prepared.append(self._prepare(prompt, params))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"prompt {i}: {e} (nothing was queued)") from None
+        ids = [self._add(*p) for p in prepared]
+        return self._run_to_completion(ids, use_tqdm if use_tqdm is not None else len(ids) >= 8)
 
-    def _output(self, request: Request, prompt: Prompt) -> RequestOutput:
-        text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer is not None else ""
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, list(request.output_token_ids), request.finish_reason)],
-        )
+    def _run_to_completion(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        try:
+            with tqdm(total=len(ids), desc="generate", unit="req", disable=not show_progress) as bar:
+                while self.has_unfinished_requests():
+                    done = [out for out in self.step() if out.finished]
+                    final.update((out.request_id, out) for out in done)
+                    bar.update(len(done))
+        except BaseException:
+            for request_id in ids:
+                self.abort_request(request_id)
+            raise
+        return [final[i] for i in ids]

@@ -5,32 +5,50 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pagedkv.engine.checks import check_bool, check_float, check_int, check_optional_int, check_token_ids
+
+
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""What `torch.Generator.manual_seed` takes; a negative seed wraps modulo 2**64."""
+
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token and when to stop."""
+    """How to pick each next token and when to stop.
+
+    Every field is checked when the object is made (and again when a request is added, in case
+    it was changed since): a wrong type is a `TypeError`, a value out of range a `ValueError`,
+    so a bad value never reaches the middle of an engine step. Integer numpy / torch scalars
+    are accepted and stored as Python ints.
+    """
 
     temperature: float = 1.0
     """0 means greedy (argmax)."""
     top_k: int = 0
-    """Keep only the k most likely tokens (0 = all)."""
+    """Keep only the k most likely tokens; 0 keeps all (vLLM also spells that -1; here it is 0)."""
     top_p: float = 1.0
-    """Keep the smallest set of tokens whose probability adds up to top_p."""
+    """Keep the smallest set of tokens whose probability adds up to top_p, in (0, 1]."""
     seed: int | None = None
-    """Per-request random seed: the same seed gives the same tokens."""
+    """Per-request random seed: the same seed gives the same tokens. None: the global generator."""
     max_tokens: int = 16
+    """Most new tokens, >= 1."""
     ignore_eos: bool = False
+    """Keep going past the model's end-of-sequence tokens."""
     stop_token_ids: list[int] = field(default_factory=list)
+    """Stop after any of these token ids (it is kept in the output)."""
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}.")
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field's type and range; normalise numbers to Python int / float."""
+        self.temperature = check_float("temperature", self.temperature, 0, hint=" (0 = greedy)")
+        self.top_k = check_int("top_k", self.top_k, 0, hint=" (0 keeps all tokens)")
+        self.top_p = check_float("top_p", self.top_p, 0, 1, low_open=True, hint=" (1 keeps all tokens)")
+        self.seed = check_optional_int("seed", self.seed, *SEED_RANGE, hint=" or None (what torch.Generator takes)")
+        self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
+        self.ignore_eos = check_bool("ignore_eos", self.ignore_eos)
+        self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -57,10 +75,15 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: list[int] = field(default_factory=list)
+    prompt: str | None = None
+    """The prompt text, when it was given as a string."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    """"stop", "length", "abort" or "error" once finished."""
+    error: str | None = None
+    """Why the request failed (finish_reason "error")."""
     num_preemptions: int = 0
 
     @property
@@ -100,10 +123,16 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """What `LLM.generate` returns per prompt, in prompt order."""
+    """A request's state after a step: what `LLM.step` streams and `LLM.generate` returns.
+
+    `outputs[0]` holds everything generated so far (token ids and text, cumulative as in vLLM's
+    default), `finished` says whether more will come. A request that failed is finished with
+    `outputs[0].finish_reason == "error"` and the reason in `error`.
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    error: str | None = None

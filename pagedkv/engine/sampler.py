@@ -16,14 +16,22 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]) -> list[int]:
-        """logits [num_reqs, vocab] -> one token id per row."""
+    def __call__(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]) -> list[int | Exception]:
+        """logits [num_reqs, vocab] -> per row, the next token id, or the exception sampling it raised.
+
+        Rows are sampled one request at a time, so one request's failure (logits that are all NaN,
+        say) is reported for that request alone and the other rows still get their tokens.
+        """
         logits = logits.float()
-        tokens = logits.argmax(dim=-1)
+        tokens: list[int | Exception] = logits.argmax(dim=-1).tolist()
         for row, (req_id, p) in enumerate(zip(req_ids, params)):
-            if not p.greedy:
-                tokens[row] = self._sample(logits[row], p, self._generator(req_id, p, logits.device))
-        return tokens.tolist()
+            if p.greedy:
+                continue
+            try:
+                tokens[row] = int(self._sample(logits[row], p, self._generator(req_id, p, logits.device)))
+            except Exception as error:  # noqa: BLE001 -- attributed to this request by the caller
+                tokens[row] = error
+        return tokens
 
     def _generator(self, req_id: str, params: SamplingParams, device: torch.device) -> torch.Generator | None:
         if params.seed is None:

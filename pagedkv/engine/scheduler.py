@@ -73,25 +73,39 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
 
-    def add_request(self, request: Request) -> None:
-        if request.num_prompt_tokens == 0:
-            raise ValueError(f"Request {request.request_id}: the prompt is empty.")
-        if request.num_prompt_tokens >= self.max_model_len:
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError if such a request could never run, so it is refused before it is queued."""
+        if num_prompt_tokens == 0:
+            raise ValueError("The prompt is empty.")
+        if num_prompt_tokens >= self.max_model_len:
             raise ValueError(
-                f"Request {request.request_id}: prompt of {request.num_prompt_tokens} tokens does not fit "
+                f"A prompt of {num_prompt_tokens} tokens does not fit "
                 f"max_model_len={self.max_model_len} (it must leave room for at least one new token). "
                 "Shorten the prompt or raise max_model_len."
             )
-        longest = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
+        longest = min(num_prompt_tokens + max_tokens, self.max_model_len)
         needed = self.kv_cache_manager.blocks_for_tokens(longest)
         available = self.kv_cache_manager.num_usable_blocks
         if needed > available:
             raise ValueError(
-                f"Request {request.request_id}: {longest} tokens (prompt + max_tokens) need {needed} KV cache "
+                f"{longest} tokens (prompt + max_tokens) need {needed} KV cache "
                 f"blocks, but the cache has only {available}. Use num_kv_blocks >= {needed + 1}, a larger "
                 "KV cache memory budget, or a smaller max_tokens."
             )
+
+    def add_request(self, request: Request) -> None:
+        self.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
         self.waiting.append(request)
+
+    def finish_request(self, request: Request, reason: str) -> None:
+        """End a waiting or running request early ("abort", "error"): out of the queues, blocks freed."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache_manager.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)

@@ -1,0 +1,138 @@
+"""Argument checks for `SamplingParams` and `LLM`: no silent conversions.
+
+A wrong *type* is a `TypeError`, a wrong *value* a `ValueError`; both name the argument, show
+the value and say what would work. Integers are Python ints or integer numpy / torch scalars
+(`bool` is refused although Python counts it as an int: `max_tokens=True` is a mistake, not 1);
+reals are ints or floats, and must be finite.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+import os
+import reprlib
+
+import torch
+
+from pagedkv.config import parse_dtype
+from pagedkv.platforms import default_device
+
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _describe(value: object) -> str:
+    return f"{reprlib.repr(value)} ({type(value).__name__})"
+
+
+def _range_text(low: float | None, high: float | None, low_open: bool = False) -> str:
+    if high is None:
+        return f"{'>' if low_open else '>='} {low}"
+    if low is None:
+        return f"<= {high}"
+    return f"in {'(' if low_open else '['}{low}, {high}]"
+
+
+def check_int(name: str, value: object, low: int | None = None, high: int | None = None, hint: str = "") -> int:
+    """`value` as a Python int in [low, high] (either bound may be None)."""
+    is_bool = isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool)
+    try:
+        if is_bool:
+            raise TypeError
+        number = operator.index(value)  # ints, numpy / torch integer scalars; never floats or strings
+    except TypeError:
+        raise TypeError(f"{name} must be an int{hint}, got {_describe(value)}.") from None
+    if (low is not None and number < low) or (high is not None and number > high):
+        raise ValueError(f"{name} must be an int {_range_text(low, high)}{hint}, got {reprlib.repr(value)}.")
+    return number
+
+
+def check_optional_int(name: str, value: object, low: int | None = None, high: int | None = None, hint: str = "") -> int | None:
+    """None, or `check_int`."""
+    return None if value is None else check_int(name, value, low, high, hint)
+
+
+def check_float(
+    name: str, value: object, low: float | None = None, high: float | None = None, *, low_open: bool = False,
+    hint: str = "",
+) -> float:
+    """`value` (an int or a float, not a bool) as a finite float in the range; `low_open` excludes low."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number{hint}, got {_describe(value)}.")
+    number = float(value)
+    below = low is not None and (number <= low if low_open else number < low)
+    above = high is not None and number > high
+    if not math.isfinite(number) or below or above:
+        raise ValueError(f"{name} must be a finite number {_range_text(low, high, low_open)}{hint}, got {reprlib.repr(value)}.")
+    return number
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Exactly True or False (1, "no" and None are mistakes, not flags)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {_describe(value)}.")
+    return value
+
+
+def check_token_ids(name: str, value: object) -> list[int]:
+    """A list or tuple of token ids (ints >= 0) as a list of Python ints."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(
+            f"{name} must be a list of token ids (ints), got {_describe(value)}. Write [5] for a single id; "
+            "convert an array with .tolist()."
+        )
+    checked = []
+    for i, token in enumerate(value):
+        try:
+            checked.append(check_int(f"{name}[{i}]", token, low=0))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name} must be a list of ints >= 0, got {reprlib.repr(value)}: {e}") from None
+    return checked
+
+
+def check_model(model: object, presets: list[str]) -> str:
+    """A preset name or a directory path (str or os.PathLike) as a str."""
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if not isinstance(model, str):
+        raise TypeError(
+            f"model must be a preset name ({', '.join(presets)}) or the path of a Hugging Face "
+            f"model directory, got {model!r} ({type(model).__name__})."
+        )
+    return model
+
+
+def check_device(device: object) -> torch.device:
+    """None picks CUDA when a GPU is visible, else the CPU; a CUDA device must exist."""
+    if device is None:
+        device = default_device()
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0', a torch.device or None, got {device!r}.")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r} is not a device torch knows; use 'cpu', 'cuda' or 'cuda:N'.") from None
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device={str(device)!r} was asked for, but no CUDA device is visible to torch "
+            '(torch.cuda.is_available() is False); use device="cpu", or leave device=None to pick one.'
+        )
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device={str(device)!r}: only {torch.cuda.device_count()} CUDA device(s) are visible.")
+    return torch.device("cuda", index)
+
+
+def check_dtype(dtype: object, device: torch.device) -> torch.dtype:
+    """None: float32 on the CPU (fast and exact there), bfloat16 on a GPU."""
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if not isinstance(dtype, (str, torch.dtype)):
+        raise TypeError(f"dtype must be a name such as 'bfloat16', a torch.dtype or None, got {dtype!r}.")
+    dtype = parse_dtype(dtype)
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"dtype {dtype} cannot hold model weights here; use one of {list(MODEL_DTYPES)}.")
+    return dtype

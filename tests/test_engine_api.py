@@ -1,0 +1,367 @@
+"""The engine's public API under bad input and failures: validation, per-request errors,
+all-or-nothing `generate`, `abort_request`, streaming `step()` outputs and the CLI."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.__main__ import main as cli
+from pagedkv.engine.sampler import Sampler
+
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+def ids(n: int, start: int = 1) -> dict[str, list[int]]:
+    return {"prompt_token_ids": [(start + 7 * j) % 250 + 1 for j in range(n)]}
+
+
+def small_llm(**kwargs) -> LLM:
+    return LLM("tiny", device="cpu", **{"num_kv_blocks": 16, "block_size": 4, **kwargs})
+
+
+def assert_idle(llm: LLM) -> None:
+    """No request left anywhere, every block back in the pool, no record kept."""
+    assert not llm.has_unfinished_requests()
+    assert llm.kv_cache_manager.num_free_blocks() == llm.kv_cache_manager.num_usable_blocks
+    assert llm._requests == {}, "finished or aborted requests must not stay recorded"
+
+
+def run_steps(llm: LLM) -> dict[str, list]:
+    """Drive the engine with step() to the end; every RequestOutput seen, per request id."""
+    seen: dict[str, list] = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            seen.setdefault(out.request_id, []).append(out)
+    return seen
+
+
+# ---- bug 2: SamplingParams are checked field by field --------------------------------------
+
+BAD_SAMPLING = [
+    (dict(temperature=math.nan), ValueError, "temperature"),
+    (dict(temperature=math.inf), ValueError, "temperature"),
+    (dict(temperature=-0.5), ValueError, "temperature"),
+    (dict(temperature="0.7"), TypeError, "temperature"),
+    (dict(temperature=True), TypeError, "temperature"),
+    (dict(top_k=2.5), TypeError, "top_k"),
+    (dict(top_k=True), TypeError, "top_k"),
+    (dict(top_k=-1), ValueError, "top_k"),
+    (dict(top_p=math.nan), ValueError, "top_p"),
+    (dict(top_p=0.0), ValueError, "top_p"),
+    (dict(top_p=1.5), ValueError, "top_p"),
+    (dict(top_p="1"), TypeError, "top_p"),
+    (dict(seed=2**70), ValueError, "seed"),
+    (dict(seed=2**64), ValueError, "seed"),
+    (dict(seed=-(2**63) - 1), ValueError, "seed"),
+    (dict(seed=1.0), TypeError, "seed"),
+    (dict(seed=False), TypeError, "seed"),
+    (dict(max_tokens=2.5), TypeError, "max_tokens"),
+    (dict(max_tokens=True), TypeError, "max_tokens"),
+    (dict(max_tokens=0), ValueError, "max_tokens"),
+    (dict(ignore_eos=1), TypeError, "ignore_eos"),
+    (dict(ignore_eos="no"), TypeError, "ignore_eos"),
+    (dict(stop_token_ids=5), TypeError, "stop_token_ids"),
+    (dict(stop_token_ids="12"), TypeError, "stop_token_ids"),
+    (dict(stop_token_ids=[1.5]), TypeError, "stop_token_ids"),
+    (dict(stop_token_ids=[True]), TypeError, "stop_token_ids"),
+    (dict(stop_token_ids=[-3]), ValueError, "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "field"), BAD_SAMPLING, ids=[repr(k) for k, _, _ in BAD_SAMPLING])
+def test_sampling_params_reject_bad_values(kwargs: dict, error: type, field: str) -> None:
+    with pytest.raises(error, match=field) as info:
+        SamplingParams(**kwargs)
+    assert type(info.value) is error
+    assert repr(next(iter(kwargs.values())))[:12] in str(info.value), "the message shows the value"
+
+
+def test_sampling_params_accept_what_works_and_normalise_it() -> None:
+    p = SamplingParams(temperature=1, top_k=np.int64(3), max_tokens=np.int32(4), stop_token_ids=(7, np.int64(9)))
+    assert (p.temperature, p.top_k, p.max_tokens, p.stop_token_ids) == (1.0, 3, 4, [7, 9])
+    assert type(p.top_k) is int and type(p.max_tokens) is int and all(type(t) is int for t in p.stop_token_ids)
+    # The seed range is exactly what torch.Generator.manual_seed takes (negatives wrap modulo 2**64).
+    llm = small_llm()
+    for seed in (2**64 - 1, -(2**63), -1):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=2, ignore_eos=True)
+        (out,) = llm.generate(ids(3), params)
+        assert len(out.outputs[0].token_ids) == 2 and out.error is None
+    assert_idle(llm)
+
+
+def test_parameters_changed_after_construction_are_checked_when_added() -> None:
+    llm = small_llm()
+    params = SamplingParams(temperature=0.5)
+    params.temperature = math.nan
+    with pytest.raises(ValueError, match="temperature"):
+        llm.add_request(ids(3), params)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.add_request(ids(3), {"temperature": 0})
+    assert_idle(llm)
+
+
+def _sample_failing_for_seed_666(logits, params, generator):
+    if params.seed == 666:
+        raise RuntimeError("sampler exploded for this request")
+    return _ORIGINAL_SAMPLE(logits, params, generator)
+
+
+_ORIGINAL_SAMPLE = Sampler._sample
+
+
+def test_a_request_that_fails_in_a_step_is_finished_with_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    good = SamplingParams(temperature=0.8, seed=1, max_tokens=5, ignore_eos=True)
+    bad = SamplingParams(temperature=0.8, seed=666, max_tokens=5, ignore_eos=True)
+    expected = small_llm().generate(ids(6), good)[0].outputs[0].token_ids
+
+    monkeypatch.setattr(Sampler, "_sample", staticmethod(_sample_failing_for_seed_666))
+    llm = small_llm()
+    good_id, bad_id = llm.add_request(ids(6), good), llm.add_request(ids(9, start=3), bad)
+    seen = run_steps(llm)
+    (failed,) = seen[bad_id]  # reported once, when it failed, with no token
+    assert failed.finished and failed.outputs[0].finish_reason == "error"
+    assert "sampler exploded" in failed.error and failed.outputs[0].token_ids == []
+    assert seen[good_id][-1].outputs[0].token_ids == expected, "the other request goes on untouched"
+    assert seen[good_id][-1].error is None
+    assert_idle(llm)
+    assert llm.sampler._generators == {}
+
+    # Through generate: the failure is an output, the batch's other prompts complete.
+    outs = llm.generate([ids(6), ids(9, start=3)], [good, bad])
+    assert outs[0].outputs[0].token_ids == expected and outs[0].error is None
+    assert outs[1].outputs[0].finish_reason == "error" and "sampler exploded" in outs[1].error
+    assert_idle(llm)
+
+
+def test_a_failing_model_step_aborts_its_requests_and_the_engine_recovers() -> None:
+    llm = small_llm(max_num_seqs=1)
+    reference = small_llm().generate(ids(5), GREEDY)[0].outputs[0].token_ids
+    first, second = llm.add_request(ids(5), GREEDY), llm.add_request(ids(5), GREEDY)
+    real = llm.runner.execute_model
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device fell over")
+
+    llm.runner.execute_model = broken
+    with pytest.raises(RuntimeError, match="device fell over") as info:
+        llm.step()
+    assert first in "\n".join(getattr(info.value, "__notes__", [])), "the note names the aborted request"
+    llm.runner.execute_model = real
+    # The scheduled request was aborted and its blocks freed; the waiting one still runs.
+    seen = run_steps(llm)
+    assert list(seen) == [second] and seen[second][-1].outputs[0].token_ids == reference
+    assert_idle(llm)
+
+
+# ---- bug 3: no silent conversions ---------------------------------------------------------
+
+BAD_PROMPTS = [
+    {"prompt_token_ids": "567"},
+    {"prompt_token_ids": [5.9, 6.2]},
+    {"prompt_token_ids": [True, 5]},
+    {"prompt_token_ids": ["5", "6"]},
+    {"prompt_token_ids": 5},
+    {"prompt_token_ids": [np.float32(3.0)]},
+    {"prompt_token_ids": {1, 2}},
+]
+
+
+@pytest.mark.parametrize("prompt", BAD_PROMPTS, ids=[repr(p["prompt_token_ids"]) for p in BAD_PROMPTS])
+def test_prompt_token_ids_must_be_ints(prompt: dict) -> None:
+    llm = small_llm()
+    with pytest.raises(TypeError, match="prompt_token_ids"):
+        llm.generate(prompt, GREEDY)
+    with pytest.raises(TypeError, match="prompt_token_ids"):
+        llm.add_request(prompt, GREEDY)
+    assert_idle(llm)
+
+
+def test_integer_scalars_of_numpy_and_torch_are_token_ids() -> None:
+    llm = small_llm()
+    plain = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)[0]
+    mixed = llm.generate({"prompt_token_ids": (np.int64(5), torch.tensor(6), 7)}, GREEDY)[0]
+    assert mixed.prompt_token_ids == [5, 6, 7] and all(type(t) is int for t in mixed.prompt_token_ids)
+    assert mixed.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+# ---- bug 4: generate is all or nothing; abort_request; records are freed -------------------
+
+def test_a_rejected_prompt_rejects_the_whole_batch() -> None:
+    llm = small_llm(max_model_len=32)
+    for batch in ([ids(4), ids(3), {"prompt_token_ids": "1"}], [ids(4), ids(40)], [ids(4), 7]):
+        with pytest.raises((TypeError, ValueError)):
+            llm.generate(batch, GREEDY)
+        assert_idle(llm)
+    with pytest.raises(ValueError, match="prompt 1"):
+        llm.generate([ids(4), ids(40)], GREEDY)
+    assert llm.stats.num_steps == 0, "nothing ran"
+
+
+@pytest.mark.parametrize("error", [RuntimeError("listener broke"), KeyboardInterrupt()])
+def test_generate_aborts_its_requests_when_interrupted(error: BaseException) -> None:
+    llm = small_llm()
+    expected = [o.outputs[0].token_ids for o in small_llm().generate([ids(4), ids(6)], GREEDY)]
+
+    def listener(event) -> None:
+        if event.step == 2:
+            raise error
+
+    detach = llm.add_step_listener(listener)
+    with pytest.raises(type(error)):
+        llm.generate([ids(4), ids(6)], GREEDY)
+    assert_idle(llm)
+    detach()
+    assert [o.outputs[0].token_ids for o in llm.generate([ids(4), ids(6)], GREEDY)] == expected
+
+
+def test_abort_request_waiting_and_running() -> None:
+    llm = small_llm(max_num_seqs=1)
+    running, waiting, kept = (llm.add_request(ids(5, start=s), GREEDY) for s in (1, 2, 3))
+    assert [o.request_id for o in llm.step()] == [running]
+    assert llm.kv_cache_manager.num_free_blocks() < llm.kv_cache_manager.num_usable_blocks
+    assert llm.abort_request(running) is True
+    assert llm.abort_request(waiting) is True
+    assert llm.abort_request(waiting) is False, "already aborted"
+    assert llm.abort_request("no-such-id") is False
+    with pytest.raises(TypeError, match="request_id"):
+        llm.abort_request(3)
+    seen = run_steps(llm)
+    assert list(seen) == [kept] and seen[kept][-1].finished
+    assert llm.abort_request(kept) is False, "already finished"
+    assert_idle(llm)
+
+
+def test_generate_needs_an_idle_engine() -> None:
+    llm = small_llm()
+    pending = llm.add_request(ids(4), GREEDY)
+    with pytest.raises(ValueError, match="abort_request"):
+        llm.generate(ids(4), GREEDY)
+    assert llm.abort_request(pending)
+    assert_idle(llm)
+
+
+def test_records_do_not_grow_with_add_request_and_step() -> None:
+    llm = small_llm()
+    for round_ in range(5):
+        for s in range(3):
+            llm.add_request(ids(3, start=s), SamplingParams(temperature=0, max_tokens=2))
+        run_steps(llm)
+        assert_idle(llm)
+
+
+# ---- bug 5: engine arguments ---------------------------------------------------------------
+
+BAD_ENGINE_ARGS = [
+    (dict(max_num_batched_tokens=0), ValueError, "max_num_batched_tokens"),
+    (dict(max_num_batched_tokens=-8), ValueError, "max_num_batched_tokens"),
+    (dict(max_num_batched_tokens=64.0), TypeError, "max_num_batched_tokens"),
+    (dict(max_num_seqs=0), ValueError, "max_num_seqs"),
+    (dict(max_num_seqs="4"), TypeError, "max_num_seqs"),
+    (dict(max_model_len=0), ValueError, "max_model_len"),
+    (dict(max_model_len=1), ValueError, "max_model_len"),
+    (dict(max_model_len=64.0), TypeError, "max_model_len"),
+    (dict(block_size=16.0), TypeError, "block_size"),
+    (dict(block_size=True), TypeError, "block_size"),
+    (dict(block_size=0), ValueError, "block_size"),
+    (dict(num_kv_blocks=2.5), TypeError, "num_kv_blocks"),
+    (dict(num_kv_blocks=True), TypeError, "num_kv_blocks"),
+    (dict(num_kv_blocks=-4), ValueError, "num_kv_blocks"),
+    (dict(num_kv_blocks=None, memory_utilization=0.0), ValueError, "memory_utilization"),
+    (dict(num_kv_blocks=None, memory_utilization=1.5), ValueError, "memory_utilization"),
+    (dict(num_kv_blocks=None, memory_utilization=math.nan), ValueError, "memory_utilization"),
+    (dict(num_kv_blocks=None, memory_utilization="high"), TypeError, "memory_utilization"),
+    (dict(num_kv_blocks=None, kv_cache_memory=0), ValueError, "kv_cache_memory"),
+    (dict(num_kv_blocks=None, kv_cache_memory=-1), ValueError, "kv_cache_memory"),
+    (dict(num_kv_blocks=None, kv_cache_memory=2.5e6), TypeError, "kv_cache_memory"),
+    (dict(model=None), TypeError, "model"),
+    (dict(model=5), TypeError, "model"),
+    (dict(dtype="float8"), ValueError, "dtype"),
+    (dict(dtype=torch.int32), ValueError, "dtype"),
+    (dict(dtype=16), TypeError, "dtype"),
+    (dict(device="banana"), ValueError, "device"),
+    (dict(device=3.5), TypeError, "device"),
+    (dict(enable_chunked_prefill="no"), TypeError, "enable_chunked_prefill"),
+    (dict(attention_backend=3), TypeError, "attention_backend"),
+    (dict(seed=1.5), TypeError, "seed"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "field"), BAD_ENGINE_ARGS, ids=[repr(k) for k, _, _ in BAD_ENGINE_ARGS])
+def test_engine_arguments_are_checked(kwargs: dict, error: type, field: str) -> None:
+    args = {"model": "tiny", "device": "cpu", "num_kv_blocks": 16, **kwargs}
+    with pytest.raises(error, match=field) as info:
+        LLM(**args)
+    assert type(info.value) is error
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_without_a_gpu_says_so() -> None:
+    with pytest.raises(ValueError, match=r"no CUDA device.*device=\"cpu\""):
+        LLM("tiny", device="cuda", num_kv_blocks=16)
+
+
+def test_max_model_len_none_means_the_models_limit() -> None:
+    llm = small_llm(max_model_len=None)
+    assert llm.config.model_config.max_model_len == llm.model_config.max_position_embeddings
+
+
+def test_step_without_requests_returns_nothing() -> None:
+    llm = small_llm()
+    assert llm.step() == []
+    assert llm.stats.num_steps == 0
+
+
+# ---- streaming -----------------------------------------------------------------------------
+
+def test_step_streams_one_output_per_new_token() -> None:
+    llm = small_llm(num_kv_blocks=32, max_num_batched_tokens=8)
+    expected = small_llm(num_kv_blocks=32).generate([ids(20), ids(3)], [GREEDY, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)])
+    long_id = llm.add_request(ids(20), GREEDY)  # 20 prompt tokens in chunks of 8: no token in steps 1-2
+    short_id = llm.add_request(ids(3), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    first = llm.step()
+    assert [o.request_id for o in first] == [], "a prompt chunk that does not finish the prompt yields nothing"
+    seen = run_steps(llm)
+    for req_id, final in ((long_id, expected[0]), (short_id, expected[1])):
+        outs = seen[req_id]
+        assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, len(outs) + 1)), "one token per output"
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        for o in outs:
+            assert o.outputs[0].text == llm.tokenizer.decode(o.outputs[0].token_ids)
+            assert o.prompt_token_ids == final.prompt_token_ids
+        assert outs[-1].outputs[0].token_ids == final.outputs[0].token_ids
+        assert outs[-1].outputs[0].finish_reason == "length" and outs[-1].error is None
+    assert_idle(llm)
+
+
+# ---- the CLI -------------------------------------------------------------------------------
+
+def test_cli_streams_token_id_prompts(capsys: pytest.CaptureFixture[str]) -> None:
+    cli(["generate", "--device", "cpu", "--num-kv-blocks", "16", "--max-tokens", "3", "--stream",
+         "--prompt-token-ids", "5,6,7", "--prompt", "hi"])
+    out = capsys.readouterr().out.splitlines()
+    expected = small_llm().generate([{"prompt_token_ids": [5, 6, 7]}, "hi"], SamplingParams(temperature=0, max_tokens=3))
+    # While streaming, one line per new token: "[request id] token id 'text piece'"; then one line per request.
+    for req_id, want in enumerate(expected):
+        tokens = [int(line.split()[1]) for line in out if re.match(rf"\[{req_id}\] \d+ ", line)]
+        assert tokens == want.outputs[0].token_ids
+        assert f"[{req_id}] done (length): {want.outputs[0].text!r}" in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--prompt-token-ids", "1,x,3"],
+    ["--prompt-token-ids", "1,2", "--max-tokens", "0"],
+    ["--prompt", "hi", "--temperature", "nan"],
+    ["--prompt", "hi", "--block-size", "0"],
+])
+def test_cli_user_errors_are_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli(["generate", "--device", "cpu", "--num-kv-blocks", "16", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0] and err[0].startswith("pagedkv: error:")
