@@ -6,11 +6,21 @@
         each step: one CommonAttentionMetadata per KV cache group,
                    one builder.build(...) per attention group,
                    the same metadata object under every layer name of the group
+
+A kernel may read smaller pages than the KV cache manager's blocks. Then every layer of the
+KV cache group sees its cache cut into kernel blocks, and its builder sees the block table
+rewritten into kernel block ids (`to_kernel_block_table`); block_size 64, kernel block 16:
+
+    manager blocks (the KV cache manager's)  |      0      |      1      |      2      |
+    kernel blocks  (the layer's cache view)  |  0  1  2  3 |  4  5  6  7 |  8  9 10 11 |  same bytes
+    block table row [2, 1]  ->  [8, 9, 10, 11, 4, 5, 6, 7]
+    slot 2*64 + 20 = 148 = (8 + 1)*16 + 4: the slot mapping is the same in both views
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,11 +44,18 @@ class AttentionGroup:
     backend: type[AttentionBackend]
     layer_names: list[str]
     kv_cache_spec: KVCacheSpec
+    """The KV cache group's spec, in the KV cache manager's blocks."""
     kv_cache_group_id: int
     num_heads: int
+    kernel_block_size: int
+    """Block size the kernel reads, one for the whole KV cache group; the manager's block size
+    is a multiple of it."""
     metadata_builder: AttentionMetadataBuilder[Any] | None = None
-    kernel_block_size: int = 0
-    """Block size the kernel reads; the KV cache manager's block size is a multiple of it."""
+
+    @property
+    def kernel_kv_cache_spec(self) -> KVCacheSpec:
+        """The spec the builder sees: the same cache, counted in kernel blocks."""
+        return replace(self.kv_cache_spec, block_size=self.kernel_block_size)
 
     def build_metadata(self, common: CommonAttentionMetadata, for_cudagraph_capture: bool = False) -> Any:
         assert self.metadata_builder is not None
@@ -68,18 +85,29 @@ def to_kernel_block_table(block_table: torch.Tensor, kernel_blocks_per_block: in
     return (block_table[:, :, None] * k + offsets).flatten(1)
 
 
-def select_kernel_block_size(backend: type[AttentionBackend], block_size: int) -> int:
-    """The manager's block size if the kernel reads it, else the largest kernel size dividing it."""
-    sizes = backend.get_supported_kernel_block_sizes()
-    if any(isinstance(s, MultipleOf) and block_size % s.base == 0 for s in sizes) or block_size in sizes:
-        return block_size
-    fitting = [s for s in sizes if isinstance(s, int) and block_size % s == 0]
-    if not fitting:
-        raise ValueError(
-            f"Backend {backend.get_name()} cannot read blocks of {block_size} tokens; "
-            f"its kernel block sizes are {sizes}."
-        )
-    return max(fitting)
+def kernel_reads_block_size(backend: type[AttentionBackend], size: int) -> bool:
+    """Whether the backend's kernel reads pages of exactly `size` tokens."""
+    return any(
+        size % s.base == 0 if isinstance(s, MultipleOf) else size == s
+        for s in backend.get_supported_kernel_block_sizes()
+    )
+
+
+def select_kernel_block_size(backends: Sequence[type[AttentionBackend]], block_size: int) -> int:
+    """The largest page size that divides the manager's `block_size` and every backend reads.
+
+    The manager's own size when it is readable (an exact match, or a `MultipleOf` it is a
+    multiple of), else the largest exact kernel size dividing it. All attention groups of one
+    KV cache group share its cache views (KV-sharing layers included), so they share one size.
+    """
+    for size in range(block_size, 0, -1):
+        if block_size % size == 0 and all(kernel_reads_block_size(b, size) for b in backends):
+            return size
+    declared = "; ".join(f"{b.get_name()} reads {b.get_supported_kernel_block_sizes()}" for b in backends)
+    raise ValueError(
+        f"No kernel block size divides block_size={block_size} and is read by every backend of the "
+        f"KV cache group ({declared}); choose a block_size that is a multiple of a size they all read."
+    )
 
 
 def init_attn_groups(
@@ -88,26 +116,33 @@ def init_attn_groups(
     config: EngineConfig,
     device: torch.device,
 ) -> list[list[AttentionGroup]]:
-    """Per KV cache group, its attention groups, each with one metadata builder."""
+    """Per KV cache group, its attention groups, each with one metadata builder.
+
+    The kernel block size is chosen here, once per KV cache group: the runner shapes the
+    cache views with it, so this runs before the cache is allocated.
+    """
     all_groups: list[list[AttentionGroup]] = []
     for group_id, group_spec in enumerate(kv_cache_config.kv_cache_groups):
-        groups: dict[tuple[str, KVCacheSpec, int], AttentionGroup] = {}
         members = group_spec.layer_names + [
             name for name, layer in layers.items()
             if layer.kv_sharing_target_layer_name in group_spec.layer_names
         ]
+        spec = group_spec.kv_cache_spec
+        kernel_block_size = select_kernel_block_size(
+            list(dict.fromkeys(layers[n].attn_backend for n in members)), spec.block_size
+        )
+        groups: dict[tuple[str, int], AttentionGroup] = {}
         for name in members:
             layer = layers[name]
-            key = (layer.attn_backend.full_cls_name(), group_spec.kv_cache_spec, layer.num_heads)
+            key = (layer.attn_backend.full_cls_name(), layer.num_heads)
             if key not in groups:
                 groups[key] = AttentionGroup(
-                    layer.attn_backend, [], group_spec.kv_cache_spec, group_id, layer.num_heads
+                    layer.attn_backend, [], spec, group_id, layer.num_heads, kernel_block_size
                 )
             groups[key].layer_names.append(name)
         for group in groups.values():
-            group.kernel_block_size = select_kernel_block_size(group.backend, group.kv_cache_spec.block_size)
             group.metadata_builder = group.backend.get_builder_cls()(
-                group.kv_cache_spec, group.layer_names, config, device
+                group.kernel_kv_cache_spec, group.layer_names, config, device
             )
         all_groups.append(list(groups.values()))
     return all_groups

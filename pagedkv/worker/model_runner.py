@@ -1,8 +1,9 @@
 """The model runner: owns the model and the KV cache, and runs one step.
 
 Start-up:  build model (layers register by name) -> profile run (no metadata) ->
-           size the KV cache -> one buffer per KV cache group, a view per layer,
-           bound by name -> attention groups with their builders.
+           size the KV cache -> attention groups with their builders and kernel block
+           sizes -> one buffer per KV cache group, a view per layer in kernel blocks,
+           bound by name.
 Each step: InputBatch -> CommonAttentionMetadata per KV cache group -> build per
            attention group -> set_forward_context(...) around model(...) -> logits.
 """
@@ -20,7 +21,7 @@ from pagedkv.attention.layer import Attention
 from pagedkv.config import EngineConfig, set_current_engine_config
 from pagedkv.engine.scheduler import SchedulerOutput
 from pagedkv.forward_context import BatchDescriptor, set_forward_context
-from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheSpec, get_kv_cache_config
+from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, get_kv_cache_config
 from pagedkv.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedkv.models.loader import load_model
 from pagedkv.worker.attn_utils import AttentionGroup, build_attn_metadata, init_attn_groups
@@ -104,25 +105,15 @@ class ModelRunner:
         return config
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        """One zeroed backing buffer per KV cache group, a view per layer, bound by name."""
+        """Attention groups first (they choose the kernel block size), then one zeroed backing
+        buffer per KV cache group, a view per layer in kernel blocks, bound by name."""
         self.kv_cache_config = kv_cache_config
-        num_blocks = kv_cache_config.num_blocks
-        for group in kv_cache_config.kv_cache_groups:
-            spec = group.kv_cache_spec
-            shapes = [
-                self.attn_layers[name].attn_backend.get_kv_cache_shape(
-                    num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
-                )
-                for name in group.layer_names
-            ]
-            per_layer = math.prod(shapes[0])
-            buffer = torch.zeros(per_layer * len(group.layer_names), dtype=spec.dtype, device=self.device)
-            for i, (name, shape) in enumerate(zip(group.layer_names, shapes)):
-                self.kv_caches[name] = buffer[i * per_layer : (i + 1) * per_layer].view(shape)
+        self.attn_groups = init_attn_groups(self.attn_layers, kv_cache_config, self.config, self.device)
+        for group_spec, groups in zip(kv_cache_config.kv_cache_groups, self.attn_groups):
+            self.kv_caches.update(self._allocate_kv_cache_group(group_spec, groups[0].kernel_block_size))
         for name, layer in self.attn_layers.items():
             target = layer.kv_sharing_target_layer_name
             layer.bind_kv_cache(self.kv_caches[target if target is not None else name])
-        self.attn_groups = init_attn_groups(self.attn_layers, kv_cache_config, self.config, self.device)
         self.layer_kv_group = {
             name: group.kv_cache_group_id for groups in self.attn_groups for group in groups for name in group.layer_names
         }
@@ -131,6 +122,28 @@ class ModelRunner:
             BlockTable(self.config.scheduler_config.max_num_seqs, max_blocks, g.kv_cache_spec.block_size, self.device)
             for g in kv_cache_config.kv_cache_groups
         ]
+
+    def _allocate_kv_cache_group(self, group_spec: KVCacheGroupSpec, kernel_block_size: int) -> dict[str, torch.Tensor]:
+        """One zeroed buffer for the group; each layer's slice viewed as pages of the kernel's size.
+
+        The manager's `num_blocks` blocks of B tokens are `num_blocks * k` kernel blocks of B/k
+        tokens (k = B / kernel_block_size): the same bytes, cut finer. Manager block b is kernel
+        blocks b*k ... b*k + k-1, which is how the attention groups rewrite the block table.
+        """
+        spec = group_spec.kv_cache_spec
+        k = spec.block_size // kernel_block_size
+        shapes = [
+            self.attn_layers[name].attn_backend.get_kv_cache_shape(
+                self.kv_cache_config.num_blocks * k, kernel_block_size, spec.num_kv_heads, spec.head_size
+            )
+            for name in group_spec.layer_names
+        ]
+        per_layer = math.prod(shapes[0])
+        buffer = torch.zeros(per_layer * len(shapes), dtype=spec.dtype, device=self.device)
+        return {
+            name: buffer[i * per_layer : (i + 1) * per_layer].view(shape)
+            for i, (name, shape) in enumerate(zip(group_spec.layer_names, shapes))
+        }
 
     # ---- one step -------------------------------------------------------------------
 
