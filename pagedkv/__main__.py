@@ -26,6 +26,8 @@ def _prompts(args: argparse.Namespace) -> list[Prompt]:
     """--prompt / --prompt-token-ids in the order given, repeated --n times."""
     if not args.prompts:
         raise ValueError("give at least one --prompt TEXT or --prompt-token-ids 1,2,3.")
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1 (copies of the prompts), got {args.n}.")
     prompts: list[Prompt] = [p if kind == "text" else {"prompt_token_ids": _token_ids(p)} for kind, p in args.prompts]
     return prompts * args.n
 
@@ -118,6 +120,8 @@ def _workbook(args: argparse.Namespace) -> None:
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # Without a GPU, notebook 06's Triton kernels need Triton's interpreter: say so in the Jupyter kernels' environment.
+    kernel_env = {} if _cuda() else {"env": {**os.environ, "TRITON_INTERPRET": "1"}}
     for path in sorted(notebooks.glob("[0-9][0-9]_*.ipynb")):
         nb = nbformat.read(path, as_version=4)
         if nb.metadata.get("pagedkv", {}).get("requires_gpu") and not _cuda():
@@ -125,7 +129,7 @@ def _workbook(args: argparse.Namespace) -> None:
             continue
         start = time.perf_counter()
         NotebookClient(nb, timeout=1200, resources={"metadata": {"path": str(notebooks)}},
-                       store_widget_state=True).execute()
+                       store_widget_state=True).execute(**kernel_env)
         nbformat.write(nb, out_dir / path.name)
         print(f"ran  {path.name} in {time.perf_counter() - start:.1f} s -> {out_dir / path.name}")
     print(f"Open them with: python -m pagedkv workbook --lab  (or jupyter lab {out_dir})")

@@ -71,6 +71,8 @@ BAD_SAMPLING = [
     (dict(stop_token_ids=[1.5]), TypeError, "stop_token_ids"),
     (dict(stop_token_ids=[True]), TypeError, "stop_token_ids"),
     (dict(stop_token_ids=[-3]), ValueError, "stop_token_ids"),
+    (dict(temperature=None), TypeError, "temperature"),
+    (dict(max_tokens=None), TypeError, "max_tokens"),
 ]
 
 
@@ -85,6 +87,7 @@ def test_sampling_params_reject_bad_values(kwargs: dict, error: type, field: str
 def test_sampling_params_accept_what_works_and_normalise_it() -> None:
     p = SamplingParams(temperature=1, top_k=np.int64(3), max_tokens=np.int32(4), stop_token_ids=(7, np.int64(9)))
     assert (p.temperature, p.top_k, p.max_tokens, p.stop_token_ids) == (1.0, 3, 4, [7, 9])
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == []
     assert type(p.top_k) is int and type(p.max_tokens) is int and all(type(t) is int for t in p.stop_token_ids)
     # The seed range is exactly what torch.Generator.manual_seed takes (negatives wrap modulo 2**64).
     llm = small_llm()
@@ -237,6 +240,17 @@ def test_abort_request_waiting_and_running() -> None:
     assert_idle(llm)
 
 
+def test_a_request_aborted_during_generate_is_returned_as_aborted() -> None:
+    llm = small_llm()
+    expected = small_llm().generate(ids(6), GREEDY)[0].outputs[0].token_ids
+    llm.add_step_listener(lambda event: event.step == 2 and llm.abort_request("0"))
+    aborted, kept = llm.generate([ids(4), ids(6)], GREEDY)
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert len(aborted.outputs[0].token_ids) == 2, "the tokens of steps 1 and 2"
+    assert kept.outputs[0].token_ids == expected and kept.outputs[0].finish_reason == "length"
+    assert_idle(llm)
+
+
 def test_generate_needs_an_idle_engine() -> None:
     llm = small_llm()
     pending = llm.add_request(ids(4), GREEDY)
@@ -321,9 +335,10 @@ def test_step_without_requests_returns_nothing() -> None:
 
 def test_step_streams_one_output_per_new_token() -> None:
     llm = small_llm(num_kv_blocks=32, max_num_batched_tokens=8)
-    expected = small_llm(num_kv_blocks=32).generate([ids(20), ids(3)], [GREEDY, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)])
+    two = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    expected = small_llm(num_kv_blocks=32).generate([ids(20), ids(3)], [GREEDY, two])
     long_id = llm.add_request(ids(20), GREEDY)  # 20 prompt tokens in chunks of 8: no token in steps 1-2
-    short_id = llm.add_request(ids(3), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    short_id = llm.add_request(ids(3), two)
     first = llm.step()
     assert [o.request_id for o in first] == [], "a prompt chunk that does not finish the prompt yields nothing"
     seen = run_steps(llm)
@@ -345,7 +360,8 @@ def test_cli_streams_token_id_prompts(capsys: pytest.CaptureFixture[str]) -> Non
     cli(["generate", "--device", "cpu", "--num-kv-blocks", "16", "--max-tokens", "3", "--stream",
          "--prompt-token-ids", "5,6,7", "--prompt", "hi"])
     out = capsys.readouterr().out.splitlines()
-    expected = small_llm().generate([{"prompt_token_ids": [5, 6, 7]}, "hi"], SamplingParams(temperature=0, max_tokens=3))
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, "hi"]
+    expected = small_llm().generate(prompts, SamplingParams(temperature=0, max_tokens=3))
     # While streaming, one line per new token: "[request id] token id 'text piece'"; then one line per request.
     for req_id, want in enumerate(expected):
         tokens = [int(line.split()[1]) for line in out if re.match(rf"\[{req_id}\] \d+ ", line)]

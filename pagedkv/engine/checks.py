@@ -48,7 +48,9 @@ def check_int(name: str, value: object, low: int | None = None, high: int | None
     return number
 
 
-def check_optional_int(name: str, value: object, low: int | None = None, high: int | None = None, hint: str = "") -> int | None:
+def check_optional_int(
+    name: str, value: object, low: int | None = None, high: int | None = None, hint: str = ""
+) -> int | None:
     """None, or `check_int`."""
     return None if value is None else check_int(name, value, low, high, hint)
 
@@ -64,7 +66,9 @@ def check_float(
     below = low is not None and (number <= low if low_open else number < low)
     above = high is not None and number > high
     if not math.isfinite(number) or below or above:
-        raise ValueError(f"{name} must be a finite number {_range_text(low, high, low_open)}{hint}, got {reprlib.repr(value)}.")
+        raise ValueError(
+            f"{name} must be a finite number {_range_text(low, high, low_open)}{hint}, got {reprlib.repr(value)}."
+        )
     return number
 
 

@@ -288,7 +288,8 @@ class LLM:
         self.stats.num_preemptions += len(sched.preempted_req_ids)
         if not sched.scheduled:
             raise RuntimeError("Nothing could be scheduled although requests are unfinished (an engine bug).")
-        block_ids = {s.request.request_id: self.kv_cache_manager.get_block_ids(s.request.request_id) for s in sched.scheduled}
+        block_ids = {s.request.request_id: self.kv_cache_manager.get_block_ids(s.request.request_id)
+                     for s in sched.scheduled}
         start = time.perf_counter()
         try:
             result = self.runner.execute_model(sched, block_ids)
@@ -384,19 +385,15 @@ class LLM:
                 prepared.append(self._prepare(prompt, params))
             except (TypeError, ValueError) as e:
                 raise type(e)(f"prompt {i}: {e} (nothing was queued)") from None
-        ids = [self._add(*p) for p in prepared]
-        return self._run_to_completion(ids, use_tqdm if use_tqdm is not None else len(ids) >= 8)
-
-    def _run_to_completion(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
-        final: dict[str, RequestOutput] = {}
+        requests = [self._requests[self._add(*p)] for p in prepared]
+        show_progress = use_tqdm if use_tqdm is not None else len(requests) >= 8
         try:
-            with tqdm(total=len(ids), desc="generate", unit="req", disable=not show_progress) as bar:
+            with tqdm(total=len(requests), desc="generate", unit="req", disable=not show_progress) as bar:
                 while self.has_unfinished_requests():
-                    done = [out for out in self.step() if out.finished]
-                    final.update((out.request_id, out) for out in done)
-                    bar.update(len(done))
+                    bar.update(sum(out.finished for out in self.step()))
         except BaseException:
-            for request_id in ids:
-                self.abort_request(request_id)
+            for request in requests:
+                self.abort_request(request.request_id)
             raise
-        return [final[i] for i in ids]
+        # The Request objects hold the final state, also of one aborted meanwhile (by a listener, say).
+        return [self._output(request) for request in requests]

@@ -35,7 +35,7 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep going past the model's end-of-sequence tokens."""
     stop_token_ids: list[int] = field(default_factory=list)
-    """Stop after any of these token ids (it is kept in the output)."""
+    """Stop after any of these token ids (it is kept in the output); None means none."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -48,7 +48,8 @@ class SamplingParams:
         self.seed = check_optional_int("seed", self.seed, *SEED_RANGE, hint=" or None (what torch.Generator takes)")
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
         self.ignore_eos = check_bool("ignore_eos", self.ignore_eos)
-        self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids)
+        stop = [] if self.stop_token_ids is None else self.stop_token_ids
+        self.stop_token_ids = check_token_ids("stop_token_ids", stop)
 
     @property
     def greedy(self) -> bool:
