@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,73 @@ def test_qwen2_directory_matches_transformers(tmp_path: Path) -> None:
     ref = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "qwen2", dtype=torch.float32).eval()
     prompt = PROMPTS[4]
     llm = LLM(str(tmp_path / "qwen2"), device="cpu", num_kv_blocks=32)
+    logits: list[torch.Tensor] = []
+    llm.add_step_listener(lambda e: logits.append(e.result.logits[0].clone()))
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompt])).logits[0, -1]
+    assert (logits[0] - expected).abs().max().item() <= 1e-4
+
+
+def _without(*keys: str):
+    """A config.json edit that deletes `keys`, as a transformers-4 save would not have written them."""
+    def edit(hf: dict) -> None:
+        for key in keys:
+            del hf[key]
+    return edit
+
+
+def _setting(**values: object):
+    """A config.json edit that sets `values` (fields transformers would not write that way itself)."""
+    return lambda hf: hf.update(values)
+
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+# name -> (transformers class prefix, config fields, config.json edit, window of each of the 4 layers)
+WINDOW_CASES = {
+    # transformers 4 wrote no layer_types: full attention below max_window_layers, windows from there.
+    "qwen2-no-layer_types": ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+                             _without("layer_types"), [None, 8, 8, 8]),
+    # layer_types, when present, decide (here against what max_window_layers would say).
+    "qwen2-layer_types": ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=3,
+                                        layer_types=[SLIDING, FULL, SLIDING, FULL]), None, [8, None, 8, None]),
+    # use_sliding_window false switches every window off, whatever sliding_window and max_window_layers say.
+    "qwen2-window-off": ("Qwen2", dict(use_sliding_window=False, max_window_layers=0),
+                         lambda hf: (hf.update(sliding_window=8), hf.pop("layer_types")), [None] * 4),
+    # Qwen2.5-style config without use_sliding_window: transformers' default is False.
+    "qwen2-no-use_sliding_window": ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0),
+                                    _without("use_sliding_window", "layer_types"), [None] * 4),
+    # Mistral puts its window on every layer; with layer_types, AutoModel reads it as Ministral: per layer.
+    "mistral": ("Mistral", dict(sliding_window=8), None, [8] * 4),
+    "mistral-layer_types": ("Mistral", dict(sliding_window=8), _setting(layer_types=[FULL, SLIDING] * 2),
+                            [None, 8, None, 8]),
+    # Llama has no window at all.
+    "llama-window-ignored": ("Llama", {}, _setting(sliding_window=8, layer_types=[SLIDING] * 4), [None] * 4),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOW_CASES))
+def test_per_layer_windows_match_transformers(tmp_path: Path, name: str) -> None:
+    """Each family's config.json -> per-layer windows, read as transformers reads them (prompt 48 > window 8)."""
+    family, fields, edit, windows = WINDOW_CASES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
+        **fields,
+    )
+    getattr(transformers, f"{family}ForCausalLM")(config).save_pretrained(tmp_path / name)
+    if edit is not None:
+        config_json = tmp_path / name / "config.json"
+        hf = json.loads(config_json.read_text())
+        edit(hf)
+        config_json.write_text(json.dumps(hf))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32).eval()
+    prompt = PROMPTS[5]
+    llm = LLM(str(tmp_path / name), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
+    assert [llm.runner.attn_layers[f"model.layers.{i}.self_attn.attn"].sliding_window for i in range(4)] == windows
     logits: list[torch.Tensor] = []
     llm.add_step_listener(lambda e: logits.append(e.result.logits[0].clone()))
     llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))

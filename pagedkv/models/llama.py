@@ -62,15 +62,36 @@ class LlamaConfig:
             self.qkv_bias = self.attention_bias
         if self.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act={self.hidden_act!r} is not supported; Llama-family models use 'silu'.")
+        self._check_windows()
+
+    def _check_windows(self) -> None:
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {window!r}.")
+        if self.layer_types is None:
+            return
+        if not isinstance(self.layer_types, list) or len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types must be a list with one entry per layer ({self.num_hidden_layers}), "
+                f"got {self.layer_types!r}."
+            )
+        unknown = sorted({str(t) for t in self.layer_types} - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer_types has unsupported entries {unknown}; supported: {list(LAYER_TYPES)}.")
 
     def layer_sliding_window(self, i: int) -> int | None:
+        """Layer `i`'s window: `sliding_window` on the "sliding_attention" layers, or on all if no layer_types."""
         if self.layer_types is not None:
             return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
         return self.sliding_window
 
     @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any]) -> LlamaConfig:
-        """Read a `config.json` of transformers 4 (rope_theta + rope_scaling) or 5 (rope_parameters)."""
+    def from_hf_dict(cls, hf: dict[str, Any], model_type: str = "llama") -> LlamaConfig:
+        """Read a `config.json` of transformers 4 (rope_theta + rope_scaling) or 5 (rope_parameters).
+
+        `model_type` is the family ("llama", "mistral" or "qwen2"): it decides the biases and how
+        the per-layer windows are read (see `_hf_windows`).
+        """
         kwargs = {k: hf[k] for k in cls.__dataclass_fields__ if k in hf and hf[k] is not None}
         rope = hf.get("rope_parameters")
         if rope:
@@ -78,11 +99,38 @@ class LlamaConfig:
             kwargs["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
         eos = hf.get("eos_token_id")
         kwargs["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        if hf.get("model_type") == "qwen2":
+        if model_type == "qwen2":
             kwargs["qkv_bias"] = True  # Qwen2 always has q/k/v biases, and none on o_proj
-        if hf.get("model_type") == "llama" or hf.get("use_sliding_window") is False:
-            kwargs.pop("sliding_window", None)  # Llama has no window; Qwen2 may switch it off
+        kwargs["sliding_window"], kwargs["layer_types"] = _hf_windows(hf, model_type)
         return cls(**kwargs)
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _hf_windows(hf: dict[str, Any], model_type: str) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) of a `config.json`, as the installed transformers reads them.
+
+    llama:   no window, whatever the file says.
+    mistral: `sliding_window` (4096 when the key is absent, none when null) on every layer; with
+             `layer_types` (AutoModel then loads it as Ministral) only on the "sliding_attention" ones.
+    qwen2:   windows only when `use_sliding_window` is true (default false); `layer_types` when
+             present, else full attention on layers below `max_window_layers` (default 28) and
+             the window from there on (what transformers 4 wrote had no layer_types).
+    """
+    if model_type == "llama":
+        return None, None
+    window = hf.get("sliding_window", 4096)
+    layer_types = hf.get("layer_types")
+    if model_type == "mistral":
+        return window, layer_types
+    if not hf.get("use_sliding_window", False):
+        return None, None
+    if layer_types is None and window is not None:
+        num_layers = hf.get("num_hidden_layers", LlamaConfig.num_hidden_layers)
+        first_windowed = hf.get("max_window_layers", 28)
+        layer_types = [LAYER_TYPES[i >= first_windowed] for i in range(num_layers)]
+    return window, layer_types
 
 
 class LlamaAttention(nn.Module):

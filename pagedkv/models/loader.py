@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,7 +34,9 @@ PRESETS: dict[str, LlamaConfig] = {
     ),
 }
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# model_type -> architecture: the Llama-family layouts that `LlamaForCausalLM` serves.
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(SUPPORTED_MODEL_TYPES.values())
 
 
 def load_config(model: str) -> LlamaConfig:
@@ -41,16 +44,81 @@ def load_config(model: str) -> LlamaConfig:
     if model in PRESETS:
         return PRESETS[model]
     path = Path(model)
-    if not (path / "config.json").is_file():
+    config_file = path / "config.json"
+    if not config_file.is_file():
         raise ValueError(
             f"Model {model!r} is neither a preset ({sorted(PRESETS)}) nor a directory with a "
             "config.json (a Hugging Face model saved with save_pretrained)."
         )
-    hf = json.loads((path / "config.json").read_text())
-    archs = hf.get("architectures") or ["LlamaForCausalLM"]
-    if archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"Architecture {archs[0]!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}.")
-    return LlamaConfig.from_hf_dict(hf)
+    hf = _read_json_object(config_file)
+    return LlamaConfig.from_hf_dict(hf, model_type=_model_type(hf, config_file))
+
+
+def _read_json_object(file: Path) -> dict[str, Any]:
+    """The JSON object in `file`, or a ValueError naming the file and what is wrong with it."""
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc}.") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object ({{...}}), not a {type(data).__name__}.")
+    return data
+
+
+def _model_type(hf: dict[str, Any], config_file: Path) -> str:
+    """The family of a `config.json`: its `model_type`, else read off `architectures`, else "llama".
+
+    Either field naming anything but a supported Llama-family model is rejected, as is a file
+    whose two fields disagree; a hand-written config with neither field is read as Llama.
+    """
+    model_type, archs = hf.get("model_type"), hf.get("architectures")
+    if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{config_file}: model_type {model_type!r} is not supported; supported model types: "
+            f"{list(SUPPORTED_MODEL_TYPES)}."
+        )
+    if archs is None:
+        return model_type or "llama"
+    if not isinstance(archs, list) or not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{config_file}: architectures {archs!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)} "
+            "(a list whose first entry is one of them)."
+        )
+    arch_type = next(t for t, a in SUPPORTED_MODEL_TYPES.items() if a == archs[0])
+    if model_type is not None and model_type != arch_type:
+        raise ValueError(
+            f"{config_file}: model_type {model_type!r} contradicts architectures {archs!r} "
+            f"({archs[0]} is model_type {arch_type!r}); fix one of them."
+        )
+    return arch_type
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face checkpoint, as `save_pretrained` writes them.
+
+    A sharded save lists its shards in `model.safetensors.index.json`; otherwise the weights are
+    `model*.safetensors`. Other safetensors files in the directory (Mistral's
+    `consolidated.safetensors`, the same weights under other names) are not read.
+    """
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map (tensor name -> shard file).")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} names shard files that are not in {model_dir}: {missing}.")
+        return files
+    files = sorted(model_dir.glob("model*.safetensors"))
+    if not files:
+        others = sorted(f.name for f in model_dir.glob("*.safetensors"))
+        raise ValueError(
+            f"No model*.safetensors (or model.safetensors.index.json) in {model_dir}"
+            + (f"; {others} are not in the Hugging Face layout" if others else "")
+            + ". Save the model with transformers' save_pretrained."
+        )
+    return files
 
 
 # Presets drawn on the CPU with weights scaled so that attention decides the output.
@@ -104,8 +172,6 @@ def load_model(model: str, config: LlamaConfig, dtype: torch.dtype, device: torc
     else:
         from safetensors.torch import load_file
 
-        files = sorted(Path(model).glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"No *.safetensors files in {model!r}.")
+        files = checkpoint_files(Path(model))
         net.load_weights(item for f in files for item in load_file(f, device=str(device)).items())
     return net.to(dtype=dtype).eval()
