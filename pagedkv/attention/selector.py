@@ -25,11 +25,12 @@ ENV_VAR = "PAGEDKV_ATTENTION_BACKEND"
 
 # Built-in backends are imported only when asked for, so a missing optional package
 # (triton, flash-attn) becomes a reason instead of an ImportError at `import pagedkv`.
-_REGISTRY: dict[str, type[AttentionBackend] | str] = {
+_BUILTIN: dict[str, str] = {
     "TORCH_REF": "pagedkv.attention.backends.torch_ref:TorchRefBackend",
     "TRITON_ATTN": "pagedkv.attention.backends.triton_attn:TritonAttentionBackend",
     "FLASH_ATTN": "pagedkv.attention.backends.flash_attn:FlashAttentionBackend",
 }
+_REGISTRY: dict[str, type[AttentionBackend] | str] = dict(_BUILTIN)
 _PREFERRED: list[str] = []
 
 
@@ -46,7 +47,10 @@ def register_backend(backend: type[AttentionBackend], *, prefer: bool = False) -
 
 def unregister_backend(name: str) -> None:
     """Remove a user backend (built-in names go back to their built-in class)."""
-    _REGISTRY.pop(name, None)
+    if name in _BUILTIN:
+        _REGISTRY[name] = _BUILTIN[name]
+    else:
+        _REGISTRY.pop(name, None)
     if name in _PREFERRED:
         _PREFERRED.remove(name)
 

@@ -24,10 +24,21 @@ class ByteTokenizer:
         return [self.bos_token_id, *text.encode("utf-8")]
 
     def decode(self, token_ids: list[int]) -> str:
-        # Random-init models emit ids above 255 too; show them as a replacement mark.
-        data = bytes(t for t in token_ids if t < 256)
-        text = data.decode("utf-8", errors="replace")
-        return text + "\ufffd" * sum(1 for t in token_ids if t > self.eos_token_id)
+        """Bytes -> UTF-8 text; BOS and EOS are skipped (as Hugging Face's skip_special_tokens does).
+
+        Random-init models emit ids above EOS too: each becomes one U+FFFD where it stands, so
+        `decode([72, 300, 105])` is "H\ufffdi". Invalid UTF-8 byte runs also decode to U+FFFD.
+        """
+        pieces: list[str] = []
+        run = bytearray()
+        for t in token_ids:
+            if 0 <= t < 256:
+                run.append(t)
+            elif t not in (self.bos_token_id, self.eos_token_id):
+                pieces += [run.decode("utf-8", errors="replace"), "\ufffd"]
+                run.clear()
+        pieces.append(run.decode("utf-8", errors="replace"))
+        return "".join(pieces)
 
 
 class HFTokenizer:

@@ -1,0 +1,287 @@
+"""Loading a model directory (which files, which config), the backend registry, the byte
+tokenizer, and what importing pagedkv does to the process environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.attention.backends.torch_ref import TorchRefBackend
+from pagedkv.attention.selector import get_attn_backend, load_backend, register_backend, unregister_backend
+from pagedkv.models.loader import load_config
+from pagedkv.models.tokenizer import ByteTokenizer
+from tests.conftest import write_hf_llama
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT = [5, 9, 17, 3, 44, 101, 7, 12, 60]
+
+
+def _last_logits(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ours, transformers') logits of PROMPT's last token, from the same directory."""
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=16)
+    captured: list[torch.Tensor] = []
+    llm.add_step_listener(lambda e: captured.append(e.result.logits[0].clone()))
+    llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=1))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return captured[0], ref(torch.tensor([PROMPT])).logits[0, -1]
+
+
+def _edit_config(model_dir: Path, **changes: object) -> None:
+    """Set (or, with None, delete) keys of the directory's config.json."""
+    path = model_dir / "config.json"
+    hf = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            hf.pop(key, None)
+        else:
+            hf[key] = value
+    path.write_text(json.dumps(hf))
+
+
+# ---- which safetensors files are read -------------------------------------------------------
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded-with-index"])
+def test_only_the_hf_checkpoint_files_are_read(tmp_path: Path, sharded: bool) -> None:
+    """Mistral repositories also ship `consolidated.safetensors` (other tensor names): not read."""
+    src = write_hf_llama(tmp_path / "src")
+    model_dir = tmp_path / "model"
+    model = transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.save_pretrained(model_dir, max_shard_size="40KB" if sharded else "1GB")
+    shards = sorted(f.name for f in model_dir.glob("*.safetensors"))
+    assert (len(shards) > 2) == sharded and (model_dir / "model.safetensors.index.json").is_file() == sharded
+    safetensors_torch.save_file(
+        {"tok_embeddings.weight": torch.randn(3, 4), "layers.0.attention.wq.weight": torch.randn(4, 4)},
+        str(model_dir / "consolidated.safetensors"),
+    )
+    ours, expected = _last_logits(model_dir)
+    assert (ours - expected).abs().max().item() <= 1e-4
+
+
+def test_no_hf_checkpoint_file_is_a_clear_error(tmp_path: Path) -> None:
+    model_dir = write_hf_llama(tmp_path / "model")
+    (model_dir / "model.safetensors").rename(model_dir / "consolidated.safetensors")
+    with pytest.raises(ValueError, match=r"No model\*\.safetensors .*'consolidated\.safetensors'"):
+        LLM(str(model_dir), device="cpu", num_kv_blocks=16)
+
+
+def test_index_naming_a_missing_shard_is_a_clear_error(tmp_path: Path) -> None:
+    model_dir = write_hf_llama(tmp_path / "model")
+    index = {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"index\.json names shard files .*'model-00002-of-00002\.safetensors'"):
+        LLM(str(model_dir), device="cpu", num_kv_blocks=16)
+
+
+# ---- config.json ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["{'model_type': 'llama'}", '{"hidden_size": 64,}', "", "\xff\xfe junk"])
+def test_config_json_that_is_not_json(tmp_path: Path, text: str) -> None:
+    model_dir = write_hf_llama(tmp_path / "model")
+    (model_dir / "config.json").write_bytes(text.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON: ") as err:
+        load_config(str(model_dir))
+    assert str(model_dir) in str(err.value)
+
+
+def test_config_json_that_is_not_an_object(tmp_path: Path) -> None:
+    model_dir = write_hf_llama(tmp_path / "model")
+    (model_dir / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config\.json must hold a JSON object .*not a list"):
+        load_config(str(model_dir))
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(model_type="gpt2", architectures=None), r"model_type 'gpt2' is not supported; supported model types: "
+                                                      r"\['llama', 'mistral', 'qwen2'\]"),
+        (dict(model_type="gpt2"), r"model_type 'gpt2' is not supported"),
+        (dict(model_type=None, architectures=["GPT2LMHeadModel"]), r"architectures \['GPT2LMHeadModel'\] is not "
+                                                                   r"supported; supported: \['LlamaForCausalLM'"),
+        (dict(architectures=[]), r"architectures \[\] is not supported"),
+        (dict(model_type="qwen2"), r"model_type 'qwen2' contradicts architectures \['LlamaForCausalLM'\]"),
+    ],
+    ids=["gpt2-no-architectures", "gpt2", "gpt2-architectures-only", "empty-architectures", "contradiction"],
+)
+def test_unsupported_or_contradictory_model_is_rejected(tmp_path: Path, changes: dict, message: str) -> None:
+    model_dir = write_hf_llama(tmp_path / "model")
+    _edit_config(model_dir, **changes)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(model_dir), device="cpu", num_kv_blocks=16)
+
+
+def test_family_from_either_field_or_llama_without_both(tmp_path: Path) -> None:
+    """model_type alone, architectures alone, or (a hand-written Llama config) neither."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, initializer_range=0.3,
+    )
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen2")
+    _edit_config(tmp_path / "qwen2", model_type=None)
+    assert load_config(str(tmp_path / "qwen2")).qkv_bias  # Qwen2's q/k/v biases, from architectures alone
+    _edit_config(tmp_path / "qwen2", model_type="qwen2", architectures=None)
+    assert load_config(str(tmp_path / "qwen2")).qkv_bias
+
+    llama = write_hf_llama(tmp_path / "llama")
+    expected = load_config(str(llama))
+    _edit_config(llama, model_type=None, architectures=None)
+    assert load_config(str(llama)) == expected
+
+
+# ---- the backend registry -------------------------------------------------------------------
+
+
+class _Mine(TorchRefBackend):
+    """A user backend registered under a built-in's name."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "TORCH_REF"
+
+
+LAYER = dict(head_size=16, dtype=torch.float32, kv_cache_dtype=torch.float32, block_size=16, device="cpu")
+
+
+@pytest.mark.parametrize("prefer", [False, True])
+def test_unregistering_a_builtin_name_restores_the_builtin(prefer: bool) -> None:
+    try:
+        register_backend(_Mine, prefer=prefer)
+        assert load_backend("TORCH_REF") is _Mine
+        assert get_attn_backend(**LAYER) is _Mine
+        unregister_backend("TORCH_REF")
+        assert load_backend("TORCH_REF") is TorchRefBackend
+        assert get_attn_backend(**LAYER) is TorchRefBackend
+        llm = LLM("tiny", device="cpu", num_kv_blocks=16)
+        assert {layer.attn_backend for layer in llm.runner.attn_layers.values()} == {TorchRefBackend}
+    finally:
+        register_backend(TorchRefBackend)  # whatever happened above, leave the built-in for other tests
+
+
+def test_unregistering_a_user_name_removes_it() -> None:
+    class _Other(TorchRefBackend):
+        @staticmethod
+        def get_name() -> str:
+            return "OTHER"
+
+    register_backend(_Other)
+    assert load_backend("OTHER") is _Other
+    unregister_backend("OTHER")
+    with pytest.raises(ValueError, match="Unknown attention backend 'OTHER'"):
+        load_backend("OTHER")
+
+
+# ---- the byte tokenizer ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ids,text",
+    [
+        ([72, 300, 105], "H\ufffdi"),  # an id past the bytes: one U+FFFD where it stands
+        ([300, 72, 319, 319, 105, 258], "\ufffdH\ufffd\ufffdi\ufffd"),
+        ([256, 72, 105, 257], "Hi"),  # BOS and EOS are special tokens: skipped
+        ([0xC3, 0xA9], "\u00e9"),  # two bytes, one character
+        ([0xC3, 257, 0xA9], "\u00e9"),  # a skipped special token does not split a character
+        ([0xC3, 300, 0xA9], "\ufffd\ufffd\ufffd"),  # half a character, a stray id, the other half
+        ([0xFF, 72], "\ufffdH"),  # not UTF-8
+    ],
+)
+def test_byte_tokenizer_decode(ids: list[int], text: str) -> None:
+    assert ByteTokenizer().decode(ids) == text
+
+
+def test_byte_tokenizer_round_trip() -> None:
+    tok = ByteTokenizer()
+    text = "paged \u00e9t\u00e9 \u2014 \U0001f600"
+    assert tok.encode(text)[0] == tok.bos_token_id
+    assert tok.decode(tok.encode(text) + [tok.eos_token_id]) == text
+
+
+# ---- importing pagedkv and the Triton interpreter -------------------------------------------
+
+
+def _python(code: str, **env: str) -> dict:
+    """Run `code` in a fresh interpreter without TRITON_INTERPRET (plus `env`); what it sets in `out`."""
+    child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env
+    code = "import contextlib, io, json, os\nout = {}\n" + code + "print(json.dumps(out))\n"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=child_env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+IMPORTS = (
+    "before = dict(os.environ)\n"
+    "import pagedkv, pagedkv.kernels, pagedkv.attention.backends.triton_attn\n"
+    "from pagedkv import LLM\n"
+    "LLM('tiny', device='cpu', num_kv_blocks=8)\n"
+    "out['changed'] = sorted(k for k in before.keys() | os.environ.keys() if before.get(k) != os.environ.get(k))\n"
+)
+REASONS = (
+    "import torch\n"
+    "from pagedkv.attention.selector import backend_reasons\n"
+    "out['reasons'] = backend_reasons('TRITON_ATTN', head_size=16, dtype=torch.float32, "
+    "kv_cache_dtype=torch.float32, block_size=16, device_type='cpu')\n"
+)
+ENGINE_ERROR = (
+    "try:\n"
+    "    LLM('tiny', device='cpu', attention_backend='TRITON_ATTN', num_kv_blocks=8)\n"
+    "except ValueError as exc:\n"
+    "    out['engine_error'] = str(exc)\n"
+)
+BACKENDS_COMMAND = (
+    "from pagedkv.__main__ import main\n"
+    "with contextlib.redirect_stdout(io.StringIO()) as printed:\n"
+    "    main(['backends', '--device', 'cpu'])\n"
+    "out['backends_line'] = [line for line in printed.getvalue().splitlines() if 'TRITON_ATTN' in line]\n"
+)
+HINT = "set TRITON_INTERPRET=1 in the environment before Python starts"
+
+
+def test_importing_pagedkv_leaves_the_environment_alone() -> None:
+    assert _python(IMPORTS)["changed"] == []
+
+
+triton_only = pytest.mark.skipif(
+    not __import__("pagedkv.kernels").kernels.HAS_TRITON, reason="triton is not installed"
+)
+
+
+@triton_only
+def test_triton_on_cpu_without_the_interpreter_says_what_to_do() -> None:
+    """TRITON_ATTN's reason, the engine's error and `python -m pagedkv backends` say what to set."""
+    out = _python(IMPORTS + REASONS + ENGINE_ERROR + BACKENDS_COMMAND)
+    [reason] = out["reasons"]
+    assert reason.startswith("on the CPU, Triton runs only in its interpreter: ") and HINT in reason
+    assert "'TRITON_ATTN' cannot serve layer" in out["engine_error"] and HINT in out["engine_error"]
+    [line] = out["backends_line"]
+    assert HINT in line
+
+
+@triton_only
+def test_triton_interpreter_set_after_triton_was_imported() -> None:
+    [reason] = _python("import triton\nos.environ['TRITON_INTERPRET'] = '1'\n" + REASONS)["reasons"]
+    assert reason.startswith("TRITON_INTERPRET=1 was set after triton had been imported") and HINT in reason
+
+
+@triton_only
+def test_triton_interpreter_set_before_python_starts() -> None:
+    """Then import order does not matter (transformers, which may import triton, first here)."""
+    out = _python("import transformers\n" + REASONS + BACKENDS_COMMAND, TRITON_INTERPRET="1")
+    assert out["reasons"] == []
+    [line] = out["backends_line"]
+    assert "TRITON_INTERPRET" not in line
