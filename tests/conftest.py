@@ -1,11 +1,20 @@
-"""Shared fixtures: tiny Hugging Face Llama directories written by `transformers` itself."""
+"""Shared fixtures: tiny Hugging Face Llama directories written by `transformers` itself.
+
+Without a GPU the Triton kernels are tested in Triton's interpreter, which Triton picks only if
+TRITON_INTERPRET=1 is set when it is first imported: set it here, before any test module imports
+triton (`.ci/test` exports it too). With a GPU the kernels are tested compiled.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def write_hf_llama(path: Path, *, seed: int = 0, **overrides: object) -> Path:

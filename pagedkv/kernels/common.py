@@ -42,28 +42,40 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def check_device(tensor: torch.Tensor) -> None:
-    """Triton compiles for GPUs; CPU tensors only work under its interpreter.
+INTERPRETER_HINT = (
+    "set TRITON_INTERPRET=1 in the environment before Python starts (or at least before anything "
+    "imports triton: pagedkv.kernels, torch.compile and transformers may)"
+)
 
-    Triton picks interpreted or compiled once, when `triton` is first imported (its own
-    library functions such as `tl.sum` are made then), so the variable must be set before that.
+
+def interpreter_problem() -> str | None:
+    """Why Triton cannot run kernels on CPU tensors in this process; None when its interpreter is on.
+
+    Triton chooses interpreted or compiled per function, when `@triton.jit` wraps it: its own
+    library (`tl.sum`, `tl.max`, ...) when `triton` is first imported, these kernels when
+    `pagedkv.kernels` is. So `TRITON_INTERPRET=1` must already be set at those imports; setting
+    it later leaves compiled functions that cannot take CPU tensors.
     """
-    if tensor.device.type != "cpu":
-        return
     if not interpreting():
-        raise RuntimeError(
-            "Triton kernels got CPU tensors: use a CUDA device, or set TRITON_INTERPRET=1 before "
-            "anything imports triton to run them (slowly) on the CPU"
-        )
+        return f"on the CPU, Triton runs only in its interpreter: {INTERPRETER_HINT}"
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
     if not isinstance(tl.sum, InterpretedFunction):
-        raise RuntimeError(
-            "TRITON_INTERPRET=1 was set after triton had been imported (torch._dynamo imports it, "
-            "for one), so Triton is not in interpreter mode: set it before that import, e.g. at "
-            "the top of the script or in conftest.py"
+        return (
+            "TRITON_INTERPRET=1 was set after triton had been imported, so Triton is not in its "
+            f"interpreter: {INTERPRETER_HINT}"
         )
+    return None
+
+
+def check_device(tensor: torch.Tensor) -> None:
+    """Triton compiles for GPUs; CPU tensors only work under its interpreter (`interpreter_problem`)."""
+    if tensor.device.type != "cpu":
+        return
+    problem = interpreter_problem()
+    if problem:
+        raise RuntimeError(f"Triton kernels got CPU tensors (use a CUDA device to run them compiled); {problem}")
 
 
 @functools.lru_cache(maxsize=None)

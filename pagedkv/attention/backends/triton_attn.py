@@ -32,7 +32,7 @@ from pagedkv.attention.backend import (
 from pagedkv.config import EngineConfig
 from pagedkv.kernels import HAS_TRITON, SplitKVWorkspace, reshape_and_cache, unified_attention
 from pagedkv.kernels.attention_config import KernelConfig, choose_config
-from pagedkv.kernels.common import check_head_size, interpreting, next_power_of_2
+from pagedkv.kernels.common import check_head_size, interpreter_problem, interpreting, next_power_of_2
 from pagedkv.kv_cache.spec import KVCacheSpec
 
 SPLIT_ROWS_PER_SEQ = 32
@@ -179,6 +179,7 @@ class TritonAttentionBackend(AttentionBackend):
             reasons.append(str(exc))
         if kv_cache_dtype != dtype:
             reasons.append(f"KV cache dtype {kv_cache_dtype} must equal the model dtype {dtype}")
-        if device_type == "cpu" and not interpreting():
-            reasons.append("on the CPU the Triton kernels need TRITON_INTERPRET=1 (Triton's interpreter)")
+        problem = interpreter_problem() if device_type == "cpu" and HAS_TRITON else None
+        if problem:
+            reasons.append(problem)
         return reasons
