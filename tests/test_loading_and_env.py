@@ -142,6 +142,23 @@ def test_family_from_either_field_or_llama_without_both(tmp_path: Path) -> None:
     assert load_config(str(llama)) == expected
 
 
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(layer_types=["sliding_attention"]), r"layer_types must be a list with one entry per layer \(2\)"),
+        (dict(layer_types=["full_attention", "linear_attention"]), r"layer_types has unsupported entries "
+                                                                    r"\['linear_attention'\]"),
+        (dict(sliding_window=0), r"sliding_window must be a positive int or None, got 0"),
+    ],
+    ids=["layer_types-length", "layer_types-entry", "sliding_window"],
+)
+def test_bad_window_fields_are_rejected(tmp_path: Path, changes: dict, message: str) -> None:
+    model_dir = write_hf_llama(tmp_path / "model")
+    _edit_config(model_dir, model_type="mistral", architectures=["MistralForCausalLM"], **changes)
+    with pytest.raises(ValueError, match=message):
+        load_config(str(model_dir))
+
+
 # ---- the backend registry -------------------------------------------------------------------
 
 
