@@ -32,7 +32,7 @@ from pagedkv.attention.backend import (
 from pagedkv.config import EngineConfig
 from pagedkv.kernels import HAS_TRITON, SplitKVWorkspace, reshape_and_cache, unified_attention
 from pagedkv.kernels.attention_config import KernelConfig, choose_config
-from pagedkv.kernels.common import check_head_size, interpreter_problem, interpreting, next_power_of_2
+from pagedkv.kernels.common import check_head_size, interpreter_problem, next_power_of_2
 from pagedkv.kv_cache.spec import KVCacheSpec
 
 SPLIT_ROWS_PER_SEQ = 32
