@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams, StepEvent
+from pagedkv.engine.request import RequestOutput
+from tests.reference import generate_checked
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -21,44 +23,71 @@ def tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_chunked_prefill_and_decode_first() -> None:
-    llm = LLM("tiny", device="cpu", num_kv_blocks=64, max_num_batched_tokens=24)
+CHUNKED_PROMPTS = prompts([5, 60, 3])
+PREEMPTED_PROMPTS = prompts([9, 14, 6, 11])
+HYBRID_PROMPTS = prompts([70])
+
+
+# The scenarios take the backend as an argument: tests/test_broken_backends.py runs them with
+# broken backends to show that their checks (logits against the float64 reference) catch those.
+
+
+def run_chunked_and_whole(backend: str = "TORCH_REF") -> tuple[LLM, list[StepEvent], list[RequestOutput]]:
+    """A 60-token prompt in chunks under a 24-token budget, and whole: both match the reference."""
+    llm = LLM("tiny", device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, attention_backend=backend)
     events: list[StepEvent] = []
     llm.add_step_listener(events.append)
-    outs = llm.generate(prompts([5, 60, 3]), GREEDY)
+    outs = generate_checked(llm, CHUNKED_PROMPTS, GREEDY)
+    whole = LLM("tiny", device="cpu", num_kv_blocks=64, attention_backend=backend)
+    assert tokens(outs) == tokens(generate_checked(whole, CHUNKED_PROMPTS, GREEDY))
+    return llm, events, outs
+
+
+def run_preemption(backend: str = "TORCH_REF") -> LLM:
+    """Four requests in 8 usable blocks of 4 tokens (preempted, recomputed), and in a roomy cache."""
+    roomy = LLM("tiny", device="cpu", num_kv_blocks=64, block_size=4, attention_backend=backend)
+    tight = LLM("tiny", device="cpu", num_kv_blocks=9, block_size=4, attention_backend=backend)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    got = tokens(generate_checked(tight, PREEMPTED_PROMPTS, params))
+    assert got == tokens(generate_checked(roomy, PREEMPTED_PROMPTS, params)) and all(len(t) == 10 for t in got)
+    return tight
+
+
+def run_hybrid_small_cache(backend: str = "TORCH_REF") -> tuple[LLM, list[StepEvent], list[RequestOutput]]:
+    """tiny-hybrid on 70 + 20 tokens, with a roomy cache, then half the cache and a 16-token budget."""
+    llm = LLM("tiny-hybrid", device="cpu", num_kv_blocks=64, block_size=8, attention_backend=backend)
+    events: list[StepEvent] = []
+    llm.add_step_listener(events.append)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    out = generate_checked(llm, HYBRID_PROMPTS, params)
+    small = LLM("tiny-hybrid", device="cpu", num_kv_blocks=14, block_size=8, max_num_batched_tokens=16,
+                attention_backend=backend)
+    assert tokens(generate_checked(small, HYBRID_PROMPTS, params)) == tokens(out)
+    return llm, events, out
+
+
+def test_chunked_prefill_and_decode_first() -> None:
+    llm, events, _ = run_chunked_and_whole()
     for e in events:
         kinds = [s.is_decode for s in e.scheduler_output.scheduled]
         assert kinds == sorted(kinds, reverse=True), "decodes must come first"
         assert e.scheduler_output.num_scheduled_tokens <= 24
-    # The 60-token prompt needed several steps (chunked), and the result does not depend on it.
-    unchunked = LLM("tiny", device="cpu", num_kv_blocks=64).generate(prompts([5, 60, 3]), GREEDY)
-    assert tokens(outs) == tokens(unchunked)
     assert any(e.scheduler_output.num_decode_tokens and e.scheduler_output.num_prefill_tokens for e in events), \
         "expected at least one mixed prefill + decode step"
     assert llm.stats.num_prefill_tokens == 68 and llm.stats.num_decode_tokens == 3 * 5
 
 
 def test_preemption_recomputes_and_loses_nothing() -> None:
-    roomy = LLM("tiny", device="cpu", num_kv_blocks=64, block_size=4)
-    tight = LLM("tiny", device="cpu", num_kv_blocks=9, block_size=4)  # 8 usable blocks = 32 tokens
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    batch = prompts([9, 14, 6, 11])
-    expected = tokens(roomy.generate(batch, params))
-    got = tokens(tight.generate(batch, params))
+    tight = run_preemption()
     assert tight.stats.num_preemptions > 0
-    assert got == expected and all(len(t) == 10 for t in got)
     assert tight.kv_cache_manager.num_free_blocks() == 8
 
 
 def test_hybrid_model_has_two_groups_and_matches_with_small_cache() -> None:
-    llm = LLM("tiny-hybrid", device="cpu", num_kv_blocks=64, block_size=8)
+    llm, events, _ = run_hybrid_small_cache()
     groups = llm.runner.kv_cache_config.kv_cache_groups
     assert len(groups) == 2
     assert sorted(len(g.layer_names) for g in groups) == [2, 2]
-    events: list[StepEvent] = []
-    llm.add_step_listener(events.append)
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    out = llm.generate(prompts([70]), params)
     # Late in the run, the sliding-window group's row starts with null blocks; the full one does not.
     rows = events[-1].block_ids["0"]
     window_group = next(i for i, g in enumerate(groups) if hasattr(g.kv_cache_spec, "sliding_window"))
@@ -68,9 +97,6 @@ def test_hybrid_model_has_two_groups_and_matches_with_small_cache() -> None:
     for attn_group in [g for gs in llm.runner.attn_groups for g in gs]:
         assert len({id(metadata[n]) for n in attn_group.layer_names}) == 1
     assert len({id(m) for m in metadata.values()}) == 2
-    # Same tokens with the cache half as big and a token budget that forces chunking.
-    small = LLM("tiny-hybrid", device="cpu", num_kv_blocks=14, block_size=8, max_num_batched_tokens=16)
-    assert tokens(small.generate(prompts([70]), params)) == tokens(out)
 
 
 def test_stop_conditions() -> None:
@@ -119,7 +145,7 @@ def test_clear_errors() -> None:
         llm.generate(prompts([14]), GREEDY)
     with pytest.raises(ValueError, match="has no matching|neither a preset"):
         LLM("no-such-model")
-    with pytest.raises(ValueError, match="must be in \\(0, 1\\]"):
+    with pytest.raises(ValueError, match=r"top_p must be .*in \(0, 1\]"):
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="'prompt_token_ids'"):
         llm.generate({"tokens": [1]})

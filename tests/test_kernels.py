@@ -221,17 +221,25 @@ def test_reshape_and_cache_rejects_mismatched_shapes() -> None:
 # --- the backends on top of the kernels ----------------------------------------------------------
 
 
-def test_triton_backend_in_the_engine_matches_reference() -> None:
-    from pagedkv import LLM, SamplingParams
+ENGINE_PROMPTS = ["Hello there", {"prompt_token_ids": list(range(1, 30))}]
 
-    prompts = ["Hello there", {"prompt_token_ids": list(range(1, 30))}]
+
+def run_backend_in_the_engine(backend: str = "TRITON_ATTN") -> None:
+    """Two prompts through `backend` in float32: logits match the float64 reference, tokens match TORCH_REF's."""
+    from pagedkv import LLM, SamplingParams
+    from tests.reference import generate_checked
+
     tokens = {}
-    for backend in ("TRITON_ATTN", "TORCH_REF"):
-        llm = LLM(model="tiny", device="cpu", dtype="float32", attention_backend=backend,
+    for name in (backend, "TORCH_REF"):
+        llm = LLM(model="tiny", device="cpu", dtype="float32", attention_backend=name,
                   max_model_len=64, max_num_seqs=4, num_kv_blocks=16)
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4))
-        tokens[backend] = [o.outputs[0].token_ids for o in outputs]
-    assert tokens["TRITON_ATTN"] == tokens["TORCH_REF"]
+        outputs = generate_checked(llm, ENGINE_PROMPTS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        tokens[name] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens[backend] == tokens["TORCH_REF"]
+
+
+def test_triton_backend_in_the_engine_matches_reference() -> None:
+    run_backend_in_the_engine("TRITON_ATTN")
 
 
 def test_backend_reasons_on_the_cpu() -> None:

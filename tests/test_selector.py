@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.attention.backend import AttentionBackend
 from pagedkv.attention.backends.torch_ref import TorchRefBackend
 from pagedkv.attention.selector import backend_report, get_attn_backend, register_backend, unregister_backend
+from tests.reference import generate_checked
 
 LAYER = dict(head_size=16, dtype=torch.float32, kv_cache_dtype=torch.float32, block_size=16)
 
@@ -80,16 +82,21 @@ def test_report_has_every_backend(picky) -> None:
     assert report["FLASH_ATTN"], "FLASH_ATTN must say why it cannot run on the CPU"
 
 
-def test_students_backend_is_used_by_the_engine() -> None:
+STUDENT_PROMPTS = [{"prompt_token_ids": [4, 5, 6]}]
+
+
+def run_students_backend(base: type[AttentionBackend] = TorchRefBackend) -> list[int]:
+    """Register COUNTING (`base` with a call-counting impl), generate through it and check the
+    logits against the float64 reference; returns the query length of every forward call."""
     calls: list[int] = []
 
-    class CountingImpl(TorchRefBackend.get_impl_cls()):
+    class CountingImpl(base.get_impl_cls()):
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output):
             calls.append(query.shape[0])
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
 
     @register_backend
-    class Counting(TorchRefBackend):
+    class Counting(base):
         @staticmethod
         def get_name() -> str:
             return "COUNTING"
@@ -99,11 +106,13 @@ def test_students_backend_is_used_by_the_engine() -> None:
             return CountingImpl
 
     try:
-        prompt = {"prompt_token_ids": [4, 5, 6]}
-        params = SamplingParams(temperature=0, max_tokens=3)
-        ours = LLM("tiny", device="cpu", attention_backend="COUNTING", num_kv_blocks=8).generate(prompt, params)
-        ref = LLM("tiny", device="cpu", num_kv_blocks=8).generate(prompt, params)
-        assert ours[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
-        assert calls[:4] == [3, 3, 3, 3] and len(calls) == 4 * 3  # 4 layers x 3 steps (num_kv_blocks given: no profile run)
+        llm = LLM("tiny", device="cpu", attention_backend="COUNTING", num_kv_blocks=8)
+        generate_checked(llm, STUDENT_PROMPTS, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     finally:
         unregister_backend("COUNTING")
+    return calls
+
+
+def test_students_backend_is_used_by_the_engine() -> None:
+    calls = run_students_backend()
+    assert calls[:4] == [3, 3, 3, 3] and len(calls) == 4 * 3  # 4 layers x 3 steps (num_kv_blocks given: no profile run)

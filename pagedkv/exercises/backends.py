@@ -290,9 +290,12 @@ def check_backend(backend: Any, device: torch.device | str | None = None) -> Che
         return CheckResult(False, f"The engine did not use {name} for layers {not_used}: {mine.backend_names}.")
     ref = reference_run(device)
     for step_mine, step_ref in zip(mine.steps, ref.steps):
-        for layer, error in step_mine.cache_errors.items():
-            return CheckResult(False, f"Step {step_mine.step}, layer {layer!r}: the KV cache write is wrong: {error}")
+        # Layer by layer, so that the first wrong layer is named: its wrong output feeds the
+        # later layers' keys and values (even garbage, from an `output` left unwritten).
         for layer, out_ref in step_ref.outputs.items():
+            if layer in step_mine.cache_errors:
+                error = step_mine.cache_errors[layer]
+                return CheckResult(False, f"Step {step_mine.step}, layer {layer!r}: the KV cache write is wrong: {error}")
             out = step_mine.outputs.get(layer)
             if out is None or out.shape != out_ref.shape:
                 shape = None if out is None else tuple(out.shape)
