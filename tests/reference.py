@@ -57,7 +57,7 @@ def to_transformers(model: LlamaForCausalLM) -> torch.nn.Module:
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
         max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-        rope_parameters=rope,
+        rope_parameters=rope, attn_implementation="eager",
     )
     weights = _unfused_state_dict(model)
     if windows:
@@ -74,7 +74,6 @@ def to_transformers(model: LlamaForCausalLM) -> torch.nn.Module:
     else:
         config = transformers.LlamaConfig(**fields, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
         hf = transformers.LlamaForCausalLM(config)
-    config._attn_implementation = "eager"
     hf.load_state_dict({k: v.to("cpu", torch.float64) for k, v in weights.items()}, strict=True)
     return hf.to(torch.float64).eval()
 
