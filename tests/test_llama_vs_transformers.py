@@ -106,6 +106,16 @@ def test_sliding_window_matches_transformers_mistral(tmp_path: Path) -> None:
     assert out[0].outputs[0].token_ids == expected[0, len(prompt):].tolist()
 
 
+def assert_last_logits_match(llm: LLM, ref: torch.nn.Module, prompt: list[int]) -> None:
+    """The engine's logits after the whole prompt equal transformers' (fp32, <= 1e-4)."""
+    logits: list[torch.Tensor] = []
+    llm.add_step_listener(lambda e: logits.append(e.result.logits[0].clone()))
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompt])).logits[0, -1]
+    assert (logits[0] - expected).abs().max().item() <= 1e-4
+
+
 def test_qwen2_directory_matches_transformers(tmp_path: Path) -> None:
     """Qwen2 = Llama + q/k/v biases: the loader maps it onto the same model file."""
     torch.manual_seed(0)
@@ -117,12 +127,7 @@ def test_qwen2_directory_matches_transformers(tmp_path: Path) -> None:
     ref = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "qwen2", dtype=torch.float32).eval()
     prompt = PROMPTS[4]
     llm = LLM(str(tmp_path / "qwen2"), device="cpu", num_kv_blocks=32)
-    logits: list[torch.Tensor] = []
-    llm.add_step_listener(lambda e: logits.append(e.result.logits[0].clone()))
-    llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))
-    with torch.no_grad():
-        expected = ref(torch.tensor([prompt])).logits[0, -1]
-    assert (logits[0] - expected).abs().max().item() <= 1e-4
+    assert_last_logits_match(llm, ref, prompt)
 
 
 def _without(*keys: str):
@@ -184,9 +189,4 @@ def test_per_layer_windows_match_transformers(tmp_path: Path, name: str) -> None
     prompt = PROMPTS[5]
     llm = LLM(str(tmp_path / name), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
     assert [llm.runner.attn_layers[f"model.layers.{i}.self_attn.attn"].sliding_window for i in range(4)] == windows
-    logits: list[torch.Tensor] = []
-    llm.add_step_listener(lambda e: logits.append(e.result.logits[0].clone()))
-    llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))
-    with torch.no_grad():
-        expected = ref(torch.tensor([prompt])).logits[0, -1]
-    assert (logits[0] - expected).abs().max().item() <= 1e-4
+    assert_last_logits_match(llm, ref, prompt)
