@@ -8,22 +8,13 @@ a model file never has to pass the config down through every constructor.
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-
-class CUDAGraphMode(enum.Enum):
-    """How a step is run: eagerly, as piecewise graphs between attention ops, or one full graph."""
-
-    NONE = 0
-    PIECEWISE = 1
-    FULL = 2
-    FULL_DECODE_ONLY = 3
-    FULL_AND_PIECEWISE = 4
+from pagedkv.compilation.modes import CUDAGraphMode  # a leaf module (re-exported): no import cycle
 
 
 @dataclass
@@ -87,6 +78,13 @@ class CompilationConfig:
             "pagedkv::unified_kv_cache_update",
         ]
     )
+    """Ops the compiled graph is cut at; they run eagerly between the compiled pieces."""
+    compile: bool = False
+    """Trace the model's forward once with torch.compile and split it at `splitting_ops`
+    (`pagedkv.compilation.compile_model`)."""
+    piece_compiler: str | None = None
+    """How each piece between splitting ops is compiled: "inductor", or "eager" (the traced
+    FX code run as Python: cheap, for CPU tests). None: inductor on CUDA, eager elsewhere."""
     opaque_attention_op: bool | None = None
     """Call attention through the `torch.ops.pagedkv` custom ops (True) or directly (False).
     None asks the platform."""

@@ -18,6 +18,7 @@ import torch
 
 from pagedkv.attention.backend import CommonAttentionMetadata
 from pagedkv.attention.layer import Attention
+from pagedkv.compilation.wrapper import CompiledForward, compile_model
 from pagedkv.config import EngineConfig, set_current_engine_config
 from pagedkv.engine.scheduler import SchedulerOutput
 from pagedkv.forward_context import BatchDescriptor, set_forward_context
@@ -54,6 +55,10 @@ class ModelRunner:
                 config.model_config.model, model_config, config.model_config.dtype, self.device,
                 config.model_config.seed,
             )
+        self.compiled_forward: CompiledForward | None = None
+        """With `compilation_config.compile`: `self.model(...)` runs this piecewise-compiled forward."""
+        if config.compilation_config.compile:
+            self.compiled_forward = compile_model(self.model, config)
         static = config.compilation_config.static_forward_context
         self.attn_layers: dict[str, Attention] = {n: m for n, m in static.items() if isinstance(m, Attention)}
         self.kv_cache_config: KVCacheConfig

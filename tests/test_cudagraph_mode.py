@@ -1,0 +1,204 @@
+"""CUDA graph modes and their lowering (`pagedkv.compilation`, issue 9 point 1).
+
+The expected modes are a table written out by hand from the rules in the issue, not
+computed by any helper: 5 modes x 4 support levels, each line giving the 8 combinations of
+(attention compiled piecewise, decode query length, enforce_eager).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from pagedkv.attention.backend import AttentionCGSupport
+from pagedkv.compilation import CUDAGraphMode, resolve_cudagraph_mode
+
+M = CUDAGraphMode
+S = AttentionCGSupport
+BACKEND = "MY_TEST_BACKEND"
+
+# Columns, in this order (pw: attention compiled piecewise; q: decode query length):
+#   pw q=1 | pw q=1 eager | pw q=2 | pw q=2 eager | no-pw q=1 | no-pw q=1 eager | no-pw q=2 | no-pw q=2 eager
+# FDO = FULL_DECODE_ONLY, FAP = FULL_AND_PIECEWISE, PW = PIECEWISE, ERR = ValueError.
+TABLE = """
+NONE               NEVER                        NONE NONE NONE NONE NONE NONE NONE NONE
+NONE               UNIFORM_SINGLE_TOKEN_DECODE  NONE NONE NONE NONE NONE NONE NONE NONE
+NONE               UNIFORM_BATCH                NONE NONE NONE NONE NONE NONE NONE NONE
+NONE               ALWAYS                       NONE NONE NONE NONE NONE NONE NONE NONE
+PIECEWISE          NEVER                        PW   NONE PW   NONE NONE NONE NONE NONE
+PIECEWISE          UNIFORM_SINGLE_TOKEN_DECODE  PW   NONE PW   NONE NONE NONE NONE NONE
+PIECEWISE          UNIFORM_BATCH                PW   NONE PW   NONE NONE NONE NONE NONE
+PIECEWISE          ALWAYS                       PW   NONE PW   NONE NONE NONE NONE NONE
+FULL               NEVER                        ERR  NONE ERR  NONE ERR  NONE ERR  NONE
+FULL               UNIFORM_SINGLE_TOKEN_DECODE  FAP  NONE PW   NONE FDO  NONE NONE NONE
+FULL               UNIFORM_BATCH                FAP  NONE FAP  NONE FDO  NONE FDO  NONE
+FULL               ALWAYS                       FULL NONE FULL NONE FULL NONE FULL NONE
+FULL_DECODE_ONLY   NEVER                        PW   NONE PW   NONE NONE NONE NONE NONE
+FULL_DECODE_ONLY   UNIFORM_SINGLE_TOKEN_DECODE  FDO  NONE PW   NONE FDO  NONE NONE NONE
+FULL_DECODE_ONLY   UNIFORM_BATCH                FDO  NONE FDO  NONE FDO  NONE FDO  NONE
+FULL_DECODE_ONLY   ALWAYS                       FDO  NONE FDO  NONE FDO  NONE FDO  NONE
+FULL_AND_PIECEWISE NEVER                        PW   NONE PW   NONE NONE NONE NONE NONE
+FULL_AND_PIECEWISE UNIFORM_SINGLE_TOKEN_DECODE  FAP  NONE PW   NONE FDO  NONE NONE NONE
+FULL_AND_PIECEWISE UNIFORM_BATCH                FAP  NONE FAP  NONE FDO  NONE FDO  NONE
+FULL_AND_PIECEWISE ALWAYS                       FAP  NONE FAP  NONE FDO  NONE FDO  NONE
+"""
+ABBREVIATIONS = {"PW": "PIECEWISE", "FDO": "FULL_DECODE_ONLY", "FAP": "FULL_AND_PIECEWISE"}
+COLUMNS = list(itertools.product([True, False], [1, 2], [False, True]))  # (pw, q, eager)
+
+
+def _cases() -> list[tuple[CUDAGraphMode, AttentionCGSupport, bool, int, bool, str]]:
+    cases = []
+    for line in TABLE.strip().splitlines():
+        mode, support, *results = line.split()
+        assert len(results) == len(COLUMNS), line
+        for (pw, q, eager), result in zip(COLUMNS, results):
+            cases.append((M[mode], S[support], pw, q, eager, ABBREVIATIONS.get(result, result)))
+    return cases
+
+
+CASES = _cases()
+
+
+def test_the_table_covers_every_combination() -> None:
+    combos = {(mode, support, pw, q, eager) for mode, support, pw, q, eager, _ in CASES}
+    assert len(CASES) == len(combos) == 5 * 4 * 2 * 2 * 2 == 160
+
+
+@pytest.mark.parametrize(
+    ("mode", "support", "piecewise", "qlen", "eager", "expected"),
+    CASES,
+    ids=[f"{c[0].name}-{c[1].name}-{'pw' if c[2] else 'nopw'}-q{c[3]}{'-eager' if c[4] else ''}" for c in CASES],
+)
+def test_resolution_table(
+    caplog: pytest.LogCaptureFixture,
+    mode: CUDAGraphMode,
+    support: AttentionCGSupport,
+    piecewise: bool,
+    qlen: int,
+    eager: bool,
+    expected: str,
+) -> None:
+    kwargs = dict(
+        backend_name=BACKEND, attention_compiled_piecewise=piecewise, uniform_decode_query_len=qlen, enforce_eager=eager
+    )
+    caplog.set_level(logging.WARNING, logger="pagedkv")
+    if expected == "ERR":
+        with pytest.raises(ValueError, match=f"not supported with {BACKEND} backend"):
+            resolve_cudagraph_mode(mode, support, **kwargs)
+        return
+    resolved = resolve_cudagraph_mode(mode, support, **kwargs)
+    assert resolved is M[expected]
+    warnings = [r for r in caplog.records if r.name == "pagedkv" and r.levelno == logging.WARNING]
+    # A change is always announced, naming the backend; no change, no warning.
+    assert bool(warnings) == (resolved is not mode)
+    for record in warnings:
+        assert BACKEND in record.getMessage()
+    if warnings:
+        assert f"-> {resolved.name} " in warnings[-1].getMessage()
+
+
+def test_full_with_a_backend_that_never_captures_raises_the_documented_message() -> None:
+    message = (
+        "CUDAGraphMode.FULL is not supported with TORCH_REF backend (support: NEVER); "
+        "please try cudagraph_mode=PIECEWISE"
+    )
+    for piecewise in (True, False):
+        with pytest.raises(ValueError) as info:
+            resolve_cudagraph_mode(M.FULL, S.NEVER, backend_name="TORCH_REF", attention_compiled_piecewise=piecewise)
+        assert str(info.value) == message
+
+
+def test_each_lowering_step_logs_its_own_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """FULL with single-token support and 2-token decodes is lowered twice (rules 2 and 4)."""
+    caplog.set_level(logging.WARNING, logger="pagedkv")
+    resolved = resolve_cudagraph_mode(
+        "full", S.UNIFORM_SINGLE_TOKEN_DECODE, backend_name="FLASH_ATTN",
+        attention_compiled_piecewise=True, uniform_decode_query_len=2,
+    )
+    assert resolved is M.PIECEWISE
+    messages = [r.getMessage() for r in caplog.records if r.name == "pagedkv"]
+    assert len(messages) == 2
+    assert messages[0].startswith("cudagraph_mode FULL -> FULL_AND_PIECEWISE with the FLASH_ATTN backend")
+    assert "support ALWAYS" in messages[0]
+    assert messages[1].startswith("cudagraph_mode FULL_AND_PIECEWISE -> PIECEWISE with the FLASH_ATTN backend")
+    assert "2 query tokens" in messages[1]
+
+
+def test_enforce_eager_is_announced_and_beats_the_error(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="pagedkv")
+    resolved = resolve_cudagraph_mode(
+        M.FULL, S.NEVER, backend_name="TORCH_REF", attention_compiled_piecewise=False, enforce_eager=True
+    )
+    assert resolved is M.NONE
+    (record,) = caplog.records
+    assert "FULL -> NONE" in record.getMessage() and "TORCH_REF" in record.getMessage()
+    assert "enforce_eager" in record.getMessage()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "needle"),
+    [
+        (dict(mode="SOMETIMES"), ValueError, "Unknown cudagraph_mode 'SOMETIMES'"),
+        (dict(mode=2), ValueError, "Unknown cudagraph_mode 2"),
+        (dict(support="ALWAYS"), TypeError, "support must be an AttentionCGSupport"),
+        (dict(backend_name=""), TypeError, "backend_name"),
+        (dict(uniform_decode_query_len=0), ValueError, "uniform_decode_query_len must be >= 1"),
+        (dict(uniform_decode_query_len=True), TypeError, "uniform_decode_query_len must be an int"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, error: type[Exception], needle: str) -> None:
+    args = dict(mode=M.PIECEWISE, support=S.ALWAYS, backend_name=BACKEND, attention_compiled_piecewise=True)
+    args.update(kwargs)
+    with pytest.raises(error, match=needle):
+        resolve_cudagraph_mode(args.pop("mode"), args.pop("support"), **args)
+
+
+# ---- the enum itself ------------------------------------------------------------------------
+
+# mode: (decode, mixed, has full graphs, needs piecewise compilation), by hand
+ROUTINES = {
+    M.NONE: (M.NONE, M.NONE, False, False),
+    M.PIECEWISE: (M.PIECEWISE, M.PIECEWISE, False, True),
+    M.FULL: (M.FULL, M.FULL, True, False),
+    M.FULL_DECODE_ONLY: (M.FULL, M.NONE, True, False),
+    M.FULL_AND_PIECEWISE: (M.FULL, M.PIECEWISE, True, True),
+}
+
+
+@pytest.mark.parametrize("mode", list(M))
+def test_mode_routines(mode: CUDAGraphMode) -> None:
+    decode, mixed, full, piecewise = ROUTINES[mode]
+    assert (mode.decode_mode(), mode.mixed_mode()) == (decode, mixed)
+    assert mode.has_full_cudagraphs() is full
+    assert mode.requires_piecewise_compilation() is piecewise
+    assert M.from_routines(decode, mixed) is mode
+    assert M.parse(mode.name.lower()) is mode
+
+
+def test_without_piecewise() -> None:
+    expected = {
+        M.NONE: M.NONE, M.PIECEWISE: M.NONE, M.FULL: M.FULL,
+        M.FULL_DECODE_ONLY: M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE: M.FULL_DECODE_ONLY,
+    }
+    assert {mode: mode.without_piecewise() for mode in M} == expected
+
+
+def test_a_pair_that_is_no_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="No CUDAGraphMode runs decode batches as PIECEWISE and mixed batches as FULL"):
+        M.from_routines(M.PIECEWISE, M.FULL)
+
+
+def test_config_reexports_the_enum_without_an_import_cycle() -> None:
+    """config (the lowest layer) imports the enum from a leaf module; a fresh interpreter
+    importing config first must not come back round to it through pagedkv.compilation."""
+    code = (
+        "import pagedkv.config as c, pagedkv.compilation as p; "
+        "assert c.CUDAGraphMode is p.CUDAGraphMode is p.modes.CUDAGraphMode; "
+        "assert c.CompilationConfig().cudagraph_mode is p.CUDAGraphMode.NONE; "
+        "p.resolve_cudagraph_mode"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
