@@ -40,7 +40,8 @@ def _reshape_and_cache_kernel(
     block = slot // block_size
     offset = slot % block_size
 
-    # One [heads, head_size] tile per tensor; padding lanes are masked off.
+    # One [heads, head_size] tile per tensor; padding lanes are masked off. Masked lanes are never
+    # stored or computed with, so the loads need no `other`.
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HEAD_PAD)[None, :]
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_SIZE)

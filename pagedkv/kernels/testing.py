@@ -3,13 +3,27 @@
 A batch here is what one engine step hands the attention kernel: packed queries of ragged
 length, a paged KV cache whose blocks were handed out in random order (a permuted page table,
 never the identity, so a kernel that ignores the table fails), and the metadata tensors.
+
+`poisoned`, `poison_batch` and `run_poisoned` put such tensors into NaN-filled memory, so that
+a kernel reading outside them (say, past a head of 80 values up to the padded 128) gets NaN
+deterministically instead of whatever happens to be there, and one writing outside them leaves
+a mark. The kernel imports are local: the batches alone need no triton.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from pagedkv.kernels.attention_config import MAX_SPLITS, KernelConfig
+from pagedkv.kernels.common import next_power_of_2
+
+if TYPE_CHECKING:
+    from pagedkv.kernels.split_kv import SplitKVWorkspace
 
 
 @dataclass
@@ -98,3 +112,107 @@ def random_paged_batch(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_table=block_table, query_lens=list(query_lens),
     )
+
+
+def poisoned(tensor: torch.Tensor, gap: int, tail: int = 0, fill: float = float("nan")) -> torch.Tensor:
+    """A copy of `tensor` surrounded by `fill`: a strided view into a larger `fill`-ed buffer.
+
+    Every row of the last dimension is preceded by `gap` fill values, and `tail` more follow the
+    last row (with `tail=0` the copy ends exactly where the buffer ends). A kernel that reads up
+    to `gap` values past a row therefore reads `fill`, and past the last row it reads the tail
+    or leaves the allocation. Give a tensor that a kernel writes a tail: a stray store then
+    lands in it (see `outside`) rather than in the heap.
+    """
+    *outer, last = tensor.shape
+    rows = math.prod(outer) * (gap + last)
+    buffer = torch.full((rows + tail,), fill, dtype=tensor.dtype, device=tensor.device)
+    view = buffer[:rows].view(*outer, gap + last)[..., gap:]
+    view.copy_(tensor)
+    return view
+
+
+def outside(view: torch.Tensor) -> torch.Tensor:
+    """The values of `view`'s whole storage that `view` does not cover, flattened.
+
+    For a `poisoned` tensor these stay the fill value as long as nothing wrote outside the view.
+    """
+    storage = torch.empty(0, dtype=view.dtype, device=view.device).set_(view.untyped_storage())
+    covered = torch.zeros(storage.shape, dtype=torch.bool, device=view.device)
+    covered.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(True)
+    return storage[~covered]
+
+
+def poison_batch(batch: PagedBatch, gap: int) -> PagedBatch:
+    """The same batch, with NaN wherever a kernel has no business reading.
+
+    q and the KV cache become `poisoned` copies (NaN between heads and tokens, the cache at the
+    very end of its buffer). The cache slots past each sequence's end in its last block and
+    the blocks no request owns hold NaN, and every block-table entry past a request's last
+    block points at an unowned block. A correct kernel gives the same output as on `batch`;
+    one that reads a padded head dimension, a key past the sequence or an unused page-table
+    entry mixes NaN into its scores or values (0 x NaN is NaN).
+    """
+    block_size = batch.block_size
+    kv_cache = batch.kv_cache.clone()
+    block_table = batch.block_table.clone()
+    owned = torch.zeros(kv_cache.shape[1], dtype=torch.bool, device=kv_cache.device)
+    for r, seq_len in enumerate(batch.seq_lens.tolist()):
+        num_blocks = -(-seq_len // block_size)
+        owned[block_table[r, :num_blocks].long()] = True
+        if num_blocks > 0:
+            kv_cache[:, block_table[r, num_blocks - 1], seq_len - (num_blocks - 1) * block_size :] = float("nan")
+    unowned = (~owned).nonzero().flatten()
+    if unowned.numel() == 0:
+        raise ValueError("poison_batch needs a cache block that no request owns (random_paged_batch leaves 3)")
+    kv_cache[:, unowned] = float("nan")
+    for r, seq_len in enumerate(batch.seq_lens.tolist()):
+        block_table[r, -(-seq_len // block_size) :] = unowned[r % unowned.numel()].to(block_table.dtype)
+    return dataclasses.replace(
+        batch, q=poisoned(batch.q, gap), kv_cache=poisoned(kv_cache, gap), block_table=block_table
+    )
+
+
+def overread_gap(head_size: int) -> int:
+    """NaN values to put between rows: more than a tile padded to a power of two reads past a head."""
+    return next_power_of_2(head_size) - head_size + 8
+
+
+def poisoned_workspace(
+    rows: int, num_q_heads: int, head_size: int, gap: int, device: torch.device | str
+) -> SplitKVWorkspace:
+    """A split-KV workspace of exactly `rows` rows whose scratch starts as NaN, `poisoned` by `gap`.
+
+    The merge must read only the partial results the attention kernel wrote.
+    """
+    from pagedkv.kernels.split_kv import SplitKVWorkspace
+
+    workspace = SplitKVWorkspace(rows, num_q_heads, head_size, device)
+    workspace.partial_out = poisoned(workspace.partial_out.fill_(float("nan")), gap, tail=gap)
+    workspace.partial_lse.fill_(float("nan"))
+    return workspace
+
+
+def run_poisoned(
+    batch: PagedBatch, sliding_window: int | None = None, config: KernelConfig | None = None
+) -> tuple[torch.Tensor, int]:
+    """`unified_attention` on `poison_batch(batch)`, into a poisoned NaN-filled output.
+
+    The split-KV partials go to a `poisoned_workspace`: exactly `num_tokens * num_splits` rows
+    when `config` fixes the splits, room for the most splits otherwise. Returns the output
+    (NaN wherever the kernel read poison or wrote nothing) and the number of values around
+    the output and the workspace that are no longer NaN (stray writes; 0 for a sound kernel).
+    """
+    from pagedkv.kernels.unified_attention import unified_attention
+
+    num_tokens, num_q_heads, head_size = batch.q.shape
+    gap = overread_gap(head_size)
+    bad = poison_batch(batch, gap)
+    out = poisoned(torch.full_like(batch.q, float("nan")), gap, tail=gap)
+    rows = num_tokens * (MAX_SPLITS if config is None else config.num_splits)
+    workspace = poisoned_workspace(rows, num_q_heads, head_size, gap, batch.q.device)
+    unified_attention(
+        bad.q, bad.k_cache, bad.v_cache, out, **bad.attention_kwargs(), sliding_window=sliding_window,
+        workspace=workspace, config=config,
+    )
+    stray = sum(int((~outside(t).isnan()).sum()) for t in (out, workspace.partial_out))
+    return out, stray

@@ -16,6 +16,9 @@ The grid is (query tile, KV head, split):
 * **Split-KV** (decode): when each request fits one tile, there may be too few programs to fill
   the GPU. Then the key range is cut into `num_splits` parts, each program writes its normalised
   partial output plus its log-sum-exp, and a small second kernel merges the parts.
+* **Head sizes** that are not a power of two (80, 96, ...) run in tiles padded to the next one
+  (`HEAD_PAD`). Every access masks the padded dims, so nothing outside q, the cache or out is
+  read or written; for a power-of-two head the mask is compiled out.
 """
 
 from __future__ import annotations
@@ -58,11 +61,32 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(ptrs, in_seq, dim_ok, MASKED: tl.constexpr, PADDED: tl.constexpr):
+    """One [BLOCK_N, HEAD_PAD] K or V tile; keys past the sequence and dims past the head read 0.
+
+    Both masks are compile-time choices: a full tile of a power-of-two head (HEAD_PAD ==
+    HEAD_SIZE) loads with no mask at all. Masked lanes must read a finite 0, since they still enter
+    the dots: a padded K dim meets the query's zero, a masked V row meets p = 0, and 0 x NaN
+    would poison the whole row.
+    """
+    if MASKED:
+        mask = in_seq[:, None]
+        if PADDED:
+            mask = mask & dim_ok[None, :]
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    elif PADDED:
+        tile = tl.load(ptrs, mask=dim_ok[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
 def _attend_key_tile(
     acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
-    sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_kv_k, dims_kv_v,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_kv_k, dims_kv_v, dim_ok,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, PADDED: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Fold one tile of BLOCK_N keys into the running softmax state (online softmax)."""
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -70,17 +94,15 @@ def _attend_key_tile(
     # (PAGE_SIZE is a compile-time constant, so // and % are shifts and masks.)
     page = keys // PAGE_SIZE
     offset = keys % PAGE_SIZE
+    in_seq = keys < seq_len
     if MASKED:  # only boundary tiles pay for masks: keys past the sequence, causal, window
-        in_seq = keys < seq_len
         block = tl.load(block_table_row + page, mask=in_seq, other=0).to(tl.int64)
-        k_rows = (block * stride_kc_b + offset * stride_kc_s)[:, None]
-        v_rows = (block * stride_vc_b + offset * stride_vc_s)[:, None]
-        k = tl.load(k_base + k_rows + dims_kv_k, mask=in_seq[:, None], other=0.0)
-        v = tl.load(v_base + v_rows + dims_kv_v, mask=in_seq[:, None], other=0.0)
-    else:
+    else:  # every key of the tile is in the sequence, so its page-table entry exists
         block = tl.load(block_table_row + page).to(tl.int64)
-        k = tl.load(k_base + (block * stride_kc_b + offset * stride_kc_s)[:, None] + dims_kv_k)
-        v = tl.load(v_base + (block * stride_vc_b + offset * stride_vc_s)[:, None] + dims_kv_v)
+    k_rows = (block * stride_kc_b + offset * stride_kc_s)[:, None]
+    v_rows = (block * stride_vc_b + offset * stride_vc_s)[:, None]
+    k = _load_kv(k_base + k_rows + dims_kv_k, in_seq, dim_ok, MASKED, PADDED)
+    v = _load_kv(v_base + v_rows + dims_kv_v, in_seq, dim_ok, MASKED, PADDED)
 
     s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
     if MASKED:
@@ -183,20 +205,20 @@ def _unified_attention_kernel(
         for tile in range(tl.maximum(tiles_start, mine_start), tl.minimum(full_start, mine_end)):
             acc, m_i, l_i = _attend_key_tile(
                 acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
-                sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v,
-                BLOCK_N, PAGE_SIZE, True, USE_WINDOW, DOT_PRECISION, UPCAST,
+                sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v, dim_ok,
+                BLOCK_N, PAGE_SIZE, True, HEAD_PAD != HEAD_SIZE, USE_WINDOW, DOT_PRECISION, UPCAST,
             )
     for tile in range(tl.maximum(full_start, mine_start), tl.minimum(full_end, mine_end)):
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
-            sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v,
-            BLOCK_N, PAGE_SIZE, False, USE_WINDOW, DOT_PRECISION, UPCAST,
+            sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v, dim_ok,
+            BLOCK_N, PAGE_SIZE, False, HEAD_PAD != HEAD_SIZE, USE_WINDOW, DOT_PRECISION, UPCAST,
         )
     for tile in range(tl.maximum(full_end, mine_start), mine_end):  # the causal diagonal
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
-            sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v,
-            BLOCK_N, PAGE_SIZE, True, USE_WINDOW, DOT_PRECISION, UPCAST,
+            sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v, dim_ok,
+            BLOCK_N, PAGE_SIZE, True, HEAD_PAD != HEAD_SIZE, USE_WINDOW, DOT_PRECISION, UPCAST,
         )
 
     # --- write back ---------------------------------------------------------------------------

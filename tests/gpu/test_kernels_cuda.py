@@ -1,4 +1,4 @@
-"""The Triton kernels on a CUDA GPU: realistic sizes, every dtype, CUDA graph capture."""
+"""The Triton kernels on a CUDA GPU: realistic sizes, every dtype, CUDA graph capture, poisoned memory."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 from pagedkv.attention.backends.torch_ref import paged_attention_reference  # noqa: E402
 from pagedkv.kernels import SplitKVWorkspace, reshape_and_cache, unified_attention  # noqa: E402
-from pagedkv.kernels.testing import PagedBatch, random_paged_batch  # noqa: E402
+from pagedkv.kernels.testing import (  # noqa: E402
+    PagedBatch, outside, overread_gap, poisoned, random_paged_batch, run_poisoned,
+)
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # ||out - ref|| / ||ref||
 
@@ -72,6 +74,50 @@ def test_head_layouts_and_sliding_window(num_q_heads: int, num_kv_heads: int, wi
     batch = random_paged_batch(*CASES["mixed"], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                head_size=128, dtype=torch.float16, device="cuda", seed=num_q_heads)
     assert_matches(run(batch, sliding_window=window), reference(batch, window), torch.float16)
+
+
+# --- issue 8: nothing read or written outside the tensors, for heads padded to a power of two ---
+
+
+@pytest.mark.parametrize("head_size", [72, 80, 96, 112, 200])
+@pytest.mark.parametrize("case", ["decode", "mixed"])
+def test_poisoned_memory_head_sizes(case: str, head_size: int) -> None:
+    # NaN between heads and tokens, the cache at the very end of its buffer, NaN in unowned blocks
+    # and past each sequence (see `poison_batch`): a read outside the tensors turns into NaN.
+    batch = random_paged_batch(*CASES[case], num_q_heads=8, num_kv_heads=2, head_size=head_size,
+                               block_size=32, dtype=torch.bfloat16, device="cuda", seed=head_size)
+    out, stray = run_poisoned(batch)
+    assert_matches(out, reference(batch), torch.bfloat16)
+    assert stray == 0, f"{stray} values written outside the output and the split-KV workspace"
+
+
+@pytest.mark.parametrize("seed,window", [(0, None), (1, None), (2, 20)])
+def test_poisoned_memory_issue_reproducer(seed: int, window: int | None) -> None:
+    # The batch of issue 8: 6 query / 2 KV heads, head size 80, blocks of 32, float32.
+    batch = random_paged_batch([37, 1, 10, 1], [0, 4, 54, 0], num_q_heads=6, num_kv_heads=2, head_size=80,
+                               block_size=32, device="cuda", seed=seed)
+    out, stray = run_poisoned(batch, sliding_window=window)
+    assert_matches(out, reference(batch, window), torch.float32)
+    assert stray == 0, f"{stray} values written outside the output and the split-KV workspace"
+
+
+@pytest.mark.parametrize("head_size", [80, 200])
+def test_poisoned_reshape_and_cache(head_size: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(head_size)
+    num_blocks, block_size, num_tokens = 40, 16, 300
+    gap = overread_gap(head_size)
+    cache = torch.randn(2, num_blocks, block_size, 2, head_size, generator=gen, device="cuda")
+    kv_cache = poisoned(cache, gap, tail=gap)  # NaN around it, and after it: a stray store shows
+    before = kv_cache.clone()
+    key, value = (torch.randn(num_tokens, 2, head_size, generator=gen, device="cuda") for _ in range(2))
+    last = num_blocks * block_size - 1  # the cache's last slot
+    slots = torch.randperm(last, generator=gen, device="cuda")[: num_tokens - 1]
+    slots = torch.cat([slots, torch.tensor([last], device="cuda")])
+    reshape_and_cache(key, value, kv_cache[0], kv_cache[1], slots)
+    expected = before.reshape(2, -1, 2, head_size)
+    expected[0, slots], expected[1, slots] = key, value
+    assert torch.equal(kv_cache.reshape(2, -1, 2, head_size), expected)
+    assert outside(kv_cache).isnan().all(), "reshape_and_cache wrote outside the cache"
 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
