@@ -29,11 +29,16 @@ Views (all `TraceView`s: an `ipywidgets.HTML` with an `index` trait, -1 = newest
     PlotView             one of the plots below with a cursor at the step on display
 StepPlayer(trace, views)   Play + IntSlider setting `index` on every view.
 Plots: plot_kv_cache_usage, plot_batch_composition, plot_request_timeline, plot_throughput.
+
+Not tied to a trace:
+    CudaGraphModeExplorer  CUDA graph mode, backend support, compile, decode query length,
+                           enforce_eager -> the mode `resolve_cudagraph_mode` resolves and why
 """
 
 from widgets.attention_groups import AttentionGroupsView
 from widgets.block_table import BlockTableView
 from widgets.common import TraceView, request_color
+from widgets.cudagraph import CudaGraphModeExplorer
 from widgets.forward_context import ForwardContextView
 from widgets.player import StepPlayer
 from widgets.plots import (
@@ -48,6 +53,7 @@ from widgets.slot_mapping import SlotMappingView
 __all__ = [
     "AttentionGroupsView",
     "BlockTableView",
+    "CudaGraphModeExplorer",
     "ForwardContextView",
     "PlotView",
     "SlotMappingView",

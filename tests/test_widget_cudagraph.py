@@ -1,0 +1,146 @@
+"""`CudaGraphModeExplorer` state in plain Python: controls in, resolved mode and messages out.
+
+Expected modes are worked out by hand from the lowering rules (issue 9 point 1), not
+computed by the resolver the widget calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+from pagedkv.attention.backend import AttentionCGSupport
+from pagedkv.attention.selector import load_backend
+from widgets import CudaGraphModeExplorer
+
+S = AttentionCGSupport
+
+
+def routines(html: str, row: str) -> list[str]:
+    """The (decode, mixed) routines drawn in the 'configured' or 'resolved' row."""
+    match = re.search(rf'<tr class="pkv-cg-{row}">(.*?)</tr>', html)
+    assert match, f"no {row} row"
+    return re.findall(r'data-routine="(\w+)"', match.group(1))
+
+
+def warnings(html: str) -> list[str]:
+    return re.findall(r'class="pkv-cg-warning"[^>]*>warning: (.*?)</div>', html)
+
+
+@pytest.mark.parametrize(
+    ("controls", "resolved", "decode_mixed", "num_warnings"),
+    [
+        # ALWAYS keeps every mode; FULL_AND_PIECEWISE = FULL decode graphs, piecewise mixed batches.
+        (dict(mode="FULL_AND_PIECEWISE", support=S.ALWAYS), "FULL_AND_PIECEWISE", ["FULL", "PIECEWISE"], 0),
+        # rule 2: mixed FULL needs ALWAYS; compiled piecewise -> mixed batches go piecewise.
+        (dict(mode="FULL", support=S.UNIFORM_BATCH), "FULL_AND_PIECEWISE", ["FULL", "PIECEWISE"], 1),
+        # rule 2 then rule 4: two lowerings, two warnings.
+        (dict(mode="FULL", support=S.UNIFORM_SINGLE_TOKEN_DECODE, uniform_decode_query_len=3),
+         "PIECEWISE", ["PIECEWISE", "PIECEWISE"], 2),
+        # rule 5: no piecewise graphs without compile=True.
+        (dict(mode="PIECEWISE", support=S.ALWAYS, attention_compiled_piecewise=False), "NONE", ["NONE", "NONE"], 1),
+        # rule 1.
+        (dict(mode="FULL_DECODE_ONLY", support=S.ALWAYS, enforce_eager=True), "NONE", ["NONE", "NONE"], 1),
+    ],
+)
+def test_resolved_mode_and_warnings(controls: dict, resolved: str, decode_mixed: list[str], num_warnings: int) -> None:
+    explorer = CudaGraphModeExplorer(**controls)
+    html = explorer.view.value
+    assert f'data-resolved="{resolved}"' in html
+    assert routines(html, "resolved") == decode_mixed
+    assert len(warnings(html)) == num_warnings
+    assert all("YOUR_BACKEND" in w and "-&gt; " in w for w in warnings(html))
+    assert "pkv-cg-error" not in html
+
+
+def test_configured_row_shows_the_mode_as_a_pair() -> None:
+    html = CudaGraphModeExplorer("FULL_DECODE_ONLY").view.value
+    assert routines(html, "configured") == ["FULL", "NONE"]
+
+
+def test_a_real_backend_sets_and_locks_the_support_level() -> None:
+    explorer = CudaGraphModeExplorer("FULL_AND_PIECEWISE", support=S.ALWAYS)
+    assert not explorer.support.disabled
+    explorer.backend.value = "TORCH_REF"  # its builder loops over host-side lengths: NEVER
+    assert load_backend("TORCH_REF").get_builder_cls().cudagraph_support is S.NEVER
+    assert explorer.support.value == "NEVER" and explorer.support.disabled
+    html = explorer.view.value
+    # rule 3: no full graph at all -> PIECEWISE (compiled piecewise), the warning names the backend.
+    assert 'data-resolved="PIECEWISE"' in html
+    (warning,) = warnings(html)
+    assert "TORCH_REF" in warning and "FULL_AND_PIECEWISE -&gt; PIECEWISE" in warning
+    assert "TorchRefMetadataBuilder.cudagraph_support" in html
+    explorer.backend.value = None
+    assert not explorer.support.disabled and explorer.support.value == "NEVER"
+
+
+def test_full_with_support_never_shows_the_error() -> None:
+    explorer = CudaGraphModeExplorer("FULL", backend="TORCH_REF")
+    html = explorer.view.value
+    assert 'data-resolved="ERROR"' in html and "start-up fails" in html
+    assert (
+        "CUDAGraphMode.FULL is not supported with TORCH_REF backend (support: NEVER); "
+        "please try cudagraph_mode=PIECEWISE" in html
+    )
+    assert repr(explorer) == "CudaGraphModeExplorer(FULL, TORCH_REF support NEVER, piecewise, q=1 -> ValueError)"
+    explorer.enforce_eager.value = True  # rule 1 comes first: no error
+    assert 'data-resolved="NONE"' in explorer.view.value and "pkv-cg-error" not in explorer.view.value
+
+
+def test_every_control_redraws() -> None:
+    explorer = CudaGraphModeExplorer("FULL_DECODE_ONLY", support=S.UNIFORM_SINGLE_TOKEN_DECODE)
+    assert 'data-resolved="FULL_DECODE_ONLY"' in explorer.view.value
+    explorer.query_len.value = 2  # rule 4 -> PIECEWISE
+    assert 'data-resolved="PIECEWISE"' in explorer.view.value
+    assert "2 query token(s) per request" in explorer.view.value
+    explorer.piecewise.value = False  # rule 4 -> NONE without piecewise graphs
+    assert 'data-resolved="NONE"' in explorer.view.value
+    explorer.support.value = "UNIFORM_BATCH"
+    assert 'data-resolved="FULL_DECODE_ONLY"' in explorer.view.value
+    explorer.mode.value = "PIECEWISE"  # rule 5
+    assert 'data-resolved="NONE"' in explorer.view.value
+    assert repr(explorer) == (
+        "CudaGraphModeExplorer(PIECEWISE, YOUR_BACKEND support UNIFORM_BATCH, not piecewise, q=2 -> NONE, 1 warning(s))"
+    )
+
+
+def test_warnings_are_shown_not_leaked(capsys: pytest.CaptureFixture[str]) -> None:
+    logger = logging.getLogger("pagedkv")
+    handlers, level = list(logger.handlers), logger.level
+    logger.setLevel(logging.ERROR)  # even a silenced logger's warnings reach the view
+    try:
+        explorer = CudaGraphModeExplorer("FULL", support=S.UNIFORM_BATCH)
+        assert len(warnings(explorer.view.value)) == 1
+        assert logger.level == logging.ERROR
+    finally:
+        logger.setLevel(level)
+    assert logger.handlers == handlers
+    assert capsys.readouterr().err == ""
+
+
+def test_colours_follow_the_jupyterlab_theme() -> None:
+    """No fixed colour: every colour is a --jp- theme variable, so dark themes stay readable."""
+    for explorer in (CudaGraphModeExplorer(), CudaGraphModeExplorer("FULL", backend="TORCH_REF"),
+                     CudaGraphModeExplorer("FULL", support=S.UNIFORM_BATCH)):
+        html = explorer.view.value
+        assert not re.search(r"#[0-9a-fA-F]{3,6}\b|(?<![\w-])(white|black|rgb)(?![\w-])", html)
+        declarations = re.findall(r"\b(?:color|background|border(?:-left|-right|-top|-bottom)?)\s*:\s*([^;\"]+)", html)
+        assert len(declarations) > 5
+        for value in declarations:
+            assert "var(--jp-" in value, value
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "needle"),
+    [
+        (dict(mode="SOMETIMES"), ValueError, "Unknown cudagraph_mode"),
+        (dict(backend="NO_SUCH"), ValueError, "backend 'NO_SUCH' is not registered"),
+        (dict(support="MOSTLY"), ValueError, "support must be an AttentionCGSupport"),
+        (dict(uniform_decode_query_len=0), ValueError, "uniform_decode_query_len must be an int from 1 to 4"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, error: type[Exception], needle: str) -> None:
+    with pytest.raises(error, match=needle):
+        CudaGraphModeExplorer(**kwargs)

@@ -1,0 +1,182 @@
+"""`CudaGraphModeExplorer`: choose a CUDA graph mode and a backend's support, see what runs.
+
+The verdict comes from the engine's own `resolve_cudagraph_mode` (through
+`pagedkv.exercises.cudagraph.resolve_explained`, which also keeps the warnings it logs), so
+the widget can never disagree with what `LLM` would do at start-up.
+
+Colours are JupyterLab theme variables (`--jp-...`), so the view reads in light and dark themes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ipywidgets
+
+from pagedkv.attention.backend import AttentionCGSupport
+from pagedkv.attention.selector import load_backend, registered_backends
+from pagedkv.compilation import CUDAGraphMode
+from pagedkv.exercises.cudagraph import Resolution, resolve_explained
+from widgets.common import BASE_STYLE, esc
+
+ANY_BACKEND = "YOUR_BACKEND"
+"""The backend named in messages when only a support level is chosen."""
+ROUTINES = {
+    CUDAGraphMode.FULL: ("one FULL graph", "var(--jp-brand-color1, currentColor)"),
+    CUDAGraphMode.PIECEWISE: ("piecewise graphs, attention eager", "var(--jp-accent-color1, currentColor)"),
+    CUDAGraphMode.NONE: ("eager", "var(--jp-border-color1, currentColor)"),
+}
+"""Runtime routine -> (what a step does, the colour of its marker)."""
+TEXT = "color: var(--jp-ui-font-color1, inherit); background: var(--jp-layout-color1, transparent)"
+CELL = "padding: 3px 8px; border: 1px solid var(--jp-border-color2, currentColor); text-align: left"
+SUPPORT_LEVELS = sorted(AttentionCGSupport, key=lambda s: s.value, reverse=True)
+
+
+def _support(value: AttentionCGSupport | str) -> AttentionCGSupport:
+    if isinstance(value, AttentionCGSupport):
+        return value
+    if isinstance(value, str) and value.upper() in AttentionCGSupport.__members__:
+        return AttentionCGSupport[value.upper()]
+    names = [s.name for s in SUPPORT_LEVELS]
+    raise ValueError(f"support must be an AttentionCGSupport or one of {names}, got {value!r}.")
+
+
+def builder_support(backend: str) -> AttentionCGSupport:
+    """The `cudagraph_support` a registered backend's metadata builder declares."""
+    return load_backend(backend).get_builder_cls().cudagraph_support
+
+
+def _routine(mode: CUDAGraphMode) -> str:
+    label, color = ROUTINES[mode]
+    return (
+        f'<span class="pkv-cg-routine" data-routine="{mode.name}" style="border-left: 5px solid {color}; '
+        f'padding: 0 6px">{esc(label)}</span>'
+    )
+
+
+def _mode_row(kind: str, mode: CUDAGraphMode | None) -> str:
+    if mode is None:
+        cells = '<td colspan="3"><b>none: start-up fails (ValueError below)</b></td>'
+    else:
+        routines = "".join(f"<td>{_routine(r)}</td>" for r in (mode.decode_mode(), mode.mixed_mode()))
+        cells = f"<td><b>{mode.name}</b></td>{routines}"
+    cells = cells.replace("<td", f'<td style="{CELL}"')
+    return f'<tr class="pkv-cg-{kind}"><td style="{CELL}">{kind}</td>{cells}</tr>'
+
+
+class CudaGraphModeExplorer(ipywidgets.VBox):
+    """Controls for every input of `resolve_cudagraph_mode`, and its verdict redrawn on each change.
+
+    Pick a registered backend to use the support its builder declares (the support control is
+    then locked), or "any backend" to set the support level yourself. The view shows the
+    configured and the resolved mode as (decode, mixed) routines, every warning the resolver
+    logged (one per change, in rule order), or the ValueError that would stop start-up.
+    """
+
+    def __init__(
+        self,
+        mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE,
+        *,
+        backend: str | None = None,
+        support: AttentionCGSupport | str = AttentionCGSupport.ALWAYS,
+        attention_compiled_piecewise: bool = True,
+        uniform_decode_query_len: int = 1,
+        enforce_eager: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if backend is not None and backend not in registered_backends():
+            raise ValueError(f"backend {backend!r} is not registered; use None or one of {registered_backends()}.")
+        if isinstance(uniform_decode_query_len, bool) or uniform_decode_query_len not in range(1, 5):
+            raise ValueError(f"uniform_decode_query_len must be an int from 1 to 4, got {uniform_decode_query_len!r}.")
+        wide = {"style": {"description_width": "initial"}}
+        self.mode = ipywidgets.Dropdown(options=[m.name for m in CUDAGraphMode],
+                                        value=CUDAGraphMode.parse(mode).name, description="cudagraph_mode", **wide)
+        self.backend = ipywidgets.Dropdown(options=[("any backend", None), *registered_backends()], value=backend,
+                                           description="backend", **wide)
+        self.support = ipywidgets.Dropdown(options=[s.name for s in SUPPORT_LEVELS], value=_support(support).name,
+                                           description="builder's cudagraph_support", **wide)
+        self.piecewise = ipywidgets.Checkbox(value=attention_compiled_piecewise, indent=False,
+                                             description="attention compiled piecewise (compile=True)")
+        self.query_len = ipywidgets.IntSlider(value=uniform_decode_query_len, min=1, max=4,
+                                              description="decode query tokens per request", **wide)
+        self.enforce_eager = ipywidgets.Checkbox(value=enforce_eager, indent=False, description="enforce_eager")
+        self.view = ipywidgets.HTML()
+        controls = [
+            ipywidgets.HBox([self.mode, self.backend, self.support]),
+            ipywidgets.HBox([self.query_len, self.piecewise, self.enforce_eager]),
+        ]
+        super().__init__([*controls, self.view], **kwargs)
+        self.add_class("pkv-cudagraph-explorer")
+        self.backend.observe(lambda _change: self._use_backend(), "value")
+        for control in (self.mode, self.support, self.piecewise, self.query_len, self.enforce_eager):
+            control.observe(lambda _change: self.redraw(), "value")
+        self._use_backend()
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.value or ANY_BACKEND
+
+    @property
+    def resolution(self) -> Resolution:
+        """What `resolve_cudagraph_mode` makes of the current controls."""
+        return resolve_explained(
+            self.mode.value, AttentionCGSupport[self.support.value], backend_name=self.backend_name,
+            attention_compiled_piecewise=self.piecewise.value, uniform_decode_query_len=self.query_len.value,
+            enforce_eager=self.enforce_eager.value,
+        )
+
+    def _use_backend(self) -> None:
+        """A real backend fixes the support level to its builder's; "any backend" frees it."""
+        name = self.backend.value
+        self.support.disabled = name is not None
+        if name is not None and self.support.value != builder_support(name).name:
+            self.support.value = builder_support(name).name  # its observer redraws
+        else:
+            self.redraw()
+
+    def redraw(self) -> None:
+        self.view.value = self.render(self.resolution)
+
+    def render(self, result: Resolution) -> str:
+        source = (
+            f"{self.backend_name}: {load_backend(self.backend_name).get_builder_cls().__name__}.cudagraph_support"
+            if self.backend.value else f"{ANY_BACKEND}: the level chosen above"
+        )
+        header = "".join(
+            f'<th style="{CELL}">{esc(h)}</th>'
+            for h in ("", "mode", f"decode batches ({self.query_len.value} query token(s) per request)",
+                      "mixed batches (prefills, chunks, mixed)")
+        )
+        if result.error:
+            messages = (
+                '<div class="pkv-cg-error" style="color: var(--jp-error-color1, inherit)">'
+                f"<b>ValueError</b>: {esc(result.error)}</div>"
+            )
+        elif result.warnings:
+            messages = "".join(
+                f'<div class="pkv-cg-warning" style="color: var(--jp-warn-color1, inherit)">warning: {esc(w)}</div>'
+                for w in result.warnings
+            )
+        else:
+            messages = '<div class="pkv-cg-ok">no warning: the configured mode runs as it is.</div>'
+        resolved = result.resolved.name if result.resolved else "ERROR"
+        return (
+            f'<div class="pkv-cudagraph" data-resolved="{resolved}" style="{BASE_STYLE}; {TEXT}; padding: 4px">'
+            f'<div>support {self.support.value} ({esc(source)}), the weakest over all attention groups</div>'
+            f'<table style="border-collapse: collapse; margin: 4px 0">'
+            f"<tr>{header}</tr>{_mode_row('configured', result.configured)}{_mode_row('resolved', result.resolved)}"
+            f"</table>{messages}</div>"
+        )
+
+    def __repr__(self) -> str:
+        result = self.resolution
+        flags = [
+            "piecewise" if self.piecewise.value else "not piecewise",
+            f"q={self.query_len.value}",
+            *(["enforce_eager"] if self.enforce_eager.value else []),
+        ]
+        outcome = "ValueError" if result.error else f"{result.resolved.name}, {len(result.warnings)} warning(s)"
+        return (
+            f"CudaGraphModeExplorer({self.mode.value}, {self.backend_name} support {self.support.value}, "
+            f"{', '.join(flags)} -> {outcome})"
+        )
