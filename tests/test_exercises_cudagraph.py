@@ -72,11 +72,15 @@ def test_unreadable_answers() -> None:
     assert "no lowering exercise 9" in check_lowering(9, "NONE").message
 
 
-def test_resolve_explained_keeps_warnings_without_printing(capsys: pytest.CaptureFixture[str]) -> None:
+def test_resolve_explained_keeps_warnings_without_printing(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
     logger = logging.getLogger("pagedkv")
     handlers = list(logger.handlers)
+    caplog.set_level(logging.WARNING)  # a handler on the root logger, as logging.basicConfig would add
     result = resolve_explained("full", S.UNIFORM_SINGLE_TOKEN_DECODE, backend_name="B",
                                attention_compiled_piecewise=True, uniform_decode_query_len=2)
+    assert caplog.records == [] and logger.propagate
     assert result.resolved is M.PIECEWISE  # rule 2 (-> FULL_AND_PIECEWISE), then rule 4 (-> PIECEWISE)
     assert [w.split(" with ")[0] for w in result.warnings] == [
         "cudagraph_mode FULL -> FULL_AND_PIECEWISE", "cudagraph_mode FULL_AND_PIECEWISE -> PIECEWISE",

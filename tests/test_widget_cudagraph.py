@@ -13,7 +13,7 @@ import pytest
 
 from pagedkv.attention.backend import AttentionCGSupport
 from pagedkv.attention.selector import load_backend
-from widgets import CudaGraphModeExplorer
+from widgets import CudaGraphModeExplorer, PiecewiseSplitView
 
 S = AttentionCGSupport
 
@@ -144,3 +144,43 @@ def test_colours_follow_the_jupyterlab_theme() -> None:
 def test_bad_arguments(kwargs: dict, error: type[Exception], needle: str) -> None:
     with pytest.raises(error, match=needle):
         CudaGraphModeExplorer(**kwargs)
+
+
+# ---- PiecewiseSplitView -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled_tiny():
+    """The 4-layer tiny model compiled piecewise on the CPU (eager pieces) after one generate."""
+    from pagedkv import LLM, SamplingParams
+    from pagedkv.compilation import compile_model
+
+    llm = LLM("tiny", device="cpu", num_kv_blocks=16)
+    llm.config.compilation_config.piece_compiler = "eager"
+    compiled = compile_model(llm.runner.model, llm.config)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=2))
+    return compiled
+
+
+def test_split_view_draws_pieces_and_eager_ops_in_order(compiled_tiny) -> None:
+    html = PiecewiseSplitView(compiled_tiny.backend).value
+    boxes = re.findall(r'class="pkv-(piece|split-op)" data-\w+="([^"]+)" data-\w+="([^"]+)"', html)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    expected = [("piece", "0", "0")]
+    for i, layer in enumerate(layers):  # per layer: cache write, attention, then the piece after it
+        expected += [("split-op", "unified_kv_cache_update", layer),
+                     ("split-op", "unified_attention_with_output", layer)]
+        # the pieces between layers are one graph, compiled once (#1); the last one differs (#2)
+        expected.append(("piece", str(i + 1), "1" if i < 3 else "2"))
+    assert boxes == expected
+    assert "compiled #1, shared by 3 pieces" in html and "Dynamo graphs: 1" in html
+    view = PiecewiseSplitView(compiled_tiny.backend)
+    assert repr(view) == "PiecewiseSplitView(5 pieces, 3 compiled, 8 splitting ops)"
+    assert not re.search(r"#[0-9a-fA-F]{3,6}\b|(?<![\w-])(white|black)(?![\w-])", html)
+
+
+def test_split_view_needs_a_traced_model() -> None:
+    from pagedkv.compilation import PiecewiseBackend
+
+    with pytest.raises(ValueError, match="has not traced the model yet"):
+        PiecewiseSplitView(PiecewiseBackend(["pagedkv::unified_attention_with_output"], "eager"))

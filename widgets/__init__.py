@@ -33,12 +33,13 @@ Plots: plot_kv_cache_usage, plot_batch_composition, plot_request_timeline, plot_
 Not tied to a trace:
     CudaGraphModeExplorer  CUDA graph mode, backend support, compile, decode query length,
                            enforce_eager -> the mode `resolve_cudagraph_mode` resolves and why
+    PiecewiseSplitView     a compiled model's pieces and the attention ops run eagerly between them
 """
 
 from widgets.attention_groups import AttentionGroupsView
 from widgets.block_table import BlockTableView
 from widgets.common import TraceView, request_color
-from widgets.cudagraph import CudaGraphModeExplorer
+from widgets.cudagraph import CudaGraphModeExplorer, PiecewiseSplitView
 from widgets.forward_context import ForwardContextView
 from widgets.player import StepPlayer
 from widgets.plots import (
@@ -55,6 +56,7 @@ __all__ = [
     "BlockTableView",
     "CudaGraphModeExplorer",
     "ForwardContextView",
+    "PiecewiseSplitView",
     "PlotView",
     "SlotMappingView",
     "StepPlayer",

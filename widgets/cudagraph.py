@@ -17,7 +17,7 @@ from pagedkv.attention.backend import AttentionCGSupport
 from pagedkv.attention.selector import load_backend, registered_backends
 from pagedkv.compilation import CUDAGraphMode
 from pagedkv.exercises.cudagraph import Resolution, resolve_explained
-from widgets.common import BASE_STYLE, esc
+from widgets.common import BASE_STYLE, esc, short_layer
 
 ANY_BACKEND = "YOUR_BACKEND"
 """The backend named in messages when only a support level is chosen."""
@@ -180,3 +180,88 @@ class CudaGraphModeExplorer(ipywidgets.VBox):
             f"CudaGraphModeExplorer({self.mode.value}, {self.backend_name} support {self.support.value}, "
             f"{', '.join(flags)} -> {outcome})"
         )
+
+
+# ---- the piecewise split of a compiled model ------------------------------------------------
+
+PIECE_COLORS = (
+    "var(--jp-brand-color1, currentColor)", "var(--jp-accent-color1, currentColor)",
+    "var(--jp-warn-color1, currentColor)", "var(--jp-error-color1, currentColor)",
+)
+"""Border colour per distinct compiled piece: pieces drawn alike share one compiled callable."""
+OP_LABELS = {"unified_kv_cache_update": "KV cache write", "unified_attention_with_output": "attention"}
+BOX = "display: inline-block; vertical-align: top; margin: 2px; padding: 3px 6px; border-radius: 4px"
+
+
+def _calls(graph: Any, kinds: tuple[str, ...] = ("call_function",)) -> list[Any]:
+    return [node for node in graph.graph.nodes if node.op in kinds]
+
+
+def _piece_box(index: int, name: str, graph: Any, compiled_id: int, shared_by: int) -> str:
+    calls = _calls(graph, ("call_function", "call_method"))
+    names = [getattr(node.target, "__name__", str(node.target)) for node in calls]
+    counts = ", ".join(f"{names.count(n)} {n}" for n in ("embedding", "linear") if n in names)
+    shared = f", shared by {shared_by} pieces" if shared_by > 1 else ""
+    return (
+        f'<div class="pkv-piece" data-piece="{index}" data-compiled="{compiled_id}" style="{BOX}; '
+        f'border: 2px solid {PIECE_COLORS[compiled_id % len(PIECE_COLORS)]}">'
+        f"<b>piece {index}</b> <small>{esc(name)}</small><br>{len(names)} ops: {esc(counts)}<br>"
+        f"compiled #{compiled_id}{shared}</div>"
+    )
+
+
+def _op_box(graph: Any) -> str:
+    (node,) = _calls(graph)
+    op = OP_LABELS.get(node.target.__name__, node.target.__name__)
+    layer = short_layer(str(node.args[-1]))
+    return (
+        f'<div class="pkv-split-op" data-op="{esc(node.target.__name__)}" data-layer="{esc(node.args[-1])}" '
+        f'style="{BOX}; border: 1px dashed var(--jp-border-color1, currentColor)">'
+        f"{esc(op)}<br>{esc(layer)}<br><i>eager</i></div>"
+    )
+
+
+class PiecewiseSplitView(ipywidgets.HTML):
+    """The split graph of a model compiled by `compile_model`, in execution order.
+
+    Solid boxes are the compiled pieces (one colour per distinct compiled callable: the
+    pieces between two layers are the same graph, compiled once); dashed boxes are the
+    splitting ops, which run eagerly between them. Give it `CompiledForward.backend` after
+    the first forward of at least 2 tokens (that call traces the model).
+    """
+
+    def __init__(self, backend: Any, **kwargs: Any) -> None:
+        if not getattr(backend, "items", None):
+            raise ValueError(
+                "The backend has not traced the model yet: run one forward of at least 2 tokens "
+                "(e.g. llm.generate(...)) before drawing its split."
+            )
+        super().__init__(**kwargs)
+        self.backend = backend
+        self.value = self.render()
+
+    def _compiled_ids(self) -> list[int]:
+        """Per piece, a small number per distinct compiled callable, in order of appearance."""
+        ids: dict[int, int] = {}
+        return [ids.setdefault(id(piece.runnable), len(ids)) for piece in self.backend.pieces]
+
+    def render(self) -> str:
+        compiled = self._compiled_ids()
+        boxes, index = [], 0
+        for item in self.backend.items:
+            if item.is_splitting_op:
+                boxes.append(_op_box(item.graph))
+            else:
+                boxes.append(_piece_box(index, item.name, item.graph, compiled[index], compiled.count(compiled[index])))
+                index += 1
+        return (
+            f'<div class="pkv-split" style="{BASE_STYLE}; {TEXT}; padding: 4px">'
+            f"<div>{len(self.backend.pieces)} compiled pieces ({len(set(compiled))} distinct compilations), "
+            f"{len(self.backend.items) - len(self.backend.pieces)} splitting ops run eagerly; "
+            f"Dynamo graphs: {self.backend.num_graphs}</div>{''.join(boxes)}</div>"
+        )
+
+    def __repr__(self) -> str:
+        compiled = self._compiled_ids()
+        ops = len(self.backend.items) - len(self.backend.pieces)
+        return f"PiecewiseSplitView({len(compiled)} pieces, {len(set(compiled))} compiled, {ops} splitting ops)"

@@ -74,17 +74,20 @@ class _Collect(logging.Handler):
 
 @contextmanager
 def _captured_warnings(logger: logging.Logger) -> Iterator[list[str]]:
-    """Collect the logger's warnings (and let them reach no stderr fallback) while inside."""
+    """Collect the logger's warnings while inside, instead of printing them: the caller shows
+    them (a widget redrawn on every click would otherwise print each one again)."""
     handler = _Collect()
-    level = logger.level
+    level, propagate = logger.level, logger.propagate
     if not logger.isEnabledFor(logging.WARNING):
         logger.setLevel(logging.WARNING)  # someone silenced it: the messages are what we are after
+    logger.propagate = False
     logger.addHandler(handler)
     try:
         yield handler.messages
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+        logger.propagate = propagate
 
 
 def resolve_explained(
