@@ -65,15 +65,15 @@ def test_a_real_backend_sets_and_locks_the_support_level() -> None:
     assert not explorer.support.disabled
     explorer.backend.value = "TORCH_REF"  # its builder loops over host-side lengths: NEVER
     assert load_backend("TORCH_REF").get_builder_cls().cudagraph_support is S.NEVER
-    assert explorer.support.value == "NEVER" and explorer.support.disabled
+    assert explorer.support.value == "NEVER" and explorer.support.disabled and explorer.chosen_backend == "TORCH_REF"
     html = explorer.view.value
     # rule 3: no full graph at all -> PIECEWISE (compiled piecewise), the warning names the backend.
     assert 'data-resolved="PIECEWISE"' in html
     (warning,) = warnings(html)
     assert "TORCH_REF" in warning and "FULL_AND_PIECEWISE -&gt; PIECEWISE" in warning
     assert "TorchRefMetadataBuilder.cudagraph_support" in html
-    explorer.backend.value = None
-    assert not explorer.support.disabled and explorer.support.value == "NEVER"
+    explorer.backend.value = "(any backend)"
+    assert explorer.chosen_backend is None and not explorer.support.disabled and explorer.support.value == "NEVER"
 
 
 def test_full_with_support_never_shows_the_error() -> None:

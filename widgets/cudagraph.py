@@ -21,6 +21,8 @@ from widgets.common import BASE_STYLE, esc, short_layer
 
 ANY_BACKEND = "YOUR_BACKEND"
 """The backend named in messages when only a support level is chosen."""
+ANY_CHOICE = "(any backend)"
+"""The backend control's entry for "no real backend: I choose the support level"."""
 ROUTINES = {
     CUDAGraphMode.FULL: ("one FULL graph", "var(--jp-brand-color1, currentColor)"),
     CUDAGraphMode.PIECEWISE: ("piecewise graphs, attention eager", "var(--jp-accent-color1, currentColor)"),
@@ -88,18 +90,22 @@ class CudaGraphModeExplorer(ipywidgets.VBox):
             raise ValueError(f"backend {backend!r} is not registered; use None or one of {registered_backends()}.")
         if isinstance(uniform_decode_query_len, bool) or uniform_decode_query_len not in range(1, 5):
             raise ValueError(f"uniform_decode_query_len must be an int from 1 to 4, got {uniform_decode_query_len!r}.")
-        wide = {"style": {"description_width": "initial"}}
-        self.mode = ipywidgets.Dropdown(options=[m.name for m in CUDAGraphMode],
-                                        value=CUDAGraphMode.parse(mode).name, description="cudagraph_mode", **wide)
-        self.backend = ipywidgets.Dropdown(options=[("any backend", None), *registered_backends()], value=backend,
-                                           description="backend", **wide)
+        def sized(width: str) -> dict[str, Any]:
+            return {"style": {"description_width": "initial"}, "layout": ipywidgets.Layout(width=width)}
+
+        self.mode = ipywidgets.Dropdown(options=[m.name for m in CUDAGraphMode], value=CUDAGraphMode.parse(mode).name,
+                                        description="cudagraph_mode", **sized("300px"))
+        self.backend = ipywidgets.Dropdown(options=[ANY_CHOICE, *registered_backends()], value=backend or ANY_CHOICE,
+                                           description="backend", **sized("230px"))
         self.support = ipywidgets.Dropdown(options=[s.name for s in SUPPORT_LEVELS], value=_support(support).name,
-                                           description="builder's cudagraph_support", **wide)
-        self.piecewise = ipywidgets.Checkbox(value=attention_compiled_piecewise, indent=False,
-                                             description="attention compiled piecewise (compile=True)")
+                                           description="builder's cudagraph_support", **sized("480px"))
         self.query_len = ipywidgets.IntSlider(value=uniform_decode_query_len, min=1, max=4,
-                                              description="decode query tokens per request", **wide)
-        self.enforce_eager = ipywidgets.Checkbox(value=enforce_eager, indent=False, description="enforce_eager")
+                                              description="decode query tokens per request", **sized("400px"))
+        self.piecewise = ipywidgets.Checkbox(value=attention_compiled_piecewise, indent=False,
+                                             description="attention compiled piecewise (compile=True)",
+                                             layout=ipywidgets.Layout(width="auto"))
+        self.enforce_eager = ipywidgets.Checkbox(value=enforce_eager, indent=False, description="enforce_eager",
+                                                 layout=ipywidgets.Layout(width="auto"))
         self.view = ipywidgets.HTML()
         controls = [
             ipywidgets.HBox([self.mode, self.backend, self.support]),
@@ -113,8 +119,14 @@ class CudaGraphModeExplorer(ipywidgets.VBox):
         self._use_backend()
 
     @property
+    def chosen_backend(self) -> str | None:
+        """The registered backend picked in the control, None for "any backend"."""
+        return None if self.backend.value == ANY_CHOICE else self.backend.value
+
+    @property
     def backend_name(self) -> str:
-        return self.backend.value or ANY_BACKEND
+        """The name the resolver's messages use."""
+        return self.chosen_backend or ANY_BACKEND
 
     @property
     def resolution(self) -> Resolution:
@@ -127,7 +139,7 @@ class CudaGraphModeExplorer(ipywidgets.VBox):
 
     def _use_backend(self) -> None:
         """A real backend fixes the support level to its builder's; "any backend" frees it."""
-        name = self.backend.value
+        name = self.chosen_backend
         self.support.disabled = name is not None
         if name is not None and self.support.value != builder_support(name).name:
             self.support.value = builder_support(name).name  # its observer redraws
@@ -140,7 +152,7 @@ class CudaGraphModeExplorer(ipywidgets.VBox):
     def render(self, result: Resolution) -> str:
         source = (
             f"{self.backend_name}: {load_backend(self.backend_name).get_builder_cls().__name__}.cudagraph_support"
-            if self.backend.value else f"{ANY_BACKEND}: the level chosen above"
+            if self.chosen_backend else f"{ANY_BACKEND}: the level chosen above"
         )
         header = "".join(
             f'<th style="{CELL}">{esc(h)}</th>'

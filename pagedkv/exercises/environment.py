@@ -84,8 +84,8 @@ WORKBOOK: list[NotebookInfo] = [
     NotebookInfo("05_attention_groups_and_metadata", "KV cache groups, attention groups, common metadata", "cpu"),
     NotebookInfo("06_triton_kernels", "paged attention and cache writes as Triton kernels", "triton"),
     NotebookInfo("07_flash_attention", "the FLASH_ATTN backend on a GPU", "flash-attn"),
-    NotebookInfo("08_cuda_graphs_and_torch_compile", "piecewise and full CUDA graphs, torch.compile", "cuda",
-                 later=True),
+    NotebookInfo("08_cuda_graphs_and_torch_compile",
+                 "CUDA graph modes and their lowering, the torch.compile split (graphs timed on a GPU)", "cpu"),
     NotebookInfo("09_serving_end_to_end", "continuous batching, chunked prefill, preemption, throughput", "cpu"),
 ]
 
