@@ -1,8 +1,12 @@
-"""`CudaGraphModeExplorer`: choose a CUDA graph mode and a backend's support, see what runs.
+"""Notebook 08's views: CUDA graph modes and the piecewise split.
 
+`CudaGraphModeExplorer`: choose a CUDA graph mode and a backend's support, see what runs.
 The verdict comes from the engine's own `resolve_cudagraph_mode` (through
 `pagedkv.exercises.cudagraph.resolve_explained`, which also keeps the warnings it logs), so
 the widget can never disagree with what `LLM` would do at start-up.
+
+`PiecewiseSplitView`: the pieces of a model compiled by `compile_model`, and the attention ops
+run eagerly between them.
 
 Colours are JupyterLab theme variables (`--jp-...`), so the view reads in light and dark themes.
 """
