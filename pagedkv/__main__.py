@@ -68,7 +68,8 @@ def _generate(args: argparse.Namespace) -> None:
     llm = LLM(
         args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens, cudagraph_mode=args.cudagraph_mode,
+        enforce_eager=args.enforce_eager, compile=args.compile,
     )
     if args.show_steps:
         _show_steps(llm)
@@ -83,7 +84,8 @@ def _generate(args: argparse.Namespace) -> None:
     elapsed = time.perf_counter() - start
     s = llm.stats
     print(f"# {s.num_steps} steps, {s.num_prefill_tokens} prefill + {s.num_decode_tokens} decode tokens, "
-          f"{s.num_preemptions} preemptions, {elapsed:.2f} s", file=sys.stderr)
+          f"{s.num_preemptions} preemptions, {elapsed:.2f} s, cudagraph_mode {llm.runner.cudagraph_mode.name}",
+          file=sys.stderr)
 
 
 def _backends(args: argparse.Namespace) -> None:
@@ -162,6 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--num-kv-blocks", type=int, default=None)
     gen.add_argument("--max-num-batched-tokens", type=int, default=2048)
     gen.add_argument("--attention-backend", default=None)
+    gen.add_argument("--cudagraph-mode", default="NONE", metavar="MODE",
+                     help="CUDA graphs: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE (lowered at "
+                          "start-up to what the device and the attention backend allow; CUDA only)")
+    gen.add_argument("--enforce-eager", action="store_true", help="run every step eagerly, whatever the mode")
+    gen.add_argument("--compile", action="store_true",
+                     help="torch.compile the model, split at the attention ops (PIECEWISE graphs need it)")
     gen.add_argument("--show-steps", action="store_true", help="print a table row per engine step")
     gen.add_argument("--stream", action="store_true",
                      help="print every token as its step produces it: [request id] token_id 'text'")

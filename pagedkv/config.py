@@ -72,6 +72,8 @@ class CompilationConfig:
     static_forward_context: dict[str, Any] = field(default_factory=dict)
     """Map from layer name to the layer objects that must be reachable outside model code."""
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
+    """What the runner tries to capture; lowered at start-up to what the attention backends
+    and the device allow (`ModelRunner.capture_model`). `LLM` picks a device default."""
     splitting_ops: list[str] = field(
         default_factory=lambda: [
             "pagedkv::unified_attention_with_output",
@@ -88,6 +90,14 @@ class CompilationConfig:
     opaque_attention_op: bool | None = None
     """Call attention through the `torch.ops.pagedkv` custom ops (True) or directly (False).
     None asks the platform."""
+    enforce_eager: bool = False
+    """Run every step eagerly, whatever `cudagraph_mode` says (no graph is captured)."""
+    cudagraph_capture_sizes: list[int] | None = None
+    """Padded token counts that get graphs. None: [1, 2, 4] and every multiple of 8 up to
+    `max_cudagraph_capture_size`."""
+    max_cudagraph_capture_size: int | None = None
+    """Largest default capture size. None: min(2 * max_num_seqs, 512); never more than
+    `max_num_batched_tokens` (no step is larger)."""
 
 
 @dataclass

@@ -83,6 +83,10 @@ class EngineInfo:
     attention_groups: list[AttentionGroupInfo]
     kv_cache_shapes: dict[str, list[int]]
     """Layer name -> shape of the KV cache tensor bound to that layer."""
+    cudagraph_mode: str = "NONE"
+    """The CUDA graph mode the engine resolved at start-up (traces older than this field: NONE)."""
+    cudagraph_capture_sizes: list[int] = dataclasses.field(default_factory=list)
+    """Padded token counts with graphs; empty without graphs."""
 
     @property
     def num_kv_cache_groups(self) -> int:
@@ -145,7 +149,10 @@ class StepRecord:
     slot_mapping_keys: list[str]
     """Layer names under which the forward context held a slot mapping."""
     cudagraph_mode: str
+    """How the step ran: "FULL" (a graph replayed), "PIECEWISE" or "NONE" (eager)."""
     batch_descriptor: dict[str, Any]
+    """The dispatcher's key: with a graph, `num_tokens` is the padded count (the step's own
+    tokens are `input_ids`; the padding, slot -1, is not recorded)."""
     duration_s: float
     """Model + sampling time of the step."""
 
@@ -292,10 +299,13 @@ class StepTrace:
 
 
 def _from_plain(tp: Any, value: Any) -> Any:
-    """Rebuild a (nested) dataclass from what `dataclasses.asdict` + JSON made of it."""
+    """Rebuild a (nested) dataclass from what `dataclasses.asdict` + JSON made of it.
+
+    A field missing from an older trace takes its default (a field without one is required).
+    """
     if dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
-        return tp(**{f.name: _from_plain(hints[f.name], value[f.name]) for f in dataclasses.fields(tp)})
+        return tp(**{f.name: _from_plain(hints[f.name], value[f.name]) for f in dataclasses.fields(tp) if f.name in value})
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is list:
         return [_from_plain(args[0], v) for v in value]
@@ -350,6 +360,8 @@ def engine_info(llm: LLM) -> EngineInfo:
             for g in groups
         ],
         kv_cache_shapes={name: list(layer.kv_cache.shape) for name, layer in runner.attn_layers.items()},
+        cudagraph_mode=runner.cudagraph_mode.name,
+        cudagraph_capture_sizes=list(runner.dispatcher.sizes) if runner.dispatcher is not None else [],
     )
 
 
@@ -405,15 +417,13 @@ def step_record(event: StepEvent, llm: LLM, duration_s: float) -> StepRecord:
         for g in range(len(event.num_free_blocks))
     ]
     batch = result.batch
-    descriptor = result.batch_descriptor
-    # The runner has no CUDA graph dispatch yet: steps run eagerly (mode NONE) unless it says otherwise.
-    mode = getattr(result, "cudagraph_mode", None)
+    n = batch.num_tokens  # the step's own tokens; a graph's padding rows follow them
     return StepRecord(
         step=event.step,
         requests=requests,
-        input_ids=batch.input_ids.tolist(),
-        positions=batch.positions.tolist(),
-        slot_mappings=[s.tolist() for s in batch.slot_mappings],
+        input_ids=batch.input_ids[:n].tolist(),
+        positions=batch.positions[:n].tolist(),
+        slot_mappings=[s[:n].tolist() for s in batch.slot_mappings],
         num_blocks_in_use=in_use,
         num_free_blocks=list(event.num_free_blocks),
         preempted_req_ids=list(sched.preempted_req_ids),
@@ -421,7 +431,7 @@ def step_record(event: StepEvent, llm: LLM, duration_s: float) -> StepRecord:
         metadata=_metadata_records(result.attn_metadata),
         attn_metadata_keys=list(result.attn_metadata),
         slot_mapping_keys=list(result.slot_mapping),
-        cudagraph_mode=mode.name if mode is not None else "NONE",
-        batch_descriptor=dataclasses.asdict(descriptor) if descriptor is not None else {},
+        cudagraph_mode=result.cudagraph_mode.name,
+        batch_descriptor=dataclasses.asdict(result.batch_descriptor),
         duration_s=duration_s,
     )

@@ -16,7 +16,7 @@ import reprlib
 
 import torch
 
-from pagedkv.config import parse_dtype
+from pagedkv.config import CompilationConfig, CUDAGraphMode, parse_dtype
 from pagedkv.platforms import default_device
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -140,3 +140,28 @@ def check_dtype(dtype: object, device: torch.device) -> torch.dtype:
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"dtype {dtype} cannot hold model weights here; use one of {list(MODEL_DTYPES)}.")
     return dtype
+
+
+
+def check_cudagraph_mode(value: object) -> CUDAGraphMode:
+    """A `CUDAGraphMode` or its name in any case ("full_decode_only")."""
+    if not isinstance(value, (CUDAGraphMode, str)):
+        raise TypeError(
+            f"cudagraph_mode must be a CUDAGraphMode or one of its names ({', '.join(CUDAGraphMode.__members__)}), "
+            f"got {_describe(value)}."
+        )
+    return CUDAGraphMode.parse(value)
+
+
+def check_compilation(
+    cudagraph_mode: object, enforce_eager: object, compile: object, max_cudagraph_capture_size: object
+) -> CompilationConfig:
+    """`LLM`'s CUDA graph and torch.compile arguments, checked, as a `CompilationConfig`."""
+    return CompilationConfig(
+        cudagraph_mode=check_cudagraph_mode(cudagraph_mode),
+        enforce_eager=check_bool("enforce_eager", enforce_eager),
+        compile=check_bool("compile", compile),
+        max_cudagraph_capture_size=check_optional_int(
+            "max_cudagraph_capture_size", max_cudagraph_capture_size, 1, hint=" (tokens) or None"
+        ),
+    )

@@ -12,6 +12,8 @@ Or drive it yourself and stream (what a server does):
             print(out.request_id, out.outputs[0].token_ids[-1:], out.finished)
 
 One `step()` = schedule -> run the model -> sample -> update; step listeners see each one.
+
+Speed on a GPU: `LLM(..., cudagraph_mode="FULL_AND_PIECEWISE", compile=True)` (pagedkv.worker.cudagraph).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tqdm.auto import tqdm
 
 from pagedkv.config import (
     CacheConfig,
+    CUDAGraphMode,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
@@ -36,6 +39,7 @@ from pagedkv.config import (
 )
 from pagedkv.engine.checks import (
     check_bool,
+    check_compilation,
     check_device,
     check_dtype,
     check_float,
@@ -54,7 +58,6 @@ from pagedkv.worker.model_runner import ModelRunner, StepResult
 
 Prompt = str | dict[str, Any]
 """Text, or {"prompt_token_ids": [...]}."""
-
 
 
 @dataclass
@@ -115,6 +118,10 @@ class LLM:
         kv_cache_memory: int | None = None,
         memory_utilization: float = 0.9,
         seed: int = 0,
+        cudagraph_mode: CUDAGraphMode | str = CUDAGraphMode.NONE,
+        enforce_eager: bool = False,
+        compile: bool = False,
+        max_cudagraph_capture_size: int | None = None,
     ) -> None:
         model = check_model(model, sorted(PRESETS))
         device = check_device(device)
@@ -139,6 +146,8 @@ class LLM:
         kv_cache_memory = check_optional_int("kv_cache_memory", kv_cache_memory, 1, hint=" (bytes) or None")
         memory_utilization = check_float("memory_utilization", memory_utilization, 0, 1, low_open=True)
         seed = check_int("seed", seed, *SEED_RANGE)
+        # Graphs are opt-in: a replay runs no model Python (hooks, forward context) the workbook inspects.
+        compilation = check_compilation(cudagraph_mode, enforce_eager, compile, max_cudagraph_capture_size)
 
         model_cfg = load_config(model)
         if max_model_len is None:  # only None means "the model's limit"
@@ -163,6 +172,7 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
+            compilation_config=compilation,
             device=device,
             attention_backend=attention_backend,
         )
@@ -171,6 +181,7 @@ class LLM:
         self.eos_token_ids = self._eos_token_ids(model)
         self.runner = ModelRunner(self.config, model_cfg)
         self.runner.initialize_kv_cache(self.runner.determine_kv_cache_config())
+        self.runner.capture_model()
         self.kv_cache_manager = KVCacheManager(self.runner.kv_cache_config)
         self.scheduler = Scheduler(self.config.scheduler_config, max_model_len, self.kv_cache_manager)
         self.sampler = Sampler()

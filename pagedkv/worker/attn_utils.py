@@ -51,6 +51,9 @@ class AttentionGroup:
     """Block size the kernel reads, one for the whole KV cache group; the manager's block size
     is a multiple of it."""
     metadata_builder: AttentionMetadataBuilder[Any] | None = None
+    kernel_block_table: torch.Tensor | None = None
+    """Where the kernel-block rewrite of the block table is written when kernel blocks are
+    smaller (allocated once by the runner): a CUDA graph keeps reading the same memory."""
 
     @property
     def kernel_kv_cache_spec(self) -> KVCacheSpec:
@@ -69,20 +72,29 @@ class AttentionGroup:
         k = self.kv_cache_spec.block_size // self.kernel_block_size
         if k == 1:
             return common
-        kernel_table = to_kernel_block_table(common.block_table_tensor, k)
+        kernel_table = to_kernel_block_table(common.block_table_tensor, k, self.kernel_block_table)
         return CommonAttentionMetadata(**{**common.__dict__, "block_table_tensor": kernel_table})
 
 
-def to_kernel_block_table(block_table: torch.Tensor, kernel_blocks_per_block: int) -> torch.Tensor:
+def to_kernel_block_table(
+    block_table: torch.Tensor, kernel_blocks_per_block: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rewrite a block table of manager blocks into one of `k` times smaller kernel blocks.
 
     Manager block b of size B is kernel blocks b*k, ..., b*k + k-1 of size B/k (the same
     memory), so row [7, 2] with k = 2 becomes [14, 15, 4, 5]. Slots keep their numbers:
     b*B + o == (b*k + o // (B/k)) * (B/k) + o % (B/k).
+
+    With `out` (at least as many rows, k times the columns), the rows are written into its
+    first rows and a view of them is returned.
     """
     k = kernel_blocks_per_block
     offsets = torch.arange(k, device=block_table.device, dtype=block_table.dtype)
-    return (block_table[:, :, None] * k + offsets).flatten(1)
+    rows, width = block_table.shape
+    if out is None:
+        return (block_table[:, :, None] * k + offsets).flatten(1)
+    torch.add(block_table[:, :, None] * k, offsets, out=out[:rows].view(rows, width, k))
+    return out[:rows]
 
 
 def kernel_reads_block_size(backend: type[AttentionBackend], size: int) -> bool:
@@ -163,7 +175,15 @@ def build_attn_metadata(
     return attn_metadata
 
 
-def min_cudagraph_support(attn_groups: list[list[AttentionGroup]]) -> AttentionCGSupport:
-    """The weakest CUDA graph support among all builders: it limits the whole model."""
-    supports = [type(g.metadata_builder).cudagraph_support for groups in attn_groups for g in groups]
-    return min(supports, key=lambda s: s.value, default=AttentionCGSupport.ALWAYS)
+def min_cudagraph_support(attn_groups: list[list[AttentionGroup]]) -> tuple[AttentionCGSupport, str]:
+    """The weakest CUDA graph support among all builders (it limits the whole model) and the
+    name of the backend that declares it; (ALWAYS, "no attention") without attention groups.
+
+    Read from the builder object: a builder may declare less than its class does for the
+    kernel it found (FLASH_ATTN with flash-attn 2).
+    """
+    supports = [
+        (g.metadata_builder.cudagraph_support, g.backend.get_name())
+        for groups in attn_groups for g in groups if g.metadata_builder is not None
+    ]
+    return min(supports, key=lambda s: s[0].value, default=(AttentionCGSupport.ALWAYS, "no attention"))

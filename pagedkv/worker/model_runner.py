@@ -3,14 +3,19 @@
 Start-up:  build model (layers register by name) -> profile run (no metadata) ->
            size the KV cache -> attention groups with their builders and kernel block
            sizes -> one buffer per KV cache group, a view per layer in kernel blocks,
-           bound by name.
-Each step: InputBatch -> CommonAttentionMetadata per KV cache group -> build per
-           attention group -> set_forward_context(...) around model(...) -> logits.
+           bound by name -> `capture_model`: resolve the CUDA graph mode, capture graphs.
+Each step: dispatch (FULL / PIECEWISE / NONE, padded size) -> InputBatch ->
+           CommonAttentionMetadata per KV cache group -> build per attention group ->
+           FULL: replay the whole model's graph (no forward context);
+           else set_forward_context(...) around model(...) -> logits.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +23,7 @@ import torch
 
 from pagedkv.attention.backend import CommonAttentionMetadata
 from pagedkv.attention.layer import Attention
+from pagedkv.compilation import CUDAGraphMode
 from pagedkv.compilation.wrapper import CompiledForward, compile_model
 from pagedkv.config import EngineConfig, set_current_engine_config
 from pagedkv.engine.scheduler import SchedulerOutput
@@ -25,8 +31,11 @@ from pagedkv.forward_context import BatchDescriptor, set_forward_context
 from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, get_kv_cache_config
 from pagedkv.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedkv.models.loader import load_model
+from pagedkv.worker import cudagraph
 from pagedkv.worker.attn_utils import AttentionGroup, build_attn_metadata, init_attn_groups
 from pagedkv.worker.input_batch import BlockTable, InputBatch, compute_slot_mapping
+
+logger = logging.getLogger("pagedkv")
 
 CPU_DEFAULT_KV_CACHE_BYTES = 64 * 2**20
 
@@ -41,6 +50,8 @@ class StepResult:
     batch_descriptor: BatchDescriptor
     logits: torch.Tensor
     """[num sampling requests, vocab]"""
+    cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
+    """How the step ran: FULL (one graph replayed), PIECEWISE or NONE (eager)."""
 
 
 class ModelRunner:
@@ -55,10 +66,23 @@ class ModelRunner:
                 config.model_config.model, model_config, config.model_config.dtype, self.device,
                 config.model_config.seed,
             )
+        self.graph_memory = cudagraph.GraphMemory()
         self.compiled_forward: CompiledForward | None = None
         """With `compilation_config.compile`: `self.model(...)` runs this piecewise-compiled forward."""
         if config.compilation_config.compile:
-            self.compiled_forward = compile_model(self.model, config)
+            # Where graphs can exist, every piece gets a wrapper; it only captures or replays in
+            # steps the dispatcher sends to PIECEWISE, and passes through otherwise.
+            graphs_possible = cudagraph.cuda_graphs_unavailable_reason(self.device) is None
+            wrap = cudagraph.piece_wrapper(self.graph_memory) if graphs_possible else None
+            self.compiled_forward = compile_model(self.model, config, wrap_piece=wrap)
+        self.cudagraph_mode = CUDAGraphMode.NONE
+        """The resolved mode (`capture_model`); until then every step runs eagerly."""
+        self.dispatcher: cudagraph.CudagraphDispatcher | None = None
+        self.full_graph: cudagraph.CUDAGraphWrapper | None = None
+        """The FULL graphs, one per batch descriptor, around the whole model."""
+        self.buffers: cudagraph.InputBuffers | None = None
+        """Persistent step inputs, once graphs are captured (eager steps use fresh tensors, so a
+        recorded step keeps its own values)."""
         static = config.compilation_config.static_forward_context
         self.attn_layers: dict[str, Attention] = {n: m for n, m in static.items() if isinstance(m, Attention)}
         self.kv_cache_config: KVCacheConfig
@@ -123,10 +147,15 @@ class ModelRunner:
             name: group.kv_cache_group_id for groups in self.attn_groups for group in groups for name in group.layer_names
         }
         max_blocks = math.ceil(self.config.model_config.max_model_len / self.block_size)
+        max_reqs = self.config.scheduler_config.max_num_seqs
         self.block_tables = [
-            BlockTable(self.config.scheduler_config.max_num_seqs, max_blocks, g.kv_cache_spec.block_size, self.device)
+            BlockTable(max_reqs, max_blocks, g.kv_cache_spec.block_size, self.device)
             for g in kv_cache_config.kv_cache_groups
         ]
+        for group in (g for groups in self.attn_groups for g in groups):
+            k = group.kv_cache_spec.block_size // group.kernel_block_size
+            if k > 1:
+                group.kernel_block_table = torch.zeros(max_reqs, max_blocks * k, dtype=torch.int32, device=self.device)
 
     def _allocate_kv_cache_group(self, group_spec: KVCacheGroupSpec, kernel_block_size: int) -> dict[str, torch.Tensor]:
         """One zeroed buffer for the group; each layer's slice viewed as pages of the kernel's size.
@@ -150,79 +179,207 @@ class ModelRunner:
             for i, (name, shape) in enumerate(zip(group_spec.layer_names, shapes))
         }
 
+    # ---- CUDA graphs ----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture_model(self) -> CUDAGraphMode:
+        """Resolve the CUDA graph mode and capture every graph the dispatcher may pick.
+
+        Called once, after `initialize_kv_cache` (graphs read the bound KV cache). Each key is
+        first run eagerly with the capture's own metadata, so that every kernel (Triton,
+        Inductor, flash-attn 4's JIT) is compiled and loaded outside the capture.
+        """
+        self.cudagraph_mode = mode = cudagraph.resolve_engine_mode(self.config, self.device, self.attn_groups)
+        if mode is CUDAGraphMode.NONE:
+            return mode
+        sched = self.config.scheduler_config
+        dispatcher = cudagraph.CudagraphDispatcher(mode, cudagraph.capture_sizes(self.config), sched.max_num_seqs)
+        self.buffers = cudagraph.InputBuffers(
+            sched.max_num_batched_tokens, sched.max_num_seqs, len(self.block_tables), self.device
+        )
+        if mode.has_full_cudagraphs():
+            self.full_graph = cudagraph.CUDAGraphWrapper(self.model, CUDAGraphMode.FULL, self.graph_memory, "model")
+        captures = dispatcher.captures()
+        start = time.perf_counter()
+        with cudagraph.capture_phase():
+            for runtime_mode, descriptor in captures:
+                self._capture(runtime_mode, descriptor)
+        self.dispatcher = dispatcher
+        logger.info("Captured %d CUDA graph keys (%s) in %.1f s.", len(captures), mode.name, time.perf_counter() - start)
+        return mode
+
+    def _capture(self, runtime_mode: CUDAGraphMode, descriptor: BatchDescriptor) -> None:
+        """Warm up, then capture, the graphs of one key, on a dummy batch of its shape.
+
+        The dummy batch writes nothing to the cache (slots -1) and reads only the null block.
+        A FULL graph keeps the capture metadata (`build_for_cudagraph_capture`: host-side
+        bounds valid for every batch it will replay); PIECEWISE graphs leave attention out.
+        """
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
+        query_lens = cudagraph.capture_query_lens(descriptor, max_num_seqs)
+        positions = [p for n in query_lens for p in range(n)]
+        batch = self._stage_batch(
+            [f"<capture {i}>" for i in range(len(query_lens))], [0] * len(positions), positions, query_lens,
+            seq_lens=query_lens, block_rows=[[[]] * len(query_lens) for _ in self.block_tables], logits_indices=[],
+            sampling_req_ids=[], num_padded_tokens=descriptor.num_tokens, write_cache=False,
+        )
+        full = runtime_mode is CUDAGraphMode.FULL
+        metadata, slot_mapping = self._build_metadata(batch, descriptor.num_tokens, for_cudagraph_capture=full)
+        for step_mode in (CUDAGraphMode.NONE, runtime_mode):
+            with set_forward_context(
+                metadata, self.config, slot_mapping=slot_mapping, cudagraph_runtime_mode=step_mode,
+                batch_descriptor=descriptor,
+            ):
+                self._forward(batch.input_ids, batch.positions)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model, through the FULL graph wrapper when there is one (it obeys the context)."""
+        return (self.full_graph or self.model)(input_ids, positions)
+
     # ---- one step -------------------------------------------------------------------
 
-    def prepare_inputs(self, sched: SchedulerOutput, block_ids: dict[str, list[list[int]]]) -> InputBatch:
-        """Pack the scheduled tokens of all requests into flat tensors (see input_batch.py)."""
+    def prepare_inputs(
+        self,
+        sched: SchedulerOutput,
+        block_ids: dict[str, list[list[int]]],
+        num_padded_tokens: int | None = None,
+        num_padded_reqs: int | None = None,
+    ) -> InputBatch:
+        """Pack the scheduled tokens of all requests into flat tensors (see input_batch.py),
+        padded to `num_padded_tokens` tokens and `num_padded_reqs` requests for a graph."""
         token_ids: list[int] = []
         positions: list[int] = []
-        req_indices: list[int] = []
-        query_start_loc = [0]
+        query_lens: list[int] = []
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampling_req_ids: list[str] = []
-        for i, s in enumerate(sched.scheduled):
+        for s in sched.scheduled:
             req = s.request
             start = s.num_computed_tokens
             end = start + s.num_new_tokens
             token_ids += req.all_token_ids[start:end]
             positions += range(start, end)
-            req_indices += [i] * s.num_new_tokens
-            query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
+            query_lens.append(s.num_new_tokens)
             seq_lens.append(end)
             if s.samples:
-                logits_indices.append(query_start_loc[-1] - 1)
+                logits_indices.append(len(token_ids) - 1)
                 sampling_req_ids.append(req.request_id)
         req_ids = [s.request.request_id for s in sched.scheduled]
-        to_dev = lambda x: x.to(self.device, non_blocking=True)  # noqa: E731
+        block_rows = [[block_ids[r][g] for r in req_ids] for g in range(len(self.block_tables))]
+        return self._stage_batch(
+            req_ids, token_ids, positions, query_lens, seq_lens, block_rows, logits_indices, sampling_req_ids,
+            num_padded_tokens=num_padded_tokens, num_padded_reqs=num_padded_reqs,
+        )
+
+    def _stage_batch(
+        self,
+        req_ids: list[str],
+        token_ids: list[int],
+        positions: list[int],
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_rows: list[list[list[int]]],
+        logits_indices: list[int],
+        sampling_req_ids: list[str],
+        *,
+        num_padded_tokens: int | None = None,
+        num_padded_reqs: int | None = None,
+        write_cache: bool = True,
+    ) -> InputBatch:
+        """Host lists -> the step's device tensors. Padding tokens are id 0 at position 0 with
+        slot -1; padding requests have no query tokens and sequence length 0."""
+        num_tokens, num_reqs = len(token_ids), len(query_lens)
+        pad_tokens = (num_padded_tokens or num_tokens) - num_tokens
+        pad_reqs = (num_padded_reqs or num_reqs) - num_reqs
+        buffers = self.buffers
         positions_cpu = torch.tensor(positions, dtype=torch.long)
-        req_indices_cpu = torch.tensor(req_indices, dtype=torch.long)
+        req_indices = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(query_lens))
         slot_mappings = []
         for g, table in enumerate(self.block_tables):
-            table.set_rows([block_ids[r][g] for r in req_ids])
-            slot_mappings.append(to_dev(compute_slot_mapping(table.get_cpu_tensor(), req_indices_cpu, positions_cpu, table.block_size)))
-        qsl_cpu = torch.tensor(query_start_loc, dtype=torch.int32)
-        seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+            table.set_rows(block_rows[g] + [[]] * pad_reqs)
+            if write_cache:
+                slots = compute_slot_mapping(table.get_cpu_tensor(), req_indices, positions_cpu, table.block_size,
+                                             num_tokens + pad_tokens)
+            else:
+                slots = torch.full((num_tokens + pad_tokens,), -1, dtype=torch.long)
+            slot_mappings.append(self._to_device(slots, buffers and buffers.slot_mappings[g]))
+        qsl_cpu = torch.tensor(list(itertools.accumulate(query_lens, initial=0)) + [num_tokens] * pad_reqs, dtype=torch.int32)
+        seq_lens_cpu = torch.tensor(seq_lens + [0] * pad_reqs, dtype=torch.int32)
+        padding = [0] * pad_tokens
         return InputBatch(
             req_ids=req_ids,
-            input_ids=to_dev(torch.tensor(token_ids, dtype=torch.long)),
-            positions=to_dev(positions_cpu),
-            query_start_loc=to_dev(qsl_cpu),
+            input_ids=self._to_device(torch.tensor(token_ids + padding, dtype=torch.long), buffers and buffers.input_ids),
+            positions=self._to_device(torch.tensor(positions + padding, dtype=torch.long), buffers and buffers.positions),
+            query_start_loc=self._to_device(qsl_cpu, buffers and buffers.query_start_loc),
             query_start_loc_cpu=qsl_cpu,
-            seq_lens=to_dev(seq_lens_cpu),
+            seq_lens=self._to_device(seq_lens_cpu, buffers and buffers.seq_lens),
             seq_lens_cpu=seq_lens_cpu,
-            num_tokens=len(token_ids),
-            max_query_len=max(s.num_new_tokens for s in sched.scheduled),
+            num_tokens=num_tokens,
+            max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             block_tables=[t.get_device_tensor() for t in self.block_tables],
             slot_mappings=slot_mappings,
-            logits_indices=to_dev(torch.tensor(logits_indices, dtype=torch.long)),
+            logits_indices=self._to_device(torch.tensor(logits_indices, dtype=torch.long), None),
             sampling_req_ids=sampling_req_ids,
         )
 
-    def common_attn_metadata(self, batch: InputBatch, kv_group: int) -> CommonAttentionMetadata:
+    def _to_device(self, values: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
+        """Into the first rows of a persistent buffer, or a fresh device tensor without one."""
+        if buffer is None:
+            return values.to(self.device, non_blocking=True)
+        return cudagraph.stage(buffer, values)
+
+    def common_attn_metadata(
+        self, batch: InputBatch, kv_group: int, num_actual_tokens: int | None = None
+    ) -> CommonAttentionMetadata:
+        """The batch as attention sees it in one KV cache group. Its request rows are the
+        tensors' rows (padding requests included); `num_actual_tokens` defaults to the batch's
+        real tokens (a FULL graph's metadata counts the padded ones)."""
         return CommonAttentionMetadata(
             query_start_loc=batch.query_start_loc,
             query_start_loc_cpu=batch.query_start_loc_cpu,
             seq_lens=batch.seq_lens,
             seq_lens_cpu=batch.seq_lens_cpu,
-            num_reqs=batch.num_reqs,
-            num_actual_tokens=batch.num_tokens,
+            num_reqs=batch.seq_lens.shape[0],
+            num_actual_tokens=batch.num_tokens if num_actual_tokens is None else num_actual_tokens,
             max_query_len=batch.max_query_len,
             max_seq_len=batch.max_seq_len,
             block_table_tensor=batch.block_tables[kv_group],
             slot_mapping=batch.slot_mappings[kv_group],
         )
 
+    def _build_metadata(
+        self, batch: InputBatch, num_actual_tokens: int, for_cudagraph_capture: bool = False
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Layer name -> attention metadata, and layer name -> slot mapping, for one step."""
+        commons = [self.common_attn_metadata(batch, g, num_actual_tokens) for g in range(len(self.block_tables))]
+        attn_metadata = build_attn_metadata(self.attn_groups, commons, for_cudagraph_capture)
+        slot_mapping = {name: batch.slot_mappings[g] for name, g in self.layer_kv_group.items()}
+        return attn_metadata, slot_mapping
+
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput, block_ids: dict[str, list[list[int]]]) -> StepResult:
         """Run the model on the scheduled tokens; return logits of the requests that sample."""
-        batch = self.prepare_inputs(sched, block_ids)
-        commons = [self.common_attn_metadata(batch, g) for g in range(len(self.block_tables))]
-        attn_metadata = build_attn_metadata(self.attn_groups, commons)
-        slot_mapping = {name: batch.slot_mappings[g] for name, g in self.layer_kv_group.items()}
-        descriptor = BatchDescriptor(num_tokens=batch.num_tokens, uniform_decode=batch.max_query_len == 1)
-        with set_forward_context(attn_metadata, self.config, slot_mapping=slot_mapping, batch_descriptor=descriptor):
-            hidden = self.model(batch.input_ids, batch.positions)
+        num_tokens = sched.num_scheduled_tokens
+        uniform_decode = max(s.num_new_tokens for s in sched.scheduled) == 1
+        mode, descriptor = CUDAGraphMode.NONE, BatchDescriptor(num_tokens, uniform_decode)
+        if self.dispatcher is not None:
+            mode, descriptor = self.dispatcher.dispatch(num_tokens, uniform_decode)
+        full = mode is CUDAGraphMode.FULL
+        num_reqs = cudagraph.capture_num_reqs(descriptor, self.config.scheduler_config.max_num_seqs) if full else None
+        batch = self.prepare_inputs(sched, block_ids, descriptor.num_tokens, num_reqs)
+        # Built in FULL steps too: builders rewrite their persistent buffers (graphs read those).
+        attn_metadata, slot_mapping = self._build_metadata(batch, descriptor.num_tokens if full else num_tokens)
+        if full:
+            assert self.full_graph is not None
+            # The inputs are in the buffers the graph reads: no model code runs, so nothing
+            # looks anything up, and no forward context is set (seed 000, step 7).
+            hidden = self.full_graph.replay(descriptor)
+        else:
+            with set_forward_context(
+                attn_metadata, self.config, slot_mapping=slot_mapping, cudagraph_runtime_mode=mode,
+                batch_descriptor=descriptor,
+            ):
+                hidden = self._forward(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return StepResult(batch, attn_metadata, slot_mapping, descriptor, logits)
+        return StepResult(batch, attn_metadata, slot_mapping, descriptor, logits, mode)

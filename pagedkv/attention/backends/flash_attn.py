@@ -10,6 +10,13 @@ Two generations read a paged cache differently:
 Both take the query tokens of all requests packed back to back (`cu_seqlens_q`), so one call
 serves prefill, decode and mixed batches. Neither writes into a given output tensor through
 its public function, so `forward` copies the result into `output`.
+
+CUDA graphs: a call reads every length from device tensors; the host-side integers
+(`max_seqlen_q`, `max_seqlen_k`, the split count) are fixed upper bounds in a captured graph
+(`build_for_cudagraph_capture`), and nothing is derived per call on the host. flash-attn 4
+JIT-compiles a kernel the first time it meets a new configuration: the runner runs every
+captured batch once eagerly, with the same metadata, before capturing it, so no compilation
+(or module loading) happens inside a capture.
 """
 
 from __future__ import annotations
@@ -32,8 +39,10 @@ from pagedkv.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from pagedkv.attention.backends.triton_attn import TritonAttentionImpl
+from pagedkv.attention.backends.triton_attn import TritonAttentionImpl, cudagraph_capture_bounds
+from pagedkv.config import EngineConfig
 from pagedkv.kernels import HAS_TRITON
+from pagedkv.kv_cache.spec import KVCacheSpec
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,27 +78,48 @@ class FlashAttentionMetadata:
 class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
     """Repackages the common metadata; flash-attn 2 also needs the key prefix sums."""
 
-    # flash-attn 4.0.0b36 calls captured and replayed correctly in tests/gpu, but failed to
-    # capture inside benchmarks/attention.py ("operation failed due to a previous error during
-    # capture"), cause not found: until it is, no full CUDA graphs with this backend.
-    cudagraph_support = AttentionCGSupport.NEVER
+    # Any batch, mixed prefill + decode included: lengths live in device tensors and the host
+    # bounds of a capture hold for every replay. Checked for flash-attn 4 on the GPU by
+    # tests/gpu/test_cudagraph_cuda.py (capture, then replay with other lengths and pages).
+    cudagraph_support = AttentionCGSupport.ALWAYS
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        layer_names: list[str],
+        config: EngineConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, config, device)
+        self.cu_seqlens_k: torch.Tensor | None = None
+        """flash-attn 2: the key prefix sums, rewritten in place by every build so that a
+        captured graph reads this step's values (a fresh tensor per build would be stale)."""
+        if flash_attn_version() == 2:
+            # Not run with graphs on the test machine (flash-attn 2 is not installed there):
+            # declare what vLLM declares for flash-attn 2.
+            self.cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+            max_reqs = config.scheduler_config.max_num_seqs
+            self.cu_seqlens_k = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
 
     def build(self, common_attn_metadata: CommonAttentionMetadata) -> FlashAttentionMetadata:
         cm = common_attn_metadata
-        cu_seqlens_k = None
-        if flash_attn_version() == 2:
-            cu_seqlens_k = torch.nn.functional.pad(cm.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
-        return FlashAttentionMetadata(
-            num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len,
-            max_seq_len=cm.max_seq_len, query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens,
-            cu_seqlens_k=cu_seqlens_k, block_table=cm.block_table_tensor, causal=cm.causal,
-        )
+        return self._metadata(cm, cm.max_query_len, cm.max_seq_len)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> FlashAttentionMetadata:
-        """Host-side bounds must cover every replay: capture with the longest sequence allowed."""
-        metadata = self.build(common_attn_metadata)
-        metadata.max_seq_len = self.config.model_config.max_model_len
-        return metadata
+        """Host-side bounds must cover every replay (`cudagraph_capture_bounds`)."""
+        cm = common_attn_metadata
+        return self._metadata(cm, *cudagraph_capture_bounds(cm, self.config.model_config.max_model_len))
+
+    def _metadata(self, cm: CommonAttentionMetadata, max_query_len: int, max_seq_len: int) -> FlashAttentionMetadata:
+        cu_seqlens_k = None
+        if self.cu_seqlens_k is not None:
+            cu_seqlens_k = self.cu_seqlens_k[: cm.seq_lens.shape[0] + 1]
+            torch.cumsum(cm.seq_lens, 0, dtype=torch.int32, out=cu_seqlens_k[1:])
+        return FlashAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens, max_query_len=max_query_len,
+            max_seq_len=max_seq_len, query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens,
+            cu_seqlens_k=cu_seqlens_k, block_table=cm.block_table_tensor, causal=cm.causal,
+        )
 
 
 class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
@@ -128,6 +158,7 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
                 max_seqlen_q=m.max_query_len, max_seqlen_k=m.max_seq_len, page_table=m.block_table,
                 causal=True, softmax_scale=self.scale,
                 window_size=(None, None) if self.sliding_window is None else self.window,
+                num_splits=1,  # no split heuristic on host values (and SM 9.0 has no split-KV)
             )
         else:
             result = self.varlen(

@@ -94,19 +94,35 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         )
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> TritonAttentionMetadata:
-        """Capture with upper bounds, so that the graph is right for every batch replayed in it.
-
-        A pure-decode capture keeps max_query_len = 1 (it is replayed for pure decodes only);
-        any other batch of N tokens may hold a request of up to N tokens. max_seq_len only
-        sizes the split-KV grid: the model's longest sequence keeps long decodes fast.
-        """
+        """Capture with upper bounds, so that the graph is right for every batch replayed in it
+        (`cudagraph_capture_bounds`). max_seq_len only sizes the split-KV grid: the model's
+        longest sequence keeps long decodes fast."""
         cm = common_attn_metadata
-        max_query_len = cm.max_query_len if cm.max_query_len == 1 else max(cm.max_query_len, cm.num_actual_tokens)
-        return self._metadata(cm, max_query_len, self.config.model_config.max_model_len)
+        return self._metadata(cm, *cudagraph_capture_bounds(cm, self.config.model_config.max_model_len))
+
+
+def cudagraph_capture_bounds(cm: CommonAttentionMetadata, max_model_len: int) -> tuple[int, int]:
+    """(max_query_len, max_seq_len) to capture a batch with: bounds that hold for every batch
+    replayed in its graph, since a graph keeps the host-side integers it was captured with.
+
+    A pure-decode capture keeps max_query_len = 1 (it is replayed for pure decodes only); any
+    other batch of N tokens may hold one request of up to N tokens. Any sequence may be as
+    long as the model allows.
+    """
+    max_query_len = 1 if cm.max_query_len == 1 else max(cm.max_query_len, cm.num_actual_tokens)
+    return max_query_len, max_model_len
 
 
 class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     """Scatter with `reshape_and_cache`, attend with `unified_attention`."""
+
+    _cache_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """(kv_cache, its K view, its V view): made once, since each view costs host time every call."""
+
+    def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cache_views is None or self._cache_views[0] is not kv_cache:
+            self._cache_views = (kv_cache, *kv_cache.unbind(0))
+        return self._cache_views[1], self._cache_views[2]
 
     def forward(
         self,
@@ -122,7 +138,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             return output.zero_()
         if not attn_metadata.causal:
             raise NotImplementedError("TRITON_ATTN implements causal (decoder) attention only")
-        k_cache, v_cache = kv_cache.unbind(0)
+        k_cache, v_cache = self._kv_views(kv_cache)
         # Rows past the batch's last token (CUDA graph padding) are left as they are.
         return unified_attention(
             query, k_cache, v_cache, output,
@@ -141,7 +157,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        reshape_and_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+        reshape_and_cache(key, value, *self._kv_views(kv_cache), slot_mapping)
 
 
 class TritonAttentionBackend(AttentionBackend):
