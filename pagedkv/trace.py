@@ -305,7 +305,8 @@ def _from_plain(tp: Any, value: Any) -> Any:
     """
     if dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
-        return tp(**{f.name: _from_plain(hints[f.name], value[f.name]) for f in dataclasses.fields(tp) if f.name in value})
+        fields = [f.name for f in dataclasses.fields(tp) if f.name in value]
+        return tp(**{name: _from_plain(hints[name], value[name]) for name in fields})
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is list:
         return [_from_plain(args[0], v) for v in value]

@@ -84,7 +84,9 @@ def cuda_graphs_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def resolve_engine_mode(config: EngineConfig, device: torch.device, attn_groups: list[list[AttentionGroup]]) -> CUDAGraphMode:
+def resolve_engine_mode(
+    config: EngineConfig, device: torch.device, attn_groups: list[list[AttentionGroup]]
+) -> CUDAGraphMode:
     """The configured mode, lowered to what the device and the weakest attention backend allow.
 
     Logs the result and why: the device (no CUDA, no graphs), or `resolve_cudagraph_mode`'s
@@ -138,7 +140,8 @@ class CudagraphDispatcher:
     ) -> None:
         self.mode = mode
         self.sizes = sorted(sizes)
-        self.keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {CUDAGraphMode.FULL: set(), CUDAGraphMode.PIECEWISE: set()}
+        self.keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {CUDAGraphMode.FULL: set()}
+        self.keys[CUDAGraphMode.PIECEWISE] = set()
         mixed = mode.mixed_mode()
         if mixed is not CUDAGraphMode.NONE:
             self.keys[mixed].update(BatchDescriptor(s) for s in self.sizes)
@@ -264,7 +267,9 @@ class CUDAGraphWrapper:
     tensors (same addresses) at capture and at every replay.
     """
 
-    def __init__(self, runnable: Callable[..., Any], runtime_mode: CUDAGraphMode, memory: GraphMemory, name: str) -> None:
+    def __init__(
+        self, runnable: Callable[..., Any], runtime_mode: CUDAGraphMode, memory: GraphMemory, name: str
+    ) -> None:
         if runtime_mode not in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
             raise ValueError(f"A graph wrapper runs FULL or PIECEWISE graphs, not {runtime_mode.name}.")
         self.runnable = runnable

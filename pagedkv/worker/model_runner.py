@@ -205,7 +205,8 @@ class ModelRunner:
             for runtime_mode, descriptor in captures:
                 self._capture(runtime_mode, descriptor)
         self.dispatcher = dispatcher
-        logger.info("Captured %d CUDA graph keys (%s) in %.1f s.", len(captures), mode.name, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        logger.info("Captured %d CUDA graph keys (%s) in %.1f s.", len(captures), mode.name, elapsed)
         return mode
 
     def _capture(self, runtime_mode: CUDAGraphMode, descriptor: BatchDescriptor) -> None:
@@ -303,13 +304,15 @@ class ModelRunner:
             else:
                 slots = torch.full((num_tokens + pad_tokens,), -1, dtype=torch.long)
             slot_mappings.append(self._to_device(slots, buffers and buffers.slot_mappings[g]))
-        qsl_cpu = torch.tensor(list(itertools.accumulate(query_lens, initial=0)) + [num_tokens] * pad_reqs, dtype=torch.int32)
+        starts = list(itertools.accumulate(query_lens, initial=0))
+        qsl_cpu = torch.tensor(starts + [num_tokens] * pad_reqs, dtype=torch.int32)
         seq_lens_cpu = torch.tensor(seq_lens + [0] * pad_reqs, dtype=torch.int32)
         padding = [0] * pad_tokens
+        ids_cpu, positions_padded = (torch.tensor(x + padding, dtype=torch.long) for x in (token_ids, positions))
         return InputBatch(
             req_ids=req_ids,
-            input_ids=self._to_device(torch.tensor(token_ids + padding, dtype=torch.long), buffers and buffers.input_ids),
-            positions=self._to_device(torch.tensor(positions + padding, dtype=torch.long), buffers and buffers.positions),
+            input_ids=self._to_device(ids_cpu, buffers and buffers.input_ids),
+            positions=self._to_device(positions_padded, buffers and buffers.positions),
             query_start_loc=self._to_device(qsl_cpu, buffers and buffers.query_start_loc),
             query_start_loc_cpu=qsl_cpu,
             seq_lens=self._to_device(seq_lens_cpu, buffers and buffers.seq_lens),
