@@ -20,11 +20,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
-import transformers
 
 from pagedkv import LLM, SamplingParams, StepEvent
 from pagedkv.engine.request import RequestOutput
-from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.hf_export import to_transformers
 
 FP32_ATOL = 1e-3
 """Logit tolerance for a float32 engine (its errors against float64 are about 1e-5 on logits of ~10)."""
@@ -41,58 +40,6 @@ class LogitsRecorder:
         # Row i of the step's logits belongs to sampling_req_ids[i].
         for i, req_id in enumerate(event.result.batch.sampling_req_ids):
             self.rows[req_id].append(event.result.logits[i].detach().to("cpu", torch.float64))
-
-
-def to_transformers(model: LlamaForCausalLM) -> torch.nn.Module:
-    """The engine's model as a float64 `transformers` model on the CPU, with the same weights.
-
-    Full-attention models become `LlamaForCausalLM`; models with sliding-window layers become
-    `Qwen2ForCausalLM` (Llama plus per-layer `layer_types`) with zero q/k/v biases.
-    """
-    c = model.config
-    windows = {c.layer_sliding_window(i) for i in range(c.num_hidden_layers)} - {None}
-    rope = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
-    fields = dict(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-        rope_parameters=rope, attn_implementation="eager",
-    )
-    weights = _unfused_state_dict(model)
-    if windows:
-        if len(windows) > 1 or c.attention_bias or c.mlp_bias:
-            raise NotImplementedError("the reference maps one window size and no o_proj/MLP biases onto Qwen2")
-        layer_types = ["full_attention" if c.layer_sliding_window(i) is None else "sliding_attention"
-                       for i in range(c.num_hidden_layers)]
-        config = transformers.Qwen2Config(**fields, sliding_window=windows.pop(), use_sliding_window=True,
-                                          layer_types=layer_types)
-        hf = transformers.Qwen2ForCausalLM(config)
-        for name, param in hf.named_parameters():
-            if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
-                weights.setdefault(name, torch.zeros_like(param))
-    else:
-        config = transformers.LlamaConfig(**fields, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
-        hf = transformers.LlamaForCausalLM(config)
-    hf.load_state_dict({k: v.to("cpu", torch.float64) for k, v in weights.items()}, strict=True)
-    return hf.to(torch.float64).eval()
-
-
-def _unfused_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """Our fused qkv_proj / gate_up_proj split back into Hugging Face's separate matrices."""
-    c = model.config
-    q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        if ".qkv_proj." in name:
-            for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q_size, kv_size, kv_size])):
-                out[name.replace("qkv_proj", part)] = piece
-        elif ".gate_up_proj." in name:
-            for part, piece in zip(("gate_proj", "up_proj"), tensor.chunk(2)):
-                out[name.replace("gate_up_proj", part)] = piece
-        else:
-            out[name] = tensor
-    return out
 
 
 @torch.no_grad()

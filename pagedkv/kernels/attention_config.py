@@ -13,6 +13,7 @@ Two regimes decide everything:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -72,12 +73,14 @@ class KernelConfig:
     """Programs sharing one sequence's key range (decode); 1 = no split, no merge kernel."""
 
 
+@functools.lru_cache(maxsize=4096)
 def _num_splits(base_programs: int, num_tiles: int, slots: int, overhead: int) -> int:
     """Split count that minimises (waves of programs) x (tiles per program + fixed cost).
 
     Programs run in waves of `slots` (the GPU's concurrent programs). More splits fill a
     wave better and shorten each program, but a wave that is only partly full costs as much
-    as a full one, and each program pays a fixed start-up cost.
+    as a full one, and each program pays a fixed start-up cost. (Cached: the search tries up
+    to 64 counts, and batches of the same shape recur step after step.)
     """
 
     def cost(splits: int) -> int:

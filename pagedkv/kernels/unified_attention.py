@@ -122,7 +122,10 @@ def _attend_key_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Per-step integers are not specialised: Triton compiles a separate binary for an int argument
+# equal to 1 or divisible by 16, so a batch size or split count that changes every step would
+# keep building variants (and hashing their cache keys) during a run.
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,  # out: final output, or split partials
     lse_ptr,  # split partials only: log2-sum-exp per row
