@@ -197,6 +197,28 @@ def test_reshape_and_cache_scatters_by_slot(
     assert torch.equal(kv_cache.reshape(2, -1, num_kv_heads, head_size), expected)
 
 
+@pytest.mark.parametrize("backend", ["TRITON_ATTN", "FLASH_ATTN"])
+def test_impl_cache_write_scatters_by_slot(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each impl's `do_kv_cache_update` writes exactly the slots (FLASH_ATTN reuses TRITON_ATTN's
+    scatter; flash-attn itself is faked here, since only its kernel needs a GPU)."""
+    from pagedkv.attention.backends import flash_attn
+    from pagedkv.attention.selector import load_backend
+
+    monkeypatch.setattr(flash_attn, "flash_attn_version", lambda: 4)
+    monkeypatch.setattr(flash_attn, "_varlen_func", lambda version: None)
+    impl = load_backend(backend).get_impl_cls()(4, 16, 0.25, 2, None, torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    kv_cache = torch.randn(2, 5, 8, 2, 16, generator=gen)
+    expected = kv_cache.clone().reshape(2, -1, 2, 16)
+    key, value = torch.randn(2, 6, 2, 16, generator=gen)
+    slots = torch.tensor([3, 17, -1, 30, 9, 38])
+    for _ in range(2):  # the second call reuses the cached K/V views
+        impl.do_kv_cache_update(None, key, value, kv_cache, slots)
+    expected[0, slots[slots >= 0]] = key[slots >= 0]
+    expected[1, slots[slots >= 0]] = value[slots >= 0]
+    assert torch.equal(kv_cache.reshape(2, -1, 2, 16), expected)
+
+
 def test_reshape_and_cache_then_attention_low_precision() -> None:
     # A whole step: write this step's K/V, then attend over the cache that now holds them.
     batch = random_paged_batch([4, 1], [0, 21], dtype=torch.bfloat16, seed=5)

@@ -39,7 +39,7 @@ from pagedkv.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from pagedkv.attention.backends.triton_attn import TritonAttentionImpl, cudagraph_capture_bounds
+from pagedkv.attention.backends.triton_attn import TritonCacheWriter, cudagraph_capture_bounds
 from pagedkv.config import EngineConfig
 from pagedkv.kernels import HAS_TRITON
 from pagedkv.kv_cache.spec import KVCacheSpec
@@ -122,7 +122,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         )
 
 
-class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
+class FlashAttentionImpl(TritonCacheWriter, AttentionImpl[FlashAttentionMetadata]):
     """Scatter with `reshape_and_cache`, attend with flash-attn's varlen function."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -150,7 +150,7 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         m = attn_metadata
         if not m.causal:
             raise NotImplementedError("FLASH_ATTN here implements causal (decoder) attention only")
-        k_cache, v_cache = kv_cache.unbind(0)
+        k_cache, v_cache = self._kv_views(kv_cache)
         n = m.num_actual_tokens
         if self.version == 4:
             result = self.varlen(
@@ -168,9 +168,6 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
             )
         output[:n].copy_(result[0] if isinstance(result, tuple) else result)
         return output
-
-    # The same Triton scatter as TRITON_ATTN: flash-attn reads the cache but never writes it.
-    do_kv_cache_update = TritonAttentionImpl.do_kv_cache_update
 
 
 class FlashAttentionBackend(AttentionBackend):

@@ -113,8 +113,9 @@ def cudagraph_capture_bounds(cm: CommonAttentionMetadata, max_model_len: int) ->
     return max_query_len, max_model_len
 
 
-class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
-    """Scatter with `reshape_and_cache`, attend with `unified_attention`."""
+class TritonCacheWriter:
+    """The K/V scatter of an impl whose cache is `(2, num_blocks, block_size, heads, head_size)`:
+    `reshape_and_cache` into the K and V halves. TRITON_ATTN and FLASH_ATTN share it."""
 
     _cache_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """(kv_cache, its K view, its V view): made once, since each view costs host time every call."""
@@ -123,6 +124,20 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         if self._cache_views is None or self._cache_views[0] is not kv_cache:
             self._cache_views = (kv_cache, *kv_cache.unbind(0))
         return self._cache_views[1], self._cache_views[2]
+
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        reshape_and_cache(key, value, *self._kv_views(kv_cache), slot_mapping)
+
+
+class TritonAttentionImpl(TritonCacheWriter, AttentionImpl[TritonAttentionMetadata]):
+    """Scatter with `reshape_and_cache`, attend with `unified_attention`."""
 
     def forward(
         self,
@@ -148,16 +163,6 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             sliding_window=self.sliding_window, workspace=attn_metadata.workspace,
             config=attn_metadata.config,
         )
-
-    def do_kv_cache_update(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        reshape_and_cache(key, value, *self._kv_views(kv_cache), slot_mapping)
 
 
 class TritonAttentionBackend(AttentionBackend):
