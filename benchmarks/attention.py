@@ -89,9 +89,13 @@ def triton_fn(batch: PagedBatch, tuning: Tuning | None) -> Callable[[], object]:
 def fa4_fn(batch: PagedBatch, num_splits: int) -> Callable[[], object]:
     from flash_attn.cute import flash_attn_varlen_func
 
+    # The Python ints are read here, not inside the call: `batch.max_seq_len` reads seq_lens back
+    # from the GPU, a synchronisation that is illegal while a CUDA graph is being captured (what
+    # once looked like "flash-attn 4 cannot be captured").
+    max_seqlen_q, max_seqlen_k = batch.max_query_len, batch.max_seq_len
     return lambda: flash_attn_varlen_func(
         batch.q, batch.k_cache, batch.v_cache, cu_seqlens_q=batch.query_start_loc,
-        seqused_k=batch.seq_lens, max_seqlen_q=batch.max_query_len, max_seqlen_k=batch.max_seq_len,
+        seqused_k=batch.seq_lens, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         page_table=batch.block_table, causal=True, softmax_scale=D**-0.5, num_splits=num_splits,
     )
 
@@ -157,8 +161,7 @@ def run_case(case: Case, tunings: dict[str, Tuning | None], with_peers: bool) ->
         row[name] = measure(lambda i: triton_fn(batches[i], tuning), copies)
     if with_peers:
         if fa4_available() is None:
-            # flash-attn 4 b36 fails to capture here; its GPU time comes from the profiler.
-            row["fa4"] = measure(lambda i: fa4_fn(batches[i], 1), copies, graph=False)
+            row["fa4"] = measure(lambda i: fa4_fn(batches[i], 1), copies)
             row["max_abs_diff_vs_fa4"] = max_diff(batches[0], tunings)
         else:
             row["fa4"] = {"error": fa4_available()}

@@ -391,9 +391,10 @@ BENCHMARK_PROBE = textwrap.dedent("""
     from pagedkv.kernels.testing import random_paged_batch
 
     def call(batch):
+        max_q, max_k = batch.max_query_len, batch.max_seq_len  # host ints, read before any capture
         return lambda: flash_attn_varlen_func(
             batch.q, batch.k_cache, batch.v_cache, cu_seqlens_q=batch.query_start_loc, seqused_k=batch.seq_lens,
-            max_seqlen_q=batch.max_query_len, max_seqlen_k=batch.max_seq_len, page_table=batch.block_table,
+            max_seqlen_q=max_q, max_seqlen_k=max_k, page_table=batch.block_table,
             causal=True, softmax_scale=128 ** -0.5, num_splits=1)
 
     fns = [call(random_paged_batch([1] * 8, [4095] * 8, num_q_heads=32, num_kv_heads=8, head_size=128,
@@ -414,10 +415,10 @@ SEQUENCES = ["graph1", "graph_many", "bench,graph1", "profiler,graph1", "bench,p
 
 @needs_fa4
 def test_flash_attn_4_captures_in_the_benchmark_sequences() -> None:
-    """Where flash-attn 4 b36 failed to capture (benchmarks/attention.py, "operation failed due
-    to a previous error during capture"): each timing sequence in a fresh process. The engine
-    captures as "graph1"/"graph_many" do (warm-up first, no profiler); a failure only after
-    "profiler" points at the benchmark's CUPTI-based kernel timing, not at the kernel."""
+    """flash-attn 4 captures in every timing sequence of benchmarks/attention.py, each in a fresh
+    process. It once failed there ("operation failed due to a previous error during capture")
+    because the benchmark read `batch.max_seq_len` (a GPU -> host copy of seq_lens.max())
+    inside the captured call, which is illegal during capture: the kernel was never at fault."""
     root = Path(__file__).resolve().parents[2]
     verdicts = {}
     for sequence in SEQUENCES:
