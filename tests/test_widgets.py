@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import re
+from html import unescape
+from pathlib import Path
 
+import jupyterlab
 import matplotlib
 import pytest
 
@@ -11,6 +14,8 @@ matplotlib.use("Agg")
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.trace import StepTrace  # noqa: E402
+from widgets.common import PALETTE  # noqa: E402
+from widgets.plots import FACECOLOR  # noqa: E402
 from widgets import (  # noqa: E402
     AttentionGroupsView,
     BlockTableView,
@@ -136,3 +141,131 @@ def test_plots(hybrid_trace: StepTrace, plot) -> None:  # noqa: ANN001
     assert ax.get_title() and (ax.lines or ax.patches)
     html = PlotView(hybrid_trace, plot, index=1).value
     assert html.startswith('<img class="pkv-plot" data-step="2" src="data:image/png;base64,')
+
+
+# ---- paging, the player's label, ForwardContextView in a player -----------------------------
+
+@pytest.fixture(scope="module")
+def long_prefill_trace() -> StepTrace:
+    """One 25-token prompt (BOS + 24 bytes) prefilled in one step, then decodes."""
+    llm = LLM("tiny", num_kv_blocks=20, block_size=4, max_num_batched_tokens=32)
+    with StepTrace.attach(llm) as trace:
+        llm.generate(["a prompt of twenty-three"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    return trace
+
+
+def test_slot_mapping_pages_through_every_token(long_prefill_trace: StepTrace) -> None:
+    prefill = long_prefill_trace[0]
+    assert len(prefill.slot_mappings[0]) == 25
+    view = SlotMappingView(long_prefill_trace, index=0, tokens_per_page=10)
+    assert view.pager.max == 2  # pages of 10, 10 and 5 tokens
+    seen: list[int] = []
+    for page in range(3):
+        view.pager.value = page
+        assert f'data-first-token="{10 * page}"' in view.value
+        seen += [int(s) for s in re.findall(r'class="pkv-slot" data-slot="(-?\d+)"', view.value)]
+    assert seen == prefill.slot_mappings[0]  # every token once, in order: nothing left undrawn
+    view.index = 1  # a decode step has one token: the page is clamped back to the first
+    assert view.pager.max == view.pager.value == 0
+    assert 'data-first-token="0"' in view.value and "tokens 0..0 of 1 (page 1 of 1)" in view.value
+    with pytest.raises(ValueError, match="tokens_per_page"):
+        SlotMappingView(long_prefill_trace, tokens_per_page=0)
+
+
+def test_step_player_places_a_views_controls(long_prefill_trace: StepTrace) -> None:
+    view = SlotMappingView(long_prefill_trace, tokens_per_page=10)
+    player = StepPlayer(long_prefill_trace, [view])
+    assert player.children[1:] == (view.pager, view)
+
+
+def label_step(player: StepPlayer) -> int:
+    return int(re.search(r'class="pkv-step-label" data-step="(\d+)"', player.label.value).group(1))
+
+
+def test_step_player_shows_label_and_views_together(hybrid_trace: StepTrace, monkeypatch) -> None:  # noqa: ANN001
+    """The browser gets each widget's new value in the order the kernel sets them: a render
+    between two updates is time during which the page shows two different steps."""
+    events: list[str] = []
+    for cls in (BlockTableView, SlotMappingView, PlotView):
+        render = cls.render
+        monkeypatch.setattr(cls, "render", lambda self, record, _r=render: events.append("render") or _r(self, record))
+    views = [BlockTableView(hybrid_trace), SlotMappingView(hybrid_trace), PlotView(hybrid_trace)]
+    player = StepPlayer(hybrid_trace, views)
+    for widget in (*views, player.label):
+        widget.observe(lambda _change: events.append("set"), "value")
+    for index in (3, 1, len(hybrid_trace) - 1):
+        events.clear()
+        player.slider.value = index
+        assert events == ["render"] * 3 + ["set"] * 4, events
+        step = hybrid_trace[index].step
+        assert label_step(player) == step
+        assert all(f'data-step="{step}"' in v.value for v in views)
+
+
+def test_forward_context_view_in_a_step_player(hybrid_trace: StepTrace) -> None:
+    view = ForwardContextView(hybrid_trace)
+    player = StepPlayer(hybrid_trace, [view])
+    for index in range(len(hybrid_trace)):
+        player.slider.value = index
+        record = hybrid_trace[index]
+        assert f'data-step="{record.step}"' in view.value and label_step(player) == record.step
+        # the metadata objects listed are this step's, not the last step's
+        assert view.value.count("<li>") == len(record.metadata)
+        for meta in record.metadata:
+            fields = ", ".join(f"{f}={v}" for f, v in meta.fields.items())
+            assert fields in unescape(view.value)
+
+
+# ---- theme: colours come from JupyterLab's variables ----------------------------------------
+
+HEX = re.compile(r"#[0-9a-fA-F]{6}\b|#[0-9a-fA-F]{3}\b")
+NAMED = re.compile(r"(?:[:=]\s*\"?)(white|black|gr[ae]y|silver)\b", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("cls", VIEWS)
+def test_views_use_theme_colours(hybrid_trace: StepTrace, cls) -> None:  # noqa: ANN001
+    for index in range(len(hybrid_trace)):
+        html = cls(hybrid_trace, index=index).value
+        assert set(HEX.findall(html)) <= set(PALETTE), f"{cls.__name__}: fixed colours {set(HEX.findall(html))}"
+        assert not NAMED.findall(html), f"{cls.__name__}: named colours {NAMED.findall(html)}"
+        assert "var(--jp-ui-font-color1" in html
+        # SVG text is black unless told otherwise: every <svg> hands its text the theme's colour.
+        assert html.count("<svg") == html.count("fill: currentColor")
+
+
+def test_empty_view_uses_theme_colours(hybrid_trace: StepTrace) -> None:
+    html = BlockTableView(StepTrace(hybrid_trace.engine)).value
+    assert "waiting for the first step" in html and not HEX.findall(html) and "var(--jp-ui-font-color2" in html
+
+
+def _theme_background(theme: str) -> str:
+    """--jp-layout-color1 of a JupyterLab theme, read from the theme's shipped CSS."""
+    css = (Path(jupyterlab.__file__).parent / "themes" / "@jupyterlab" / theme / "index.css").read_text()
+    value = re.search(r"--jp-layout-color1:\s*([^;]+);", css).group(1)
+    return {"white": "#ffffff"}.get(value, value.split(",")[-1].rstrip(")"))  # var(--md-grey-900,#212121)
+
+
+def _luminance(color: str) -> float:
+    channels = [int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+
+def _contrast(a: str, b: str) -> float:
+    hi, lo = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+@pytest.mark.parametrize("theme", ["theme-light-extension", "theme-dark-extension"])
+def test_request_colours_stand_out_on_both_theme_backgrounds(theme: str) -> None:
+    background = _theme_background(theme)
+    assert re.fullmatch(r"#[0-9a-fA-F]{6}", background), background
+    worst = min(PALETTE, key=lambda c: _contrast(c, background))
+    assert _contrast(worst, background) >= 3.0, f"{worst} on {background} ({theme})"
+
+
+def test_plots_bring_their_own_background(hybrid_trace: StepTrace) -> None:
+    # Jupyter's inline backend makes figures transparent: black labels on a dark page.
+    with matplotlib.rc_context({"figure.facecolor": (1, 1, 1, 0)}):
+        ax = plot_kv_cache_usage(hybrid_trace)
+    assert matplotlib.colors.to_hex(ax.figure.get_facecolor(), keep_alpha=True) == FACECOLOR + "ff"

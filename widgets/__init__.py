@@ -23,11 +23,16 @@ Shortcut: `BlockTableView.attach(llm)` makes the trace for you (`view.trace`).
 Views (all `TraceView`s: an `ipywidgets.HTML` with an `index` trait, -1 = newest step):
     BlockTableView       physical blocks coloured by owner, free pool, null block, slots
                          written this step; each request's logical -> physical row
-    SlotMappingView      each token: position -> block table -> slot (-1 = padding)
+    SlotMappingView      each token: position -> block table -> slot (-1 = padding), a page of
+                         tokens at a time (its `pager` slider pages through a long prefill)
     AttentionGroupsView  layers -> KV cache groups -> attention groups -> one metadata object
     ForwardContextView   per layer name: metadata, slot mapping, KV cache shape
     PlotView             one of the plots below with a cursor at the step on display
-StepPlayer(trace, views)   Play + IntSlider setting `index` on every view.
+StepPlayer(trace, views)   Play + IntSlider; renders every view at the chosen step, then updates the
+                           views and the step label together (they always name the same step).
+Colours: JupyterLab theme variables (`--jp-ui-font-color1`, `--jp-layout-color1`, ...) and request
+colours of mid luminance, so every view reads in the light and the dark theme; plots bring their
+own light background.
 Plots: plot_kv_cache_usage, plot_batch_composition, plot_request_timeline, plot_throughput.
 
 Not tied to a trace:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from pagedkv.trace import KVCacheGroupInfo, StepRecord, StepTrace
-from widgets.common import BASE_STYLE, TraceView, esc, request_color, short_layer
+from widgets.common import (
+    BASE_STYLE, BG, BG_SOLID, BORDER, FG, FG_MUTED, SVG_STYLE, TraceView, esc, request_color, short_layer,
+)
 
 CELL_W, CELL_H, GAP = 56, 40, 4
 
@@ -27,9 +29,9 @@ def _block_usage(record: StepRecord, group: int, block_size: int) -> tuple[dict[
 class BlockTableView(TraceView):
     """The block pool as a grid: one cell per physical block, coloured by the request that owns it.
 
-    Inside each cell, one tick per slot: filled ticks hold K/V, ticks outlined in black were
-    written by this step (its slot mapping). Free blocks are dashed, block 0 is the null
-    block. Below the grid, each request's block table row: logical block j -> physical id.
+    Inside each cell, one tick per slot: filled ticks hold K/V, ticks outlined in the text
+    colour were written by this step (its slot mapping). Free blocks are dashed, block 0 (solid
+    grey) is the null block. Below the grid, each request's block table row: logical block j -> physical id.
     Only the last block of a request can have empty slots: that is all the waste paging leaves.
     """
 
@@ -75,7 +77,7 @@ class BlockTableView(TraceView):
         return (
             f'<div style="margin-top:8px">{esc(title)}</div>'
             f'<svg class="pkv-grid" data-group="{g}" data-num-blocks="{shown}" width="100%" '
-            f'viewBox="0 0 {width} {height}" style="max-width:{width}px" xmlns="http://www.w3.org/2000/svg">'
+            f'viewBox="0 0 {width} {height}" style="max-width:{width}px; {SVG_STYLE}" xmlns="http://www.w3.org/2000/svg">'
             f'{"".join(cells)}</svg>{note}'
         )
 
@@ -86,15 +88,15 @@ class BlockTableView(TraceView):
         if block == 0:
             return (
                 f'<g {attrs} data-state="null"><title>block 0: the null block, never handed out</title>'
-                f'<rect x="{x}" y="{y}" width="{CELL_W}" height="{CELL_H}" rx="3" fill="#444"/>'
-                f'<text x="{x + 4}" y="{y + 13}" fill="#fff" font-size="10">0 null</text></g>'
+                f'<rect x="{x}" y="{y}" width="{CELL_W}" height="{CELL_H}" rx="3" style="fill:{BG_SOLID}"/>'
+                f'<text x="{x + 4}" y="{y + 13}" font-size="10">0 null</text></g>'
             )
         if not owners:
             return (
                 f'<g {attrs} data-state="free"><title>block {block}: free</title>'
-                f'<rect x="{x}" y="{y}" width="{CELL_W}" height="{CELL_H}" rx="3" fill="#fff" '
-                f'stroke="#bbb" stroke-dasharray="3 2"/>'
-                f'<text x="{x + 4}" y="{y + 13}" fill="#999" font-size="10">{block}</text></g>'
+                f'<rect x="{x}" y="{y}" width="{CELL_W}" height="{CELL_H}" rx="3" '
+                f'style="fill:{BG}; stroke:{BORDER}" stroke-dasharray="3 2"/>'
+                f'<text x="{x + 4}" y="{y + 13}" style="fill:{FG_MUTED}" font-size="10">{block}</text></g>'
             )
         color = request_color(owners[0])
         shared = len(owners) > 1
@@ -103,12 +105,13 @@ class BlockTableView(TraceView):
         ticks = []
         for offset in range(bs):
             slot = block * bs + offset
-            fill = color if offset < filled else "#fff"
+            fill = color if offset < filled else BG
             opacity = "1" if slot in written else ("0.5" if offset < filled else "1")
-            stroke = ' stroke="#000" stroke-width="1"' if slot in written else ""
+            # Outlined in the text colour: it contrasts with the background in either theme.
+            stroke, cls = (f"; stroke:{FG}; stroke-width:1.5", ' class="pkv-written"') if slot in written else ("", "")
             ticks.append(
-                f'<rect x="{x + 3 + offset * tick_w:.1f}" y="{y + 24}" width="{tick_w:.1f}" height="12" '
-                f'fill="{fill}" fill-opacity="{opacity}"{stroke}/>'
+                f'<rect{cls} x="{x + 3 + offset * tick_w:.1f}" y="{y + 24}" width="{tick_w:.1f}" height="12" '
+                f'style="fill:{fill}; fill-opacity:{opacity}{stroke}"/>'
             )
         holders = f"{'shared by' if shared else 'held by'} request(s) {', '.join(owners)}"
         tip = f"block {block}: {holders}; {filled}/{bs} slots filled"
@@ -118,7 +121,7 @@ class BlockTableView(TraceView):
             f'<rect x="{x}" y="{y}" width="{CELL_W}" height="{CELL_H}" rx="3" fill="{color}" fill-opacity="0.18" '
             f'stroke="{color}" stroke-width="{3 if shared else 1.5}"/>'
             f'<text x="{x + 4}" y="{y + 13}" font-size="10">{block}</text>'
-            f'<text x="{x + CELL_W - 4}" y="{y + 13}" font-size="10" text-anchor="end" fill="{color}">'
+            f'<text x="{x + CELL_W - 4}" y="{y + 13}" font-size="10" text-anchor="end">'
             f"{esc(label)}</text>"
             f'{"".join(ticks)}</g>'
         )
@@ -134,15 +137,15 @@ class BlockTableView(TraceView):
                 boxes = "".join(
                     f'<span class="pkv-row-cell" title="logical block {j} -> physical block {b}" '
                     f'style="display:inline-block; min-width:22px; margin:1px; text-align:center; '
-                    f'border:1px solid {color if b else "#444"}; background:{"#fff" if b else "#444"}; '
-                    f'color:{"#000" if b else "#fff"}"><span style="font-size:9px; color:#888">{j}</span><br>{b}</span>'
+                    f'border:1px solid {color if b else BORDER}; background:{BG if b else BG_SOLID}">'
+                    f'<span style="font-size:9px; color:{FG_MUTED if b else FG}">{j}</span><br>{b}</span>'
                     for j, b in enumerate(row)
                 )
                 prefix = f"g{g} " if len(r.block_ids) > 1 else ""
                 groups.append(f"{prefix}{boxes}")
             out.append(
-                f'<tr><td style="padding-right:8px; white-space:nowrap"><span style="color:{color}">&#9632;</span> '
-                f"req {esc(r.req_id)}<br><span style='color:#666'>{esc(what)}</span></td>"
+                f'<tr><td style="padding-right:8px; white-space:nowrap"><span style="display:inline-block; width:9px; height:9px; background:{color}"></span> '
+                f"req {esc(r.req_id)}<br><span style='color:{FG_MUTED}'>{esc(what)}</span></td>"
                 f'<td>{"<br>".join(groups)}</td></tr>'
             )
         out.append("</table>")
@@ -150,7 +153,7 @@ class BlockTableView(TraceView):
 
 
 _LEGEND = (
-    '<div style="color:#666; margin-top:4px">cell = physical block (id top left, owner top right); '
-    "ticks = its slots: filled = K/V cached, black outline = written by this step; "
-    "dashed = free; dark = null block 0. Rows: small grey number = logical block, big = physical block.</div>"
+    f'<div style="color:{FG_MUTED}; margin-top:4px">cell = physical block (id top left, owner top right, '
+    "border in the owner's colour); ticks = its slots: filled = K/V cached, outlined = written by this step; "
+    "dashed = free; solid grey = null block 0. Rows: small number = logical block, big = physical block.</div>"
 )

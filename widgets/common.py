@@ -14,17 +14,36 @@ from pagedkv.trace import EngineInfo, StepRecord, StepTrace
 if TYPE_CHECKING:
     from pagedkv.engine.llm import LLM
 
-# Colour-blind friendly (Okabe-Ito + Tol) and dark enough for text on white.
-# Request i gets the same colour in every view.
+# Request colours: mid-luminance hues (Okabe-Ito and Tol, darkest and lightest swapped out), each
+# with a contrast of at least 3:1 against both JupyterLab backgrounds (white and #212121), so a
+# request's border or tick reads in the light and the dark theme. Text is never drawn in them.
 PALETTE = (
-    "#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9",
-    "#D55E00", "#999933", "#332288", "#882255", "#AA4499",
+    "#0072B2", "#D55E00", "#009E73", "#CC79A7", "#7B68EE",
+    "#B8860B", "#17A2B8", "#C2417A", "#999933", "#9467BD",
 )
+# JupyterLab theme variables, so every view follows the light / dark theme. The fallbacks are CSS
+# system colours, which follow the page's colour scheme outside JupyterLab.
+FG = "var(--jp-ui-font-color1, CanvasText)"
+"""Body text."""
+FG_MUTED = "var(--jp-ui-font-color2, GrayText)"
+"""Secondary text: legends, small labels (still >= 4.5:1 on BG in both themes)."""
+BG = "var(--jp-layout-color1, Canvas)"
+"""The notebook's background: free blocks, empty slots."""
+BG_HEADER = "var(--jp-layout-color2, Canvas)"
+"""Table headers and padding cells."""
+BG_SOLID = "var(--jp-layout-color3, GrayText)"
+"""Something that is never handed out: the null block."""
+BORDER = "var(--jp-border-color1, GrayText)"
+BORDER_LIGHT = "var(--jp-border-color2, GrayText)"
+ACCENT = "var(--jp-brand-color1, LinkText)"
+"""The step cursor / the item the text talks about."""
 # The HTML widget's container does not wrap lines and has a tall line height: undo both.
 BASE_STYLE = (
     "font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12px; "
-    "white-space: normal; line-height: 1.35; max-width: 980px"
+    f"white-space: normal; line-height: 1.35; max-width: 980px; color: {FG}"
 )
+SVG_STYLE = f"color: {FG}; fill: currentColor"
+"""On an <svg>: its <text> elements inherit the theme's text colour (SVG's default fill is black)."""
 
 
 def request_color(req_id: str) -> str:
@@ -58,12 +77,14 @@ class TraceView(ipywidgets.HTML):
     index = traitlets.Int(-1, help="Index into trace.steps; -1 = the newest step.")
     needs_step = True
     """False for views that can draw start-up facts before the first step."""
+    _quiet = False
+    """True while `show` sets `index` for HTML it already rendered: no second render."""
 
     def __init__(self, trace: StepTrace, *, index: int = -1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.trace = trace
         self.index = index
-        self.observe(lambda _change: self.redraw(), "index")
+        self.observe(self._on_index, "index")
         trace.observe(self._on_new_step)
         self.redraw()
 
@@ -83,17 +104,48 @@ class TraceView(ipywidgets.HTML):
             return None
         return self.trace.steps[self.index]
 
+    @property
+    def controls(self) -> tuple[ipywidgets.Widget, ...]:
+        """Widgets of this view drawn above it (a page slider, say); a `StepPlayer` shows them too."""
+        return ()
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        # `display(view)` shows the view's own controls above it.
+        if not self.controls:
+            return super()._repr_mimebundle_(**kwargs)
+        return ipywidgets.VBox([*self.controls, self])._repr_mimebundle_(**kwargs)
+
+    def _on_index(self, _change: dict[str, Any]) -> None:
+        if not self._quiet:
+            self.redraw()
+
     def _on_new_step(self, _record: StepRecord) -> None:
         if self.index == -1:
             self.redraw()
 
-    def redraw(self) -> None:
-        record = self.record
+    def html_at(self, index: int) -> str:
+        """The HTML of step `index` (-1 = newest), rendered but not shown."""
+        record = self.trace.steps[index] if self.trace.steps else None
         if record is None and self.needs_step:
             name = esc(type(self).__name__)
-            self.value = f'<div style="{BASE_STYLE}; color: #666">{name}: waiting for the first step.</div>'
-        else:
-            self.value = self.render(record)
+            return f'<div style="{BASE_STYLE}; color: {FG_MUTED}">{name}: waiting for the first step.</div>'
+        return self.render(record)
+
+    def redraw(self) -> None:
+        self.value = self.html_at(self.index)
+
+    def show(self, index: int, html: str) -> None:
+        """Display `html`, rendered earlier by `html_at(index)`, and set `index` without rendering again.
+
+        `StepPlayer` renders every view first and then shows them all at once, so the browser
+        receives the new step of every view (and the label) back to back.
+        """
+        self._quiet = True
+        try:
+            self.index = index
+        finally:
+            self._quiet = False
+        self.value = html
 
     def render(self, record: StepRecord) -> str:
         """HTML for one step (None only when `needs_step` is False and no step ran yet)."""

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pagedkv.trace import StepRecord
-from widgets.common import BASE_STYLE, TraceView, esc
+from widgets.common import BASE_STYLE, BG_HEADER, BORDER_LIGHT, TraceView, esc
 
-_CELL = "padding:2px 6px; border:1px solid #ddd; text-align:left; vertical-align:top"
+_CELL = f"padding:2px 6px; border:1px solid {BORDER_LIGHT}; text-align:left; vertical-align:top"
 
 
 def _preview(values: list[int], limit: int = 8) -> str:
@@ -47,7 +47,7 @@ class ForwardContextView(TraceView):
             for k, m in enumerate(record.metadata)
         )
         header = "".join(
-            f'<th style="{_CELL}; background:#f4f4f4">{h}</th>'
+            f'<th style="{_CELL}; background:{BG_HEADER}">{h}</th>'
             for h in ("layer name (the key)", "attn_metadata[name]", "slot_mapping[name]",
                       "kv_cache shape (bound once)")
         )

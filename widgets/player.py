@@ -15,7 +15,8 @@ class StepPlayer(ipywidgets.VBox):
     """Scrub through a recorded (or still recording) run; every view shows the chosen step.
 
     The Play button and the slider are linked in the browser; each slider move reaches the
-    kernel, which sets `index` on every view, which redraws. While the trace is still
+    kernel, which renders every view at that step and only then updates the views and the
+    label together, so the label always names the step the views show. While the trace is still
     recording, a player whose slider sits on the last step follows the new steps.
     """
 
@@ -32,7 +33,7 @@ class StepPlayer(ipywidgets.VBox):
         ipywidgets.jslink((self.play, "value"), (self.slider, "value"))
         self.label = ipywidgets.HTML()
         controls = ipywidgets.HBox([self.play, self.slider, self.label])
-        super().__init__([controls, *self.views], **kwargs)
+        super().__init__([controls, *(w for view in self.views for w in (*view.controls, view))], **kwargs)
         self.add_class("pkv-step-player")
         self.slider.observe(lambda change: self._show(change["new"]), "value")
         trace.observe(self._on_new_step)
@@ -56,16 +57,24 @@ class StepPlayer(ipywidgets.VBox):
             self._show(self.slider.value)
 
     def _show(self, index: int) -> None:
-        for view in self.views:
-            if view.index == index:
-                view.redraw()
-            else:
-                view.index = index
-        if self.trace.steps:
-            record = self.trace[index]
-            self.label.value = f"<code>step {record.step}</code> ({index + 1} of {len(self.trace)})"
-        else:
-            self.label.value = "<code>no steps yet</code>"
+        # Render every view first (the slow part: SVG strings, a PlotView's PNG), then hand the
+        # results to the views and the label in one go. Setting each view as soon as it was
+        # rendered sent the label last, after the slowest render: while playing, the browser
+        # showed new views under the old step's label (or the reverse) for most of each interval.
+        pages = [view.html_at(index) for view in self.views]
+        label = self._label(index)
+        for view, html in zip(self.views, pages):
+            view.show(index, html)
+        self.label.value = label
+
+    def _label(self, index: int) -> str:
+        if not self.trace.steps:
+            return "<code>no steps yet</code>"
+        record = self.trace[index]
+        return (
+            f'<code class="pkv-step-label" data-step="{record.step}">step {record.step}</code> '
+            f"({index + 1} of {len(self.trace)})"
+        )
 
     def __repr__(self) -> str:
         names = ", ".join(type(v).__name__ for v in self.views)

@@ -24,11 +24,15 @@ from widgets.common import TraceView, request_color
 
 PHASE_COLORS = {"prefill": "#0072B2", "decode": "#009E73", "unscheduled": "#cccccc"}
 PlotFn = Callable[[StepTrace, Axes], Axes]
+FACECOLOR = "#ffffff"
+"""A plot is a picture with matplotlib's dark text: it brings its own opaque light background, so it
+reads the same in JupyterLab's light and dark themes (the inline backend's default is transparent,
+which leaves black labels on a dark page)."""
 
 
 def _axes(ax: Axes | None) -> Axes:
     if ax is None:
-        _fig, ax = plt.subplots(figsize=(8, 2.8), layout="constrained")
+        _fig, ax = plt.subplots(figsize=(8, 2.8), layout="constrained", facecolor=FACECOLOR)
     return ax
 
 
@@ -120,7 +124,7 @@ class PlotView(TraceView):
 
     def render(self, record: StepRecord) -> str:
         # A Figure without pyplot: nothing is registered globally, nothing extra is displayed.
-        fig = Figure(figsize=(8, 2.8), layout="constrained")
+        fig = Figure(figsize=(8, 2.8), layout="constrained", facecolor=FACECOLOR)
         ax = self.plot(self.trace, fig.add_subplot())
         ax.axvline(record.step, color="#D55E00", linewidth=1.5)
         buffer = io.BytesIO()

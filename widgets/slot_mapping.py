@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from pagedkv.trace import StepRecord, StepTrace
-from widgets.common import BASE_STYLE, TraceView, esc, request_color
+import ipywidgets
 
-_CELL = "padding:1px 4px; border:1px solid #ddd; text-align:center"
+from pagedkv.trace import StepRecord, StepTrace
+from widgets.common import BASE_STYLE, BG_HEADER, BORDER_LIGHT, FG_MUTED, TraceView, esc, request_color
+
+_CELL = f"padding:1px 4px; border:1px solid {BORDER_LIGHT}; text-align:center"
 
 
 class SlotMappingView(TraceView):
@@ -18,60 +21,95 @@ class SlotMappingView(TraceView):
         slot = physical block * block_size + position % block_size
 
     Padding tokens (added to reach a captured CUDA graph size) get slot -1 and write nothing.
+    A step with more than `tokens_per_page` tokens (a prefill) is drawn a page at a time: the
+    "token page" slider above the table (`view.pager`) pages through all of them.
     """
 
-    def __init__(self, trace: StepTrace, *, max_tokens: int = 48, **kwargs: Any) -> None:
-        self.max_tokens = max_tokens
+    def __init__(self, trace: StepTrace, *, tokens_per_page: int = 32, **kwargs: Any) -> None:
+        if isinstance(tokens_per_page, bool) or not isinstance(tokens_per_page, int) or tokens_per_page < 1:
+            raise ValueError(f"tokens_per_page must be a positive int, got {tokens_per_page!r}.")
+        self.tokens_per_page = tokens_per_page
+        self.pager = ipywidgets.IntSlider(value=0, min=0, max=0, description="token page", continuous_update=True)
+        self.pager.add_class("pkv-token-pager")
+        self._clamping = False
         super().__init__(trace, **kwargs)
+        self.pager.observe(self._on_page, "value")
+
+    @property
+    def controls(self) -> tuple[ipywidgets.Widget, ...]:
+        return (self.pager,)
+
+    def _on_page(self, _change: dict[str, Any]) -> None:
+        if not self._clamping:
+            self.redraw()
+
+    def _page_range(self, num_slots: int) -> tuple[int, int, int]:
+        """(first token, end token, number of pages) of the page on display; a short step clamps the page."""
+        pages = max(-(-num_slots // self.tokens_per_page), 1)
+        if self.pager.max != pages - 1:
+            self._clamping = True  # lowering max lowers value: this render already draws the clamped page
+            try:
+                self.pager.max = pages - 1
+            finally:
+                self._clamping = False
+        first = self.pager.value * self.tokens_per_page
+        return first, min(first + self.tokens_per_page, num_slots), pages
 
     def render(self, record: StepRecord) -> str:
         rows_by_req = {r.req_id: r.block_ids for r in record.scheduled}
         req_ids = record.token_req_ids()
         num_slots = max(len(s) for s in record.slot_mappings)
-        shown = min(num_slots, self.max_tokens)
+        first, end, pages = self._page_range(num_slots)
+        shown = range(first, end)
 
         def row(label: str, cells: list[str]) -> str:
             return f'<tr><th style="{_CELL}; text-align:right; white-space:nowrap">{label}</th>{"".join(cells)}</tr>'
 
         def cell(i: int, text: object, slot: int | None = None) -> str:
             if i >= len(req_ids):  # a padding token
-                return f'<td style="{_CELL}; color:#999; background:#f3f3f3">pad</td>'
+                return f'<td style="{_CELL}; color:{FG_MUTED}; background:{BG_HEADER}">pad</td>'
             color = request_color(req_ids[i])
             data = f' class="pkv-slot" data-slot="{slot}"' if slot is not None else ""
             return f'<td{data} style="{_CELL}; border-top:3px solid {color}">{esc(text)}</td>'
 
         def per_token(values: list[Any]) -> list[str]:
-            return [cell(i, values[i] if i < len(req_ids) else "") for i in range(shown)]
+            return [cell(i, values[i] if i < len(req_ids) else "") for i in shown]
 
-        table = [row("request", per_token(req_ids)), row("token id", per_token(record.input_ids)),
-                 row("position", per_token(record.positions))]
+        table = [row("token #", [cell(i, i) for i in shown]), row("request", per_token(req_ids)),
+                 row("token id", per_token(record.input_ids)), row("position", per_token(record.positions))]
         for group in self.engine.kv_cache_groups:
-            g, bs = group.group_id, group.spec.block_size
-            suffix = f" (g{g})" if self.engine.num_kv_cache_groups > 1 else ""
-            logical, physical, offset, slots = [], [], [], []
-            for i in range(shown):
-                slot = record.slot_mappings[g][i]
-                if i >= len(req_ids) or slot < 0:
-                    for cells in (logical, physical, offset):
-                        cells.append(cell(i, ""))
-                    slots.append(f'<td class="pkv-slot" data-slot="-1" style="{_CELL}; color:#999">-1</td>')
-                    continue
-                pos = record.positions[i]
-                logical.append(cell(i, pos // bs))
-                physical.append(cell(i, rows_by_req[req_ids[i]][g][pos // bs]))
-                offset.append(cell(i, pos % bs))
-                slots.append(cell(i, slot, slot))
-            table += [
-                row(f"pos // {bs}{suffix}", logical),
-                row(f"block table{suffix}", physical),
-                row(f"pos % {bs}{suffix}", offset),
-                row(f"<b>slot</b>{suffix}", slots),
-            ]
-        more = f"<div>... {num_slots - shown} more tokens not drawn</div>" if num_slots > shown else ""
+            table += self._group_rows(record, group.group_id, group.spec.block_size, shown, rows_by_req, cell, row)
+        where = f"tokens {first}..{end - 1} of {num_slots} (page {self.pager.value + 1} of {pages})"
         return (
-            f'<div class="pkv-slot-mapping" data-step="{record.step}" style="{BASE_STYLE}">'
-            f"<div><b>step {record.step}</b> &middot; {record.num_tokens} tokens &middot; "
-            f"slot = block_table[request][position // block_size] * block_size + position % block_size</div>"
+            f'<div class="pkv-slot-mapping" data-step="{record.step}" data-first-token="{first}" '
+            f'data-pages="{pages}" style="{BASE_STYLE}">'
+            f"<div><b>step {record.step}</b> &middot; {record.num_tokens} tokens &middot; {where}</div>"
+            "<div>slot = block_table[request][position // block_size] * block_size + position % block_size</div>"
             f'<div style="overflow-x:auto"><table style="border-collapse:collapse; margin-top:4px">'
-            f'{"".join(table)}</table></div>{more}</div>'
+            f'{"".join(table)}</table></div></div>'
         )
+
+    def _group_rows(self, record: StepRecord, g: int, bs: int, shown: range, rows_by_req: dict[str, Any],
+                    cell: Callable[..., str], row: Callable[[str, list[str]], str]) -> list[str]:
+        """The four rows that turn a position into a slot, for KV cache group `g`."""
+        req_ids = record.token_req_ids()
+        suffix = f" (g{g})" if self.engine.num_kv_cache_groups > 1 else ""
+        logical, physical, offset, slots = [], [], [], []
+        for i in shown:
+            slot = record.slot_mappings[g][i]
+            if i >= len(req_ids) or slot < 0:
+                for cells in (logical, physical, offset):
+                    cells.append(cell(i, ""))
+                slots.append(f'<td class="pkv-slot" data-slot="-1" style="{_CELL}; color:{FG_MUTED}">-1</td>')
+                continue
+            pos = record.positions[i]
+            logical.append(cell(i, pos // bs))
+            physical.append(cell(i, rows_by_req[req_ids[i]][g][pos // bs]))
+            offset.append(cell(i, pos % bs))
+            slots.append(cell(i, slot, slot))
+        return [
+            row(f"pos // {bs}{suffix}", logical),
+            row(f"block table{suffix}", physical),
+            row(f"pos % {bs}{suffix}", offset),
+            row(f"<b>slot</b>{suffix}", slots),
+        ]
