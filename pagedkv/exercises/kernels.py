@@ -1,19 +1,143 @@
-"""Checkers for notebooks 06 (write the scatter kernel) and 07 (rewrite a block table)."""
+"""Checkers for notebook 06's Triton puzzles (the harness, and puzzle 2: the KV scatter) and for
+notebook 07's block-table rewrite.
+
+A puzzle answer is a `@triton.jit` kernel plus a launcher `launch(kernel, *inputs)` that calls
+`kernel[grid](...)`. The checker hands the launcher a stand-in for the kernel that counts (and
+runs) the launches, compares the outputs with a float64 torch reference on random paged inputs,
+and then runs the launcher once more with launches that do nothing: an answer that is still right
+then was computed by the launcher, not by the kernel.
+
+Importing this module on a machine without a GPU, before anything imported `triton`, sets
+`TRITON_INTERPRET=1`: Triton chooses its interpreter once, when it is first imported, so an
+exercise cell that imports this module first works even right after a kernel restart.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from pagedkv.exercises import CheckResult, compare
-from pagedkv.platforms import default_device
-from pagedkv.worker.attn_utils import to_kernel_block_table
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # why: see the module docstring
 
-ScatterFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+from pagedkv.exercises import CheckResult, compare  # noqa: E402
+from pagedkv.platforms import default_device  # noqa: E402
+from pagedkv.worker.attn_utils import to_kernel_block_table  # noqa: E402
+
+Launch = Callable[..., None]
 
 
-def _scatter_case(seed: int, num_tokens: int, block_size: int, num_kv_heads: int, head_size: int):
+@dataclass
+class Case:
+    """One random input of a puzzle: the launcher's arguments (outputs included, pre-filled with a
+    sentinel), the outputs by name and the float64 reference of each."""
+
+    args: list[Any]
+    outputs: dict[str, torch.Tensor]
+    expected: dict[str, torch.Tensor]
+    description: str
+
+
+class _KernelStandIn:
+    """What the launcher receives instead of the kernel: `stand_in[grid](...)` counts the launch
+    and runs it, or (`run=False`) does nothing."""
+
+    def __init__(self, kernel: Any, run: bool) -> None:
+        self.kernel, self.run, self.launches = kernel, run, 0
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        self.launches += 1
+        return self.kernel[grid] if self.run else (lambda *args, **kwargs: None)
+
+
+def not_a_student_kernel(kernel: object) -> str | None:
+    """Why `kernel` is not an answer: not a `@triton.jit` function, or one of pagedkv's own."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(kernel, (JITFunction, InterpretedFunction)):
+        return (
+            f"{getattr(kernel, '__name__', repr(kernel))} is a {type(kernel).__name__}, not a @triton.jit kernel: "
+            "pass the kernel itself (decorated with @triton.jit), then the launcher."
+        )
+    module = getattr(kernel.fn, "__module__", None) or ""
+    if module.split(".")[0] == "pagedkv":
+        return f"{kernel.fn.__name__} is pagedkv's own kernel (from {module}): the puzzle is to write one."
+    return None
+
+
+def _runtime_problem() -> str | None:
+    """Why kernels cannot run here (CPU without Triton's interpreter); None when they can."""
+    if default_device().type != "cpu":
+        return None
+    from pagedkv.kernels.common import interpreter_problem
+
+    problem = interpreter_problem()
+    return f"Triton cannot run kernels here: {problem}; then restart the kernel." if problem else None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[-1] if lines else "")[:200]
+
+
+def first_mismatch(name: str, got: torch.Tensor, expected: torch.Tensor) -> str | None:
+    """'name[i, j] is GOT, expected EXP' for the first differing element; None when all agree
+    (floats within 1e-4: the kernels compute in float32, the reference in float64)."""
+    got, expected = got.detach().cpu(), expected.cpu()
+    if got.is_floating_point():
+        ok = torch.isclose(got.double(), expected.double(), rtol=1e-4, atol=1e-4)
+    else:
+        ok = got == expected
+    if bool(ok.all()):
+        return None
+    index = tuple(int(i) for i in (~ok).nonzero()[0])
+    return f"{name}[{', '.join(map(str, index))}] is {got[index].item():.4g}, expected {expected[index].item():.4g}"
+
+
+def check_launches(
+    kernels: Sequence[Any], launch: Launch, make_cases: Sequence[Callable[[], Case]], what: str, hint: str
+) -> CheckResult:
+    """Validate `kernels`, run `launch(*kernels, *case.args)` on each case and compare the outputs."""
+    for kernel in kernels:
+        reason = not_a_student_kernel(kernel)
+        if reason:
+            return CheckResult(False, f"{what}: {reason}")
+    problem = _runtime_problem()
+    if problem:
+        return CheckResult(False, f"{what}: {problem}")
+    for make_case in make_cases:
+        case = make_case()
+        stand_ins = [_KernelStandIn(kernel, run=True) for kernel in kernels]
+        try:
+            launch(*stand_ins, *case.args)
+        except Exception as exc:  # a student's kernel may fail in any way; report it in one line
+            return CheckResult(False, f"{what}: the launch raised {type(exc).__name__}: {_first_line(exc)}")
+        idle = [kernel.fn.__name__ for kernel, s in zip(kernels, stand_ins) if s.launches == 0]
+        if idle:
+            return CheckResult(False, f"{what}: the launcher never launched {idle[0]} (call kernel[grid](...)).")
+        for name, got in case.outputs.items():
+            mismatch = first_mismatch(name, got, case.expected[name])
+            if mismatch:
+                return CheckResult(False, f"{what}, {case.description}: {mismatch}.\nHint: {hint}")
+    passed = CheckResult(True, f"{what}: {len(make_cases)} random cases match the float64 reference.")
+    case = make_cases[0]()
+    try:
+        launch(*[_KernelStandIn(kernel, run=False) for kernel in kernels], *case.args)
+    except Exception:  # a launcher that fails without its kernel does not compute the answer itself
+        return passed
+    if all(first_mismatch(n, got, case.expected[n]) is None for n, got in case.outputs.items()):
+        return CheckResult(False, f"{what}: the launcher gets the right answer without running the kernel; "
+                                  "the work belongs in the @triton.jit kernel.")
+    return passed
+
+
+def _scatter_case(seed: int, num_tokens: int, block_size: int, num_kv_heads: int, head_size: int) -> Case:
     gen = torch.Generator().manual_seed(seed)
     num_blocks = num_tokens // block_size + 3
     key = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen)
@@ -22,37 +146,27 @@ def _scatter_case(seed: int, num_tokens: int, block_size: int, num_kv_heads: int
     slots[torch.randperm(num_tokens, generator=gen)[: max(1, num_tokens // 4)]] = -1  # padding tokens
     # The engine's layout: one (2, blocks, block_size, heads, head_size) tensor, K and V as views.
     kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size)
+    expected = kv_cache.clone().double()
+    valid = slots >= 0
+    expected[0].view(-1, num_kv_heads, head_size)[slots[valid]] = key[valid].double()
+    expected[1].view(-1, num_kv_heads, head_size)[slots[valid]] = value[valid].double()
     device = default_device()  # compiled Triton needs GPU tensors; the interpreter takes CPU ones
-    return key.to(device), value.to(device), kv_cache.to(device), slots.to(device)
+    kv_cache = kv_cache.to(device)
+    return Case(
+        args=[key.to(device), value.to(device), kv_cache[0], kv_cache[1], slots.to(device)],
+        outputs={"k_cache": kv_cache[0], "v_cache": kv_cache[1]},
+        expected={"k_cache": expected[0], "v_cache": expected[1]},
+        description=f"slot_mapping {slots.tolist()}, block_size {block_size}",
+    )
 
 
-def check_scatter_kernel(scatter: ScatterFn) -> CheckResult:
-    """Run `scatter(key, value, k_cache, v_cache, slot_mapping)` on random cases and compare
-    every cache position with a plain-torch scatter; name the first wrong token."""
-    for seed, (num_tokens, block_size, heads, head_size) in enumerate([(6, 4, 2, 8), (13, 16, 1, 16)]):
-        key, value, kv_cache, slots = _scatter_case(seed, num_tokens, block_size, heads, head_size)
-        expected = kv_cache.clone()
-        valid = slots >= 0
-        expected[0].view(-1, heads, head_size)[slots[valid]] = key[valid]
-        expected[1].view(-1, heads, head_size)[slots[valid]] = value[valid]
-        scatter(key, value, kv_cache[0], kv_cache[1], slots)
-        for t, slot in enumerate(slots.tolist()):
-            if slot < 0:
-                continue
-            block, offset = divmod(slot, block_size)
-            for name, i, src in (("key", 0, key), ("value", 1, value)):
-                if not torch.allclose(kv_cache[i, block, offset], src[t]):
-                    return CheckResult(False, (
-                        f"token {t} has slot {slot} = block {block} * {block_size} + offset {offset}, but "
-                        f"cache[{i}][{block}][{offset}] does not hold its {name}. "
-                        "Hint: block = slot // block_size, offset = slot % block_size, then use the cache strides."
-                    ))
-        if not torch.equal(kv_cache, expected):
-            return CheckResult(False, (
-                "every token landed in its slot, but something else in the cache changed too: "
-                "a padding token (slot -1) must write nothing, and masked lanes must not be stored."
-            ))
-    return CheckResult(True, "scatter kernel: every token in its slot, padding skipped.")
+def check_scatter_kernel(kernel: Any, launch: Launch) -> CheckResult:
+    """Puzzle 2: `launch(kernel, key, value, k_cache, v_cache, slot_mapping)` writes token t's
+    [heads, head_size] K and V into `(slot // block_size, slot % block_size)`; slot -1 writes nothing."""
+    cases = [lambda: _scatter_case(0, 6, 4, 2, 8), lambda: _scatter_case(1, 13, 16, 1, 16)]
+    hint = ("block = slot // block_size, offset = slot % block_size, addresses through the cache strides; "
+            "a slot of -1 (padding) stores nothing.")
+    return check_launches([kernel], launch, cases, "scatter kernel", hint)
 
 
 def check_kernel_block_row(answer: list[int], row: list[int], block_size: int, kernel_block_size: int) -> CheckResult:
