@@ -1,4 +1,5 @@
-"""Getting a model: random-init presets, or a local Hugging Face Llama-family directory."""
+"""Getting a model: random-init presets, trained presets shipped with the package, or a local
+Hugging Face Llama-family directory."""
 
 from __future__ import annotations
 
@@ -34,24 +35,35 @@ PRESETS: dict[str, LlamaConfig] = {
     ),
 }
 
+# Presets with trained weights, shipped as package data: name -> Hugging Face checkpoint directory.
+TRAINED_PRESETS: dict[str, Path] = {
+    # 0.8M parameters trained on Python's reference-manual topics (pydoc_data); byte vocabulary.
+    # Made by `python -m pagedkv.models.train_tiny_pydoc`; its training_log.json holds the loss curve.
+    "tiny-pydoc": Path(__file__).parent / "data" / "tiny-pydoc",
+}
+
 # model_type -> architecture: the Llama-family layouts that `LlamaForCausalLM` serves.
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(SUPPORTED_MODEL_TYPES.values())
 
 
 def load_config(model: str) -> LlamaConfig:
-    """A preset by name, or the `config.json` of a local directory."""
+    """A random-init preset by name, or the `config.json` of a trained preset or a local directory."""
     if model in PRESETS:
         return PRESETS[model]
-    path = Path(model)
-    config_file = path / "config.json"
+    config_file = checkpoint_dir(model) / "config.json"
     if not config_file.is_file():
         raise ValueError(
-            f"Model {model!r} is neither a preset ({sorted(PRESETS)}) nor a directory with a "
+            f"Model {model!r} is neither a preset ({sorted([*PRESETS, *TRAINED_PRESETS])}) nor a directory with a "
             "config.json (a Hugging Face model saved with save_pretrained)."
         )
     hf = _read_json_object(config_file)
     return LlamaConfig.from_hf_dict(hf, model_type=_model_type(hf, config_file))
+
+
+def checkpoint_dir(model: str) -> Path:
+    """The directory holding `model`'s checkpoint: a trained preset's package data, else `model` itself."""
+    return TRAINED_PRESETS.get(model, Path(model))
 
 
 def _read_json_object(file: Path) -> dict[str, Any]:
@@ -172,6 +184,6 @@ def load_model(model: str, config: LlamaConfig, dtype: torch.dtype, device: torc
     else:
         from safetensors.torch import load_file
 
-        files = checkpoint_files(Path(model))
+        files = checkpoint_files(checkpoint_dir(model))
         net.load_weights(item for f in files for item in load_file(f, device=str(device)).items())
     return net.to(dtype=dtype).eval()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from pagedkv.models.loader import TRAINED_PRESETS
+
 
 class Tokenizer(Protocol):
     eos_token_id: int | None
@@ -58,8 +60,9 @@ class HFTokenizer:
 
 
 def get_tokenizer(model: str, is_preset: bool) -> Tokenizer | None:
-    """ByteTokenizer for presets; the directory's tokenizer if it has one (and transformers is installed)."""
-    if is_preset:
+    """ByteTokenizer for presets, trained ones included; the directory's tokenizer if it has one
+    (and transformers is installed)."""
+    if is_preset or model in TRAINED_PRESETS:
         return ByteTokenizer()
     path = Path(model)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
