@@ -112,6 +112,9 @@ class EngineConfig:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     attention_backend: str | None = None
     """Backend name forced for every layer (else chosen per layer by the selector)."""
+    layer_attention_backends: dict[str, str] = field(default_factory=dict)
+    """Layer name -> backend name for single layers; wins over `attention_backend`. Layers of one
+    KV cache group on different backends form separate attention groups (one builder each)."""
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:

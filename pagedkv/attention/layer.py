@@ -62,7 +62,8 @@ class Attention(nn.Module):
         self.block_size = config.cache_config.block_size
 
         self.attn_backend = attn_backend or get_attn_backend(
-            **self.selector_kwargs(), device=config.device, selected=config.attention_backend, layer_name=prefix
+            **self.selector_kwargs(), device=config.device, layer_name=prefix,
+            selected=config.layer_attention_backends.get(prefix, config.attention_backend),
         )
         self.impl = self.attn_backend.get_impl_cls()(
             num_heads, head_size, scale, num_kv_heads, sliding_window, self.kv_cache_dtype, attn_type

@@ -114,6 +114,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         attention_backend: str | None = None,
+        layer_attention_backends: dict[str, str] | None = None,
         enable_chunked_prefill: bool = True,
         kv_cache_memory: int | None = None,
         memory_utilization: float = 0.9,
@@ -142,6 +143,15 @@ class LLM:
         )
         if attention_backend is not None and not isinstance(attention_backend, str):
             raise TypeError(f"attention_backend must be a backend name (str) or None, got {attention_backend!r}.")
+        if layer_attention_backends is not None and not (
+            isinstance(layer_attention_backends, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in layer_attention_backends.items())
+        ):
+            raise TypeError(
+                "layer_attention_backends must map layer names (str) to backend names (str), e.g. "
+                f"{{'model.layers.3.self_attn.attn': 'TORCH_REF'}}, or None; got {layer_attention_backends!r}."
+            )
+        layer_attention_backends = dict(layer_attention_backends or {})
         enable_chunked_prefill = check_bool("enable_chunked_prefill", enable_chunked_prefill)
         kv_cache_memory = check_optional_int("kv_cache_memory", kv_cache_memory, 1, hint=" (bytes) or None")
         memory_utilization = check_float("memory_utilization", memory_utilization, 0, 1, low_open=True)
@@ -175,11 +185,18 @@ class LLM:
             compilation_config=compilation,
             device=device,
             attention_backend=attention_backend,
+            layer_attention_backends=layer_attention_backends,
         )
         self.model_config = model_cfg
         self.tokenizer = get_tokenizer(model, model in PRESETS)
         self.eos_token_ids = self._eos_token_ids(model)
         self.runner = ModelRunner(self.config, model_cfg)
+        unknown = sorted(set(layer_attention_backends) - set(self.runner.attn_layers))
+        if unknown:
+            raise ValueError(
+                f"layer_attention_backends names no attention layer {unknown}; the layers are "
+                f"{list(self.runner.attn_layers)}."
+            )
         self.runner.initialize_kv_cache(self.runner.determine_kv_cache_config())
         self.runner.capture_model()
         self.kv_cache_manager = KVCacheManager(self.runner.kv_cache_config)
