@@ -1,5 +1,6 @@
-"""The workbook's exercise checkers (notebooks 00, 01, 03, 04, 05): each accepts the right
-answer, recomputed from a live engine, and rejects a wrong one with a message that says what is wrong."""
+"""The workbook's exercise checkers (notebooks 00, 01, 03, 04, 05, 07): each accepts a right answer
+written here (not the package's function), rejects a wrong one with a message that says what is
+wrong, and rejects the package's own implementation handed back (or called) as the answer."""
 
 from __future__ import annotations
 
@@ -16,14 +17,18 @@ from pagedkv.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from pagedkv.attention.selector import unregister_backend
+from pagedkv.attention.layer import get_attention_context
+from pagedkv.attention.selector import get_attn_backend, unregister_backend
 from pagedkv.exercises import CheckResult
 from pagedkv.exercises.attention_groups import check_lengths, check_null_blocks, step_lengths
 from pagedkv.exercises.backends import check_backend
-from pagedkv.exercises.environment import WORKBOOK, check_backend_choice, environment_report, runs_here
+from pagedkv.exercises.environment import WORKBOOK, check_choose_backend, environment_report, runs_here
 from pagedkv.exercises.forward_context import check_attention_context
-from pagedkv.exercises.model_file import check_head_layout, check_qkv_width
+from pagedkv.exercises.flash_attention import check_kernel_block_rows
+from pagedkv.exercises.model_file import MODEL_HEADS, TP_SIZES, check_head_layout, check_qkv_width
+from pagedkv.models.layers import head_layout
 from pagedkv.forward_context import get_forward_context
+from pagedkv.worker.attn_utils import to_kernel_block_table
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +57,38 @@ def test_environment_report_and_workbook_map() -> None:
         runs_here("tpu")
 
 
-def test_backend_choice(tiny: LLM) -> None:
-    chosen = tiny.runner.attn_layers["model.layers.0.self_attn.attn"].attn_backend.get_name()
-    assert check_backend_choice(tiny, chosen)
-    assert_rejected(check_backend_choice(tiny, chosen.lower()), "upper case")
-    assert_rejected(check_backend_choice(tiny, "FLASH_ATTN"), "cannot serve this layer")
-    assert_rejected(check_backend_choice(tiny, "NO_SUCH"), "not a registered backend")
-    assert_rejected(check_backend_choice(tiny, ...), "Replace `...`")
+def test_choose_backend(tiny: LLM) -> None:
+    def right(priority: list[str], reasons: dict[str, list[str]]) -> str | None:
+        for name in priority:
+            if not reasons[name]:
+                return name
+        return None
+
+    result = check_choose_backend(tiny, right)
+    assert result, result.message
+    assert "TORCH_REF serves 'model.layers.0.self_attn.attn'" in result.message
+    # Right on this CPU (priority ['TORCH_REF']), wrong on the checker's own cases:
+    for wrong, phrase in [
+        (lambda p, r: p[0], "refuses the layer"),
+        (lambda p, r: next((n for n in r if not r[n]), None), "expected"),
+        (lambda p, r: "TORCH_REF", "expected"),
+    ]:
+        assert_rejected(check_choose_backend(tiny, wrong), "For priority", phrase)
+    assert_rejected(check_choose_backend(tiny, get_attn_backend), "pagedkv's own get_attn_backend")
+    assert_rejected(check_choose_backend(tiny, lambda p, r: get_attn_backend(head_size=16, dtype=None,
+                                                                        kv_cache_dtype=None, block_size=16)),
+                    "calls pagedkv's own get_attn_backend")
+    assert_rejected(check_choose_backend(tiny, "TORCH_REF"), "function itself")
+
+
+def test_choose_backend_explains_each_kind_of_mistake() -> None:
+    from pagedkv.exercises.environment import _explain_choice
+
+    reasons = {"A": ["no"], "B": [], "C": [], "D": []}
+    assert "A refuses the layer (no)" in _explain_choice("A", "B", ["A", "B", "C"], reasons)
+    assert "B comes earlier" in _explain_choice("C", "B", ["A", "B", "C"], reasons)
+    assert "only backends in the priority list" in _explain_choice("D", "B", ["A", "B", "C"], reasons)
+    assert "return None" in _explain_choice("A", None, ["A"], reasons)
 
 
 # ---- 01: the model file ------------------------------------------------------------------
@@ -86,6 +116,26 @@ def test_head_layout() -> None:
                     "replicas of each KV head 1 (expected 2)")
     assert_rejected(check_head_layout(lambda hq, hkv, tp: None), "tuple of three ints")
     assert_rejected(check_head_layout(42), "function itself")
+    assert_rejected(check_head_layout(head_layout), "pagedkv's own head_layout")
+    assert_rejected(check_head_layout(lambda hq, hkv, tp: head_layout(hq, hkv, tp)),
+                    "calls pagedkv's own head_layout")
+
+
+def test_head_layout_has_cases_the_notebook_never_printed() -> None:
+    # A table of every fixed case (the notebook prints most of them) fails on the random ones.
+    printed = {}
+    for hq, hkv in MODEL_HEADS:
+        for tp in TP_SIZES:
+            try:
+                printed[(hq, hkv, tp)] = head_layout(hq, hkv, tp)
+            except ValueError:
+                continue
+
+    def copied(hq: int, hkv: int, tp: int) -> tuple[int, int, int]:
+        layout = printed.get((hq, hkv, tp))
+        return (layout.num_heads, layout.num_kv_heads, layout.kv_head_replicas) if layout else (0, 0, 0)
+
+    assert_rejected(check_head_layout(copied), "expected")
 
 
 # ---- 03: the forward context ---------------------------------------------------------------
@@ -112,6 +162,9 @@ def test_attention_context(tiny: LLM) -> None:
     assert_rejected(check_attention_context(tiny, other_layer), "layer is wrong", "model.layers.3")
     assert_rejected(check_attention_context(tiny, lambda name: name), "tuple of 4")
     assert_rejected(check_attention_context(tiny, lambda name: 1 / 0), "ZeroDivisionError")
+    assert_rejected(check_attention_context(tiny, get_attention_context), "pagedkv's own get_attention_context")
+    assert_rejected(check_attention_context(tiny, lambda name: get_attention_context(name)),
+                    "calls pagedkv's own get_attention_context")
     assert not any(layer._forward_pre_hooks for layer in tiny.runner.attn_layers.values())  # hooks removed
 
 
@@ -138,6 +191,7 @@ class _Impl(AttentionImpl[_Meta]):
     causal = True
     interleave = True
     in_place = True
+    windowed = True
     slot_shift = 0
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -167,6 +221,9 @@ class _Impl(AttentionImpl[_Meta]):
             if self.causal:
                 q_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
                 scores = scores.masked_fill(pos[None, :] > q_pos, float("-inf"))
+            if self.windowed and self.sliding_window is not None:
+                q_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
+                scores = scores.masked_fill(q_pos - pos[None, :] >= self.sliding_window, float("-inf"))
             result[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
         if self.in_place:
             output.copy_(result)
@@ -203,6 +260,7 @@ def _backend(name: str, **bugs: object) -> type[AttentionBackend]:
         ("TEST_REPEAT", {"interleave": False}, ["heads [1, 2] are wrong", "repeat_interleave"]),
         ("TEST_NEW_TENSOR", {"in_place": False}, ["new tensor", "output"]),
         ("TEST_SHIFTED", {"slot_shift": 1}, ["KV cache write is wrong", "slot_mapping"]),
+        ("TEST_NO_WINDOW", {"windowed": False}, ["sliding window of 32", "Mask the older keys"]),
     ],
 )
 def test_backend_rejects_classic_bugs(name: str, bugs: dict[str, object], phrases: list[str]) -> None:
@@ -219,6 +277,50 @@ def test_backend_accepts_a_correct_one() -> None:
         assert "every attention output matches TORCH_REF" in result.message
     finally:
         unregister_backend("TEST_NAIVE")
+
+
+def test_backend_rejects_the_reference_handed_back() -> None:
+    from pagedkv.attention.backends.torch_ref import TorchRefBackend, TorchRefImpl, paged_attention_reference
+
+    class Renamed(TorchRefBackend):  # the issue's trivial answer: TORCH_REF under another name
+        @staticmethod
+        def get_name() -> str:
+            return "TEST_RENAMED"
+
+    class Delegating(_Impl):  # its own class, but the attention is TORCH_REF's function
+        def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor) -> torch.Tensor:
+            if attn_metadata is None:
+                return output.zero_()
+            return paged_attention_reference(query, *kv_cache.unbind(0), output, attn_metadata.query_start_loc,
+                                             attn_metadata.seq_lens, attn_metadata.block_table, self.scale)
+
+    class Wrapping(TorchRefImpl):  # overrides the work methods, but only to call the inherited ones
+        def forward(self, *args: Any) -> torch.Tensor:
+            return super().forward(*args)
+
+        def do_kv_cache_update(self, *args: Any) -> None:
+            super().do_kv_cache_update(*args)
+
+    delegating = _backend("TEST_DELEGATING")
+    delegating.get_impl_cls = staticmethod(lambda: Delegating)  # type: ignore[method-assign]
+
+    class WrappingBackend(TorchRefBackend):
+        @staticmethod
+        def get_name() -> str:
+            return "TEST_WRAPPING"
+
+        @staticmethod
+        def get_impl_cls() -> type[AttentionImpl[Any]]:
+            return Wrapping
+
+    try:
+        assert_rejected(check_backend(Renamed, device="cpu"), "inherits the forward of TorchRefImpl")
+        assert_rejected(check_backend(delegating, device="cpu"), "calls pagedkv's own paged_attention_reference")
+        assert_rejected(check_backend(WrappingBackend, device="cpu"), "calls pagedkv's own TorchRefImpl.")
+    finally:
+        for name in ("TEST_RENAMED", "TEST_DELEGATING", "TEST_WRAPPING"):
+            unregister_backend(name)
 
 
 def test_backend_rejects_non_backends() -> None:
@@ -250,3 +352,33 @@ def test_null_blocks() -> None:
     assert_rejected(check_null_blocks(lambda c, w, b: (c - w) // b), "your function says -8", "max(")
     assert_rejected(check_null_blocks(lambda c, w, b: max(c - w, 0) // b), "null block(s)")
     assert_rejected(check_null_blocks(lambda c, w: 0), "raised TypeError")
+
+
+def test_null_blocks_has_a_random_block_size() -> None:
+    # Right for the block sizes the notebook names (4 and 8) only: the random third run catches it.
+    def only_4_and_8(c: int, w: int, b: int) -> int:
+        return max(c - w + 1, 0) // b if b in (4, 8) else 0
+
+    assert_rejected(check_null_blocks(only_4_and_8), "your function says 0")
+
+
+# ---- 07: flash attention -------------------------------------------------------------------------
+
+
+def test_kernel_block_rows() -> None:
+    def right(row: list[int], block_size: int, kernel_block_size: int) -> list[int]:
+        k = block_size // kernel_block_size
+        return [b * k + i for b in row for i in range(k)]
+
+    result = check_kernel_block_rows(right)
+    assert result, result.message
+    assert_rejected(check_kernel_block_rows(lambda row, b, kb: [x + i for x in row for i in range(b // kb)]),
+                    "returned [5, 6, 7, 1, 2, 3, 12, 13, 14], expected [15, 16, 17, 3, 4, 5, 36, 37, 38]")
+    # The notebook's answer typed in as a constant passes only the notebook's case.
+    assert_rejected(check_kernel_block_rows(lambda row, b, kb: [15, 16, 17, 3, 4, 5, 36, 37, 38]), "expected")
+    assert_rejected(check_kernel_block_rows(to_kernel_block_table), "pagedkv's own to_kernel_block_table")
+    assert_rejected(
+        check_kernel_block_rows(lambda row, b, kb: to_kernel_block_table(torch.tensor([row]), b // kb)[0].tolist()),
+        "calls pagedkv's own to_kernel_block_table",
+    )
+    assert_rejected(check_kernel_block_rows([15, 16, 17]), "function itself")

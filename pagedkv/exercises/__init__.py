@@ -1,9 +1,15 @@
 """Workbook exercises: each notebook's exercise calls a checker here, which recomputes the
-answer from the live engine (never a stored value) and says what is wrong, not just "no"."""
+answer from the live engine or on cases of its own choosing (never a stored value), turns away
+the package's own implementation handed back as the answer, and says what is wrong in one line."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from types import FrameType
+from typing import Any
 
 
 @dataclass
@@ -32,3 +38,38 @@ def compare(what: str, got: object, expected: object, hint: str = "") -> CheckRe
             i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
             detail = f"entry {i} is {got[i]!r}, expected {expected[i]!r}"
     return CheckResult(False, f"{what}: {detail}." + (f" Hint: {hint}" if hint else ""))
+
+
+@contextmanager
+def watch_calls(functions: Iterable[Callable[..., Any]]) -> Iterator[list[str]]:
+    """Within the block, note every call (direct or nested) to one of `functions`.
+
+    Yields a list that fills with the qualified names of those called. The checkers use it to
+    turn away an answer that hands the work back to the package's own implementation.
+    """
+    codes = {f.__code__: f.__qualname__ for f in functions if hasattr(f, "__code__")}
+    called: list[str] = []
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code in codes and codes[frame.f_code] not in called:
+            called.append(codes[frame.f_code])
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield called
+    finally:
+        sys.setprofile(previous)
+
+
+def package_answer(answer: object, functions: Iterable[Callable[..., Any]], what: str) -> CheckResult | None:
+    """A rejection if `answer` is one of the package's `functions` itself, else None."""
+    for function in functions:
+        if answer is function:
+            return CheckResult(False, f"That is pagedkv's own {function.__qualname__}; write {what} yourself.")
+    return None
+
+
+def used_package(called: list[str], what: str) -> CheckResult:
+    """The rejection of an answer that called the package's implementation (`called` from watch_calls)."""
+    return CheckResult(False, f"Your answer calls pagedkv's own {', '.join(called)}; write {what} yourself.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,14 +92,17 @@ def sliding_window_rows(block_size: int, prompt_len: int = 40, max_tokens: int =
 def check_null_blocks(fn: Callable[[int, int, int], Any]) -> CheckResult:
     """Compare `fn(context_len, sliding_window, block_size)` with the null blocks of real rows.
 
-    The engine serves a long request on "tiny-hybrid" with two block sizes; in every step the
-    number of leading null blocks in the request's sliding-window row must equal fn(...).
+    The engine serves a long request on "tiny-hybrid" with block sizes 4 and 8 (as the notebook
+    says), then once more with a block size and a prompt length drawn at random on each call; in
+    every step the number of leading null blocks in the request's sliding-window row must equal fn(...).
     """
     if not callable(fn):
         return CheckResult(False, f"Pass your function itself, got {fn!r}.")
     checked = 0
-    for block_size in (4, 8):
-        for s in sliding_window_rows(block_size):
+    rng = random.Random()
+    runs = [(4, 40), (8, 40), (rng.choice([2, 3, 5, 6, 16]), rng.randint(33, 70))]
+    for block_size, prompt_len in runs:
+        for s in sliding_window_rows(block_size, prompt_len):
             try:
                 got = fn(s.context_len, s.sliding_window, s.block_size)
             except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
@@ -118,4 +122,4 @@ def check_null_blocks(fn: Callable[[int, int, int], Any]) -> CheckResult:
                     "before that position can be given back.",
                 )
     return CheckResult(True, f"Your function matches the engine's sliding-window rows in all {checked} "
-                             "(step, block size) cases.")
+                             f"(step, block size) cases, block sizes {[b for b, _ in runs]}.")

@@ -1,14 +1,18 @@
 """Checkers for notebook 04 (attention backends): "write your own backend".
 
 `check_backend(MyBackend)` registers the class, serves the same greedy requests with it and
-with TORCH_REF (the oracle), and compares every attention layer's output in every step. When
-they differ, it looks at *which* rows and heads differ and names the usual cause:
+with TORCH_REF (the oracle) on "tiny-hybrid" (layers 0 and 2 see only the last 32 positions, and
+one prompt is longer than that: the notebook's NAIVE backend ignores the window and fails), and
+compares every attention layer's output in every step. A backend whose impl inherits its work
+(forward, do_kv_cache_update) from a built-in impl, or calls into one, is turned away. When the
+outputs differ, it looks at *which* rows and heads differ and names the usual cause:
 
     the step's K/V are not in their slots after the step          -> cache write
     the right values came back in a new tensor                    -> `output` not written in place
     some query heads right, others wrong                          -> GQA head mapping
     only earlier rows of a prompt differ, its last row is right   -> no causal mask
     only requests with cached context differ                      -> block table read / mask offset
+    only rows whose window excludes early keys, in a window layer -> the sliding window
 """
 
 from __future__ import annotations
@@ -17,23 +21,30 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import sys
+import types
+
 import torch
 
-from pagedkv.attention.backend import AttentionBackend
+from pagedkv.attention.backend import AttentionBackend, AttentionImpl
 from pagedkv.attention.layer import Attention
 from pagedkv.attention.selector import backend_report, register_backend
 from pagedkv.engine.llm import LLM, StepEvent
 from pagedkv.engine.request import SamplingParams
-from pagedkv.exercises import CheckResult
+from pagedkv.exercises import CheckResult, used_package, watch_calls
 from pagedkv.exercises.attention_groups import step_lengths
 
 REFERENCE_BACKEND = "TORCH_REF"
+MODEL = "tiny-hybrid"
+_BUILTIN_MODULES = tuple(f"pagedkv.attention.backends.{m}" for m in ("torch_ref", "triton_attn", "flash_attn"))
+_WORK_METHODS = ("forward", "do_kv_cache_update")
 
 # Two prompts of different lengths and a small token budget, so that the steps mix a
-# prefill from scratch, a prefill chunk on top of cached context, and decodes.
+# prefill from scratch, prefill chunks on top of cached context, and decodes; the second
+# prompt is longer than the sliding window (32) of layers 0 and 2.
 _PROMPTS: list[list[int]] = [
     [(7 * i + 3) % 250 for i in range(11)],
-    [(5 * i + 1) % 250 for i in range(23)],
+    [(5 * i + 1) % 250 for i in range(41)],
 ]
 _ENGINE_KWARGS: dict[str, Any] = {
     "block_size": 4, "num_kv_blocks": 64, "max_num_batched_tokens": 16, "dtype": torch.float32,
@@ -82,6 +93,8 @@ class BackendRun:
     backend_names: dict[str, str]
     tokens: list[list[int]]
     steps: list[StepRecord]
+    sliding_windows: dict[str, int | None] = field(default_factory=dict)
+    """Layer name -> its sliding window (None: it sees the whole sequence)."""
 
 
 _reference_runs: dict[str, BackendRun] = {}
@@ -97,7 +110,7 @@ def reference_run(device: torch.device | str | None = None) -> BackendRun:
 
 def run_backend(name: str, device: torch.device | str | None = None) -> BackendRun:
     """Serve the checker's prompts greedily with backend `name`, recording every attention output."""
-    llm = LLM("tiny", attention_backend=name, device=device, **_ENGINE_KWARGS)
+    llm = LLM(MODEL, attention_backend=name, device=device, **_ENGINE_KWARGS)
     steps: list[StepRecord] = []
     # What the current step produced so far, per layer name; moved into a StepRecord after the step.
     outputs: dict[str, torch.Tensor] = {}
@@ -155,6 +168,7 @@ def run_backend(name: str, device: torch.device | str | None = None) -> BackendR
         {n: layer.attn_backend.get_name() for n, layer in layers.items()},
         [r.outputs[0].token_ids for r in results],
         steps,
+        {n: layer.impl.sliding_window for n, layer in layers.items()},
     )
 
 
@@ -185,7 +199,12 @@ def cache_write_error(layer: Attention, key: torch.Tensor, value: torch.Tensor, 
     return ""
 
 
-def _diagnose(step: StepRecord, layer: str, got: torch.Tensor, ref: torch.Tensor) -> str:
+def _query_positions(step: StepRecord) -> torch.Tensor:
+    """The position of every query row of the step: request i's rows are its last query_len positions."""
+    return torch.cat([torch.arange(c, c + q) for c, q in zip(step.context_lens, step.query_lens)])
+
+
+def _diagnose(step: StepRecord, layer: str, got: torch.Tensor, ref: torch.Tensor, window: int | None) -> str:
     """Name the most likely cause of a difference in one layer's output of one step."""
     diff = (got - ref).abs()
     if not torch.isfinite(got).all():
@@ -205,7 +224,13 @@ def _diagnose(step: StepRecord, layer: str, got: torch.Tensor, ref: torch.Tensor
         f"in {int(bad_row.sum())} of {len(bad_row)} token rows ({step.describe()})."
     )
     result = step.returned.get(layer)
-    if result is not None and result.numel() == ref.numel() and torch.allclose(
+    if window is not None and bool((_query_positions(step)[bad_row] >= window).all()):
+        cause = (
+            f"Only rows whose query sits at position {window} or later are wrong, and this layer has a sliding "
+            f"window of {window} (impl.sliding_window): a query at position p sees only keys at positions "
+            f"p - {window - 1} ... p. Mask the older keys too."
+        )
+    elif result is not None and result.numel() == ref.numel() and torch.allclose(
         result.view_as(ref), ref, atol=_ATOL, rtol=1e-3
     ):
         cause = (
@@ -255,6 +280,32 @@ def _diagnose(step: StepRecord, layer: str, got: torch.Tensor, ref: torch.Tensor
     return f"{where} {cause}"
 
 
+def _builtin_work() -> list[Callable[..., Any]]:
+    """The built-in backends' work: their impls' forward / do_kv_cache_update and module functions.
+
+    Only modules already imported are looked at (importing triton_attn here would import triton).
+    """
+    work: list[Callable[..., Any]] = []
+    for module in (sys.modules.get(m) for m in _BUILTIN_MODULES):
+        for obj in vars(module).values() if module is not None else ():
+            if getattr(obj, "__module__", None) != module.__name__:
+                continue  # imported from elsewhere (torch, the backend base classes)
+            if isinstance(obj, types.FunctionType):
+                work.append(obj)
+            elif isinstance(obj, type):
+                work += [f for n, f in vars(obj).items() if n in _WORK_METHODS and isinstance(f, types.FunctionType)]
+    return work
+
+
+def _inherited_work(impl_cls: type) -> str | None:
+    """'forward of TorchRefImpl' when `impl_cls` gets a work method from a built-in impl, else None."""
+    for method in _WORK_METHODS:
+        owner = next((c for c in impl_cls.__mro__ if method in vars(c)), None)
+        if owner is not None and owner.__module__ in _BUILTIN_MODULES and issubclass(owner, AttentionImpl):
+            return f"{method} of {owner.__name__}"
+    return None
+
+
 def check_backend(backend: Any, device: torch.device | str | None = None) -> CheckResult:
     """Register `backend`, serve requests with it, and compare with TORCH_REF layer by layer.
 
@@ -276,15 +327,24 @@ def check_backend(backend: Any, device: torch.device | str | None = None) -> Che
         )
     if name == REFERENCE_BACKEND or name in ("TRITON_ATTN", "FLASH_ATTN"):
         return CheckResult(False, f"{name!r} is a built-in backend's name; give yours a name of its own.")
+    inherited = _inherited_work(impl_cls)
+    if inherited is not None:
+        return CheckResult(False, f"Your impl {impl_cls.__name__} inherits the {inherited} (a built-in backend); "
+                                  "write forward (and do_kv_cache_update if you use it) yourself.")
     register_backend(backend)
     try:
-        mine = run_backend(name, device)
+        with watch_calls(_builtin_work()) as called:
+            mine = run_backend(name, device)
     except Exception as exc:  # noqa: BLE001  (the student's code may fail anywhere; say where)
+        if called:
+            return used_package(called, "the attention")
         return CheckResult(
             False,
             f"Serving with {name} failed: {type(exc).__name__}: {exc}. "
             f"(impl {impl_cls.__name__}, builder {builder_cls.__name__}.)",
         )
+    if called:
+        return used_package(called, "the attention")
     not_used = sorted(n for n, b in mine.backend_names.items() if b != name)
     if not_used:
         return CheckResult(False, f"The engine did not use {name} for layers {not_used}: {mine.backend_names}.")
@@ -304,13 +364,13 @@ def check_backend(backend: Any, device: torch.device | str | None = None) -> Che
                     f"Step {step_ref.step}, layer {layer!r}: output shape {shape}, expected {tuple(out_ref.shape)}.",
                 )
             if not torch.isfinite(out).all() or not torch.allclose(out, out_ref, atol=_ATOL, rtol=1e-3):
-                return CheckResult(False, _diagnose(step_mine, layer, out, out_ref))
+                return CheckResult(False, _diagnose(step_mine, layer, out, out_ref, ref.sliding_windows.get(layer)))
     if mine.tokens != ref.tokens:
         return CheckResult(False, f"Attention outputs agree but greedy tokens differ: {mine.tokens} vs {ref.tokens}.")
     num_layers = len(mine.backend_names)
     return CheckResult(
         True,
-        f"{name} served all {num_layers} layers for {len(mine.steps)} steps (prefills, a prefill chunk on "
-        f"cached context, decodes); every attention output matches {REFERENCE_BACKEND} and so do the "
+        f"{name} served all {num_layers} layers of {MODEL} (two with a sliding window) for {len(mine.steps)} "
+        f"steps (prefills, prefill chunks on cached context, decodes); every attention output matches {REFERENCE_BACKEND} and so do the "
         f"greedy tokens {mine.tokens}.",
     )

@@ -1,8 +1,8 @@
 """Notebook 00 (start here): what this machine offers, and the first exercise.
 
-`environment_report()` lists versions and devices; `check_backend_choice(llm, answer)` checks
-the student's guess of the attention backend the engine picked for a layer, and explains the
-selector's decision (the platform's priority list and every rejected backend's reasons).
+`environment_report()` lists versions and devices; `check_choose_backend(llm, fn)` checks the
+student's own version of the selector's rule, `fn(priority, reasons) -> name or None`, on the live
+engine's layer 0 and on random cases of its own, and explains the engine's choice.
 """
 
 from __future__ import annotations
@@ -10,14 +10,16 @@ from __future__ import annotations
 import importlib
 import os
 import platform
+import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from pagedkv.attention.selector import ENV_VAR, registered_backends
+from pagedkv.attention.selector import ENV_VAR, get_attn_backend
 from pagedkv.engine.llm import LLM
-from pagedkv.exercises import CheckResult
+from pagedkv.exercises import CheckResult, package_answer, used_package, watch_calls
 from pagedkv.exercises.backends import selector_report
 from pagedkv.platforms import default_device, get_platform
 
@@ -111,39 +113,84 @@ def runs_here(needs: str) -> str:
     raise ValueError(f"Unknown requirement {needs!r}.")
 
 
-def check_backend_choice(llm: LLM, answer: object, layer_name: str = "model.layers.0.self_attn.attn") -> CheckResult:
-    """Is `answer` the name of the backend the engine chose for `layer_name`? Explain the choice."""
-    if answer is ...:
-        return CheckResult(False, "Replace `...` with a backend name (a str), e.g. answer = \"SOME_NAME\".")
+# Names and refusal reasons the hidden cases of check_choose_backend are drawn from.
+_NAMES = ("TORCH_REF", "TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "MY_ATTN")
+_REASONS = ("device 'cpu' not supported", "head size 100 not supported", "block size 7 not supported",
+            "dtype torch.float32 not supported", "sliding window not supported")
+
+ChooseFn = Callable[[list[str], dict[str, list[str]]], object]
+
+
+def _why_chosen(llm: LLM, layer_name: str, chosen: str, report: dict[str, list[str]]) -> str:
+    """The selector's decision for `layer_name` of `llm`, in words."""
+    forced = llm.config.attention_backend or os.environ.get(ENV_VAR)
+    if forced:
+        return f"the engine was told to use {forced!r} (LLM(attention_backend=...) or ${ENV_VAR})"
+    priority = list(get_platform(llm.config.device).backend_priority)
+    tried_before = priority[: priority.index(chosen)] if chosen in priority else []
+    rejected = [f"{n} ({'; '.join(report[n])})" for n in tried_before if n in report]
+    why = f"on {llm.config.device.type} the selector tries {priority} in order and takes the first that can serve it"
+    return why + ("; rejected before it: " + ", ".join(rejected) if rejected else "")
+
+
+def _random_case(rng: random.Random) -> tuple[list[str], dict[str, list[str]]]:
+    """A priority list and a report (in another order) where the answer is rarely the first name."""
+    priority = rng.sample(_NAMES, rng.randint(2, 4))
+    reasons = {n: rng.sample(_REASONS, rng.randint(0, 2)) if rng.random() < 0.6 else [] for n in _NAMES}
+    rng.shuffle(names := list(reasons))
+    return priority, {n: reasons[n] for n in names}
+
+
+def _expected_choice(priority: list[str], reasons: dict[str, list[str]]) -> str | None:
+    return next((n for n in priority if not reasons.get(n)), None)
+
+
+def _explain_choice(got: object, want: str | None, priority: list[str], reasons: dict[str, list[str]]) -> str:
+    """Why `got` is not the selector's choice, in one sentence."""
+    case = f"For priority {priority} and reasons {reasons}: you returned {got!r}, expected {want!r}"
+    if want is None:
+        return f"{case}: every backend in the priority list refuses the layer, so return None."
+    if got not in reasons:
+        return f"{case}: return the name of a backend (a str) from the priority list."
+    if reasons[got]:
+        return f"{case}: {got} refuses the layer ({'; '.join(reasons[got])})."
+    if got not in priority:
+        return f"{case}: {got} could serve the layer, but only backends in the priority list are tried."
+    return f"{case}: {got} could serve it too, but {want} comes earlier in the priority list."
+
+
+def check_choose_backend(llm: LLM, fn: ChooseFn, layer_name: str = "model.layers.0.self_attn.attn",
+                         num_hidden: int = 20) -> CheckResult:
+    """Does `fn(priority, reasons)` pick a layer's backend the way the selector does?
+
+    `priority` is the platform's list of backend names, `reasons` maps every registered backend to
+    its reasons for refusing the layer (empty: it can serve it). The answer is the first name of
+    `priority` with no reasons, or None. Tried on `layer_name` of `llm` (its real priority list and
+    report), then on `num_hidden` random cases drawn afresh on each call.
+    """
+    if not callable(fn):
+        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
+    own = package_answer(fn, [get_attn_backend], "the rule")
+    if own is not None:
+        return own
     if layer_name not in llm.runner.attn_layers:
         return CheckResult(False, f"{layer_name!r} is not an attention layer; they are {list(llm.runner.attn_layers)}.")
     chosen = llm.runner.attn_layers[layer_name].attn_backend.get_name()
     report = selector_report(llm, layer_name)
-    device_type = llm.config.device.type
-    forced = llm.config.attention_backend or os.environ.get(ENV_VAR)
-    if forced:
-        why = f"the engine was told to use {forced!r} (LLM(attention_backend=...) or ${ENV_VAR})"
-    else:
-        priority = list(get_platform(llm.config.device).backend_priority)
-        tried_before = priority[: priority.index(chosen)] if chosen in priority else []
-        rejected = [f"{n} ({'; '.join(report[n])})" for n in tried_before if n in report]
-        why = f"on {device_type} the selector tries {priority} in order and takes the first that can serve the layer"
-        if rejected:
-            why += "; rejected before it: " + ", ".join(rejected)
-    if not isinstance(answer, str):
-        return CheckResult(False, f"Give the backend's name as a str (one of {registered_backends()}), got {answer!r}.")
-    if answer == chosen:
-        return CheckResult(True, f"{chosen} serves {layer_name!r}: {why}.")
-    if answer.upper() == chosen:
-        return CheckResult(False, f"Almost: backend names are upper case, {chosen!r}.")
-    if answer not in report:
-        return CheckResult(
-            False, f"{answer!r} is not a registered backend; the registry holds {registered_backends()}."
-        )
-    if report[answer]:
-        return CheckResult(False, f"{answer} cannot serve this layer here: {'; '.join(report[answer])}.")
-    return CheckResult(
-        False,
-        f"{answer} could serve this layer, but it is not the one chosen: {why}. Look at "
-        f"llm.model.model.layers[0].self_attn.attn to see the choice.",
-    )
+    live = (list(get_platform(llm.config.device).backend_priority), report)
+    rng = random.Random()
+    for priority, reasons in [live, *(_random_case(rng) for _ in range(num_hidden))]:
+        try:
+            with watch_calls([get_attn_backend]) as called:
+                got = fn(list(priority), {n: list(r) for n, r in reasons.items()})
+        except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
+            if called:
+                return used_package(called, "the rule")
+            return CheckResult(False, f"fn({priority}, ...) raised {type(exc).__name__}: {str(exc).splitlines()[0]}")
+        if called:
+            return used_package(called, "the rule")
+        want = _expected_choice(priority, reasons)
+        if got != want:
+            return CheckResult(False, _explain_choice(got, want, priority, reasons))
+    return CheckResult(True, f"Your rule agrees with the selector on {num_hidden + 1} cases. On this machine "
+                             f"{chosen} serves {layer_name!r}: {_why_chosen(llm, layer_name, chosen, report)}.")

@@ -10,7 +10,7 @@ import torch
 from pagedkv.attention.layer import Attention, get_attention_context
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.request import SamplingParams
-from pagedkv.exercises import CheckResult
+from pagedkv.exercises import CheckResult, package_answer, used_package, watch_calls
 from pagedkv.forward_context import get_forward_context
 
 _FIELDS = ("attn_metadata", "layer", "kv_cache", "slot_mapping")
@@ -48,6 +48,9 @@ def check_attention_context(llm: LLM, fn: Callable[[str], Any]) -> CheckResult:
     """
     if not callable(fn):
         return CheckResult(False, f"Pass your function itself, got {fn!r}.")
+    own = package_answer(fn, [get_attention_context], "the lookup")
+    if own is not None:
+        return own
     problems: list[str] = []
     calls = 0
 
@@ -59,9 +62,14 @@ def check_attention_context(llm: LLM, fn: Callable[[str], Any]) -> CheckResult:
         name = module.layer_name
         expected = get_attention_context(name)
         try:
-            got = fn(name)
+            with watch_calls([get_attention_context]) as called:
+                got = fn(name)
         except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
-            problems.append(f"{_signature(name)} raised {type(exc).__name__}: {exc}")
+            if not called:
+                problems.append(f"{_signature(name)} raised {type(exc).__name__}: {exc}")
+                return
+        if called:
+            problems.append(used_package(called, "the lookup").message.rstrip("."))
             return
         if not isinstance(got, tuple) or len(got) != 4:
             problems.append(f"{_signature(name)} returned {type(got).__name__}; return a tuple of 4: {_FIELDS}")

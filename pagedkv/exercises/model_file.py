@@ -3,13 +3,14 @@ fused qkv projection width and the tensor-parallel head layout."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from pagedkv.config import EngineConfig, ModelConfig, ParallelConfig, set_current_engine_config
-from pagedkv.exercises import CheckResult
+from pagedkv.exercises import CheckResult, package_answer, used_package, watch_calls
 from pagedkv.models.layers import HeadLayout, head_layout
 from pagedkv.models.llama import LlamaAttention, LlamaConfig
 
@@ -77,41 +78,68 @@ def _as_triple(result: Any) -> tuple[int, int, int] | None:
     return None
 
 
-def check_head_layout(fn: Callable[[int, int, int], Any]) -> CheckResult:
-    """Compare `fn(total_num_heads, total_num_kv_heads, tp_size)` with the engine's `head_layout`.
-
-    `fn` returns (query heads per rank, KV heads per rank, ranks holding each KV head).
-    Every valid combination of MODEL_HEADS and TP_SIZES is tried.
-    """
-    if not callable(fn):
-        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
-    tried = 0
+def _layout_cases(num_hidden: int, rng: random.Random) -> Iterator[tuple[int, int, int, HeadLayout]]:
+    """(query heads, KV heads, tp_size, expected layout): every valid MODEL_HEADS x TP_SIZES case,
+    then `num_hidden` random geometries the notebook never prints."""
     for hq, hkv in MODEL_HEADS:
         for tp in TP_SIZES:
             try:
-                expected = head_layout(hq, hkv, tp)
+                yield hq, hkv, tp, head_layout(hq, hkv, tp)
             except ValueError:
                 continue  # heads do not split evenly: not a valid deployment
-            tried += 1
-            want = (expected.num_heads, expected.num_kv_heads, expected.kv_head_replicas)
-            try:
+    found = 0
+    while found < num_hidden:
+        hkv = rng.choice([1, 2, 3, 4, 5, 6, 8, 12, 16, 40])
+        hq, tp = hkv * rng.choice([1, 2, 3, 4, 6, 8]), rng.choice([1, 2, 4, 8, 16, 32, 64])
+        try:
+            layout = head_layout(hq, hkv, tp)
+        except ValueError:
+            continue
+        found += 1
+        yield hq, hkv, tp, layout
+
+
+def check_head_layout(fn: Callable[[int, int, int], Any], num_hidden: int = 12) -> CheckResult:
+    """Compare `fn(total_num_heads, total_num_kv_heads, tp_size)` with the engine's `head_layout`.
+
+    `fn` returns (query heads per rank, KV heads per rank, ranks holding each KV head).
+    Every valid combination of MODEL_HEADS and TP_SIZES is tried, then `num_hidden` random
+    geometries drawn afresh on each call (so a table copied from the notebook does not pass).
+    A function that hands the work to `head_layout` (or builds a LlamaAttention) is turned away.
+    """
+    if not callable(fn):
+        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
+    own = package_answer(fn, [head_layout, build_attention], "the layout rules")
+    if own is not None:
+        return own
+    tried = 0
+    for hq, hkv, tp, expected in _layout_cases(num_hidden, random.Random()):
+        tried += 1
+        want = (expected.num_heads, expected.num_kv_heads, expected.kv_head_replicas)
+        try:
+            with watch_calls([head_layout]) as called:
                 got_raw = fn(hq, hkv, tp)
-            except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
-                return CheckResult(False, f"fn({hq}, {hkv}, {tp}) raised {type(exc).__name__}: {exc}.")
-            got = _as_triple(got_raw)
-            case = f"{hq} query heads, {hkv} KV heads, tp_size {tp}"
-            if got is None:
-                return CheckResult(False, f"For {case} fn returned {got_raw!r}; return a tuple of three ints.")
-            if got == want:
-                continue
-            fields = ("query heads per rank", "KV heads per rank", "replicas of each KV head")
-            wrong = [f"{f} {g} (expected {w})" for f, g, w in zip(fields, got, want) if g != w]
-            if hkv >= tp:
-                hint = "with at least as many KV heads as ranks, KV heads are split like query heads; nothing is copied"
-            else:
-                hint = (
-                    "with fewer KV heads than ranks, a rank cannot hold a fraction of a head: each rank keeps "
-                    "one whole KV head, and each KV head is copied to tp_size / num_kv_heads ranks"
-                )
-            return CheckResult(False, f"For {case}: " + ", ".join(wrong) + f". Hint: {hint}.")
-    return CheckResult(True, f"Your layout matches head_layout in all {tried} valid (model, tp_size) cases.")
+        except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
+            if called:
+                return used_package(called, "the layout rules")
+            return CheckResult(False, f"fn({hq}, {hkv}, {tp}) raised {type(exc).__name__}: {exc}.")
+        if called:
+            return used_package(called, "the layout rules")
+        got = _as_triple(got_raw)
+        case = f"{hq} query heads, {hkv} KV heads, tp_size {tp}"
+        if got is None:
+            return CheckResult(False, f"For {case} fn returned {got_raw!r}; return a tuple of three ints.")
+        if got == want:
+            continue
+        fields = ("query heads per rank", "KV heads per rank", "replicas of each KV head")
+        wrong = [f"{f} {g} (expected {w})" for f, g, w in zip(fields, got, want) if g != w]
+        if hkv >= tp:
+            hint = "with at least as many KV heads as ranks, KV heads are split like query heads; nothing is copied"
+        else:
+            hint = (
+                "with fewer KV heads than ranks, a rank cannot hold a fraction of a head: each rank keeps "
+                "one whole KV head, and each KV head is copied to tp_size / num_kv_heads ranks"
+            )
+        return CheckResult(False, f"For {case}: " + ", ".join(wrong) + f". Hint: {hint}.")
+    return CheckResult(True, f"Your layout matches head_layout in all {tried} valid cases "
+                             f"({num_hidden} of them random geometries the notebook never printed).")
