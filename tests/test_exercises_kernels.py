@@ -257,31 +257,39 @@ def test_a_failing_launch_is_reported_in_one_line() -> None:
     assert not result.ok and "the launch raised" in result.message and "\n" not in result.message
 
 
-def _tagged_cell(tag: str) -> str:
+def _tagged_cells(tag: str) -> list[str]:
     cells = json.loads(NOTEBOOK.read_text())["cells"]
-    sources = ["".join(c["source"]) for c in cells if tag in c.get("metadata", {}).get("tags", [])]
-    assert len(sources) == 1, f"notebook 06 tags exactly one cell {tag!r}"
-    return sources[0]
+    return ["".join(c["source"]) for c in cells if tag in c.get("metadata", {}).get("tags", [])]
 
 
-def _run_alone(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    script = tmp_path / "cell.py"  # a file, not `python -c`: compiled @triton.jit reads its source
-    script.write_text(code)
+def _run_fresh(scripts: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run each script with runpy (own globals, a real file: compiled @triton.jit reads its source)
+    in one new Python process with TRITON_INTERPRET unset and no GPU visible."""
+    paths = []
+    for i, code in enumerate(scripts):
+        paths.append(tmp_path / f"cell_{i}.py")
+        paths[-1].write_text(code)
+    runner = "import runpy, sys\nfor path in sys.argv[1:]:\n    runpy.run_path(path)\n"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", runner, *map(str, paths)], env=env, capture_output=True,
+                          text=True, timeout=240)
 
 
-def test_exercise_cell_runs_alone_in_a_fresh_interpreter(tmp_path: Path) -> None:
-    """A kernel restart, then the exercise cell (and the solution after it): no earlier cell ran."""
-    done = _run_alone(_tagged_cell("exercise") + "\n" + _tagged_cell("solution"), tmp_path)
+def test_each_puzzle_cell_runs_alone_in_a_fresh_interpreter(tmp_path: Path) -> None:
+    """A kernel restart, then one puzzle's cell (and its solution): no earlier cell has run."""
+    exercises, solutions = _tagged_cells("exercise"), _tagged_cells("solution")
+    assert len(exercises) == len(solutions) == len(PUZZLES)
+    done = _run_fresh([e + "\n" + s for e, s in zip(exercises, solutions)], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "❌ scatter kernel, slot_mapping" in done.stdout, done.stdout  # the empty skeleton's verdict
-    assert "✅ scatter kernel: 2 random cases" in done.stdout, done.stdout
+    verdicts = [line for line in done.stdout.splitlines() if line[:1] in "✅❌"]
+    assert verdicts[0].startswith("❌ block-table row, seq_lens [5, 16, 1]"), verdicts  # the empty skeleton
+    assert verdicts[1] == "✅ block-table row: 2 random cases match the float64 reference.", verdicts
+    assert sum(v.startswith("✅") for v in verdicts) == len(PUZZLES), done.stdout
 
 
 def test_checker_explains_triton_imported_without_the_interpreter(tmp_path: Path) -> None:
-    done = _run_alone("import triton\n" + _tagged_cell("exercise"), tmp_path)
+    done = _run_fresh(["import triton\n" + _tagged_cells("exercise")[1]], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "❌ scatter kernel: Triton cannot run kernels here" in done.stdout and "TRITON_INTERPRET=1" in done.stdout
     assert len(done.stdout.strip().splitlines()) == 1
