@@ -281,6 +281,7 @@ def test_backend_accepts_a_correct_one() -> None:
 
 def test_backend_rejects_the_reference_handed_back() -> None:
     from pagedkv.attention.backends.torch_ref import TorchRefBackend, TorchRefImpl, paged_attention_reference
+    from pagedkv.kernels import reshape_and_cache
 
     class Renamed(TorchRefBackend):  # the trivial answer: TORCH_REF under another name
         @staticmethod
@@ -302,6 +303,15 @@ def test_backend_rejects_the_reference_handed_back() -> None:
         def do_kv_cache_update(self, *args: Any) -> None:
             super().do_kv_cache_update(*args)
 
+    class TritonWrite(_Impl):  # its own attention, but the package's Triton kernel writes the cache
+        def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor) -> torch.Tensor:
+            if attn_metadata is not None:
+                reshape_and_cache(key, value, *kv_cache.unbind(0), attn_metadata.slot_mapping)
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+
+    triton_write = _backend("TEST_TRITON_WRITE")
+    triton_write.get_impl_cls = staticmethod(lambda: TritonWrite)  # type: ignore[method-assign]
     delegating = _backend("TEST_DELEGATING")
     delegating.get_impl_cls = staticmethod(lambda: Delegating)  # type: ignore[method-assign]
 
@@ -317,9 +327,10 @@ def test_backend_rejects_the_reference_handed_back() -> None:
     try:
         assert_rejected(check_backend(Renamed, device="cpu"), "inherits the forward of TorchRefImpl")
         assert_rejected(check_backend(delegating, device="cpu"), "calls pagedkv's own paged_attention_reference")
+        assert_rejected(check_backend(triton_write, device="cpu"), "calls pagedkv's own reshape_and_cache")
         assert_rejected(check_backend(WrappingBackend, device="cpu"), "calls pagedkv's own TorchRefImpl.")
     finally:
-        for name in ("TEST_RENAMED", "TEST_DELEGATING", "TEST_WRAPPING"):
+        for name in ("TEST_RENAMED", "TEST_DELEGATING", "TEST_WRAPPING", "TEST_TRITON_WRITE"):
             unregister_backend(name)
 
 

@@ -281,11 +281,15 @@ def _diagnose(step: StepRecord, layer: str, got: torch.Tensor, ref: torch.Tensor
 
 
 def _builtin_work() -> list[Callable[..., Any]]:
-    """The built-in backends' work: their impls' forward / do_kv_cache_update and module functions.
+    """The built-in backends' work: their impls' forward / do_kv_cache_update, their module
+    functions, and the Triton kernels' entry points (`pagedkv.kernels`).
 
     Only modules already imported are looked at (importing triton_attn here would import triton).
     """
-    work: list[Callable[..., Any]] = []
+    kernels = sys.modules.get("pagedkv.kernels")
+    work: list[Callable[..., Any]] = [
+        getattr(kernels, n) for n in ("unified_attention", "reshape_and_cache") if kernels is not None
+    ]
     for module in (sys.modules.get(m) for m in _BUILTIN_MODULES):
         for obj in vars(module).values() if module is not None else ():
             if getattr(obj, "__module__", None) != module.__name__:
