@@ -203,7 +203,7 @@ def _launch_split(bug: bool) -> Callable[..., None]:
 PUZZLES: dict[str, tuple[Callable[..., CheckResult], Any, Callable[[bool], Callable[..., None]], str]] = {
     # name: (checker, kernel(s), launcher factory taking `bug`, what the wrong answer's message shows)
     "block_table_row": (P.check_block_table_row, _slots, _launch_slots, "slots[0, 1] is "),
-    "scatter": (P.check_scatter_kernel, _scatter, _launch_scatter, "expected"),
+    "scatter": (P.check_scatter_kernel, _scatter, _launch_scatter, "(slot 0, "),  # padding lands in slot 0
     "page_scores": (P.check_page_scores, _scores, lambda bug: _launch_scores(False, bug), "scores[0, 0] is "),
     "masked_scores": (P.check_masked_scores, _scores, lambda bug: _launch_scores(not bug), "expected -inf"),
     "online_softmax": (P.check_online_softmax, _attention, lambda bug: _launch_attention(bug, False), "out[1, "),

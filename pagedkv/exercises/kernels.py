@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,8 @@ class Case:
     outputs: dict[str, torch.Tensor]
     expected: dict[str, torch.Tensor]
     description: str
+    explain: Callable[[tuple[int, ...]], str] | None = None
+    """What the first mismatching index means (e.g. which token owns that cache row)."""
 
 
 class _KernelStandIn:
@@ -86,9 +89,11 @@ def _first_line(exc: BaseException) -> str:
     return (lines[-1] if lines else "")[:200]
 
 
-def first_mismatch(name: str, got: torch.Tensor, expected: torch.Tensor) -> str | None:
-    """'name[i, j] is GOT, expected EXP' for the first differing element; None when all agree
-    (floats within 1e-4: the kernels compute in float32, the reference in float64)."""
+def first_mismatch(
+    name: str, got: torch.Tensor, expected: torch.Tensor, explain: Callable[[tuple[int, ...]], str] | None = None
+) -> str | None:
+    """'name[i, j] is GOT, expected EXP' for the first differing element (plus `explain(index)`);
+    None when all agree (floats within 1e-4: the kernels compute in float32, the reference in float64)."""
     got, expected = got.detach().cpu(), expected.cpu()
     if got.is_floating_point():
         ok = torch.isclose(got.double(), expected.double(), rtol=1e-4, atol=1e-4)
@@ -97,7 +102,9 @@ def first_mismatch(name: str, got: torch.Tensor, expected: torch.Tensor) -> str 
     if bool(ok.all()):
         return None
     index = tuple(int(i) for i in (~ok).nonzero()[0])
-    return f"{name}[{', '.join(map(str, index))}] is {got[index].item():.4g}, expected {expected[index].item():.4g}"
+    where = f" ({explain(index)})" if explain else ""
+    at = ", ".join(map(str, index))
+    return f"{name}[{at}] is {got[index].item():.4g}, expected {expected[index].item():.4g}{where}"
 
 
 def check_launches(
@@ -115,14 +122,16 @@ def check_launches(
         case = make_case()
         stand_ins = [_KernelStandIn(kernel, run=True) for kernel in kernels]
         try:
-            launch(*stand_ins, *case.args)
+            with warnings.catch_warnings():  # the interpreter's numpy warns about NaN; the verdict says more
+                warnings.simplefilter("ignore", RuntimeWarning)
+                launch(*stand_ins, *case.args)
         except Exception as exc:  # a student's kernel may fail in any way; report it in one line
             return CheckResult(False, f"{what}: the launch raised {type(exc).__name__}: {_first_line(exc)}")
         idle = [kernel.fn.__name__ for kernel, s in zip(kernels, stand_ins) if s.launches == 0]
         if idle:
             return CheckResult(False, f"{what}: the launcher never launched {idle[0]} (call kernel[grid](...)).")
         for name, got in case.outputs.items():
-            mismatch = first_mismatch(name, got, case.expected[name])
+            mismatch = first_mismatch(name, got, case.expected[name], case.explain)
             if mismatch:
                 return CheckResult(False, f"{what}, {case.description}: {mismatch}.\nHint: {hint}")
     passed = CheckResult(True, f"{what}: {len(make_cases)} random cases match the float64 reference.")
@@ -157,7 +166,15 @@ def _scatter_case(seed: int, num_tokens: int, block_size: int, num_kv_heads: int
         outputs={"k_cache": kv_cache[0], "v_cache": kv_cache[1]},
         expected={"k_cache": expected[0], "v_cache": expected[1]},
         description=f"slot_mapping {slots.tolist()}, block_size {block_size}",
+        explain=lambda index: _cache_row_owner(slots.tolist(), index[0] * block_size + index[1]),
     )
+
+
+def _cache_row_owner(slots: list[int], slot: int) -> str:
+    """Which token the checker's slot_mapping sends to cache row `slot`, if any."""
+    if slot in slots:
+        return f"slot {slot}, where token {slots.index(slot)} writes"
+    return f"slot {slot}, which no token writes"
 
 
 def check_scatter_kernel(kernel: Any, launch: Launch) -> CheckResult:
