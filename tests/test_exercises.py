@@ -312,6 +312,13 @@ def test_backend_rejects_the_reference_handed_back() -> None:
 
     triton_write = _backend("TEST_TRITON_WRITE")
     triton_write.get_impl_cls = staticmethod(lambda: TritonWrite)  # type: ignore[method-assign]
+    from pagedkv.attention.backends.triton_attn import TritonCacheWriter
+
+    class BorrowedWrite(TritonCacheWriter, _Impl):  # its own forward, TRITON_ATTN's cache write
+        pass
+
+    borrowed = _backend("TEST_BORROWED")
+    borrowed.get_impl_cls = staticmethod(lambda: BorrowedWrite)  # type: ignore[method-assign]
     delegating = _backend("TEST_DELEGATING")
     delegating.get_impl_cls = staticmethod(lambda: Delegating)  # type: ignore[method-assign]
 
@@ -328,9 +335,10 @@ def test_backend_rejects_the_reference_handed_back() -> None:
         assert_rejected(check_backend(Renamed, device="cpu"), "inherits the forward of TorchRefImpl")
         assert_rejected(check_backend(delegating, device="cpu"), "calls pagedkv's own paged_attention_reference")
         assert_rejected(check_backend(triton_write, device="cpu"), "calls pagedkv's own reshape_and_cache")
+        assert_rejected(check_backend(borrowed, device="cpu"), "inherits the do_kv_cache_update of TritonCacheWriter")
         assert_rejected(check_backend(WrappingBackend, device="cpu"), "calls pagedkv's own TorchRefImpl.")
     finally:
-        for name in ("TEST_RENAMED", "TEST_DELEGATING", "TEST_WRAPPING", "TEST_TRITON_WRITE"):
+        for name in ("TEST_RENAMED", "TEST_DELEGATING", "TEST_WRAPPING", "TEST_TRITON_WRITE", "TEST_BORROWED"):
             unregister_backend(name)
 
 

@@ -26,7 +26,7 @@ import types
 
 import torch
 
-from pagedkv.attention.backend import AttentionBackend, AttentionImpl
+from pagedkv.attention.backend import AttentionBackend
 from pagedkv.attention.layer import Attention
 from pagedkv.attention.selector import backend_report, register_backend
 from pagedkv.engine.llm import LLM, StepEvent
@@ -302,10 +302,10 @@ def _builtin_work() -> list[Callable[..., Any]]:
 
 
 def _inherited_work(impl_cls: type) -> str | None:
-    """'forward of TorchRefImpl' when `impl_cls` gets a work method from a built-in impl, else None."""
+    """'forward of TorchRefImpl' when `impl_cls` gets a work method from a built-in backend's class, else None."""
     for method in _WORK_METHODS:
         owner = next((c for c in impl_cls.__mro__ if method in vars(c)), None)
-        if owner is not None and owner.__module__ in _BUILTIN_MODULES and issubclass(owner, AttentionImpl):
+        if owner is not None and owner.__module__ in _BUILTIN_MODULES:
             return f"{method} of {owner.__name__}"
     return None
 
