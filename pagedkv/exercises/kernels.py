@@ -84,7 +84,8 @@ def _runtime_problem() -> str | None:
     return f"Triton cannot run kernels here: {problem}; then restart the kernel." if problem else None
 
 
-def _first_line(exc: BaseException) -> str:
+def _last_line(exc: BaseException) -> str:
+    """The gist of an error: Triton's compile errors print the source first and the reason last."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return (lines[-1] if lines else "")[:200]
 
@@ -126,7 +127,7 @@ def check_launches(
                 warnings.simplefilter("ignore", RuntimeWarning)
                 launch(*stand_ins, *case.args)
         except Exception as exc:  # a student's kernel may fail in any way; report it in one line
-            return CheckResult(False, f"{what}: the launch raised {type(exc).__name__}: {_first_line(exc)}")
+            return CheckResult(False, f"{what}: the launch raised {type(exc).__name__}: {_last_line(exc)}")
         idle = [kernel.fn.__name__ for kernel, s in zip(kernels, stand_ins) if s.launches == 0]
         if idle:
             return CheckResult(False, f"{what}: the launcher never launched {idle[0]} (call kernel[grid](...)).")
