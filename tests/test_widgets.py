@@ -158,15 +158,15 @@ def test_slot_mapping_pages_through_every_token(long_prefill_trace: StepTrace) -
     prefill = long_prefill_trace[0]
     assert len(prefill.slot_mappings[0]) == 25
     view = SlotMappingView(long_prefill_trace, index=0, tokens_per_page=10)
-    assert view.pager.max == 2  # pages of 10, 10 and 5 tokens
+    assert view.pager.max == 3  # pages of 10, 10 and 5 tokens
     seen: list[int] = []
-    for page in range(3):
+    for page in (1, 2, 3):
         view.pager.value = page
-        assert f'data-first-token="{10 * page}"' in view.value
+        assert f'data-first-token="{10 * (page - 1)}"' in view.value
         seen += [int(s) for s in re.findall(r'class="pkv-slot" data-slot="(-?\d+)"', view.value)]
     assert seen == prefill.slot_mappings[0]  # every token once, in order: nothing left undrawn
     view.index = 1  # a decode step has one token: the page is clamped back to the first
-    assert view.pager.max == view.pager.value == 0
+    assert view.pager.max == view.pager.value == 1
     assert 'data-first-token="0"' in view.value and "tokens 0..0 of 1 (page 1 of 1)" in view.value
     with pytest.raises(ValueError, match="tokens_per_page"):
         SlotMappingView(long_prefill_trace, tokens_per_page=0)

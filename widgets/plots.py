@@ -73,13 +73,25 @@ def plot_request_timeline(trace: StepTrace, ax: Axes | None = None) -> Axes:
     ax = _axes(ax)
     req_ids = trace.req_ids()
     row = {r: i for i, r in enumerate(req_ids)}
+    # One barh / plot call per phase and marker kind (not per cell): a call per cell took seconds.
+    cells: dict[str, tuple[list[int], list[float]]] = {phase: ([], []) for phase in PHASE_COLORS}
+    preempted: tuple[list[float], list[int]] = ([], [])
+    finished: tuple[list[float], list[int]] = ([], [])
     for record in trace:
         for r in record.requests:
-            ax.barh(row[r.req_id], 1, left=record.step - 0.5, color=PHASE_COLORS[r.phase], height=0.6)
+            cells[r.phase][0].append(row[r.req_id])
+            cells[r.phase][1].append(record.step - 0.5)
         for req_id in record.preempted_req_ids:
-            ax.plot(record.step - 0.5, row[req_id], "x", color="#D55E00", markersize=9, mew=2)
+            preempted[0].append(record.step - 0.5)
+            preempted[1].append(row[req_id])
         for req_id in record.finished_req_ids:
-            ax.plot(record.step + 0.5, row[req_id], "|", color="#000", markersize=12, mew=2)
+            finished[0].append(record.step + 0.5)
+            finished[1].append(row[req_id])
+    for phase, (rows, lefts) in cells.items():
+        if rows:
+            ax.barh(rows, 1, left=lefts, color=PHASE_COLORS[phase], height=0.6)
+    ax.plot(*preempted, "x", color="#D55E00", markersize=9, mew=2, linestyle="")
+    ax.plot(*finished, "|", color="#000", markersize=12, mew=2, linestyle="")
     ax.set_yticks(range(len(req_ids)), [f"req {r}" for r in req_ids])
     for label, req_id in zip(ax.get_yticklabels(), req_ids):
         label.set_color(request_color(req_id))

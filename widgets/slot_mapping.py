@@ -29,7 +29,7 @@ class SlotMappingView(TraceView):
         if isinstance(tokens_per_page, bool) or not isinstance(tokens_per_page, int) or tokens_per_page < 1:
             raise ValueError(f"tokens_per_page must be a positive int, got {tokens_per_page!r}.")
         self.tokens_per_page = tokens_per_page
-        self.pager = ipywidgets.IntSlider(value=0, min=0, max=0, description="token page", continuous_update=True)
+        self.pager = ipywidgets.IntSlider(value=1, min=1, max=1, description="token page", continuous_update=True)
         self.pager.add_class("pkv-token-pager")
         self._clamping = False
         super().__init__(trace, **kwargs)
@@ -44,15 +44,16 @@ class SlotMappingView(TraceView):
             self.redraw()
 
     def _page_range(self, num_slots: int) -> tuple[int, int, int]:
-        """(first token, end token, number of pages) of the page on display; a short step clamps the page."""
+        """(first token, end token, number of pages) of the page on display (pages count from 1);
+        a step with fewer pages clamps the page."""
         pages = max(-(-num_slots // self.tokens_per_page), 1)
-        if self.pager.max != pages - 1:
+        if self.pager.max != pages:
             self._clamping = True  # lowering max lowers value: this render already draws the clamped page
             try:
-                self.pager.max = pages - 1
+                self.pager.max = pages
             finally:
                 self._clamping = False
-        first = self.pager.value * self.tokens_per_page
+        first = (self.pager.value - 1) * self.tokens_per_page
         return first, min(first + self.tokens_per_page, num_slots), pages
 
     def render(self, record: StepRecord) -> str:
@@ -79,7 +80,7 @@ class SlotMappingView(TraceView):
                  row("token id", per_token(record.input_ids)), row("position", per_token(record.positions))]
         for group in self.engine.kv_cache_groups:
             table += self._group_rows(record, group.group_id, group.spec.block_size, shown, rows_by_req, cell, row)
-        where = f"tokens {first}..{end - 1} of {num_slots} (page {self.pager.value + 1} of {pages})"
+        where = f"tokens {first}..{end - 1} of {num_slots} (page {self.pager.value} of {pages})"
         return (
             f'<div class="pkv-slot-mapping" data-step="{record.step}" data-first-token="{first}" '
             f'data-pages="{pages}" style="{BASE_STYLE}">'

@@ -1,9 +1,14 @@
 """The workbook as a student sees it: JupyterLab in a real Chromium, notebook 02 run from the menu.
 
 Starts JupyterLab on a free loopback port in a fresh copy of `notebooks/`, opens
-`02_paged_kv_cache.ipynb`, clears the saved outputs, runs all cells, then checks that the
-StepPlayer's BlockTableView drew one cell per KV cache block, that moving the slider with the
-keyboard redraws the views through the kernel, and saves screenshots to `tests/artifacts/`.
+`02_paged_kv_cache.ipynb` (its copy gets one more cell: a StepPlayer over ForwardContextView and
+AttentionGroupsView, so every trace view is drawn), clears the saved outputs, runs all cells, then
+checks that the StepPlayer's BlockTableView drew one cell per KV cache block, that moving the
+slider with the keyboard redraws the views and the step label together, that SlotMappingView's
+page slider reaches the last tokens of a prefill, and, in the light and in the dark theme, that
+every text in the widgets has a WCAG contrast of at least 4.5:1 against what is drawn under it,
+the "written this step" outlines at least 3:1, and free blocks take the page's background.
+Screenshots go to `tests/artifacts/`.
 
 Needs Debian's `chromium` (`apt-get install -y chromium`) and the `playwright` Python package;
 skipped with the reason when either is missing. Never `playwright install`: no downloads here.
@@ -33,6 +38,12 @@ CHROMIUM_ARGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
 NOTEBOOK = "02_paged_kv_cache.ipynb"
+EXTRA_CELL = (  # appended to the test's copy of the notebook: the views notebook 02 does not draw
+    "from widgets import AttentionGroupsView, ForwardContextView\n"
+    "StepPlayer(trace, [ForwardContextView(trace), AttentionGroupsView(trace)])"
+)
+VIEWS = ".pkv-block-table, .pkv-slot-mapping, .pkv-forward-context, .pkv-attention-groups"
+CONTRAST_JS = (Path(__file__).parent / "contrast.js").read_text()
 NUM_KV_BLOCKS = 32  # the engine of notebook 02's StepPlayer: LLM("tiny", num_kv_blocks=32, ...)
 STEPS = 20  # its generate() runs 20 steps (max_tokens=20, ignore_eos=True)
 KERNEL_READY_JS = """() => {
@@ -70,6 +81,10 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("jupyterlab")
     root = tmp / "work"
     shutil.copytree(REPO / "notebooks", root, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.read(root / NOTEBOOK, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell(EXTRA_CELL))
+    nbformat.write(nb, root / NOTEBOOK)
     config_dir = tmp / "config"
     (config_dir / "labconfig").mkdir(parents=True)
     # The "Jupyter news" pop-up would cover the notebook.
@@ -118,32 +133,59 @@ def test_notebook_02_widgets_draw_and_redraw(lab: str) -> None:
             page.evaluate("window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs')")
             page.get_by_role("menuitem", name="Run", exact=True).click()
             page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
-            # The last cell (exercise 2) prints its checker's message once everything above ran.
-            expect(page.get_by_text("Replace `...` with a list of 3 slots")).to_be_visible(timeout=180_000)
+            # The appended last cell draws once everything above ran.
+            extra = page.locator(".pkv-step-player").last
+            expect(extra.locator(".pkv-forward-context")).to_be_attached(timeout=180_000)
+            expect(extra.locator(".pkv-attention-groups")).to_be_attached()
 
             live = page.locator(".pkv-block-table").first
             expect(live).to_have_attribute("data-step", str(STEPS))  # redrawn after every step
 
-            player = page.locator(".pkv-step-player")
+            player = page.locator(".pkv-step-player").first
             table = player.locator(".pkv-block-table")
+            slots = player.locator(".pkv-slot-mapping")
+            label = player.locator(".pkv-step-label")
             expect(table.locator(".pkv-block")).to_have_count(NUM_KV_BLOCKS)
             expect(table).to_have_attribute("data-step", "1")
+            expect(label).to_have_attribute("data-step", "1")
             expect(table.locator('.pkv-block[data-state="null"]')).to_have_count(1)
             used_at_step_1 = table.locator('.pkv-block[data-state="used"]').count()
             assert used_at_step_1 > 0
-            player.scroll_into_view_if_needed()
-            player.screenshot(path=str(ARTIFACTS / "02_step_player_step1.png"))
 
-            # Move the slider with the keyboard, as a student would; the kernel redraws the views.
+            # Step 1 prefills three prompts: more tokens than one page. Page to the last one.
+            pages = int(slots.get_attribute("data-pages"))
+            assert pages > 1
+            pager = player.locator(".pkv-token-pager .noUi-handle")
+            pager.focus()
+            for _ in range(pages - 1):
+                pager.press("ArrowRight")
+            expect(slots).not_to_have_attribute("data-first-token", "0")
+            expect(slots).to_contain_text(f"(page {pages} of {pages})")
+
+            # Move the step slider with the keyboard, as a student would; the kernel redraws the views.
             handle = player.locator(".pkv-step-slider .noUi-handle")
             handle.focus()
             for _ in range(10):
                 handle.press("ArrowRight")
             expect(table).to_have_attribute("data-step", "11")
-            expect(player.locator(".pkv-slot-mapping")).to_have_attribute("data-step", "11")
+            expect(slots).to_have_attribute("data-step", "11")
+            expect(label).to_have_attribute("data-step", "11")
             expect(table.locator(".pkv-block")).to_have_count(NUM_KV_BLOCKS)
             assert table.locator('.pkv-block[data-state="used"]').count() > used_at_step_1  # rows grew
-            player.screenshot(path=str(ARTIFACTS / "02_step_player_step11.png"))
+
+            for theme, light in (("JupyterLab Light", "true"), ("JupyterLab Dark", "false")):
+                page.evaluate(f"window.jupyterapp.commands.execute('apputils:change-theme', {{theme: '{theme}'}})")
+                page.wait_for_function(f"document.body.dataset.jpThemeLight === '{light}'", timeout=30_000)
+                page.wait_for_timeout(500)  # the theme's stylesheet applies after the attribute
+                name = theme.split()[-1].lower()
+                for i, widget in enumerate((player, extra)):
+                    widget.scroll_into_view_if_needed()
+                    widget.screenshot(path=str(ARTIFACTS / f"02_{name}_player{i}.png"))
+                    report = widget.evaluate(CONTRAST_JS, VIEWS)
+                    assert report["texts"] > 20, report  # the check looked at the views' text
+                    assert not report["low_text"], f"{theme}: text below 4.5:1: {report['low_text'][:5]}"
+                    assert not report["low_outline"], f"{theme}: outlines below 3:1: {report['low_outline'][:5]}"
+                    assert not report["free_not_background"], f"{theme}: {report['free_not_background'][:5]}"
         except AssertionError:
             page.screenshot(path=str(ARTIFACTS / "02_failure.png"))  # what the page showed when it failed
             raise
