@@ -226,12 +226,21 @@ def test_puzzle_checker_accepts_right_and_names_the_first_wrong_entry(name: str)
     assert len(wrong.message.splitlines()) <= 2
 
 
-def test_checkers_refuse_a_plain_function_and_pagedkvs_own_kernel() -> None:
-    plain = P.check_scatter_kernel(K.reshape_and_cache, _launch_scatter(False))
-    assert not plain.ok and "is a function, not a @triton.jit kernel" in plain.message
-    package = P.check_scatter_kernel(_reshape_and_cache_kernel, _launch_scatter(False))
-    assert not package.ok and "pagedkv's own kernel" in package.message
-    split = P.check_split_kv(_split_partial, _launch_split(False))  # one kernel where two are needed
+@pytest.mark.parametrize("name", list(PUZZLES))
+def test_puzzle_checker_refuses_plain_functions_pagedkvs_kernels_and_idle_launchers(name: str) -> None:
+    _, kernels, make_launch, _ = PUZZLES[name]
+    two = isinstance(kernels, tuple)
+    plain = _check(name, (K.reshape_and_cache, kernels[1]) if two else K.reshape_and_cache, make_launch(False))
+    assert not plain.ok and "reshape_and_cache is a function, not a @triton.jit kernel" in plain.message
+    own = _reshape_and_cache_kernel
+    package = _check(name, (kernels[0], own) if two else own, make_launch(False))
+    assert not package.ok and "_reshape_and_cache_kernel is pagedkv's own kernel" in package.message
+    idle = _check(name, kernels, lambda *args: None)  # launches nothing, leaves the outputs as they were
+    assert not idle.ok and "the launcher never launched" in idle.message
+
+
+def test_split_kv_checker_wants_both_kernels() -> None:
+    split = P.check_split_kv(_split_partial, _launch_split(False))
     assert not split.ok and "as a tuple" in split.message
 
 
@@ -245,8 +254,6 @@ def test_checker_refuses_a_launcher_that_does_the_work() -> None:
 
     result = P.check_scatter_kernel(_scatter, torch_launch)
     assert not result.ok and "without running the kernel" in result.message
-    idle = P.check_scatter_kernel(_scatter, lambda kernel, *args: None)
-    assert not idle.ok and "never launched _scatter" in idle.message
 
 
 def test_a_failing_launch_is_reported_in_one_line() -> None:
