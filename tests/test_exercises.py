@@ -25,7 +25,7 @@ from pagedkv.exercises.backends import check_backend
 from pagedkv.exercises.environment import WORKBOOK, check_choose_backend, environment_report, runs_here
 from pagedkv.exercises.forward_context import check_attention_context
 from pagedkv.exercises.flash_attention import check_kernel_block_rows
-from pagedkv.exercises.model_file import MODEL_HEADS, TP_SIZES, check_head_layout, check_qkv_width
+from pagedkv.exercises.model_file import MODEL_HEADS, TP_SIZES, build_attention, check_head_layout, check_qkv_width
 from pagedkv.models.layers import head_layout
 from pagedkv.forward_context import get_forward_context
 from pagedkv.worker.attn_utils import to_kernel_block_table
@@ -93,16 +93,27 @@ def test_choose_backend_explains_each_kind_of_mistake() -> None:
 
 # ---- 01: the model file ------------------------------------------------------------------
 
-QWEN2_7B = {"hidden_size": 3584, "num_heads": 28, "num_kv_heads": 4, "head_dim": 128}
-
-
 def test_qkv_width() -> None:
-    assert check_qkv_width((7 + 2 * 1) * 128, **QWEN2_7B, tp_size=4)
-    assert_rejected(check_qkv_width((28 + 2 * 4) * 128, **QWEN2_7B, tp_size=4), "whole model")
-    assert_rejected(check_qkv_width(3 * 7 * 128, **QWEN2_7B, tp_size=4), "own K and V")
-    assert_rejected(check_qkv_width(7 * 128, **QWEN2_7B, tp_size=4), "only the query part")
-    assert_rejected(check_qkv_width("1152", **QWEN2_7B, tp_size=4), "an int")
-    assert_rejected(check_qkv_width(1152, **QWEN2_7B, tp_size=8), "cannot be built")
+    def right(hidden_size: int, hq: int, hkv: int, head_dim: int, tp: int) -> int:
+        return (hq // tp + 2 * max(hkv // tp, 1)) * head_dim
+
+    result = check_qkv_width(right)
+    assert result, result.message
+    assert "(7 + 2 x 1) heads x 128" in result.message  # Qwen2-7B at tp_size 4, worked by hand: 1152
+    qwen = "fn(3584, 28, 4, 128, 4)"
+    assert_rejected(check_qkv_width(lambda h, hq, hkv, d, tp: (hq + 2 * hkv) * d), qwen, "whole model")
+    assert_rejected(check_qkv_width(lambda h, hq, hkv, d, tp: 3 * (hq // tp) * d), qwen, "own K and V")
+    assert_rejected(check_qkv_width(lambda h, hq, hkv, d, tp: (hq // tp) * d), qwen, "only the query part")
+    # Right for Qwen2-7B (4 KV heads over 4 ranks), wrong once KV heads are replicated: 40 random cases hold one.
+    floor_split = check_qkv_width(lambda h, hq, hkv, d, tp: (hq // tp + 2 * (hkv // tp)) * d, num_hidden=40)
+    assert_rejected(floor_split, "replicated")
+    assert_rejected(check_qkv_width(lambda h, hq, hkv, d, tp: "1152"), qwen, "an int")
+    # The notebook's number typed in passes its case only; the module built by the package does not count.
+    assert_rejected(check_qkv_width(lambda h, hq, hkv, d, tp: 1152), "is not it")
+    assert_rejected(check_qkv_width(build_attention), "pagedkv's own build_attention")
+    assert_rejected(check_qkv_width(lambda h, hq, hkv, d, tp: build_attention(hq, hkv, tp, d, h).qkv_proj.out_features),
+                    "calls pagedkv's own build_attention")
+    assert_rejected(check_qkv_width(1152), "function itself")
 
 
 def test_head_layout() -> None:

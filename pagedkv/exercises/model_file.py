@@ -34,18 +34,21 @@ def build_attention(num_heads: int, num_kv_heads: int, tp_size: int = 1,
         return LlamaAttention(model, prefix="model.layers.0.self_attn", sliding_window=None)
 
 
-def check_qkv_width(answer: Any, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                    hidden_size: int, tp_size: int = 1) -> CheckResult:
+# Qwen2-7B served over 4 GPUs: the case the notebook asks about first.
+QWEN2_7B_TP4: dict[str, int] = {"hidden_size": 3584, "num_heads": 28, "num_kv_heads": 4, "head_dim": 128, "tp_size": 4}
+
+QkvWidthFn = Callable[[int, int, int, int, int], Any]
+
+
+def _qkv_verdict(answer: Any, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                 hidden_size: int, tp_size: int) -> CheckResult:
     """Is `answer` the number of output features of one rank's fused qkv_proj for this geometry?
 
     The expected value is read from a real `LlamaAttention` built for one rank.
     """
     if not isinstance(answer, int) or isinstance(answer, bool):
         return CheckResult(False, f"Give a whole number of features (an int), got {answer!r}.")
-    try:
-        rank = build_attention(num_heads, num_kv_heads, tp_size, head_dim, hidden_size)
-    except ValueError as exc:
-        return CheckResult(False, f"This geometry cannot be built: {exc}")
+    rank = build_attention(num_heads, num_kv_heads, tp_size, head_dim, hidden_size)
     expected = rank.qkv_proj.out_features
     hq, hkv, d = rank.num_heads, rank.num_kv_heads, head_dim
     if answer == expected:
@@ -60,14 +63,50 @@ def check_qkv_width(answer: Any, *, num_heads: int, num_kv_heads: int, head_dim:
         hidden_size: "that is the input width (hidden_size), not the output width",
     }
     if tp_size > 1:
-        hints.setdefault((num_heads + 2 * num_kv_heads) * d,
-                         f"that is the whole model's qkv_proj; with tp_size {tp_size} a rank holds only "
-                         "its share of the heads")
-        hints.setdefault((num_heads // tp_size + 2 * (num_kv_heads // tp_size)) * d,
-                         f"{num_kv_heads} KV heads cannot be split {tp_size} ways without giving some rank less than "
-                         "a whole head: each rank keeps one whole KV head (replicated)")
+        hints[(num_heads + 2 * num_kv_heads) * d] = (
+            f"that is the whole model's qkv_proj; with tp_size {tp_size} a rank holds only its share of the heads")
+        hints[(num_heads // tp_size + 2 * (num_kv_heads // tp_size)) * d] = (
+            f"{num_kv_heads} KV heads cannot be split {tp_size} ways without giving some rank less than "
+            "a whole head: each rank keeps one whole KV head (replicated)")
     hint = hints.get(answer, f"count the q, k and v heads this one rank holds, {d} features each")
     return CheckResult(False, f"{answer} is not it: {hint}.")
+
+
+def check_qkv_width(fn: QkvWidthFn, num_hidden: int = 8) -> CheckResult:
+    """Compare `fn(hidden_size, num_heads, num_kv_heads, head_dim, tp_size)` with the output width
+    of one rank's real qkv_proj: first Qwen2-7B at tp_size 4, then `num_hidden` random geometries
+    drawn afresh on each call. A function that builds the module (build_attention, LlamaAttention)
+    or asks head_layout is turned away.
+    """
+    if not callable(fn):
+        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
+    own = package_answer(fn, [build_attention, head_layout], "the count")
+    if own is not None:
+        return own
+    rng = random.Random()
+    hidden = [(hq, hkv, tp) for hq, hkv, tp, _ in _layout_cases(num_hidden, rng)][-num_hidden:]
+    cases = [QWEN2_7B_TP4] + [
+        {"hidden_size": 64 * hq, "num_heads": hq, "num_kv_heads": hkv, "head_dim": rng.choice([64, 80, 128]),
+         "tp_size": tp} for hq, hkv, tp in hidden
+    ]
+    first: CheckResult | None = None
+    for case in cases:
+        call = "fn({hidden_size}, {num_heads}, {num_kv_heads}, {head_dim}, {tp_size})".format(**case)
+        try:
+            with watch_calls([build_attention, head_layout, LlamaAttention.__init__]) as called:
+                got = fn(case["hidden_size"], case["num_heads"], case["num_kv_heads"], case["head_dim"], case["tp_size"])
+        except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
+            if called:
+                return used_package(called, "the count")
+            return CheckResult(False, f"{call} raised {type(exc).__name__}: {exc}.")
+        if called:
+            return used_package(called, "the count")
+        verdict = _qkv_verdict(got, **case)
+        if not verdict:
+            return CheckResult(False, f"{call}: {verdict.message}")
+        first = first or verdict
+    return CheckResult(True, f"Qwen2-7B at tp_size 4: {first.message if first else ''} Your function also "
+                             f"matches the real module on {num_hidden} random geometries.")
 
 
 def _as_triple(result: Any) -> tuple[int, int, int] | None:
