@@ -368,13 +368,14 @@ def check_backend(backend: Any, device: torch.device | str | None = None) -> Che
                     f"Step {step_ref.step}, layer {layer!r}: output shape {shape}, expected {tuple(out_ref.shape)}.",
                 )
             if not torch.isfinite(out).all() or not torch.allclose(out, out_ref, atol=_ATOL, rtol=1e-3):
-                return CheckResult(False, _diagnose(step_mine, layer, out, out_ref, ref.sliding_windows.get(layer)))
+                window = ref.sliding_windows.get(layer)
+                return CheckResult(False, _diagnose(step_mine, layer, out, out_ref, window))
     if mine.tokens != ref.tokens:
         return CheckResult(False, f"Attention outputs agree but greedy tokens differ: {mine.tokens} vs {ref.tokens}.")
     num_layers = len(mine.backend_names)
     return CheckResult(
         True,
         f"{name} served all {num_layers} layers of {MODEL} (two with a sliding window) for {len(mine.steps)} "
-        f"steps (prefills, prefill chunks on cached context, decodes); every attention output matches {REFERENCE_BACKEND} and so do the "
-        f"greedy tokens {mine.tokens}.",
+        f"steps (prefills, prefill chunks on cached context, decodes); every attention output matches "
+        f"{REFERENCE_BACKEND} and so do the greedy tokens {mine.tokens}.",
     )

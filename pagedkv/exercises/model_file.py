@@ -94,7 +94,7 @@ def check_qkv_width(fn: QkvWidthFn, num_hidden: int = 8) -> CheckResult:
         call = "fn({hidden_size}, {num_heads}, {num_kv_heads}, {head_dim}, {tp_size})".format(**case)
         try:
             with watch_calls([build_attention, head_layout, LlamaAttention.__init__]) as called:
-                got = fn(case["hidden_size"], case["num_heads"], case["num_kv_heads"], case["head_dim"], case["tp_size"])
+                got = fn(*(case[k] for k in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "tp_size")))
         except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
             if called:
                 return used_package(called, "the count")
