@@ -45,7 +45,9 @@ def watch_calls(functions: Iterable[Callable[..., Any]]) -> Iterator[list[str]]:
     """Within the block, note every call (direct or nested) to one of `functions`.
 
     Yields a list that fills with the qualified names of those called. The checkers use it to
-    turn away an answer that hands the work back to the package's own implementation.
+    turn away an answer that hands the work back to the package's own implementation, however it
+    got hold of it (an import under another name, a wrapper, super()). It matches code objects, so
+    a copy of the source is not noticed. A profiler already set (cProfile) is paused in the block.
     """
     codes = {f.__code__: f.__qualname__ for f in functions if hasattr(f, "__code__")}
     called: list[str] = []
