@@ -18,7 +18,6 @@ import torch
 import pagedkv.exercises.triton_puzzles as P
 import pagedkv.kernels as K
 from pagedkv.exercises import CheckResult
-from pagedkv.exercises.kernels import check_kernel_block_row
 
 if not K.HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -301,9 +300,3 @@ def test_checker_explains_triton_imported_without_the_interpreter(tmp_path: Path
     assert "❌ scatter kernel: Triton cannot run kernels here" in done.stdout and "TRITON_INTERPRET=1" in done.stdout
     assert len(done.stdout.strip().splitlines()) == 1
 
-
-def test_kernel_block_row_checker() -> None:
-    assert check_kernel_block_row([14, 15, 4, 5], [7, 2], 32, 16).ok
-    wrong = check_kernel_block_row([7, 8, 2, 3], [7, 2], 32, 16)
-    assert not wrong.ok and "entry 0 is 7, expected 14" in wrong.message
-    assert not check_kernel_block_row([1], [1], 48, 32).ok

@@ -26,9 +26,8 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # why: see the module docstring
 
-from pagedkv.exercises import CheckResult, compare  # noqa: E402
+from pagedkv.exercises import CheckResult  # noqa: E402
 from pagedkv.platforms import default_device  # noqa: E402
-from pagedkv.worker.attn_utils import to_kernel_block_table  # noqa: E402
 
 Launch = Callable[..., None]
 
@@ -185,15 +184,3 @@ def check_scatter_kernel(kernel: Any, launch: Launch) -> CheckResult:
     hint = ("block = slot // block_size, offset = slot % block_size, addresses through the cache strides; "
             "a slot of -1 (padding) stores nothing.")
     return check_launches([kernel], launch, cases, "scatter kernel", hint)
-
-
-def check_kernel_block_row(answer: list[int], row: list[int], block_size: int, kernel_block_size: int) -> CheckResult:
-    """The row `row` of manager blocks of `block_size`, rewritten into kernel blocks."""
-    if block_size % kernel_block_size:
-        return CheckResult(False, f"{block_size} is not a multiple of {kernel_block_size}: no rewrite exists.")
-    k = block_size // kernel_block_size
-    expected = to_kernel_block_table(torch.tensor([row]), k)[0].tolist()
-    return compare(
-        "kernel block table row", list(answer), expected,
-        hint=f"each manager block b becomes the {k} kernel blocks b*{k} ... b*{k}+{k - 1}, in order.",
-    )
