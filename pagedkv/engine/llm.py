@@ -35,7 +35,6 @@ from pagedkv.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
-    parse_dtype,
 )
 from pagedkv.engine.checks import (
     check_bool,
