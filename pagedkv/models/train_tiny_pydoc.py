@@ -101,7 +101,9 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, Any]]:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         starts = torch.randint(0, len(train_ids) - args.seq_len - 1, (args.batch_size,), generator=data_gen)
         batch = torch.stack([train_ids[s:s + args.seq_len + 1] for s in starts.tolist()]).to(device)
-        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss  # HF shifts labels itself
+        # HF shifts the labels itself, so this trains on seq_len - 1 predictions per window (the
+        # window's last byte is drawn but unused; kept as is: it is what made the shipped weights).
+        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
