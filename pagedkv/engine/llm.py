@@ -51,7 +51,7 @@ from pagedkv.engine.request import SEED_RANGE, CompletionOutput, Request, Reques
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.kv_cache.manager import KVCacheManager
-from pagedkv.models.loader import PRESETS, load_config
+from pagedkv.models.loader import PRESETS, TRAINED_PRESETS, load_config
 from pagedkv.models.tokenizer import get_tokenizer
 from pagedkv.worker.model_runner import ModelRunner, StepResult
 
@@ -123,7 +123,7 @@ class LLM:
         compile: bool = False,
         max_cudagraph_capture_size: int | None = None,
     ) -> None:
-        model = check_model(model, sorted(PRESETS))
+        model = check_model(model, sorted([*PRESETS, *TRAINED_PRESETS]))
         device = check_device(device)
         dtype = check_dtype(dtype, device)
         block_size = check_int("block_size", block_size, 1, hint=" (tokens per KV cache block)")
