@@ -168,12 +168,59 @@ def run_w1(llm: LLM, prompts: list[list[int]], args: argparse.Namespace, label: 
         row["first_run_s"] = row["first_run_profile"]["wall_s"]  # type: ignore[index]
     else:
         row["first_run_s"], _ = generate_s(llm, prompts, args.max_tokens)
+    if args.kernel_profile:
+        row["kernels"] = kernel_profile(lambda: generate_s(llm, prompts, args.max_tokens), args.top, label)
     steps_before = llm.stats.num_steps
-    seconds, outs = generate_s(llm, prompts, args.max_tokens)
+    steps: list[tuple[float, int, str]] = []
+    detach = llm.add_step_listener(lambda ev: steps.append(
+        (time.perf_counter(), ev.scheduler_output.num_prefill_tokens, getattr(ev.result.cudagraph_mode, "name", "?"))))
+    try:
+        start = time.perf_counter()
+        seconds, outs = generate_s(llm, prompts, args.max_tokens)
+    finally:
+        detach()
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     row.update(seconds=seconds, output_tokens=generated, output_tokens_per_s=generated / seconds,
-               steps=llm.stats.num_steps - steps_before, first_tokens=outs[0].outputs[0].token_ids[:8])
+               steps=llm.stats.num_steps - steps_before, first_tokens=outs[0].outputs[0].token_ids[:8],
+               step_breakdown=step_breakdown(start, steps))
     return row
+
+
+def step_breakdown(start: float, steps: list[tuple[float, int, str]]) -> dict[str, dict[str, float]]:
+    """Wall time per kind of step: those that prefill (possibly with decodes mixed in) and pure decodes.
+
+    A step's time runs from the previous step's end (the listener call) to its own: the model,
+    sampling (which waits for the GPU) and the engine's bookkeeping.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for (end, prefill_tokens, mode), before in zip(steps, [start] + [t for t, _, _ in steps]):
+        kind = f"{'prefill' if prefill_tokens else 'decode'} ({mode})"
+        entry = out.setdefault(kind, {"steps": 0, "seconds": 0.0, "prefill_tokens": 0})
+        entry["steps"] += 1
+        entry["seconds"] += end - before
+        entry["prefill_tokens"] += prefill_tokens
+    return out
+
+
+def kernel_profile(fn: Callable[[], object], top: int, title: str) -> dict[str, float]:
+    """Run `fn` under torch.profiler; print the GPU kernels that take the most time.
+
+    Returns the GPU time summed over kernels and the wall time: a sum well below the wall time
+    means the GPU waited for the host.
+    """
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        fn()
+        sync()
+        wall = time.perf_counter() - start
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    gpu_s = sum(e.self_device_time_total for e in events) / 1e6
+    print(f"\n--- {title}, kernels: {gpu_s:.2f} s of GPU time in {wall:.2f} s of wall time (under the profiler)")
+    for e in events[:top]:
+        print(f"  {e.self_device_time_total / 1e3:10.1f} ms {e.count:7d}x  {e.key[:110]}")
+    return {"gpu_s": gpu_s, "wall_s": wall}
 
 
 def roofline(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, hbm_tbps: float, tflops: float) -> dict:
@@ -344,6 +391,9 @@ def print_w1(result: dict) -> None:
         ratio = f"{r['output_tokens_per_s'] / hf:11.2f}" if hf else f"{'':>11}"
         pct = f"{100 * r['output_tokens_per_s'] / roof['output_tokens_per_s']:7.0f}%" if roof else ""
         print(f"{r['engine']:<44}{r['mode']:<20}{first}{r['seconds']:8.2f}{r['output_tokens_per_s']:11.0f}{ratio}{pct}")
+        for kind, b in r.get("step_breakdown", {}).items():
+            print(f"{'':<6}{kind:<38}{b['steps']:5d} steps {b['seconds']:7.2f} s  ({1e3 * b['seconds'] / b['steps']:.1f} ms/step, "
+                  f"{b['prefill_tokens']} prefill tokens)")
     if roof:
         print(f"{'roofline':<44}{'':<20}{'':>10}{roof['seconds']:8.2f}{roof['output_tokens_per_s']:11.0f}"
               f"   ({roof['weight_gb']:.1f} GB weights + KV per decode step, {roof['prefill_tflop']:.0f} TFLOP prefill)")
@@ -384,6 +434,8 @@ def main() -> None:
     p.add_argument("--decode-prompt-len", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="cProfile the first and second W1 run of each engine")
+    p.add_argument("--kernel-profile", action="store_true",
+                   help="torch.profiler over one more W1 run of each engine: the GPU kernels taking the most time")
     p.add_argument("--top", type=int, default=25, help="profile entries printed")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
