@@ -381,3 +381,14 @@ def test_cli_user_errors_are_one_line(argv: list[str], capsys: pytest.CaptureFix
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0] and err[0].startswith("pagedkv: error:")
+
+
+def test_request_token_ids_between_is_a_slice_of_all_token_ids() -> None:
+    from pagedkv.engine.request import Request
+
+    req = Request("0", [5, 6, 7], SamplingParams(), eos_token_ids=[], prompt=None)
+    req.output_token_ids += [8, 9]
+    full = req.all_token_ids
+    for start in range(6):
+        for end in range(start, 6):
+            assert req.token_ids_between(start, end) == full[start:end], (start, end)

@@ -214,6 +214,8 @@ def test_unregistering_a_user_name_removes_it() -> None:
         ([0xC3, 257, 0xA9], "\u00e9"),  # a skipped special token does not split a character
         ([0xC3, 300, 0xA9], "\ufffd\ufffd\ufffd"),  # half a character, a stray id, the other half
         ([0xFF, 72], "\ufffdH"),  # not UTF-8
+        ([0xE2, 0x82, 300, 0xAC], "\ufffd\ufffd\ufffd"),  # 2 of 3 bytes of a character, a stray id, the last byte
+        ([0xE2, 0x82, 0xAC, 300], "\u20ac\ufffd"),
     ],
 )
 def test_byte_tokenizer_decode(ids: list[int], text: str) -> None:

@@ -258,7 +258,7 @@ class ModelRunner:
             req = s.request
             start = s.num_computed_tokens
             end = start + s.num_new_tokens
-            token_ids += req.all_token_ids[start:end]
+            token_ids += req.token_ids_between(start, end)
             positions += range(start, end)
             query_lens.append(s.num_new_tokens)
             seq_lens.append(end)
