@@ -12,6 +12,7 @@ import json
 import math
 import re
 import string
+import sys
 
 import pytest
 import torch
@@ -80,6 +81,9 @@ def _held_out_stream() -> torch.Tensor:
 
 @torch.no_grad()
 def test_recorded_held_out_loss_is_reproduced(hf_model: torch.nn.Module) -> None:
+    python = "%d.%d" % sys.version_info[:2]
+    if LOG["topics_python"] != python:
+        pytest.skip(f"trained on Python {LOG['topics_python']}'s pydoc topics; this is Python {python}, whose differ")
     stream, seq_len = _held_out_stream(), LOG["seq_len"]
     assert len(stream) == LOG["val_tokens"]
     total, count = 0.0, 0
@@ -97,9 +101,11 @@ def test_greedy_continuation_is_documentation_words() -> None:
     from pydoc_data.topics import topics
 
     llm = LLM("tiny-pydoc", device="cpu", dtype=torch.float32)
-    text = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0].text
+    # 80 bytes: the text starts with a heading's "****" underline, as the topics' headings do.
+    text = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=80))[0].outputs[0].text
     assert sum(c in string.printable for c in text) >= 0.95 * len(text), text
     corpus_words = set(re.findall(r"[A-Za-z]+", " ".join(topics.values())))
     words = re.findall(r"[A-Za-z]+", text)
-    assert len(words) >= 5, text  # greedy text soon falls into runs of spaces or "****" underlines
+    assert len(words) >= 8, text
     assert sum(w in corpus_words for w in words) >= 0.8 * len(words), text
+    assert len(set(words)) >= 6, text  # not one word repeated

@@ -37,7 +37,7 @@ PRESETS: dict[str, LlamaConfig] = {
 
 # Presets with trained weights, shipped as package data: name -> Hugging Face checkpoint directory.
 TRAINED_PRESETS: dict[str, Path] = {
-    # 0.8M parameters trained on Python's reference-manual topics (pydoc_data); byte vocabulary.
+    # 2.3M parameters trained on Python's reference-manual topics (pydoc_data); byte vocabulary.
     # Made by `python -m pagedkv.models.train_tiny_pydoc`; its training_log.json holds the loss curve.
     "tiny-pydoc": Path(__file__).parent / "data" / "tiny-pydoc",
 }

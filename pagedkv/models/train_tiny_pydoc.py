@@ -5,9 +5,17 @@ which ships with every CPython, so nothing is downloaded. Each topic becomes
 `[BOS] utf-8 bytes [EOS]`; topics are taken in sorted-key order and every tenth one (index 5,
 15, ...) is held out for validation. Training draws random windows from the other topics with
 a seeded generator, so the same command gives the same weights on the same device and
-library versions:
+library versions. The defaults are the shipped preset's (about a minute on an H200; hours on
+two CPU cores):
 
-    python -m pagedkv.models.train_tiny_pydoc --out pagedkv/models/data/tiny-pydoc --device cpu
+    python -m pagedkv.models.train_tiny_pydoc --out pagedkv/models/data/tiny-pydoc
+
+Each Python release has its own edition of the topics, and the tests recompute the held-out
+loss from the topics of the Python they run on. To train on a machine with another Python
+than the tests', dump the topics where the tests run and train on that file:
+
+    python -m pagedkv.models.train_tiny_pydoc --dump-topics build/topics.json      # CI's Python
+    python -m pagedkv.models.train_tiny_pydoc --topics build/topics.json --out ...  # the GPU machine
 
 The output directory is a Hugging Face checkpoint (`config.json`, `model.safetensors`,
 `tokenizer.json`, ...) that `transformers.AutoModelForCausalLM` and `pagedkv.LLM` both load,
@@ -31,17 +39,28 @@ BOS_ID, EOS_ID = 256, 257
 VOCAB_SIZE = 258  # 256 bytes + BOS + EOS, the ids of pagedkv's ByteTokenizer
 VAL_EVERY, VAL_OFFSET = 10, 5  # sorted topic i is held out when i % 10 == 5
 
-MODEL_SHAPE: dict[str, Any] = dict(
-    hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
+FIXED_SHAPE: dict[str, Any] = dict(
+    max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
 )
+"""The parts of the model's shape that the command line does not change."""
 
 
-def pydoc_splits() -> tuple[torch.Tensor, torch.Tensor]:
+def pydoc_topics(path: Path | None = None) -> tuple[dict[str, str], str]:
+    """(topics, the Python version they come from): this interpreter's, or a `--dump-topics` file.
+
+    Each Python release ships its own edition of the topics; training on one machine for the
+    tests of another (CI runs another Python than the GPU machine) needs the same edition.
+    """
+    if path is None:
+        from pydoc_data.topics import topics
+
+        return dict(topics), "%d.%d" % sys.version_info[:2]
+    data = json.loads(path.read_text())
+    return data["topics"], data["python"]
+
+
+def pydoc_splits(topics: dict[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, validation) token streams: each topic as [BOS] bytes [EOS], in sorted-key order."""
-    from pydoc_data.topics import topics
-
     train: list[int] = []
     val: list[int] = []
     for i, key in enumerate(sorted(topics)):
@@ -50,12 +69,13 @@ def pydoc_splits() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(train), torch.tensor(val)
 
 
-def hf_config(**overrides: Any) -> Any:
-    """The transformers `LlamaConfig` of `tiny-pydoc`."""
+def hf_config(args: argparse.Namespace) -> Any:
+    """The transformers `LlamaConfig` of `tiny-pydoc`, shaped by the command line."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-                       **{**MODEL_SHAPE, **overrides})
+    return LlamaConfig(vocab_size=VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID, hidden_size=args.hidden_size,
+                       intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers,
+                       num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads, **FIXED_SHAPE)
 
 
 @torch.no_grad()
@@ -90,8 +110,9 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, Any]]:
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
-    train_ids, val_ids = pydoc_splits()
-    model = LlamaForCausalLM(hf_config()).to(device)
+    topics, topics_python = pydoc_topics(args.topics)
+    train_ids, val_ids = pydoc_splits(topics)
+    model = LlamaForCausalLM(hf_config(args)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     data_gen = torch.Generator().manual_seed(args.seed)  # window order: independent of the model
     curve: list[dict[str, float]] = []
@@ -119,7 +140,7 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, Any]]:
             running = 0.0
     log = {
         "command": "python -m pagedkv.models.train_tiny_pydoc " + " ".join(sys.argv[1:]),
-        "seed": args.seed, "device": str(device), "torch": torch.__version__,
+        "seed": args.seed, "device": str(device), "torch": torch.__version__, "topics_python": topics_python,
         "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
         "warmup": args.warmup, "train_tokens": len(train_ids), "val_tokens": len(val_ids),
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -177,24 +198,37 @@ def write_tokenizer(out: Path) -> None:
     """`tokenizer.json` + `tokenizer_config.json` + `special_tokens_map.json` for AutoTokenizer."""
     (out / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(), indent=1, ensure_ascii=False) + "\n")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-              "add_bos_token": True, "clean_up_tokenization_spaces": False, "split_special_tokens": True, "model_max_length": MODEL_SHAPE["max_position_embeddings"]}
+              "add_bos_token": True, "clean_up_tokenization_spaces": False, "split_special_tokens": True, "model_max_length": FIXED_SHAPE["max_position_embeddings"]}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory to write the checkpoint to")
+    parser.add_argument("--out", type=Path, help="directory to write the checkpoint to")
+    parser.add_argument("--topics", type=Path, help="train on the topics in this --dump-topics file")
+    parser.add_argument("--dump-topics", type=Path, help="write this Python's topics to a file, then stop")
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--intermediate-size", type=int, default=512)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--num-heads", type=int, default=8)
+    parser.add_argument("--num-kv-heads", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument("--log-every", type=int, default=250)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args(argv)
+    if args.dump_topics:
+        topics, python = pydoc_topics()
+        args.dump_topics.write_text(json.dumps({"python": python, "topics": topics}))
+        return
+    if args.out is None:
+        parser.error("--out is required to train")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, log = train(args)
