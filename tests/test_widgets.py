@@ -64,6 +64,29 @@ def test_live_view_follows_every_step() -> None:
     assert repr(view) == f"BlockTableView(step {view.trace[-1].step}, {len(view.trace)} recorded)"
 
 
+def test_live_view_in_a_notebook_redraws_at_most_every_interval_and_at_the_cell_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from IPython.core.events import EventManager, available_events
+
+    import widgets.common
+
+    class Shell:  # what the view uses of a kernel's IPython shell
+        events = EventManager(None, available_events)
+
+    monkeypatch.setattr(widgets.common, "_ipython", lambda: Shell)
+    monkeypatch.setattr(widgets.common, "LIVE_REDRAW_INTERVAL_S", 3600.0)
+    llm = engine()
+    view = BlockTableView.attach(llm)
+    view._drawn_at = float("-inf")  # as if the last drawing was long ago: the first step draws
+    llm.generate(PROMPTS, PARAMS)
+    assert len(view.trace) > 2
+    assert 'data-step="1"' in view.value  # every later step came within the interval
+    Shell.events.trigger("post_run_cell", None)  # the cell ends
+    assert f'data-step="{view.trace[-1].step}"' in view.value
+    assert not Shell.events.callbacks["post_run_cell"]  # the catch-up is gone again
+
+
 def test_block_table_view_content(hybrid_trace: StepTrace) -> None:
     view = BlockTableView(hybrid_trace, index=0)
     html = view.value

@@ -16,6 +16,7 @@ skipped with the reason when either is missing. Never `playwright install`: no d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -72,19 +73,12 @@ def _wait_until_up(url: str, process: subprocess.Popen[bytes], timeout_s: float 
     raise TimeoutError(f"JupyterLab did not answer {url} within {timeout_s} s")
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Base URL (with token query) of a JupyterLab serving a fresh copy of the notebooks."""
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} not found: install Debian's chromium (apt-get install -y chromium)")
-    pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
-    tmp = tmp_path_factory.mktemp("jupyterlab")
+@contextlib.contextmanager
+def serve_lab(tmp: Path) -> Iterator[tuple[str, str, Path]]:
+    """JupyterLab on a free loopback port serving a fresh copy of `notebooks/` in `tmp` (which must
+    not exist yet): yields (base URL, token, the copy's directory)."""
     root = tmp / "work"
     shutil.copytree(REPO / "notebooks", root, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
-    nbformat = pytest.importorskip("nbformat")
-    nb = nbformat.read(root / NOTEBOOK, as_version=4)
-    nb.cells.append(nbformat.v4.new_code_cell(EXTRA_CELL))
-    nbformat.write(nb, root / NOTEBOOK)
     config_dir = tmp / "config"
     (config_dir / "labconfig").mkdir(parents=True)
     # The "Jupyter news" pop-up would cover the notebook.
@@ -105,7 +99,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_until_up(f"{base}/api/status?token={token}", process)
-        yield f"{base}|{token}"
+        yield base, token, root
     finally:
         process.terminate()
         try:
@@ -113,6 +107,20 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL and token ("base|token") of a JupyterLab serving a fresh copy of the notebooks."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} not found: install Debian's chromium (apt-get install -y chromium)")
+    pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
+    nbformat = pytest.importorskip("nbformat")
+    with serve_lab(tmp_path_factory.mktemp("jupyterlab") / "lab") as (base, token, root):
+        nb = nbformat.read(root / NOTEBOOK, as_version=4)  # read when opened: editing it now is in time
+        nb.cells.append(nbformat.v4.new_code_cell(EXTRA_CELL))
+        nbformat.write(nb, root / NOTEBOOK)
+        yield f"{base}|{token}"
 
 
 def test_notebook_02_widgets_draw_and_redraw(lab: str) -> None:
