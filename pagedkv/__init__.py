@@ -5,7 +5,17 @@
     print(llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text)
 """
 
-from pagedkv.config import (
+from pathlib import Path as _Path
+
+# A clone used without installing it (PYTHONPATH=<clone>) or installed editable: `pagedkv.widgets`
+# and the workbook's data live in the repository's top level (widgets/, notebooks/), which an
+# installed wheel has inside the package (pyproject.toml maps them). Searching the repository
+# root for pagedkv's subpackages too makes `import pagedkv.widgets` work the same way in a clone.
+_root = _Path(__file__).resolve().parent.parent
+if (_root / "pyproject.toml").is_file() and (_root / "widgets" / "__init__.py").is_file():
+    __path__.append(str(_root))
+
+from pagedkv.config import (  # noqa: E402
     CacheConfig,
     CompilationConfig,
     CUDAGraphMode,
@@ -14,8 +24,8 @@ from pagedkv.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from pagedkv.engine.llm import LLM, EngineStats, StepEvent
-from pagedkv.engine.request import CompletionOutput, RequestOutput, SamplingParams
+from pagedkv.engine.llm import LLM, EngineStats, StepEvent  # noqa: E402
+from pagedkv.engine.request import CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 

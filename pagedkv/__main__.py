@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 from pagedkv import LLM, SamplingParams, StepEvent
 from pagedkv.engine.llm import Prompt
+from pagedkv.workbook import DEFAULT_DIR as DEFAULT_WORKBOOK_DIR
 
 
 def _token_ids(text: str) -> list[int]:
@@ -110,31 +110,22 @@ def _backends(args: argparse.Namespace) -> None:
 
 
 def _workbook(args: argparse.Namespace) -> None:
-    notebooks = Path(args.notebooks)
-    first = notebooks / "00_start_here.ipynb"
-    has_display = bool(os.environ.get("DISPLAY")) or sys.platform in ("darwin", "win32")
-    if args.lab or (has_display and not args.execute):
-        from jupyterlab.labapp import main as lab
+    from pagedkv import workbook
 
-        sys.exit(lab([str(first)]))
-    import nbformat
-    from nbclient import NotebookClient
-
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Without a GPU, notebook 06's Triton kernels need Triton's interpreter: say so in the Jupyter kernels' environment.
-    kernel_env = {} if _cuda() else {"env": {**os.environ, "TRITON_INTERPRET": "1"}}
-    for path in sorted(notebooks.glob("[0-9][0-9]_*.ipynb")):
-        nb = nbformat.read(path, as_version=4)
-        if nb.metadata.get("pagedkv", {}).get("requires_gpu") and not _cuda():
-            print(f"skip {path.name} (needs a GPU)")
-            continue
-        start = time.perf_counter()
-        NotebookClient(nb, timeout=1200, resources={"metadata": {"path": str(notebooks)}},
-                       store_widget_state=True).execute(**kernel_env)
-        nbformat.write(nb, out_dir / path.name)
-        print(f"ran  {path.name} in {time.perf_counter() - start:.1f} s -> {out_dir / path.name}")
-    print(f"Open them with: python -m pagedkv workbook --lab  (or jupyter lab {out_dir})")
+    if args.list:
+        for nb in workbook.list_notebooks():
+            print(f"{nb.name:<42} {'needs a GPU' if nb.requires_gpu else 'CPU or GPU':<12} {nb.title}")
+        return
+    dest = Path(args.dir)
+    report = workbook.copy_workbook(dest, force=args.force)
+    print(f"workbook in {dest.resolve()}: {len(report.copied)} files copied, {len(report.unchanged)} already there")
+    for rel in report.kept:
+        print(f"  kept your copy of {rel} (it differs from the shipped one; --force replaces it)")
+    if args.lab or (workbook.has_display() and not args.execute):
+        workbook.open_lab(dest)
+    for name, seconds in workbook.execute_workbook(dest, cuda=_cuda()):
+        print(f"skip {name} (needs a GPU)" if seconds is None else f"ran  {name} in {seconds:.1f} s")
+    print(f"The executed notebooks are in {dest / 'notebooks'}; open them with: pagedkv workbook {args.dir} --lab")
 
 
 def _cuda() -> bool:
@@ -182,11 +173,14 @@ def main(argv: list[str] | None = None) -> None:
     be.add_argument("--block-size", type=int, default=16)
     be.set_defaults(func=_backends)
 
-    wb = sub.add_parser("workbook", help="open the workbook in JupyterLab, or execute it when there is no display")
-    wb.add_argument("--notebooks", default=str(Path(__file__).resolve().parent.parent / "notebooks"))
+    wb = sub.add_parser("workbook", help="copy the workbook into DIR, then open it in JupyterLab (no display: "
+                        "execute every notebook)")
+    wb.add_argument("dir", nargs="?", default=str(DEFAULT_WORKBOOK_DIR),
+                    help=f"where the notebooks go (default ./{DEFAULT_WORKBOOK_DIR})")
+    wb.add_argument("--list", action="store_true", help="list the notebooks and which need a GPU, then stop")
+    wb.add_argument("--force", action="store_true", help="replace copies in DIR that differ from the shipped ones")
     wb.add_argument("--lab", action="store_true", help="always open JupyterLab")
-    wb.add_argument("--execute", action="store_true", help="always execute every notebook")
-    wb.add_argument("--out", default="build/workbook", help="where executed notebooks are written")
+    wb.add_argument("--execute", action="store_true", help="always execute every notebook (saved with outputs)")
     wb.set_defaults(func=_workbook)
 
     args = parser.parse_args(argv)

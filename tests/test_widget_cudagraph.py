@@ -13,7 +13,7 @@ import pytest
 
 from pagedkv.attention.backend import AttentionCGSupport
 from pagedkv.attention.selector import load_backend
-from widgets import CudaGraphModeExplorer, PiecewiseSplitView
+from pagedkv.widgets import CudaGraphModeExplorer, PiecewiseSplitView
 
 S = AttentionCGSupport
 

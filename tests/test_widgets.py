@@ -14,9 +14,9 @@ matplotlib.use("Agg")
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.trace import StepTrace  # noqa: E402
-from widgets.common import PALETTE  # noqa: E402
-from widgets.plots import FACECOLOR  # noqa: E402
-from widgets import (  # noqa: E402
+from pagedkv.widgets.common import PALETTE  # noqa: E402
+from pagedkv.widgets.plots import FACECOLOR  # noqa: E402
+from pagedkv.widgets import (  # noqa: E402
     AttentionGroupsView,
     BlockTableView,
     ForwardContextView,
@@ -69,13 +69,13 @@ def test_live_view_in_a_notebook_redraws_at_most_every_interval_and_at_the_cell_
 ) -> None:
     from IPython.core.events import EventManager, available_events
 
-    import widgets.common
+    from pagedkv.widgets import common
 
     class Shell:  # what the view uses of a kernel's IPython shell
         events = EventManager(None, available_events)
 
-    monkeypatch.setattr(widgets.common, "_ipython", lambda: Shell)
-    monkeypatch.setattr(widgets.common, "LIVE_REDRAW_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(common, "_ipython", lambda: Shell)
+    monkeypatch.setattr(common, "LIVE_REDRAW_INTERVAL_S", 3600.0)
     llm = engine()
     view = BlockTableView.attach(llm)
     view._drawn_at = float("-inf")  # as if the last drawing was long ago: the first step draws

@@ -1,11 +1,15 @@
 """Live views of a pagedkv engine for Jupyter (ipywidgets 8, HTML/SVG, matplotlib).
 
+Imported as `pagedkv.widgets` (needs the `notebooks` extra). The source sits in the repository's
+top-level `widgets/` folder; pyproject.toml installs it as `pagedkv/widgets`, and a clone used
+without installing finds it through `pagedkv.__path__` (see pagedkv/__init__.py).
+
 Every view draws one step of a `pagedkv.trace.StepTrace`; the same code draws a step live
 (the trace is attached to a running `LLM`) and replayed (a trace loaded from JSON):
 
     from pagedkv import LLM, SamplingParams
     from pagedkv.trace import StepTrace
-    from widgets import BlockTableView, SlotMappingView, StepPlayer, plot_kv_cache_usage
+    from pagedkv.widgets import BlockTableView, SlotMappingView, StepPlayer, plot_kv_cache_usage
 
     llm = LLM("tiny", num_kv_blocks=32)
     trace = StepTrace.attach(llm)                     # record every step from now on
@@ -41,20 +45,29 @@ Not tied to a trace:
     PiecewiseSplitView     a compiled model's pieces and the attention ops run eagerly between them
 """
 
-from widgets.attention_groups import AttentionGroupsView
-from widgets.block_table import BlockTableView
-from widgets.common import TraceView, request_color
-from widgets.cudagraph import CudaGraphModeExplorer, PiecewiseSplitView
-from widgets.forward_context import ForwardContextView
-from widgets.player import StepPlayer
-from widgets.plots import (
+try:
+    import ipywidgets  # noqa: F401
+    import matplotlib  # noqa: F401
+except ImportError as error:  # the core package runs without Jupyter; the views need its extra
+    raise ImportError(
+        f"pagedkv.widgets needs ipywidgets and matplotlib ({error.name} is missing): "
+        "pip install 'pagedkv[notebooks]'"
+    ) from error
+
+from pagedkv.widgets.attention_groups import AttentionGroupsView
+from pagedkv.widgets.block_table import BlockTableView
+from pagedkv.widgets.common import TraceView, request_color
+from pagedkv.widgets.cudagraph import CudaGraphModeExplorer, PiecewiseSplitView
+from pagedkv.widgets.forward_context import ForwardContextView
+from pagedkv.widgets.player import StepPlayer
+from pagedkv.widgets.plots import (
     PlotView,
     plot_batch_composition,
     plot_kv_cache_usage,
     plot_request_timeline,
     plot_throughput,
 )
-from widgets.slot_mapping import SlotMappingView
+from pagedkv.widgets.slot_mapping import SlotMappingView
 
 __all__ = [
     "AttentionGroupsView",

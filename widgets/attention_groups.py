@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagedkv.trace import StepRecord
-from widgets.common import BASE_STYLE, BG, BORDER, FG_MUTED, PALETTE, SVG_STYLE, TraceView, esc, short_layer
+from pagedkv.widgets.common import BASE_STYLE, BG, BORDER, FG_MUTED, PALETTE, SVG_STYLE, TraceView, esc, short_layer
 
 ROW_H = 26
 GROUP_MIN_H = 56

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedkv.trace import KVCacheGroupInfo, StepRecord, StepTrace
-from widgets.common import (
+from pagedkv.widgets.common import (
     BASE_STYLE, BG, BG_SOLID, BORDER, FG, FG_MUTED, SVG_STYLE, TraceView, esc, request_color, short_layer,
 )
 

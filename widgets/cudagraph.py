@@ -21,7 +21,7 @@ from pagedkv.attention.backend import AttentionCGSupport
 from pagedkv.attention.selector import load_backend, registered_backends
 from pagedkv.compilation import CUDAGraphMode
 from pagedkv.exercises.cudagraph import Resolution, resolve_explained
-from widgets.common import BASE_STYLE, esc, short_layer
+from pagedkv.widgets.common import BASE_STYLE, esc, short_layer
 
 ANY_BACKEND = "YOUR_BACKEND"
 """The backend named in messages when only a support level is chosen."""

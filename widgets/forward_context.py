@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagedkv.trace import StepRecord
-from widgets.common import BASE_STYLE, BG_HEADER, BORDER_LIGHT, TraceView, esc
+from pagedkv.widgets.common import BASE_STYLE, BG_HEADER, BORDER_LIGHT, TraceView, esc
 
 _CELL = f"padding:2px 6px; border:1px solid {BORDER_LIGHT}; text-align:left; vertical-align:top"
 

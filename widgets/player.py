@@ -8,7 +8,7 @@ from typing import Any
 import ipywidgets
 
 from pagedkv.trace import StepRecord, StepTrace
-from widgets.common import TraceView
+from pagedkv.widgets.common import TraceView
 
 
 class StepPlayer(ipywidgets.VBox):

@@ -21,7 +21,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
 from pagedkv.trace import StepRecord, StepTrace
-from widgets.common import TraceView, request_color
+from pagedkv.widgets.common import TraceView, request_color
 
 PHASE_COLORS = {"prefill": "#0072B2", "decode": "#009E73", "unscheduled": "#cccccc"}
 PlotFn = Callable[[StepTrace, Axes], Axes]

@@ -8,7 +8,7 @@ from typing import Any
 import ipywidgets
 
 from pagedkv.trace import StepRecord, StepTrace
-from widgets.common import BASE_STYLE, BG_HEADER, BORDER_LIGHT, FG_MUTED, TraceView, esc, request_color
+from pagedkv.widgets.common import BASE_STYLE, BG_HEADER, BORDER_LIGHT, FG_MUTED, TraceView, esc, request_color
 
 _CELL = f"padding:1px 4px; border:1px solid {BORDER_LIGHT}; text-align:center"
 

@@ -40,7 +40,7 @@ CHROMIUM_ARGS = [
 ]
 NOTEBOOK = "02_paged_kv_cache.ipynb"
 EXTRA_CELL = (  # appended to the test's copy of the notebook: the views notebook 02 does not draw
-    "from widgets import AttentionGroupsView, ForwardContextView\n"
+    "from pagedkv.widgets import AttentionGroupsView, ForwardContextView\n"
     "StepPlayer(trace, [ForwardContextView(trace), AttentionGroupsView(trace)])"
 )
 VIEWS = ".pkv-block-table, .pkv-slot-mapping, .pkv-forward-context, .pkv-attention-groups"

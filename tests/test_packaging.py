@@ -1,0 +1,84 @@
+"""Packaging: what pyproject.toml installs, and `pagedkv workbook` on a copy (the wheel itself: test_wheel_install.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from pagedkv.__main__ import main as cli
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def test_every_package_under_pagedkv_is_listed() -> None:
+    on_disk = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "pagedkv").rglob("__init__.py")}
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    assert on_disk - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+    mapped = PYPROJECT["tool"]["setuptools"]["package-dir"]
+    assert listed - on_disk == set(mapped), "listed packages that are neither on disk nor mapped"
+    assert "widgets" not in listed  # nothing claims the top-level import name
+
+
+def test_version_comes_from_one_place() -> None:
+    import pagedkv
+
+    assert PYPROJECT["project"]["dynamic"] == ["version"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "pagedkv.__version__"}
+    assert pagedkv.__version__.count(".") == 2
+
+
+def test_core_imports_without_jupyter_and_widgets_name_the_extra() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['ipywidgets'] = None  # as if not installed\n"
+        "import pagedkv\n"
+        "from pagedkv import LLM, SamplingParams\n"
+        "out = LLM('tiny', num_kv_blocks=16).generate(['hi'], SamplingParams(temperature=0, max_tokens=2))\n"
+        "assert len(out[0].outputs[0].token_ids) == 2\n"
+        "try:\n"
+        "    import pagedkv.widgets\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "pagedkv.widgets needs ipywidgets and matplotlib (ipywidgets is missing)" in done.stdout
+    assert "pip install 'pagedkv[notebooks]'" in done.stdout
+
+
+def test_workbook_list_names_every_notebook(capsys: pytest.CaptureFixture[str]) -> None:
+    cli(["workbook", "--list"])
+    lines = capsys.readouterr().out.splitlines()
+    names = sorted(p.name for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert [line.split()[0] for line in lines] == names
+    for line, name in zip(lines, names):
+        gpu = json.loads((REPO / "notebooks" / name).read_text())["metadata"].get("pagedkv", {}).get("requires_gpu")
+        assert ("needs a GPU" in line) == bool(gpu), line
+
+
+def test_workbook_copy_keeps_edited_notebooks_unless_forced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedkv.workbook import copy_workbook
+
+    dest = tmp_path / "wb"
+    first = copy_workbook(dest)
+    shipped = {p.relative_to(REPO) for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+    assert shipped <= set(first.copied)
+    assert (dest / "benchmarks/results/attention_h200.json").is_file()  # where notebooks 06/07 look: ../benchmarks
+    assert (dest / "notebooks/traces/h200_tiny-hybrid.json").is_file()
+    assert not (dest / "notebooks/conftest.py").exists()
+
+    edited = dest / "notebooks/00_start_here.ipynb"
+    edited.write_text(edited.read_text().replace("Start here", "My notes"))
+    again = copy_workbook(dest)
+    assert again.copied == [] and again.kept == [edited.relative_to(dest)]
+    assert "My notes" in edited.read_text()
+
+    forced = copy_workbook(dest, force=True)
+    assert forced.copied == [edited.relative_to(dest)]
+    assert "My notes" not in edited.read_text()

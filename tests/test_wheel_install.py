@@ -1,0 +1,99 @@
+"""pagedkv as a student installs it: the wheel (not editable) in a fresh virtual environment.
+
+Builds an sdist and a wheel with `python -m build` (and checks them with `twine check`), installs
+the wheel with its `notebooks` extra and a CPU torch into a new venv, then works from an empty
+folder outside the repository: imports, `LLM("tiny")`, the trained preset, and `pagedkv workbook
+--execute` on the installed copy of the workbook, checking that every notebook ran to the end.
+A few minutes: most of it is executing the ten notebooks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TORCH = "torch==2.13.0"  # the CPU build CI installs (.ci/setup)
+
+
+def _run(cmd: list[str], cwd: Path, timeout: int = 900, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("build", reason="the build package (test extra) is not installed")
+    out = tmp_path_factory.mktemp("dist")
+    _run([sys.executable, "-m", "build", "--outdir", str(out), str(REPO)], cwd=out)
+    return out
+
+
+def test_sdist_and_wheel_pass_twine_check(dist: Path) -> None:
+    pytest.importorskip("twine", reason="twine (test extra) is not installed")
+    files = sorted(str(p) for p in dist.iterdir())
+    assert any(f.endswith(".whl") for f in files) and any(f.endswith(".tar.gz") for f in files), files
+    assert "PASSED" in _run([sys.executable, "-m", "twine", "check", "--strict", *files], cwd=dist)
+
+
+def test_wheel_contents(dist: Path) -> None:
+    wheel = next(dist.glob("*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if n.startswith("widgets/")], "a top-level widgets package would be installed"
+    for needed in ("pagedkv/widgets/__init__.py", "pagedkv/notebooks/00_start_here.ipynb",
+                   "pagedkv/notebooks/traces/h200_tiny-hybrid.json", "pagedkv/benchmark_results/attention_h200.json",
+                   "pagedkv/models/data/tiny-pydoc/model.safetensors", "pagedkv/workbook.py"):
+        assert needed in names, needed
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    import pagedkv
+
+    assert f"Version: {pagedkv.__version__}" in metadata
+    for extra in ("notebooks", "triton", "test", "flash-attn"):
+        assert f"Provides-Extra: {extra}" in metadata, extra
+    assert "License-Expression: Apache-2.0" in metadata
+
+
+def test_installed_wheel_runs_the_engine_and_the_workbook(dist: Path, tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)
+    python = str(venv / "bin" / "python")
+    wheel = next(dist.glob("*.whl"))
+    _run([python, "-m", "pip", "install", "-q", TORCH], cwd=tmp_path)
+    _run([python, "-m", "pip", "install", "-q", f"{wheel}[notebooks,triton]"], cwd=tmp_path)
+    _run([python, "-m", "ipykernel", "install", "--sys-prefix", "--name", "python3"], cwd=tmp_path)
+
+    student = tmp_path / "my-project"  # an empty folder outside the repository
+    student.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET", "DISPLAY")}
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    code = (
+        "import importlib.util, pagedkv\n"
+        "from pagedkv import LLM, SamplingParams\n"
+        "from pagedkv.widgets import BlockTableView, StepPlayer\n"
+        "assert '/site-packages/pagedkv/' in pagedkv.__file__, pagedkv.__file__\n"
+        "assert importlib.util.find_spec('widgets') is None  # no top-level name claimed\n"
+        "greedy = SamplingParams(temperature=0, max_tokens=24)\n"
+        "print(LLM('tiny', num_kv_blocks=16).generate(['hi'], greedy)[0].outputs[0].token_ids)\n"
+        "print(repr(LLM('tiny-pydoc').generate(['A function definition'], greedy)[0].outputs[0].text))\n"
+    )
+    out = _run([python, "-c", code], cwd=student, env=env)
+    assert "is an executable statement" in out, out  # the shipped trained weights, read as text
+
+    listing = _run(["pagedkv", "workbook", "--list"], cwd=student, env=env)
+    assert "00_start_here.ipynb" in listing and "09_serving_end_to_end.ipynb" in listing
+    ran = _run(["pagedkv", "workbook", "--execute"], cwd=student, env=env, timeout=1500)
+    notebooks = sorted((student / "pagedkv-workbook" / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert len(notebooks) == 10, ran
+    for path in notebooks:
+        assert f"ran  {path.name}" in ran, ran
+        cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+        assert all(c["execution_count"] for c in cells), f"{path.name}: not every code cell ran"
+        errors = [o for c in cells for o in c["outputs"] if o["output_type"] == "error"]
+        assert not errors, f"{path.name}: {errors[0]['ename']}: {errors[0]['evalue']}"
