@@ -69,7 +69,7 @@ def _generate(args: argparse.Namespace) -> None:
         args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend,
         max_num_batched_tokens=args.max_num_batched_tokens, cudagraph_mode=args.cudagraph_mode,
-        enforce_eager=args.enforce_eager, compile=args.compile,
+        enforce_eager=args.enforce_eager, compile=args.compile, tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.show_steps:
         _show_steps(llm)
@@ -86,6 +86,7 @@ def _generate(args: argparse.Namespace) -> None:
     print(f"# {s.num_steps} steps, {s.num_prefill_tokens} prefill + {s.num_decode_tokens} decode tokens, "
           f"{s.num_preemptions} preemptions, {elapsed:.2f} s, cudagraph_mode {llm.runner.cudagraph_mode.name}",
           file=sys.stderr)
+    llm.shutdown()
 
 
 def _backends(args: argparse.Namespace) -> None:
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--enforce-eager", action="store_true", help="run every step eagerly, whatever the mode")
     gen.add_argument("--compile", action="store_true",
                      help="torch.compile the model, split at the attention ops (PIECEWISE graphs need it)")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                     help="split the model over N processes (gloo on CPU, NCCL with one GPU each)")
     gen.add_argument("--show-steps", action="store_true", help="print a table row per engine step")
     gen.add_argument("--stream", action="store_true",
                      help="print every token as its step produces it: [request id] token_id 'text'")

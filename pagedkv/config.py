@@ -60,9 +60,12 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    """Tensor parallelism (this package runs one rank; the head layout is still computed per rank)."""
+    """Tensor parallelism: how many processes (ranks) each hold a shard of the model."""
 
     tensor_parallel_size: int = 1
+    """1: one process. N > 1: the driver is rank 0 and N - 1 worker processes run every step with it
+    (pagedkv/worker/tp_executor.py); each rank holds its query heads, its (or a replicated) KV head
+    and its share of every matrix (pagedkv/models/parallel_layers.py)."""
 
 
 @dataclass

@@ -43,6 +43,8 @@ Not tied to a trace:
     CudaGraphModeExplorer  CUDA graph mode, backend support, compile, decode query length,
                            enforce_eager -> the mode `resolve_cudagraph_mode` resolves and why
     PiecewiseSplitView     a compiled model's pieces and the attention ops run eagerly between them
+    TensorParallelLayoutView  model shape + rank count -> each rank's heads (split or replicated),
+                           its rows / columns of every matrix, its KV cache per token, the all-reduces
 """
 
 try:
@@ -68,6 +70,7 @@ from pagedkv.widgets.plots import (
     plot_throughput,
 )
 from pagedkv.widgets.slot_mapping import SlotMappingView
+from pagedkv.widgets.tensor_parallel import TensorParallelLayoutView
 
 __all__ = [
     "AttentionGroupsView",
@@ -78,6 +81,7 @@ __all__ = [
     "PlotView",
     "SlotMappingView",
     "StepPlayer",
+    "TensorParallelLayoutView",
     "TraceView",
     "plot_batch_composition",
     "plot_kv_cache_usage",

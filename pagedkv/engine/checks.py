@@ -17,6 +17,8 @@ import reprlib
 import torch
 
 from pagedkv.config import CompilationConfig, CUDAGraphMode, parse_dtype
+from pagedkv.models.layers import head_layout
+from pagedkv.models.llama import LlamaConfig
 from pagedkv.platforms import default_device
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -165,3 +167,25 @@ def check_compilation(
             "max_cudagraph_capture_size", max_cudagraph_capture_size, 1, hint=" (tokens) or None"
         ),
     )
+
+
+def check_tensor_parallel(tp_size: int, model: LlamaConfig, device: torch.device, compilation: CompilationConfig) -> None:
+    """Whether `model` can be split `tp_size` ways here (checked before any process starts)."""
+    if tp_size == 1:
+        return
+    head_layout(model.num_attention_heads, model.num_key_value_heads, tp_size)  # raises naming the heads
+    if model.intermediate_size % tp_size:
+        raise ValueError(
+            f"intermediate_size ({model.intermediate_size}) must be divisible by tensor_parallel_size ({tp_size}): "
+            "each rank holds an equal share of the MLP."
+        )
+    if device.type == "cuda" and tp_size > torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} needs {tp_size} GPUs (one per rank); {torch.cuda.device_count()} "
+            "visible (CUDA_VISIBLE_DEVICES)."
+        )
+    if compilation.compile or compilation.cudagraph_mode is not CUDAGraphMode.NONE:
+        raise NotImplementedError(
+            f"tensor_parallel_size={tp_size} runs eagerly for now: pass cudagraph_mode='NONE' (the default) "
+            "and compile=False."
+        )

@@ -34,6 +34,7 @@ from pagedkv.config import (
     CUDAGraphMode,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from pagedkv.engine.checks import (
@@ -45,6 +46,7 @@ from pagedkv.engine.checks import (
     check_int,
     check_model,
     check_optional_int,
+    check_tensor_parallel,
     check_token_ids,
 )
 from pagedkv.engine.request import SEED_RANGE, CompletionOutput, Request, RequestOutput, SamplingParams
@@ -54,6 +56,7 @@ from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.models.loader import PRESETS, TRAINED_PRESETS, load_config
 from pagedkv.models.tokenizer import get_tokenizer
 from pagedkv.worker.model_runner import ModelRunner, StepResult
+from pagedkv.worker.tp_executor import TensorParallelExecutor
 
 Prompt = str | dict[str, Any]
 """Text, or {"prompt_token_ids": [...]}."""
@@ -122,6 +125,7 @@ class LLM:
         enforce_eager: bool = False,
         compile: bool = False,
         max_cudagraph_capture_size: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         model = check_model(model, sorted([*PRESETS, *TRAINED_PRESETS]))
         device = check_device(device)
@@ -157,8 +161,11 @@ class LLM:
         seed = check_int("seed", seed, *SEED_RANGE)
         # Graphs are opt-in: a replay runs no model Python (hooks, forward context) the workbook inspects.
         compilation = check_compilation(cudagraph_mode, enforce_eager, compile, max_cudagraph_capture_size)
+        tensor_parallel_size = check_int("tensor_parallel_size", tensor_parallel_size, 1,
+                                         hint=" (processes, each holding a shard of the model)")
 
         model_cfg = load_config(model)
+        check_tensor_parallel(tensor_parallel_size, model_cfg, device, compilation)
         if max_model_len is None:  # only None means "the model's limit"
             max_model_len = model_cfg.max_position_embeddings
         if max_model_len > model_cfg.max_position_embeddings:
@@ -182,6 +189,7 @@ class LLM:
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
             compilation_config=compilation,
+            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             device=device,
             attention_backend=attention_backend,
             layer_attention_backends=layer_attention_backends,
@@ -189,15 +197,23 @@ class LLM:
         self.model_config = model_cfg
         self.tokenizer = get_tokenizer(model, model in PRESETS)
         self.eos_token_ids = self._eos_token_ids(model)
-        self.runner = ModelRunner(self.config, model_cfg)
+        self._executor: TensorParallelExecutor | None = None
+        """With tensor_parallel_size > 1: runs each step on every rank (self.runner is rank 0's)."""
+        if tensor_parallel_size > 1:
+            self._executor = TensorParallelExecutor(self.config, model_cfg)
+            self.runner = self._executor.runner
+        else:
+            self.runner = ModelRunner(self.config, model_cfg)
         unknown = sorted(set(layer_attention_backends) - set(self.runner.attn_layers))
         if unknown:
+            self.shutdown()
             raise ValueError(
                 f"layer_attention_backends names no attention layer {unknown}; the layers are "
                 f"{list(self.runner.attn_layers)}."
             )
-        self.runner.initialize_kv_cache(self.runner.determine_kv_cache_config())
-        self.runner.capture_model()
+        if self._executor is None:
+            self.runner.initialize_kv_cache(self.runner.determine_kv_cache_config())
+            self.runner.capture_model()
         self.kv_cache_manager = KVCacheManager(self.runner.kv_cache_config)
         self.scheduler = Scheduler(self.config.scheduler_config, max_model_len, self.kv_cache_manager)
         self.sampler = Sampler()
@@ -218,6 +234,20 @@ class LLM:
     @property
     def model(self) -> torch.nn.Module:
         return self.runner.model
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel worker processes (nothing to do with one rank). Also done when
+        the LLM is garbage-collected or the interpreter exits; calling it twice is fine."""
+        if self._executor is not None:
+            self._executor.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     # ---- listeners -------------------------------------------------------------------
 
@@ -319,7 +349,7 @@ class LLM:
                      for s in sched.scheduled}
         start = time.perf_counter()
         try:
-            result = self.runner.execute_model(sched, block_ids)
+            result = (self._executor or self.runner).execute_model(sched, block_ids)
         except Exception as error:  # not KeyboardInterrupt: a step interrupted that way can simply run again
             self._fail_step(sched, error)
             raise

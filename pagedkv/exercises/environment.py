@@ -89,6 +89,8 @@ WORKBOOK: list[NotebookInfo] = [
     NotebookInfo("08_cuda_graphs_and_torch_compile",
                  "CUDA graph modes and their lowering, the torch.compile split (graphs timed on a GPU)", "cpu"),
     NotebookInfo("09_serving_end_to_end", "continuous batching, chunked prefill, preemption, throughput", "cpu"),
+    NotebookInfo("10_tensor_parallelism", "one model over several processes: sharded layers, head layout, all-reduces",
+                 "cpu"),
 ]
 
 

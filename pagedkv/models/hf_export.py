@@ -38,7 +38,7 @@ def to_transformers(
     import transformers  # optional: only the tests and the benchmark need it
 
     config, cls = _transformers_config(model, attn_implementation)
-    weights = _unfused_state_dict(model)
+    weights = model.hf_state_dict()
     device = torch.device(device)
     with torch.device("meta"):
         hf = cls(config)
@@ -77,20 +77,3 @@ def _transformers_config(model: LlamaForCausalLM, attn_implementation: str) -> t
     config = transformers.Qwen2Config(**fields, sliding_window=windows.pop(), use_sliding_window=True,
                                       layer_types=layer_types)
     return config, transformers.Qwen2ForCausalLM
-
-
-def _unfused_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """Our fused qkv_proj / gate_up_proj split back into Hugging Face's separate matrices."""
-    c = model.config
-    q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        if ".qkv_proj." in name:
-            for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q_size, kv_size, kv_size])):
-                out[name.replace("qkv_proj", part)] = piece
-        elif ".gate_up_proj." in name:
-            for part, piece in zip(("gate_proj", "up_proj"), tensor.chunk(2)):
-                out[name.replace("gate_up_proj", part)] = piece
-        else:
-            out[name] = tensor
-    return out

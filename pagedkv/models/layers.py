@@ -108,3 +108,16 @@ def head_layout(total_num_heads: int, total_num_kv_heads: int, tp_size: int = 1)
             "when KV heads are replicated."
         )
     return HeadLayout(tp_size, total_num_heads // tp_size, 1, tp_size // total_num_kv_heads)
+
+
+def rank_heads(layout: HeadLayout, rank: int) -> tuple[range, range]:
+    """(query heads, KV heads) that rank `rank` holds, as global head indices.
+
+    Query heads are consecutive blocks. With replicated KV heads, ranks r * replicas ...
+    (r + 1) * replicas - 1 all hold KV head r: the one their query heads attend to.
+    """
+    if not 0 <= rank < layout.tp_size:
+        raise ValueError(f"rank must be in [0, {layout.tp_size}), got {rank}.")
+    first_kv = (rank // layout.kv_head_replicas) * layout.num_kv_heads
+    return (range(rank * layout.num_heads, (rank + 1) * layout.num_heads),
+            range(first_kv, first_kv + layout.num_kv_heads))

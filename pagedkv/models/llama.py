@@ -21,8 +21,14 @@ import torch
 from torch import nn
 
 from pagedkv.attention.layer import Attention
-from pagedkv.config import get_current_engine_config
-from pagedkv.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, head_layout
+from pagedkv.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from pagedkv.models.parallel_layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 
 @dataclass
@@ -138,14 +144,14 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: LlamaConfig, prefix: str, sliding_window: int | None) -> None:
         super().__init__()
-        tp_size = get_current_engine_config().parallel_config.tensor_parallel_size
-        layout = head_layout(config.num_attention_heads, config.num_key_value_heads, tp_size)
-        self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
         self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.layout.num_heads, self.qkv_proj.layout.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=config.attention_bias)
         self.rotary_emb = RotaryEmbedding(
             self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -169,9 +175,10 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                       bias=config.mlp_bias)
         self.act_fn = SiluAndMul()
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -197,7 +204,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: LlamaConfig, prefix: str = "model") -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, f"{prefix}.layers.{i}", config.layer_sliding_window(i))
             for i in range(config.num_hidden_layers)
@@ -219,6 +226,13 @@ _STACKED = {
 }
 
 
+def _copy_whole(param: nn.Parameter, tensor: torch.Tensor, shard: int | None) -> None:
+    """The loader of parameters every rank holds whole (the norms)."""
+    if param.shape != tensor.shape:
+        raise ValueError(f"Shape mismatch: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}.")
+    param.data.copy_(tensor)
+
+
 class LlamaForCausalLM(nn.Module):
     """The whole model: tokens + positions -> hidden states -> logits."""
 
@@ -226,8 +240,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:  # both split by vocabulary rows the same way
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -235,10 +249,26 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+        return self.lm_head.compute_logits(hidden_states)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters under Hugging Face's names: the fused qkv_proj / gate_up_proj
+        split back into q/k/v_proj and gate/up_proj (views, no copies). The inverse of `load_weights`
+        for one rank."""
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in self.state_dict().items():
+            for part, (fused, index) in _STACKED.items():
+                if fused in name:
+                    sizes = self.model.layers[0].self_attn.qkv_proj.output_sizes if fused == ".qkv_proj." \
+                        else self.model.layers[0].mlp.gate_up_proj.output_sizes
+                    out[name.replace(fused, part)] = tensor.split(sizes)[index]
+            if not any(fused in name for fused, _ in _STACKED.values()):
+                out[name] = tensor
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be set."""
+        """Copy Hugging Face-named tensors into the (fused, sharded) parameters: each parameter's
+        `weight_loader` takes this rank's slice. Every parameter must be set."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for hf_name, tensor in weights:
@@ -252,10 +282,7 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"Checkpoint tensor {hf_name!r} has no matching parameter in LlamaForCausalLM.")
             param = params[name]
-            target = param.data if shard is None else self._shard(name, param.data, shard)
-            if target.shape != tensor.shape:
-                raise ValueError(f"Shape mismatch for {hf_name!r}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}.")
-            target.copy_(tensor)
+            getattr(param, "weight_loader", _copy_whole)(param, tensor, shard)
             loaded.add(name if shard is None else f"{name}#{shard}")
         expected = set()
         for n in params:
@@ -266,12 +293,3 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"Checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}.")
-
-    def _shard(self, name: str, data: torch.Tensor, shard: int) -> torch.Tensor:
-        """The rows of fused parameter `name` that hold shard `shard` (q/k/v or gate/up)."""
-        if "qkv_proj" in name:
-            attn = self.model.layers[0].self_attn
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:
-            sizes = [data.shape[0] // 2] * 2
-        return data.split(sizes, dim=0)[shard]

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.distributed import get_tp_size, single_rank
 from pagedkv.models.llama import LlamaConfig, LlamaForCausalLM
 
 PRESETS: dict[str, LlamaConfig] = {
@@ -179,7 +180,14 @@ def load_model(model: str, config: LlamaConfig, dtype: torch.dtype, device: torc
     """Build the model on `device` and fill it: checkpoint tensors, or seeded random weights."""
     with torch.device(device):
         net = LlamaForCausalLM(config)
-    if model in PRESETS:
+    if model in ATTENTION_DRIVEN_PRESETS and get_tp_size() > 1:
+        # Draw the whole model as one rank would, then keep this rank's shard: tensor-parallel
+        # ranks serve exactly the weights of the single-rank engine.
+        with single_rank():
+            whole = LlamaForCausalLM(config)
+        init_preset_weights(whole, model, seed)
+        net.load_weights(whole.hf_state_dict().items())
+    elif model in PRESETS:  # the big benchmark presets: each rank draws its own shard
         init_preset_weights(net, model, seed)
     else:
         from safetensors.torch import load_file

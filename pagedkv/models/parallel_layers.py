@@ -1,0 +1,188 @@
+"""Linear layers and embeddings sharded over the tensor-parallel ranks (Megatron's layout, vLLM's names).
+
+A decoder layer needs two all-reduces and nothing else:
+
+    x (full, every rank)
+      -> QKVParallelLinear     column-parallel: this rank's q / k / v heads  (no communication)
+      -> attention on those heads
+      -> RowParallelLinear     row-parallel: this rank's share of o_proj's inputs -> partial sums
+      -> all-reduce                                                            (1)
+      -> MergedColumnParallelLinear gate/up: this rank's columns of the MLP   (no communication)
+      -> RowParallelLinear down_proj -> all-reduce                             (2)
+
+Each layer keeps the full checkpoint name of its parameter (`weight`, `bias`) and gives it a
+`weight_loader(param, checkpoint_tensor, shard_id)` that copies this rank's slice out of the
+full Hugging Face tensor. With one rank every layer is the plain layer it replaces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv.distributed import (
+    get_tp_rank,
+    get_tp_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from pagedkv.models.layers import head_layout, rank_heads
+
+
+def _divide(total: int, tp_size: int, what: str) -> int:
+    if total % tp_size:
+        raise ValueError(f"{what} ({total}) must be divisible by tensor_parallel_size ({tp_size}).")
+    return total // tp_size
+
+
+def _copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None:
+    if target.shape != source.shape:
+        raise ValueError(f"Shape mismatch loading {what}: this rank's slice {tuple(source.shape)}, "
+                         f"parameter {tuple(target.shape)}.")
+    target.copy_(source)
+
+
+class _ParallelLinear(nn.Module):
+    """A weight [out_rows, in_cols] of this rank, an optional bias, and the loader they share."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"tp_rank={get_tp_rank()}/{get_tp_size()}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y = x W^T with W's output rows split over the ranks: each rank computes its slice of y.
+
+    Row block `rank` of each output piece lives on rank `rank`; a layer with several pieces
+    (`output_sizes`, fused gate/up or q/k/v) splits every piece separately, so each rank's
+    weight is [piece 0 slice; piece 1 slice; ...] and its output splits the same way.
+    """
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
+        tp = get_tp_size()
+        self.output_sizes = [_divide(size, tp, "output size") for size in output_sizes]
+        super().__init__(input_size, sum(self.output_sizes), bias)
+
+    def _rows(self, shard_id: int | str) -> tuple[int, int, int]:
+        """(offset in this rank's weight, rows, first row in the full checkpoint piece)."""
+        shard_id = int(shard_id)
+        size = self.output_sizes[shard_id]
+        return sum(self.output_sizes[:shard_id]), size, get_tp_rank() * size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        if shard_id is None and len(self.output_sizes) > 1:
+            raise ValueError(f"{type(self).__name__} loads its {len(self.output_sizes)} pieces one at a time.")
+        offset, rows, start = self._rows(0 if shard_id is None else shard_id)
+        _copy_checked(param.data.narrow(0, offset, rows), loaded.narrow(0, start, rows), type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices fused in one matmul (the MLP's gate and up: shard 0, 1)."""
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k, v projections fused, with this rank's query heads and KV heads (seed 003's layout).
+
+    Query heads split evenly. KV heads split too when there are at least as many as ranks;
+    otherwise each rank holds one KV head, the one its query heads attend to, so a KV head is
+    replicated on tp / num_kv_heads ranks:
+
+        8 q / 2 kv heads, tp 4:   rank 0: q 0-1, kv 0 | rank 1: q 2-3, kv 0 | rank 2: q 4-5, kv 1 | ...
+    """
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False) -> None:
+        layout = head_layout(total_num_heads, total_num_kv_heads, get_tp_size())
+        self.head_size, self.layout = head_size, layout
+        self.output_sizes = [layout.num_heads * head_size] + [layout.num_kv_heads * head_size] * 2
+        # The sizes are per rank already: skip ColumnParallelLinear's even split.
+        _ParallelLinear.__init__(self, hidden_size, sum(self.output_sizes), bias)
+
+    def _rows(self, shard_id: int | str) -> tuple[int, int, int]:
+        index = {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else shard_id
+        heads = rank_heads(self.layout, get_tp_rank())[min(index, 1)]  # k and v: the same KV heads
+        return sum(self.output_sizes[:index]), self.output_sizes[index], heads.start * self.head_size
+
+
+class RowParallelLinear(_ParallelLinear):
+    """y = x W^T with W's input columns split: each rank multiplies its slice of x (the output of a
+    column-parallel layer, already split) and the partial sums are all-reduced. The bias is added
+    once, after the sum."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(_divide(input_size, get_tp_size(), "input size"), output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        if param.dim() == 1:  # the bias: whole on every rank
+            _copy_checked(param.data, loaded, "RowParallelLinear bias")
+            return
+        cols = self.in_features
+        _copy_checked(param.data, loaded.narrow(1, get_tp_rank() * cols, cols), "RowParallelLinear")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table split by vocabulary rows: rank r holds ids [r * per_rank, (r + 1) * per_rank).
+
+    A rank looks up the ids it holds, writes zeros for the others, and the all-reduce assembles
+    each row from the one rank that had it. The vocabulary is padded up to a multiple of the rank
+    count; padding rows are never looked up (and their logits are cut off by `ParallelLMHead`).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.per_rank = -(-num_embeddings // get_tp_size())
+        self.start = get_tp_rank() * self.per_rank
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        rows = max(0, min(self.per_rank, self.num_embeddings - self.start))
+        if loaded.shape != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"Shape mismatch loading the vocabulary: checkpoint {tuple(loaded.shape)}, expected "
+                             f"{(self.num_embeddings, self.embedding_dim)}.")
+        param.data[:rows].copy_(loaded[self.start:self.start + rows])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if get_tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        mine = (local >= 0) & (local < self.per_rank)
+        out = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1)
+        return tensor_model_parallel_all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows {self.start}-{self.start + self.per_rank - 1} here"
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection, split by vocabulary rows like the embedding (so the two can be
+    tied): each rank computes the logits of its ids; an all-gather puts them side by side."""
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = tensor_model_parallel_all_gather(F.linear(hidden_states, self.weight))
+        return logits[..., : self.num_embeddings]
