@@ -22,7 +22,7 @@ import os
 import tempfile
 import traceback
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -115,7 +115,7 @@ class TensorParallelExecutor:
         except Exception as error:
             self._fail(error)
 
-    def _fail(self, error: Exception) -> None:
+    def _fail(self, error: Exception) -> NoReturn:
         """A collective failed: name the ranks that died (if any), end the group, raise."""
         for worker in self.workers:
             worker.join(timeout=5)  # a dead peer is usually why; give its exit a moment to show
