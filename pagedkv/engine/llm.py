@@ -349,7 +349,7 @@ class LLM:
                      for s in sched.scheduled}
         start = time.perf_counter()
         try:
-            result = (self._executor or self.runner).execute_model(sched, block_ids)
+            result = (self._executor or self.runner).execute_model(sched.runner_input(), block_ids)
         except Exception as error:  # not KeyboardInterrupt: a step interrupted that way can simply run again
             self._fail_step(sched, error)
             raise

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pagedkv.config import SchedulerConfig
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.kv_cache.manager import KVCacheManager
+from pagedkv.worker.input_batch import ScheduledTokens
 
 
 @dataclass
@@ -60,6 +61,15 @@ class SchedulerOutput:
     @property
     def num_prefill_tokens(self) -> int:
         return self.num_scheduled_tokens - self.num_decode_tokens
+
+    def runner_input(self) -> list[ScheduledTokens]:
+        """The plan as the model runner takes it: per request, the new token ids after the cached ones."""
+        return [
+            ScheduledTokens(s.request.request_id,
+                            s.request.token_ids_between(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens),
+                            s.num_computed_tokens, s.samples)
+            for s in self.scheduled
+        ]
 
 
 class Scheduler:

@@ -69,6 +69,23 @@ class BlockTable:
         return self.cpu[: self.num_reqs]
 
 
+@dataclass(frozen=True)
+class ScheduledTokens:
+    """One request's part of a step, as the runner needs it: which new tokens, after how many cached.
+
+    The engine's scheduler plans steps with its own request objects; the runner (a lower layer,
+    and on other tensor-parallel ranks another process) gets only these plain values.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    """The tokens to run: positions `num_computed_tokens` ... `num_computed_tokens + len - 1`."""
+    num_computed_tokens: int
+    """Tokens already in the KV cache (the request's context_len this step)."""
+    samples: bool
+    """The last of these tokens is the request's newest: the step samples its next one."""
+
+
 @dataclass
 class InputBatch:
     """Everything the model and the metadata builders read in one step."""

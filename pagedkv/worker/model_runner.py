@@ -26,14 +26,13 @@ from pagedkv.attention.layer import Attention
 from pagedkv.compilation import CUDAGraphMode
 from pagedkv.compilation.wrapper import CompiledForward, compile_model
 from pagedkv.config import EngineConfig, set_current_engine_config
-from pagedkv.engine.scheduler import SchedulerOutput
 from pagedkv.forward_context import BatchDescriptor, set_forward_context
 from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, get_kv_cache_config
 from pagedkv.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedkv.models.loader import load_model
 from pagedkv.worker import cudagraph
 from pagedkv.worker.attn_utils import AttentionGroup, build_attn_metadata, init_attn_groups
-from pagedkv.worker.input_batch import BlockTable, InputBatch, compute_slot_mapping
+from pagedkv.worker.input_batch import BlockTable, InputBatch, ScheduledTokens, compute_slot_mapping
 
 logger = logging.getLogger("pagedkv")
 
@@ -241,7 +240,7 @@ class ModelRunner:
 
     def prepare_inputs(
         self,
-        sched: SchedulerOutput,
+        scheduled: list[ScheduledTokens],
         block_ids: dict[str, list[list[int]]],
         num_padded_tokens: int | None = None,
         num_padded_reqs: int | None = None,
@@ -254,18 +253,16 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampling_req_ids: list[str] = []
-        for s in sched.scheduled:
-            req = s.request
-            start = s.num_computed_tokens
-            end = start + s.num_new_tokens
-            token_ids += req.token_ids_between(start, end)
+        for s in scheduled:
+            start, end = s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids)
+            token_ids += s.token_ids
             positions += range(start, end)
-            query_lens.append(s.num_new_tokens)
+            query_lens.append(end - start)
             seq_lens.append(end)
             if s.samples:
                 logits_indices.append(len(token_ids) - 1)
-                sampling_req_ids.append(req.request_id)
-        req_ids = [s.request.request_id for s in sched.scheduled]
+                sampling_req_ids.append(s.req_id)
+        req_ids = [s.req_id for s in scheduled]
         block_rows = [[block_ids[r][g] for r in req_ids] for g in range(len(self.block_tables))]
         return self._stage_batch(
             req_ids, token_ids, positions, query_lens, seq_lens, block_rows, logits_indices, sampling_req_ids,
@@ -361,16 +358,16 @@ class ModelRunner:
         return attn_metadata, slot_mapping
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput, block_ids: dict[str, list[list[int]]]) -> StepResult:
+    def execute_model(self, scheduled: list[ScheduledTokens], block_ids: dict[str, list[list[int]]]) -> StepResult:
         """Run the model on the scheduled tokens; return logits of the requests that sample."""
-        num_tokens = sched.num_scheduled_tokens
-        uniform_decode = max(s.num_new_tokens for s in sched.scheduled) == 1
+        num_tokens = sum(len(s.token_ids) for s in scheduled)
+        uniform_decode = max(len(s.token_ids) for s in scheduled) == 1
         mode, descriptor = CUDAGraphMode.NONE, BatchDescriptor(num_tokens, uniform_decode)
         if self.dispatcher is not None:
             mode, descriptor = self.dispatcher.dispatch(num_tokens, uniform_decode)
         full = mode is CUDAGraphMode.FULL
         num_reqs = cudagraph.capture_num_reqs(descriptor, self.config.scheduler_config.max_num_seqs) if full else None
-        batch = self.prepare_inputs(sched, block_ids, descriptor.num_tokens, num_reqs)
+        batch = self.prepare_inputs(scheduled, block_ids, descriptor.num_tokens, num_reqs)
         # Built in FULL steps too: builders rewrite their persistent buffers (graphs read those).
         attn_metadata, slot_mapping = self._build_metadata(batch, descriptor.num_tokens if full else num_tokens)
         if full:

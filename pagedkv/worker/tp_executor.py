@@ -3,7 +3,7 @@
     driver process (LLM: scheduler, KV cache manager, sampler)     worker processes, ranks 1..N-1
       rank 0: ModelRunner (its shard, its KV cache)                  ModelRunner (theirs)
       start-up: each rank sizes its cache; all take the minimum (all-reduce MIN of num_blocks)
-      every step: broadcast (scheduler output, block ids)  ───────►  receive
+      every step: broadcast (scheduled tokens, block ids)  ───────►  receive
                   execute_model   ◄─── 2 all-reduces per layer ──►   execute_model
                   logits (gathered on every rank) -> sampler          logits dropped
       shutdown:   broadcast None  ───────────────────────────────►  leave the loop, exit
@@ -30,10 +30,10 @@ import torch.multiprocessing as mp
 
 from pagedkv.config import EngineConfig
 from pagedkv.distributed import destroy_tensor_parallel, init_tensor_parallel
+from pagedkv.worker.input_batch import ScheduledTokens
 from pagedkv.worker.model_runner import ModelRunner, StepResult
 
 if TYPE_CHECKING:
-    from pagedkv.engine.scheduler import SchedulerOutput
     from pagedkv.models.llama import LlamaConfig
 
 TIMEOUT_S = 120.0
@@ -106,12 +106,12 @@ class TensorParallelExecutor:
             self._finalizer()  # the workers fail the same way or wait for rank 0: end them
             raise
 
-    def execute_model(self, sched: SchedulerOutput, block_ids: dict[str, list[list[int]]]) -> StepResult:
+    def execute_model(self, scheduled: list[ScheduledTokens], block_ids: dict[str, list[list[int]]]) -> StepResult:
         if self._closed:
             raise RuntimeError("This tensor-parallel engine was shut down (or lost a rank); create a new LLM.")
         try:
-            dist.broadcast_object_list([(sched, block_ids)], src=0)
-            return self.runner.execute_model(sched, block_ids)
+            dist.broadcast_object_list([(scheduled, block_ids)], src=0)
+            return self.runner.execute_model(scheduled, block_ids)
         except Exception as error:
             self._fail(error)
 
