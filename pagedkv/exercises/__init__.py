@@ -5,7 +5,7 @@ the package's own implementation handed back as the answer, and says what is wro
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
@@ -75,3 +75,22 @@ def package_answer(answer: object, functions: Iterable[Callable[..., Any]], what
 def used_package(called: list[str], what: str) -> CheckResult:
     """The rejection of an answer that called the package's implementation (`called` from watch_calls)."""
     return CheckResult(False, f"Your answer calls pagedkv's own {', '.join(called)}; write {what} yourself.")
+
+
+def call_answer(
+    fn: Callable[..., Any], args: Sequence[Any], package: Iterable[Callable[..., Any]], what: str, call: str
+) -> tuple[Any, CheckResult | None]:
+    """Call a student's answer, `fn(*args)`, watching for the package's `package` functions.
+
+    Returns (its result, None), or (None, the rejection): it called the package's implementation
+    of `what` (`used_package`), or it raised (`call` names the call in the message).
+    """
+    try:
+        with watch_calls(package) as called:
+            got = fn(*args)
+    except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
+        if called:
+            return None, used_package(called, what)
+        first_line = (str(exc).splitlines() or [""])[0]
+        return None, CheckResult(False, f"{call} raised {type(exc).__name__}: {first_line}.")
+    return got, (used_package(called, what) if called else None)

@@ -19,7 +19,7 @@ import torch
 
 from pagedkv.attention.selector import ENV_VAR, get_attn_backend
 from pagedkv.engine.llm import LLM
-from pagedkv.exercises import CheckResult, package_answer, used_package, watch_calls
+from pagedkv.exercises import CheckResult, call_answer, package_answer
 from pagedkv.exercises.backends import selector_report
 from pagedkv.platforms import default_device, get_platform
 
@@ -182,15 +182,10 @@ def check_choose_backend(llm: LLM, fn: ChooseFn, layer_name: str = "model.layers
     live = (list(get_platform(llm.config.device).backend_priority), report)
     rng = random.Random()
     for priority, reasons in [live, *(_random_case(rng) for _ in range(num_hidden))]:
-        try:
-            with watch_calls([get_attn_backend]) as called:
-                got = fn(list(priority), {n: list(r) for n, r in reasons.items()})
-        except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
-            if called:
-                return used_package(called, "the rule")
-            return CheckResult(False, f"fn({priority}, ...) raised {type(exc).__name__}: {str(exc).splitlines()[0]}")
-        if called:
-            return used_package(called, "the rule")
+        got, rejected = call_answer(fn, (list(priority), {n: list(r) for n, r in reasons.items()}),
+                                    [get_attn_backend], "the rule", f"fn({priority}, ...)")
+        if rejected is not None:
+            return rejected
         want = _expected_choice(priority, reasons)
         if got != want:
             return CheckResult(False, _explain_choice(got, want, priority, reasons))

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.exercises import CheckResult, package_answer, used_package, watch_calls
+from pagedkv.exercises import CheckResult, call_answer, package_answer
 from pagedkv.worker.attn_utils import to_kernel_block_table
 
 RowFn = Callable[[list[int], int, int], Any]
@@ -43,15 +43,10 @@ def check_kernel_block_rows(fn: RowFn, num_hidden: int = 12) -> CheckResult:
         k = block_size // kernel_block_size
         expected = to_kernel_block_table(torch.tensor([row]), k)[0].tolist()
         call = f"fn({row}, {block_size}, {kernel_block_size})"
-        try:
-            with watch_calls([to_kernel_block_table]) as called:
-                got = fn(list(row), block_size, kernel_block_size)
-        except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
-            if called:
-                return used_package(called, "the rewrite")
-            return CheckResult(False, f"{call} raised {type(exc).__name__}: {exc}.")
-        if called:
-            return used_package(called, "the rewrite")
+        got, rejected = call_answer(fn, (list(row), block_size, kernel_block_size), [to_kernel_block_table],
+                                    "the rewrite", call)
+        if rejected is not None:
+            return rejected
         got_list = list(got) if isinstance(got, (list, tuple)) else got
         if got_list != expected:
             return CheckResult(False, (

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from pagedkv.config import EngineConfig, ModelConfig, ParallelConfig, set_current_engine_config
-from pagedkv.exercises import CheckResult, package_answer, used_package, watch_calls
+from pagedkv.exercises import CheckResult, call_answer, package_answer
 from pagedkv.models.layers import HeadLayout, head_layout
 from pagedkv.models.llama import LlamaAttention, LlamaConfig
 
@@ -92,15 +92,10 @@ def check_qkv_width(fn: QkvWidthFn, num_hidden: int = 8) -> CheckResult:
     first: CheckResult | None = None
     for case in cases:
         call = "fn({hidden_size}, {num_heads}, {num_kv_heads}, {head_dim}, {tp_size})".format(**case)
-        try:
-            with watch_calls([build_attention, head_layout, LlamaAttention.__init__]) as called:
-                got = fn(*(case[k] for k in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "tp_size")))
-        except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
-            if called:
-                return used_package(called, "the count")
-            return CheckResult(False, f"{call} raised {type(exc).__name__}: {exc}.")
-        if called:
-            return used_package(called, "the count")
+        args = [case[k] for k in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "tp_size")]
+        got, rejected = call_answer(fn, args, [build_attention, head_layout, LlamaAttention.__init__], "the count", call)
+        if rejected is not None:
+            return rejected
         verdict = _qkv_verdict(got, **case)
         if not verdict:
             return CheckResult(False, f"{call}: {verdict.message}")
@@ -155,15 +150,9 @@ def check_head_layout(fn: Callable[[int, int, int], Any], num_hidden: int = 12) 
     for hq, hkv, tp, expected in _layout_cases(num_hidden, random.Random()):
         tried += 1
         want = (expected.num_heads, expected.num_kv_heads, expected.kv_head_replicas)
-        try:
-            with watch_calls([head_layout]) as called:
-                got_raw = fn(hq, hkv, tp)
-        except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
-            if called:
-                return used_package(called, "the layout rules")
-            return CheckResult(False, f"fn({hq}, {hkv}, {tp}) raised {type(exc).__name__}: {exc}.")
-        if called:
-            return used_package(called, "the layout rules")
+        got_raw, rejected = call_answer(fn, (hq, hkv, tp), [head_layout], "the layout rules", f"fn({hq}, {hkv}, {tp})")
+        if rejected is not None:
+            return rejected
         got = _as_triple(got_raw)
         case = f"{hq} query heads, {hkv} KV heads, tp_size {tp}"
         if got is None:

@@ -11,7 +11,7 @@ import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pagedkv.exercises import CheckResult, package_answer, used_package, watch_calls
+from pagedkv.exercises import CheckResult, call_answer, package_answer
 from pagedkv.exercises.model_file import build_attention
 from pagedkv.models.layers import head_layout, rank_heads
 
@@ -58,14 +58,9 @@ def check_rank_heads(fn: RankHeadsFn, num_hidden: int = 8) -> CheckResult:
         layout = head_layout(hq, hkv, tp)
         for rank in range(tp):
             call = f"fn({hq}, {hkv}, {tp}, {rank})"
-            try:
-                with watch_calls([rank_heads, head_layout]) as called:
-                    got = fn(hq, hkv, tp, rank)
-            except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
-                return used_package(called, "the layout") if called else \
-                    CheckResult(False, f"{call} raised {type(exc).__name__}: {exc}.")
-            if called:
-                return used_package(called, "the layout")
+            got, rejected = call_answer(fn, (hq, hkv, tp, rank), [rank_heads, head_layout], "the layout", call)
+            if rejected is not None:
+                return rejected
             if not (isinstance(got, (tuple, list)) and len(got) == 2):
                 return CheckResult(False, f"{call} must return (query heads, KV heads), got {got!r}.")
             q, kv = (_as_heads(part) for part in got)
@@ -92,14 +87,10 @@ def check_kv_cache_bytes(fn: KvBytesFn, num_hidden: int = 8) -> CheckResult:
     for hq, hkv, tp in _cases(num_hidden, rng):
         layers, head_dim, blocks = rng.choice([2, 32, 80]), rng.choice([64, 128]), rng.choice([100, 4096])
         call = f"fn({layers}, {hq}, {hkv}, {head_dim}, {tp}, {blocks})"
-        try:
-            with watch_calls([build_attention, head_layout, rank_heads]) as called:
-                got = fn(layers, hq, hkv, head_dim, tp, blocks)
-        except Exception as exc:  # noqa: BLE001
-            return used_package(called, "the size") if called else \
-                CheckResult(False, f"{call} raised {type(exc).__name__}: {exc}.")
-        if called:
-            return used_package(called, "the size")
+        got, rejected = call_answer(fn, (layers, hq, hkv, head_dim, tp, blocks),
+                                    [build_attention, head_layout, rank_heads], "the size", call)
+        if rejected is not None:
+            return rejected
         spec = build_attention(hq, hkv, tp, head_dim, hidden_size=64 * hq).attn.get_kv_cache_spec()
         expected = spec.page_size_bytes * layers * blocks
         if got != expected:
