@@ -28,6 +28,7 @@ from pagedkv.models.parallel_layers import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    default_weight_loader,
 )
 
 
@@ -226,13 +227,6 @@ _STACKED = {
 }
 
 
-def _copy_whole(param: nn.Parameter, tensor: torch.Tensor, shard: int | None) -> None:
-    """The loader of parameters every rank holds whole (the norms)."""
-    if param.shape != tensor.shape:
-        raise ValueError(f"Shape mismatch: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}.")
-    param.data.copy_(tensor)
-
-
 class LlamaForCausalLM(nn.Module):
     """The whole model: tokens + positions -> hidden states -> logits."""
 
@@ -282,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"Checkpoint tensor {hf_name!r} has no matching parameter in LlamaForCausalLM.")
             param = params[name]
-            getattr(param, "weight_loader", _copy_whole)(param, tensor, shard)
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
             loaded.add(name if shard is None else f"{name}#{shard}")
         expected = set()
         for n in params:

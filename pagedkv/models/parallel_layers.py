@@ -45,6 +45,11 @@ def _copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None
     target.copy_(source)
 
 
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+    """The loader of parameters every rank holds whole (the norms): copy, shapes checked."""
+    _copy_checked(param.data, loaded, "a whole parameter")
+
+
 class _ParallelLinear(nn.Module):
     """A weight [out_rows, in_cols] of this rank, an optional bias, and the loader they share."""
 
