@@ -129,3 +129,10 @@ def test_start_up_error_on_rank_0_is_raised_as_is_and_ends_the_workers() -> None
     with pytest.raises(ValueError, match="NOT_A_BACKEND"):
         LLM("tiny", num_kv_blocks=32, tensor_parallel_size=2, attention_backend="NOT_A_BACKEND")
     assert_no_workers_left()
+
+
+@pytest.mark.parametrize("engine", [dict(cudagraph_mode="FULL_AND_PIECEWISE"), dict(compile=True)])
+def test_piecewise_graphs_and_compile_are_refused_under_tp(engine: dict) -> None:
+    with pytest.raises(NotImplementedError, match="captures whole-model CUDA graphs only"):
+        LLM("tiny", num_kv_blocks=32, tensor_parallel_size=2, **engine)
+    assert multiprocessing.active_children() == []

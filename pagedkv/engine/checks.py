@@ -184,8 +184,9 @@ def check_tensor_parallel(tp_size: int, model: LlamaConfig, device: torch.device
             f"tensor_parallel_size={tp_size} needs {tp_size} GPUs (one per rank); {torch.cuda.device_count()} "
             "visible (CUDA_VISIBLE_DEVICES)."
         )
-    if compilation.compile or compilation.cudagraph_mode is not CUDAGraphMode.NONE:
+    if compilation.compile or compilation.cudagraph_mode.requires_piecewise_compilation():
         raise NotImplementedError(
-            f"tensor_parallel_size={tp_size} runs eagerly for now: pass cudagraph_mode='NONE' (the default) "
-            "and compile=False."
+            f"tensor_parallel_size={tp_size} captures whole-model CUDA graphs only (the all-reduces are "
+            f"captured with the rest): pass cudagraph_mode 'FULL', 'FULL_DECODE_ONLY' or 'NONE' and compile=False "
+            f"(got cudagraph_mode={compilation.cudagraph_mode.name}, compile={compilation.compile})."
         )

@@ -2,7 +2,8 @@
 
     driver process (LLM: scheduler, KV cache manager, sampler)     worker processes, ranks 1..N-1
       rank 0: ModelRunner (its shard, its KV cache)                  ModelRunner (theirs)
-      start-up: each rank sizes its cache; all take the minimum (all-reduce MIN of num_blocks)
+      start-up: each rank sizes its cache; all take the minimum (all-reduce MIN of num_blocks);
+                each captures the same CUDA graphs (FULL modes; on the GPU only)
       every step: broadcast (scheduled tokens, block ids)  ───────►  receive
                   execute_model   ◄─── 2 all-reduces per layer ──►   execute_model
                   logits (gathered on every rank) -> sampler          logits dropped
@@ -61,6 +62,9 @@ def _start_rank(config: EngineConfig, model_config: LlamaConfig, rank: int, init
     dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN)
     kv_cache_config.num_blocks = int(num_blocks.item())
     runner.initialize_kv_cache(kv_cache_config)
+    # Every rank captures the same graphs in the same order, so their all-reduces pair up
+    # (NCCL collectives are captured into the graph like any kernel).
+    runner.capture_model()
     return runner
 
 
