@@ -81,6 +81,8 @@ class CompilationConfig:
         default_factory=lambda: [
             "pagedkv::unified_attention_with_output",
             "pagedkv::unified_kv_cache_update",
+            "pagedkv::unified_mla_attention_with_output",
+            "pagedkv::unified_mla_kv_cache_update",
         ]
     )
     """Ops the compiled graph is cut at; they run eagerly between the compiled pieces."""

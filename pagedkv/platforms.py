@@ -24,8 +24,10 @@ class Platform:
         return self.device_type == "cuda"
 
 
-CPU = Platform("cpu", backend_priority=("TORCH_REF",))
-CUDA = Platform("cuda", backend_priority=("FLASH_ATTN", "TRITON_ATTN", "TORCH_REF"))
+# MHA backends first, then MLA ones: each kind rejects the other's layers, so a layer gets
+# the first backend of its own kind.
+CPU = Platform("cpu", backend_priority=("TORCH_REF", "TORCH_REF_MLA"))
+CUDA = Platform("cuda", backend_priority=("FLASH_ATTN", "TRITON_ATTN", "TORCH_REF", "TRITON_MLA", "TORCH_REF_MLA"))
 
 
 def get_platform(device: torch.device | str) -> Platform:
@@ -35,7 +37,7 @@ def get_platform(device: torch.device | str) -> Platform:
         return CUDA
     if device_type == "cpu":
         return CPU
-    return Platform(device_type, backend_priority=("TORCH_REF",))
+    return Platform(device_type, backend_priority=("TORCH_REF", "TORCH_REF_MLA"))
 
 
 def default_device() -> torch.device:

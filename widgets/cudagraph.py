@@ -205,7 +205,10 @@ PIECE_COLORS = (
     "var(--jp-warn-color1, currentColor)", "var(--jp-error-color1, currentColor)",
 )
 """Border colour per distinct compiled piece: pieces drawn alike share one compiled callable."""
-OP_LABELS = {"unified_kv_cache_update": "KV cache write", "unified_attention_with_output": "attention"}
+OP_LABELS = {
+    "unified_kv_cache_update": "KV cache write", "unified_attention_with_output": "attention",
+    "unified_mla_kv_cache_update": "MLA cache write", "unified_mla_attention_with_output": "MLA attention",
+}
 BOX = "display: inline-block; vertical-align: top; margin: 2px; padding: 3px 6px; border-radius: 4px"
 
 

@@ -1,4 +1,5 @@
-"""The attention stack: the generic layer, its custom ops, the backend trio and the selector."""
+"""The attention stack: the generic layer, its custom ops, the backend trio and the selector;
+`pagedkv.attention.mla` holds the MLA layer, ops and backends."""
 
 from pagedkv.attention.backend import (
     AttentionBackend,
@@ -10,6 +11,7 @@ from pagedkv.attention.backend import (
     MultipleOf,
 )
 from pagedkv.attention.layer import Attention, get_attention_context
+from pagedkv.attention.mla import MLAAttention
 from pagedkv.attention.selector import get_attn_backend, register_backend
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "AttentionMetadataBuilder",
     "AttentionType",
     "CommonAttentionMetadata",
+    "MLAAttention",
     "MultipleOf",
     "get_attention_context",
     "get_attn_backend",

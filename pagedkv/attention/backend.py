@@ -198,6 +198,9 @@ class AttentionBackend(ABC):
     supported_kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = supported_dtypes
     supported_devices: ClassVar[tuple[str, ...]] = ("cuda",)
     supports_sliding_window: ClassVar[bool] = True
+    is_mla: ClassVar[bool] = False
+    """Serves multi-head latent attention layers (a latent cache, `MLAAttention`) instead of
+    MHA / GQA / MQA ones; the selector matches the two."""
 
     @staticmethod
     @abstractmethod
@@ -256,9 +259,15 @@ class AttentionBackend(ABC):
         attn_type: AttentionType = AttentionType.DECODER,
         sliding_window: int | None = None,
         device_type: str = "cpu",
+        use_mla: bool = False,
     ) -> list[str]:
         """Every reason this backend cannot serve a layer of this shape; empty means it can."""
         reasons: list[str] = []
+        if use_mla != cls.is_mla:
+            reasons.append(
+                "the layer uses MLA (a latent KV cache); this backend serves MHA/GQA/MQA layers only" if use_mla
+                else "an MLA backend serves MLA layers only; this layer is MHA/GQA/MQA"
+            )
         if device_type not in cls.supported_devices:
             reasons.append(f"device {device_type!r} not supported (needs one of {list(cls.supported_devices)})")
         unavailable = cls.unavailable_reason()

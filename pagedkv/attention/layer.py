@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedkv.attention.backend import AttentionBackend, AttentionType
+from pagedkv.attention.backend import AttentionBackend, AttentionImpl, AttentionType
 from pagedkv.attention.selector import get_attn_backend
 from pagedkv.config import get_current_engine_config
 from pagedkv.forward_context import get_forward_context
@@ -65,9 +65,7 @@ class Attention(nn.Module):
             **self.selector_kwargs(), device=config.device, layer_name=prefix,
             selected=config.layer_attention_backends.get(prefix, config.attention_backend),
         )
-        self.impl = self.attn_backend.get_impl_cls()(
-            num_heads, head_size, scale, num_kv_heads, sliding_window, self.kv_cache_dtype, attn_type
-        )
+        self.impl = self.make_impl()
         opaque = config.compilation_config.opaque_attention_op
         if opaque is None:
             opaque = get_platform(config.device).opaque_attention_op()
@@ -83,6 +81,13 @@ class Attention(nn.Module):
 
         # An empty placeholder until the runner binds this layer's view of the cache.
         self.kv_cache = torch.tensor([])
+
+    def make_impl(self) -> AttentionImpl[Any]:
+        """This layer's impl, made by the selected backend (MLAAttention passes more)."""
+        return self.attn_backend.get_impl_cls()(
+            self.num_heads, self.head_size, self.scale, self.num_kv_heads, self.sliding_window,
+            self.kv_cache_dtype, self.attn_type,
+        )
 
     def selector_kwargs(self) -> dict[str, Any]:
         """What the selector asks backends about this layer (`validate_configuration`'s keywords)."""

@@ -54,7 +54,7 @@ def attention_with_output(
 _LIBRARY = torch.library.Library("pagedkv", "FRAGMENT")
 
 
-def _register_op(name: str, impl: Callable[..., Any], fake: Callable[..., Any], mutates_args: tuple[str, ...]) -> None:
+def register_op(name: str, impl: Callable[..., Any], fake: Callable[..., Any], mutates_args: tuple[str, ...]) -> None:
     """Define `pagedkv::<name>` with the schema read off `impl`'s type hints."""
     _LIBRARY.define(name + torch.library.infer_schema(impl, mutates_args=mutates_args))
     _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
@@ -87,7 +87,7 @@ def _attention_fake(
     return None
 
 
-_register_op("unified_kv_cache_update", kv_cache_update, _kv_cache_update_fake, mutates_args=())
-_register_op(
+register_op("unified_kv_cache_update", kv_cache_update, _kv_cache_update_fake, mutates_args=())
+register_op(
     "unified_attention_with_output", _unified_attention_with_output, _attention_fake, mutates_args=("output",)
 )

@@ -1,6 +1,6 @@
 """Backend selection: a registry by name, and a per-layer choice with reasons.
 
-    layer (head size, dtype, KV cache dtype, block size, type, window, device)
+    layer (head size, dtype, KV cache dtype, block size, type, window, device, MLA or not)
        │
        ├─ explicit name? (LLM(attention_backend=...) or $PAGEDKV_ATTENTION_BACKEND)
        │     -> validate it; if it cannot serve the layer, raise with its reasons
@@ -29,6 +29,8 @@ _BUILTIN: dict[str, str] = {
     "TORCH_REF": "pagedkv.attention.backends.torch_ref:TorchRefBackend",
     "TRITON_ATTN": "pagedkv.attention.backends.triton_attn:TritonAttentionBackend",
     "FLASH_ATTN": "pagedkv.attention.backends.flash_attn:FlashAttentionBackend",
+    "TORCH_REF_MLA": "pagedkv.attention.mla.torch_ref_mla:TorchRefMLABackend",
+    "TRITON_MLA": "pagedkv.attention.mla.triton_mla:TritonMLABackend",
 }
 _REGISTRY: dict[str, type[AttentionBackend] | str] = dict(_BUILTIN)
 _PREFERRED: list[str] = []
@@ -100,6 +102,7 @@ def get_attn_backend(
     device: torch.device | str = "cpu",
     selected: str | None = None,
     layer_name: str = "",
+    use_mla: bool = False,
 ) -> type[AttentionBackend]:
     """Choose the backend class of one layer."""
     platform = get_platform(device)
@@ -111,9 +114,10 @@ def get_attn_backend(
         attn_type=attn_type,
         sliding_window=sliding_window,
         device_type=platform.device_type,
+        use_mla=use_mla,
     )
     what = (
-        f"layer {layer_name!r} (head size {head_size}, dtype {dtype}, KV cache dtype "
+        f"{'MLA ' if use_mla else ''}layer {layer_name!r} (head size {head_size}, dtype {dtype}, KV cache dtype "
         f"{kv_cache_dtype}, block size {block_size}, sliding window {sliding_window}, "
         f"device {platform.device_type})"
     )

@@ -27,7 +27,10 @@ from pagedkv.compilation.backend import PIECE_COMPILERS, PiecewiseBackend, Piece
 from pagedkv.compilation.split import resolve_splitting_ops
 from pagedkv.config import CompilationConfig, EngineConfig
 
-ATTENTION_OPS = ("pagedkv::unified_attention_with_output", "pagedkv::unified_kv_cache_update")
+ATTENTION_OPS = (
+    "pagedkv::unified_attention_with_output", "pagedkv::unified_kv_cache_update",
+    "pagedkv::unified_mla_attention_with_output", "pagedkv::unified_mla_kv_cache_update",
+)
 """The ops that must be split out for attention to run eagerly between piecewise graphs."""
 
 

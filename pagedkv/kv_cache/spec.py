@@ -45,6 +45,23 @@ class SlidingWindowSpec(KVCacheSpec):
     sliding_window: int = 0
 
 
+@dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention: one latent row per token, no separate V, one "KV head".
+
+        page of block_size rows:  [ c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim) ]   (head_size = both)
+
+    Every query head's keys and values are recomputed from c_kv (or absorbed into the query),
+    so a DeepSeek-V2-Lite layer stores 512 + 64 = 576 values per token, where the same layer
+    with MHA would store 16 heads x (192 for K + 128 for V) = 5,120.
+    """
+
+    @property
+    def page_size_bytes(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.block_size * self.num_kv_heads * self.head_size * itemsize
+
+
 @dataclass
 class KVCacheGroupSpec:
     """Layers that share one block table (and one backing buffer)."""

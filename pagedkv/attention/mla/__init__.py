@@ -1,0 +1,6 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): the layer, its ops and its backends."""
+
+from pagedkv.attention.mla.common import MLADims, split_decodes_and_prefills
+from pagedkv.attention.mla.layer import MLAAttention
+
+__all__ = ["MLAAttention", "MLADims", "split_decodes_and_prefills"]

@@ -1,0 +1,184 @@
+"""The MLA backend trio on hand-built batches: the split, the cache write, forward_mqa and
+forward_mha against a float64 reference that never absorbs a weight, and against each other.
+
+The reference computes what DeepSeek's modelling code computes: per head, K = [W_UK c | k_pe],
+V = W_UV c, causal softmax over the request's whole sequence. It reads the latents from the
+test's own lists, not from the paged cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pagedkv.attention.backend import CommonAttentionMetadata
+from pagedkv.attention.mla.common import (
+    MLACommonMetadataBuilder,
+    MLADims,
+    MLAPrefillMetadata,
+    concat_and_cache_mla,
+    split_decodes_and_prefills,
+)
+from pagedkv.attention.mla.torch_ref_mla import TorchRefMLAImpl, TorchRefMLAMetadataBuilder
+from pagedkv.kv_cache.spec import MLAAttentionSpec
+
+DIMS = MLADims(kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10)
+HEADS, BLOCK_SIZE, NUM_BLOCKS = 4, 4, 40
+
+
+@dataclass
+class Batch:
+    """A decodes-first batch over a paged latent cache, with the tensors the model would pass."""
+
+    common: CommonAttentionMetadata
+    q: torch.Tensor  # [tokens, heads, qk_head_dim]
+    kv_c: torch.Tensor  # [tokens, kv_lora_rank]: this step's new latents
+    k_pe: torch.Tensor  # [tokens, rope]
+    kv_cache: torch.Tensor
+    latents: list[tuple[torch.Tensor, torch.Tensor]]  # per request: every position's (c_kv, k_pe)
+    query_lens: list[int]
+
+
+def make_batch(context_lens: list[int], query_lens: list[int], dtype: torch.dtype = torch.float32,
+               seed: int = 0) -> Batch:
+    """Requests with `context_lens` tokens already cached and `query_lens` new ones; the cached
+    rows are written with `concat_and_cache_mla`, the new ones left for the step to write."""
+    g = torch.Generator().manual_seed(seed)
+    kv_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, DIMS.latent_size, dtype=dtype)
+    free = torch.randperm(NUM_BLOCKS - 1, generator=g).add(1).tolist()  # block 0 is the null block
+    max_blocks = max(-(-(c + q) // BLOCK_SIZE) for c, q in zip(context_lens, query_lens))
+    block_table = torch.zeros(len(query_lens), max_blocks, dtype=torch.int32)
+    latents, slots = [], []
+    for i, (c, q) in enumerate(zip(context_lens, query_lens)):
+        n = -(-(c + q) // BLOCK_SIZE)
+        block_table[i, :n] = torch.tensor([free.pop() for _ in range(n)])
+        kv_c = torch.randn(c + q, DIMS.kv_lora_rank, generator=g).to(dtype)
+        k_pe = torch.randn(c + q, DIMS.qk_rope_head_dim, generator=g).to(dtype)
+        latents.append((kv_c, k_pe))
+        pos = torch.arange(c + q)
+        all_slots = block_table[i, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+        concat_and_cache_mla(kv_c[:c], k_pe[:c], kv_cache, all_slots[:c])
+        slots.append(all_slots[c:])
+    qsl = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens, seq_lens_cpu=seq_lens,
+        num_reqs=len(query_lens), num_actual_tokens=sum(query_lens), max_query_len=max(query_lens),
+        max_seq_len=int(seq_lens.max()), block_table_tensor=block_table, slot_mapping=torch.cat(slots),
+    )
+    new = [(kv_c[c:], k_pe[c:]) for (kv_c, k_pe), c in zip(latents, context_lens)]
+    q = torch.randn(sum(query_lens), HEADS, DIMS.qk_head_dim, generator=g).to(dtype)
+    return Batch(common, q, torch.cat([n[0] for n in new]), torch.cat([n[1] for n in new]), kv_cache, latents,
+                 query_lens)
+
+
+def kv_b_weight(dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    rows = HEADS * (DIMS.qk_nope_head_dim + DIMS.v_head_dim)
+    return (torch.randn(rows, DIMS.kv_lora_rank, generator=g) / DIMS.kv_lora_rank**0.5).to(dtype)
+
+
+SCALE = DIMS.qk_head_dim**-0.5
+
+
+def reference(batch: Batch, weight: torch.Tensor) -> torch.Tensor:
+    """float64 [tokens, heads, v_head_dim], K and V materialised per head (no absorption)."""
+    w = weight.double().view(HEADS, DIMS.qk_nope_head_dim + DIMS.v_head_dim, DIMS.kv_lora_rank)
+    w_uk, w_uv = w[:, : DIMS.qk_nope_head_dim], w[:, DIMS.qk_nope_head_dim :]
+    outs, start = [], 0
+    for (kv_c, k_pe), q_len in zip(batch.latents, batch.query_lens):
+        seq_len = kv_c.shape[0]
+        k = torch.cat([torch.einsum("hnl,sl->shn", w_uk, kv_c.double()),
+                       k_pe.double()[:, None, :].expand(-1, HEADS, -1)], dim=-1)
+        v = torch.einsum("hvl,sl->shv", w_uv, kv_c.double())
+        q = batch.q[start : start + q_len].double()
+        scores = torch.einsum("qhd,shd->hqs", q, k) * SCALE
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+        outs.append(torch.einsum("hqs,shv->qhv", scores.softmax(-1), v))
+        start += q_len
+    return torch.cat(outs)
+
+
+def make_impl(weight: torch.Tensor) -> TorchRefMLAImpl:
+    impl = TorchRefMLAImpl(HEADS, DIMS.latent_size, SCALE, 1, None, weight.dtype, mla_dims=DIMS)
+    impl.process_weights_after_loading(weight)
+    return impl
+
+
+def run(impl: TorchRefMLAImpl, batch: Batch, builder: MLACommonMetadataBuilder | None = None) -> torch.Tensor:
+    """One step as the layer runs it: write the new rows, then attend."""
+    spec = MLAAttentionSpec(BLOCK_SIZE, 1, DIMS.latent_size, batch.kv_cache.dtype)
+    builder = builder or TorchRefMLAMetadataBuilder(spec, ["layer"], None, torch.device("cpu"))  # type: ignore[arg-type]
+    metadata = builder.build(batch.common)
+    impl.do_kv_cache_update(None, batch.kv_c, batch.k_pe, batch.kv_cache, batch.common.slot_mapping)  # type: ignore[arg-type]
+    output = torch.empty(batch.q.shape[0], HEADS, DIMS.v_head_dim, dtype=batch.q.dtype)
+    return impl.forward(None, batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, metadata, output)  # type: ignore[arg-type]
+
+
+def test_split_decodes_and_prefills_by_hand() -> None:
+    batch = make_batch([5, 2, 0, 3, 4], [1, 1, 5, 1, 3])
+    # d d | p(5) d(1, after a prefill: treated as a prefill) p(3)
+    assert split_decodes_and_prefills(batch.common) == (2, 3, 2, 9)
+    assert split_decodes_and_prefills(make_batch([3, 4], [1, 1]).common) == (2, 0, 2, 0)
+    assert split_decodes_and_prefills(make_batch([0], [7]).common) == (0, 1, 0, 7)
+
+
+def test_concat_and_cache_mla_writes_rows_and_sends_padding_to_the_null_block() -> None:
+    cache = torch.zeros(3, 2, DIMS.latent_size)
+    kv_c, k_pe = torch.randn(3, DIMS.kv_lora_rank), torch.randn(3, DIMS.qk_rope_head_dim)
+    concat_and_cache_mla(kv_c, k_pe, cache, torch.tensor([5, -1, 2]))
+    assert torch.equal(cache[2, 1], torch.cat([kv_c[0], k_pe[0]]))  # slot 5 = block 2, offset 1
+    assert torch.equal(cache[1, 0], torch.cat([kv_c[2], k_pe[2]]))
+    assert torch.equal(cache[0, 0], torch.cat([kv_c[1], k_pe[1]]))  # padding: the null block's slot 0
+    assert cache[1, 1].abs().sum() == 0 and cache[2, 0].abs().sum() == 0
+
+
+@pytest.mark.parametrize("chunk", [4096, 3])
+def test_mixed_batch_matches_the_unabsorbed_reference(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    """Decodes (absorbed, forward_mqa) and prefills, whole and chunked continuations (forward_mha,
+    context up-projected in chunks of `chunk` tokens), in one step."""
+    monkeypatch.setattr(MLACommonMetadataBuilder, "context_chunk_tokens", chunk)
+    batch = make_batch([5, 1, 12, 0, 7], [1, 1, 1, 6, 3])
+    weight = kv_b_weight()
+    out = run(make_impl(weight), batch)
+    torch.testing.assert_close(out.double(), reference(batch, weight), atol=2e-5, rtol=0)
+
+
+def test_bfloat16_batch_is_close_to_the_reference() -> None:
+    batch = make_batch([6, 0, 9], [1, 5, 2], dtype=torch.bfloat16)
+    weight = kv_b_weight(torch.bfloat16)
+    out = run(make_impl(weight), batch)
+    torch.testing.assert_close(out.double(), reference(batch, weight), atol=3e-2, rtol=0)
+
+
+def test_forward_mqa_and_forward_mha_agree_on_the_same_tokens() -> None:
+    """The decodes of a step, attended once with W_UK absorbed (forward_mqa) and once as
+    one-token prefills with K and V up-projected (forward_mha)."""
+    batch = make_batch([5, 1, 13], [1, 1, 1])
+    impl = make_impl(kv_b_weight())
+    absorbed = run(impl, batch)
+    as_prefills = torch.empty_like(absorbed)
+    prefill = MLAPrefillMetadata(
+        query_start_loc_cpu=[0, 1, 2, 3], seq_lens_cpu=batch.common.seq_lens_cpu.tolist(),
+        block_table=batch.common.block_table_tensor, context_chunk_tokens=4,
+    )
+    impl.forward_mha(batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, prefill, as_prefills)
+    torch.testing.assert_close(absorbed, as_prefills, atol=1e-5, rtol=0)
+
+
+def test_a_cache_never_written_fails_the_comparison() -> None:
+    """The comparison can fail: decodes reading a cache whose rows were never written."""
+    batch = make_batch([5, 9], [1, 1])
+    weight = kv_b_weight()
+    batch.kv_cache.zero_()
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(run(make_impl(weight), batch).double(), reference(batch, weight), atol=1e-3, rtol=0)
+
+
+def test_unsplit_weights_are_a_clear_error() -> None:
+    impl = TorchRefMLAImpl(HEADS, DIMS.latent_size, SCALE, 1, None, torch.float32, mla_dims=DIMS)
+    with pytest.raises(RuntimeError, match="process_weights_after_loading"):
+        run(impl, make_batch([2], [1]))
