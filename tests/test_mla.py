@@ -8,6 +8,7 @@ test's own lists, not from the paged cache.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -182,3 +183,25 @@ def test_unsplit_weights_are_a_clear_error() -> None:
     impl = TorchRefMLAImpl(HEADS, DIMS.latent_size, SCALE, 1, None, torch.float32, mla_dims=DIMS)
     with pytest.raises(RuntimeError, match="process_weights_after_loading"):
         run(impl, make_batch([2], [1]))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="TRITON_MLA runs on a GPU or under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_mla_forward_mqa_matches_torch_ref_mla(splits: int) -> None:
+    pytest.importorskip("triton")
+    from pagedkv.attention.mla.triton_mla import TritonMLADecodeMetadata, TritonMLAImpl
+    from pagedkv.kernels import MLADecodeWorkspace
+
+    batch = make_batch([5, 1, 13, 30], [1, 1, 1, 1])
+    weight = kv_b_weight()
+    spec = MLAAttentionSpec(BLOCK_SIZE, 1, DIMS.latent_size, torch.float32)
+    metadata = TorchRefMLAMetadataBuilder(spec, ["layer"], None, torch.device("cpu")).build(batch.common)  # type: ignore[arg-type]
+    metadata.decode = TritonMLADecodeMetadata(**metadata.decode.__dict__, num_kv_splits=splits,
+                                              workspace=MLADecodeWorkspace(4, HEADS, DIMS.kv_lora_rank, "cpu"))
+    triton_impl = TritonMLAImpl(HEADS, DIMS.latent_size, SCALE, 1, None, torch.float32, mla_dims=DIMS)
+    triton_impl.process_weights_after_loading(weight)
+    triton_impl.do_kv_cache_update(None, batch.kv_c, batch.k_pe, batch.kv_cache, batch.common.slot_mapping)  # type: ignore[arg-type]
+    out = torch.empty(4, HEADS, DIMS.v_head_dim)
+    triton_impl.forward(None, batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, metadata, out)  # type: ignore[arg-type]
+    torch.testing.assert_close(out.double(), reference(batch, weight), atol=1e-4, rtol=0)

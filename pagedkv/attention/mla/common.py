@@ -89,6 +89,7 @@ class MLADecodeMetadata:
     """int32 [num_decodes] on the device."""
     seq_lens_cpu: list[int]
     max_seq_len: int
+    """Host-side bound on seq_lens (sizes a kernel's split-KV grid)."""
 
 
 @dataclass
@@ -129,7 +130,14 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[MLACommonMetadata[Any]])
     """forward_mha up-projects cached context in chunks of at most this many tokens."""
 
     def build(self, common_attn_metadata: CommonAttentionMetadata) -> MLACommonMetadata[Any]:
-        cm = common_attn_metadata
+        return self._build(common_attn_metadata, max_seq_len=None)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> MLACommonMetadata[Any]:
+        """A graph keeps the launch it was captured with for every batch replayed in it, so the
+        decode part is sized for the longest sequence the model allows, not the dummy batch's."""
+        return self._build(common_attn_metadata, max_seq_len=self.config.model_config.max_model_len)
+
+    def _build(self, cm: CommonAttentionMetadata, max_seq_len: int | None) -> MLACommonMetadata[Any]:
         num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split_decodes_and_prefills(cm)
         seq_lens_cpu = cm.seq_lens_cpu[: cm.num_reqs].tolist()
         prefill = None
@@ -140,18 +148,24 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[MLACommonMetadata[Any]])
                 block_table=cm.block_table_tensor[num_decodes : cm.num_reqs],
                 context_chunk_tokens=self.context_chunk_tokens,
             )
-        decode = self.build_decode(cm, num_decodes, seq_lens_cpu[:num_decodes]) if num_decodes else None
+        decode = None
+        if num_decodes:
+            decode_lens = seq_lens_cpu[:num_decodes]
+            decode = self.build_decode(cm, num_decodes, decode_lens, max_seq_len or max(decode_lens))
         return MLACommonMetadata(
             num_actual_tokens=cm.num_actual_tokens, num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
             num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens, slot_mapping=cm.slot_mapping,
             decode=decode, prefill=prefill,
         )
 
-    def build_decode(self, cm: CommonAttentionMetadata, num_decodes: int, seq_lens_cpu: list[int]) -> MLADecodeMetadata:
-        """The decode part; a backend whose kernel needs more (scratch, splits) overrides this."""
+    def build_decode(
+        self, cm: CommonAttentionMetadata, num_decodes: int, seq_lens_cpu: list[int], max_seq_len: int
+    ) -> MLADecodeMetadata:
+        """The decode part; a backend whose kernel needs more (scratch, splits) overrides this.
+        `max_seq_len` bounds every decode's length (the model's limit when capturing a graph)."""
         return MLADecodeMetadata(
             block_table=cm.block_table_tensor[:num_decodes], seq_lens=cm.seq_lens[:num_decodes],
-            seq_lens_cpu=seq_lens_cpu, max_seq_len=max(seq_lens_cpu),
+            seq_lens_cpu=seq_lens_cpu, max_seq_len=max_seq_len,
         )
 
 

@@ -99,4 +99,3 @@ class MLAAttention(Attention):
 
 
 from pagedkv.attention import ops  # noqa: E402
-from pagedkv.attention.mla import ops as mla_ops  # noqa: E402, F401  (registers the unified_mla_* ops)
