@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny Hugging Face Llama directories written by `transformers` itself.
+"""Shared fixtures: tiny Hugging Face Llama / DeepSeek directories written by `transformers` itself.
 
 Without a GPU the Triton kernels are tested in Triton's interpreter, which Triton picks only if
 TRITON_INTERPRET=1 is set when it is first imported: set it here, before any test module imports
@@ -7,6 +7,7 @@ triton (`.ci/test` exports it too). With a GPU the kernels are tested compiled.
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -29,6 +30,43 @@ def write_hf_llama(path: Path, *, seed: int = 0, **overrides: object) -> Path:
     fields.update(overrides)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
+    model.save_pretrained(path)
+    return path
+
+
+def write_hf_deepseek(path: Path, *, version: int = 2, seed: int = 0, **overrides: object) -> Path:
+    """Save a seeded `transformers.DeepseekV2ForCausalLM` (version 2) or `DeepseekV3ForCausalLM` (3).
+
+    Three layers, the first dense and two MoE (4 routed experts, top 2, one shared). The weights
+    are drawn like the tiny presets' (`init_preset_weights`): attention 2 / sqrt(fan_in), MLPs and
+    the router 1 / sqrt(fan_in), embeddings 0.5, so attention and routing decide the logits. V3's
+    `e_score_correction_bias` is drawn too (std 0.3, sigmoid scores are in (0, 1)): a model that
+    ignores it, or weighs experts by it, routes differently.
+    """
+    transformers = pytest.importorskip("transformers")
+    fields = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+        max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    fields.update(copy.deepcopy(overrides))  # transformers writes into the rope_scaling dict it is given
+    config_cls, model_cls = (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM) if version == 2 \
+        else (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)
+    model = model_cls(config_cls(**fields)).eval()
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name, tensor in tensors.items():
+        if "norm" in name or "rotary_emb" in name:
+            continue
+        if "e_score_correction_bias" in name:
+            std = 0.3
+        elif "embed_tokens" in name or "lm_head" in name:
+            std = 0.5
+        else:  # [.., out, in]: expert weights are stacked [experts, out, in]
+            std = (2.0 if ".self_attn." in name else 1.0) / tensor.shape[-1] ** 0.5
+        with torch.no_grad():
+            tensor.copy_(torch.randn(tensor.shape, generator=generator) * std)
     model.save_pretrained(path)
     return path
 

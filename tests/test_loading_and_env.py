@@ -107,7 +107,7 @@ def test_config_json_that_is_not_an_object(tmp_path: Path) -> None:
     "changes,message",
     [
         (dict(model_type="gpt2", architectures=None), r"model_type 'gpt2' is not supported; supported model types: "
-                                                      r"\['llama', 'mistral', 'qwen2'\]"),
+                                                      r"\['llama', 'mistral', 'qwen2', 'deepseek_v2', 'deepseek_v3'\]"),
         (dict(model_type="gpt2"), r"model_type 'gpt2' is not supported"),
         (dict(model_type=None, architectures=["GPT2LMHeadModel"]), r"architectures \['GPT2LMHeadModel'\] is not "
                                                                    r"supported; supported: \['LlamaForCausalLM'"),

@@ -18,7 +18,7 @@ import torch
 
 from pagedkv.config import CompilationConfig, CUDAGraphMode, parse_dtype
 from pagedkv.models.layers import head_layout
-from pagedkv.models.llama import LlamaConfig
+from pagedkv.models.loader import HFConfig
 from pagedkv.platforms import default_device
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -169,10 +169,15 @@ def check_compilation(
     )
 
 
-def check_tensor_parallel(tp_size: int, model: LlamaConfig, device: torch.device, compilation: CompilationConfig) -> None:
+def check_tensor_parallel(tp_size: int, model: HFConfig, device: torch.device, compilation: CompilationConfig) -> None:
     """Whether `model` can be split `tp_size` ways here (checked before any process starts)."""
     if tp_size == 1:
         return
+    if not model.supports_tensor_parallel:
+        raise NotImplementedError(
+            f"tensor_parallel_size={tp_size}: {model.architecture} models run on one rank only here (their "
+            "attention heads and experts are not split over ranks); use tensor_parallel_size=1."
+        )
     head_layout(model.num_attention_heads, model.num_key_value_heads, tp_size)  # raises naming the heads
     if model.intermediate_size % tp_size:
         raise ValueError(

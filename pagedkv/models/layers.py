@@ -1,4 +1,4 @@
-"""Building blocks of a Llama-family model: RMSNorm, rotary embedding, SwiGLU, head layout."""
+"""Building blocks of the models: RMSNorm, rotary embedding (+ its scalings), SwiGLU, head layout."""
 
 from __future__ import annotations
 
@@ -24,17 +24,36 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def hf_rope_parameters(hf: dict[str, Any], default_theta: float) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) of a `config.json`: transformers 5's `rope_parameters`, or 4's
+    `rope_theta` and `rope_scaling`. The scaling is None for plain RoPE."""
+    rope = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta")}
+    return rope.get("rope_theta") or default_theta, rope if rope_type(rope) != "default" else None
+
+
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    """The scaling's type: `rope_type` (transformers 5), or `type` (older config.json files)."""
+    scaling = scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for positions stretched `factor` times: 1 + 0.1 * mscale * ln(factor)."""
+    return 1.0 if factor <= 1 else 1.0 + 0.1 * mscale * math.log(factor)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies of the rotary embedding, with Llama-3 or linear scaling applied."""
+    """Inverse frequencies of the rotary embedding, with Llama-3, YaRN or linear scaling applied."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type in ("default", "dynamic"):
+    kind = rope_type(scaling)
+    if kind in ("default", "dynamic"):
         # Dynamic NTK scaling only changes the frequencies for sequences longer than the
         # model's max_position_embeddings, which the engine never runs (max_model_len is capped).
         return inv_freq.float()
-    if rope_type == "linear":
+    assert scaling is not None
+    if kind == "linear":
         return (inv_freq / scaling["factor"]).float()
-    if rope_type == "llama3":
+    if kind == "llama3":
         # Long wavelengths (low frequencies) are slowed down by `factor`, short ones kept,
         # and the band in between is blended linearly in "how many wavelengths fit".
         factor = scaling["factor"]
@@ -45,19 +64,60 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         blend = ((waves_in_context - low) / (high - low)).clamp(0.0, 1.0)
         scaled = (1 - blend) * inv_freq / factor + blend * inv_freq
         return scaled.float()
+    if kind == "yarn":
+        # The same idea counted per dimension pair, in rotations over the original context:
+        # pairs turning more than beta_fast times keep their frequency, pairs turning fewer than
+        # beta_slow times are slowed down by `factor`, and a linear ramp blends the pairs between.
+        factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+        beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+        def pair_turning(rotations: float) -> float:  # the (fractional) pair index turning `rotations` times
+            return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = pair_turning(beta_fast), pair_turning(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        slowed = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)).clamp(0.0, 1.0)
+        return (slowed * inv_freq / factor + (1 - slowed) * inv_freq).float()
     raise NotImplementedError(
-        f"RoPE scaling type {rope_type!r} is not supported; supported: 'default', 'linear', 'dynamic', 'llama3'."
+        f"RoPE scaling type {kind!r} is not supported; supported: 'default', 'linear', 'dynamic', 'llama3', 'yarn'."
     )
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotates q and k by position (the "rotate half" layout of Hugging Face Llama)."""
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor, 1 for the other types.
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    Scaling both q and k by it multiplies their dot products by its square, sharpening attention
+    that the slowed-down frequencies would otherwise flatten. DeepSeek's configs set `mscale` and
+    `mscale_all_dim` equal, which makes it 1 (DeepSeek scales the softmax instead).
+    """
+    if rope_type(scaling) != "yarn":
+        return 1.0
+    assert scaling is not None
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by position, in pairs of dimensions.
+
+    The pairs are the two halves, (x_i, x_{i + d/2}) ("rotate half", Hugging Face Llama), or with
+    `interleaved` neighbours, (x_0, x_1), (x_2, x_3), ... (DeepSeek, GPT-J); rotated pairs stay where
+    they were. cos and sin carry the scaling's attention factor (YaRN; 1 otherwise).
+    """
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None,
+                 interleaved: bool = False) -> None:
         super().__init__()
-        self.head_dim = head_dim
+        self.head_dim, self.interleaved = head_dim, interleaved
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * rope_attention_factor(scaling)
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [tokens, head_dim / 2] each
@@ -65,9 +125,11 @@ class RotaryEmbedding(nn.Module):
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
-        x1, x2 = x.view(shape[0], -1, self.head_dim).float().chunk(2, dim=-1)
+        x = x.view(shape[0], -1, self.head_dim).float()
+        x1, x2 = (x[..., 0::2], x[..., 1::2]) if self.interleaved else x.chunk(2, dim=-1)
         cos, sin = cos[:, None, :], sin[:, None, :]
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        rotated = torch.stack([r1, r2], dim=-1).flatten(-2) if self.interleaved else torch.cat([r1, r2], dim=-1)
         return rotated.to(dtype).view(shape)
 
 

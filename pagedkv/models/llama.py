@@ -15,26 +15,30 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from pagedkv.attention.layer import Attention
-from pagedkv.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from pagedkv.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, hf_rope_parameters
 from pagedkv.models.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    default_weight_loader,
+    load_hf_weights,
 )
 
 
 @dataclass
 class LlamaConfig:
     """The architecture fields of a Hugging Face Llama `config.json` that this model reads."""
+
+    architecture: ClassVar[str] = "LlamaForCausalLM"
+    """The model class that serves it (`loader.MODEL_REGISTRY`), for Mistral and Qwen2 too."""
+    supports_tensor_parallel: ClassVar[bool] = True
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -100,10 +104,7 @@ class LlamaConfig:
         the per-layer windows are read (see `_hf_windows`).
         """
         kwargs = {k: hf[k] for k in cls.__dataclass_fields__ if k in hf and hf[k] is not None}
-        rope = hf.get("rope_parameters")
-        if rope:
-            kwargs["rope_theta"] = rope.get("rope_theta", cls.rope_theta)
-            kwargs["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+        kwargs["rope_theta"], kwargs["rope_scaling"] = hf_rope_parameters(hf, cls.rope_theta)
         eos = hf.get("eos_token_id")
         kwargs["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if model_type == "qwen2":
@@ -174,12 +175,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
-                                                       bias=config.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -193,7 +193,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
@@ -263,27 +263,4 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused, sharded) parameters: each parameter's
         `weight_loader` takes this rank's slice. Every parameter must be set."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            name, shard = hf_name, None
-            for part, (fused, index) in _STACKED.items():
-                if part in hf_name:
-                    name, shard = hf_name.replace(part, fused), index
-                    break
-            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
-                continue
-            if name not in params:
-                raise ValueError(f"Checkpoint tensor {hf_name!r} has no matching parameter in LlamaForCausalLM.")
-            param = params[name]
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
-            loaded.add(name if shard is None else f"{name}#{shard}")
-        expected = set()
-        for n in params:
-            shards = 3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else 0
-            expected |= {f"{n}#{i}" for i in range(shards)} if shards else {n}
-        if self.config.tie_word_embeddings:
-            expected.discard("lm_head.weight")
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"Checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}.")
+        load_hf_weights(self, weights, _STACKED, ignored=["lm_head.weight"] if self.config.tie_word_embeddings else [])

@@ -1,5 +1,5 @@
 """Getting a model: random-init presets, trained presets shipped with the package, or a local
-Hugging Face Llama-family directory."""
+Hugging Face directory of a Llama-family or DeepSeek-V2 / V3 model."""
 
 from __future__ import annotations
 
@@ -10,9 +10,15 @@ from typing import Any
 import torch
 
 from pagedkv.distributed import get_tp_size, single_rank
+from pagedkv.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedkv.models.llama import LlamaConfig, LlamaForCausalLM
 
-PRESETS: dict[str, LlamaConfig] = {
+HFConfig = LlamaConfig | DeepseekV2Config
+"""The architecture config of any model pagedkv serves (the fields it reads off `config.json`)."""
+CausalLM = LlamaForCausalLM | DeepseekV2ForCausalLM
+"""Any model pagedkv serves: forward(input_ids, positions), compute_logits, load_weights."""
+
+PRESETS: dict[str, HFConfig] = {
     # A few hundred thousand parameters: fast on a laptop CPU, big enough to show GQA.
     "tiny": LlamaConfig(
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -34,6 +40,23 @@ PRESETS: dict[str, LlamaConfig] = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     ),
+    # Multi-head latent attention and a mixture of experts, as small as "tiny": 3 layers, the
+    # first dense, then 4 routed experts (top 2) and 1 shared; the cache holds 32 + 8 values per token.
+    "tiny-mla": DeepseekV2Config(
+        vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+        max_position_embeddings=4096, bos_token_id=256, eos_token_id=[257], tie_word_embeddings=True,
+    ),
+    # DeepSeek-V2-Lite's shapes (its config.json), random weights: for GPU benchmarks.
+    "deepseek-v2-lite": DeepseekV2Config(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+        first_k_dense_replace=1, max_position_embeddings=163840, bos_token_id=100000, eos_token_id=[100001],
+        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    ),
 }
 
 # Presets with trained weights, shipped as package data: name -> Hugging Face checkpoint directory.
@@ -43,12 +66,21 @@ TRAINED_PRESETS: dict[str, Path] = {
     "tiny-pydoc": Path(__file__).parent / "data" / "tiny-pydoc",
 }
 
-# model_type -> architecture: the Llama-family layouts that `LlamaForCausalLM` serves.
-SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# architecture -> (config class, model class): which model file serves a checkpoint.
+MODEL_REGISTRY: dict[str, tuple[type[HFConfig], type[CausalLM]]] = {
+    "LlamaForCausalLM": (LlamaConfig, LlamaForCausalLM),
+    "MistralForCausalLM": (LlamaConfig, LlamaForCausalLM),
+    "Qwen2ForCausalLM": (LlamaConfig, LlamaForCausalLM),
+    "DeepseekV2ForCausalLM": (DeepseekV2Config, DeepseekV2ForCausalLM),
+    "DeepseekV3ForCausalLM": (DeepseekV2Config, DeepseekV3ForCausalLM),
+}
+# model_type -> architecture, as transformers names them.
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                         "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(SUPPORTED_MODEL_TYPES.values())
 
 
-def load_config(model: str) -> LlamaConfig:
+def load_config(model: str) -> HFConfig:
     """A random-init preset by name, or the `config.json` of a trained preset or a local directory."""
     if model in PRESETS:
         return PRESETS[model]
@@ -59,7 +91,9 @@ def load_config(model: str) -> LlamaConfig:
             "config.json (a Hugging Face model saved with save_pretrained)."
         )
     hf = _read_json_object(config_file)
-    return LlamaConfig.from_hf_dict(hf, model_type=_model_type(hf, config_file))
+    model_type = _model_type(hf, config_file)
+    config_cls, _ = MODEL_REGISTRY[SUPPORTED_MODEL_TYPES[model_type]]
+    return config_cls.from_hf_dict(hf, model_type=model_type)
 
 
 def checkpoint_dir(model: str) -> Path:
@@ -81,7 +115,7 @@ def _read_json_object(file: Path) -> dict[str, Any]:
 def _model_type(hf: dict[str, Any], config_file: Path) -> str:
     """The family of a `config.json`: its `model_type`, else read off `architectures`, else "llama".
 
-    Either field naming anything but a supported Llama-family model is rejected, as is a file
+    Either field naming anything but a supported model is rejected, as is a file
     whose two fields disagree; a hand-written config with neither field is read as Llama.
     """
     model_type, archs = hf.get("model_type"), hf.get("architectures")
@@ -135,10 +169,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 # Presets drawn on the CPU with weights scaled so that attention decides the output.
-ATTENTION_DRIVEN_PRESETS = ("tiny", "tiny-hybrid")
+ATTENTION_DRIVEN_PRESETS = ("tiny", "tiny-hybrid", "tiny-mla")
 
 
-def init_preset_weights(net: LlamaForCausalLM, model: str, seed: int) -> None:
+def init_preset_weights(net: CausalLM, model: str, seed: int) -> None:
     """Seeded random weights for a preset; RMSNorm weights keep their 1s.
 
     N(0, 0.02) everywhere (Hugging Face's Llama init) leaves a tiny model nearly blind to its
@@ -147,10 +181,10 @@ def init_preset_weights(net: LlamaForCausalLM, model: str, seed: int) -> None:
     a broken attention backend would still produce the right tokens. The tiny presets are
     scaled instead so that attention decides the next token:
 
-    - q, k, v, o: std 2 / sqrt(fan_in). Scores q.k / sqrt(head_dim) spread over several units,
-      so each head attends to a few context positions, and what it reads (v, o) outweighs the
-      current token's embedding in the residual stream.
-    - MLP: std 1 / sqrt(fan_in).
+    - q, k, v, o (every projection of MLA's too): std 2 / sqrt(fan_in). Scores q.k / sqrt(head_dim)
+      spread over several units, so each head attends to a few context positions, and what it
+      reads (v, o) outweighs the current token's embedding in the residual stream.
+    - MLP, experts and the MoE router: std 1 / sqrt(fan_in).
     - Embeddings (tied with lm_head): std 0.5, so logits spread by about sqrt(hidden) * 0.5 and
       greedy choices are rarely near a tie.
 
@@ -176,15 +210,20 @@ def init_preset_weights(net: LlamaForCausalLM, model: str, seed: int) -> None:
         param.data.copy_(torch.empty(param.shape).normal_(0.0, std, generator=generator))
 
 
-def load_model(model: str, config: LlamaConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
-    """Build the model on `device` and fill it: checkpoint tensors, or seeded random weights."""
+def load_model(model: str, config: HFConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
+    """Build the model on `device` and fill it: checkpoint tensors, or seeded random weights.
+
+    Then each module with a `process_weights_after_loading` gets to prepare its weights for
+    serving (MLA's attention layer splits kv_b_proj into W_UK and W_UV), as in vLLM.
+    """
+    _, model_cls = MODEL_REGISTRY[config.architecture]
     with torch.device(device):
-        net = LlamaForCausalLM(config)
+        net = model_cls(config)
     if model in ATTENTION_DRIVEN_PRESETS and get_tp_size() > 1:
         # Draw the whole model as one rank would, then keep this rank's shard: tensor-parallel
         # ranks serve exactly the weights of the single-rank engine.
         with single_rank():
-            whole = LlamaForCausalLM(config)
+            whole = model_cls(config)
         init_preset_weights(whole, model, seed)
         net.load_weights(whole.hf_state_dict().items())
     elif model in PRESETS:  # the big benchmark presets: each rank draws its own shard
@@ -194,4 +233,8 @@ def load_model(model: str, config: LlamaConfig, dtype: torch.dtype, device: torc
 
         files = checkpoint_files(checkpoint_dir(model))
         net.load_weights(item for f in files for item in load_file(f, device=str(device)).items())
-    return net.to(dtype=dtype).eval()
+    net = net.to(dtype=dtype).eval()
+    for module in net.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
+    return net

@@ -12,12 +12,13 @@ A decoder layer needs two all-reduces and nothing else:
 
 Each layer keeps the full checkpoint name of its parameter (`weight`, `bias`) and gives it a
 `weight_loader(param, checkpoint_tensor, shard_id)` that copies this rank's slice out of the
-full Hugging Face tensor. With one rank every layer is the plain layer it replaces.
+full Hugging Face tensor; `load_hf_weights` routes each checkpoint tensor to its loader. With one
+rank every layer is the plain layer it replaces (`ReplicatedLinear` is whole on every rank anyway).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,40 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: i
     _copy_checked(param.data, loaded, "a whole parameter")
 
 
+def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                    stacked: dict[str, tuple[str, int]], ignored: Collection[str] = ()) -> None:
+    """Copy Hugging Face-named tensors into `model`'s (fused, sharded) parameters: each parameter's
+    `weight_loader` takes this rank's slice. Every parameter must be set, and every tensor used.
+
+    `stacked` maps a part of a Hugging Face name to the fused parameter that holds it and its
+    shard index there (".k_proj." -> (".qkv_proj.", 1)): a fused parameter is complete once every
+    shard that `stacked` can send it has arrived. Tensors named in `ignored` are skipped (a tied
+    lm_head: the embedding is loaded under its own name).
+    """
+    params = dict(model.named_parameters())  # a tied lm_head is listed once, as the embedding
+    loaded: set[str] = set()
+    for hf_name, tensor in weights:
+        name, shard = hf_name, None
+        for part, (fused, index) in stacked.items():
+            if part in hf_name:
+                name, shard = hf_name.replace(part, fused), index
+                break
+        if "rotary_emb.inv_freq" in name or name in ignored:  # old checkpoints save RoPE's buffer
+            continue
+        if name not in params:
+            raise ValueError(f"Checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}.")
+        param = params[name]
+        getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
+        loaded.add(name if shard is None else f"{name}#{shard}")
+    expected = set()
+    for n in params:
+        shards = {index for fused, index in stacked.values() if fused in n}
+        expected |= {f"{n}#{i}" for i in shards} if shards else {n}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"Checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}.")
+
+
 class _ParallelLinear(nn.Module):
     """A weight [out_rows, in_cols] of this rank, an optional bias, and the loader they share."""
 
@@ -70,6 +105,17 @@ class _ParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"tp_rank={get_tp_rank()}/{get_tp_size()}")
+
+
+class ReplicatedLinear(_ParallelLinear):
+    """y = x W^T with the whole W on every rank: a small projection whose whole output every rank
+    needs (MLA's down-projections q_a_proj and kv_a_proj_with_mqa)."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        _copy_checked(param.data, loaded, "ReplicatedLinear")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(_ParallelLinear):

@@ -28,8 +28,7 @@ from pagedkv.compilation.wrapper import CompiledForward, compile_model
 from pagedkv.config import EngineConfig, set_current_engine_config
 from pagedkv.forward_context import BatchDescriptor, set_forward_context
 from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, get_kv_cache_config
-from pagedkv.models.llama import LlamaConfig, LlamaForCausalLM
-from pagedkv.models.loader import load_model
+from pagedkv.models.loader import CausalLM, HFConfig, load_model
 from pagedkv.worker import cudagraph
 from pagedkv.worker.attn_utils import AttentionGroup, build_attn_metadata, init_attn_groups
 from pagedkv.worker.input_batch import BlockTable, InputBatch, ScheduledTokens, compute_slot_mapping
@@ -56,12 +55,12 @@ class StepResult:
 class ModelRunner:
     """Model + KV cache + per-step inputs on one device."""
 
-    def __init__(self, config: EngineConfig, model_config: LlamaConfig) -> None:
+    def __init__(self, config: EngineConfig, model_config: HFConfig) -> None:
         self.config = config
         self.device = config.device
         self.block_size = config.cache_config.block_size
         with set_current_engine_config(config):
-            self.model: LlamaForCausalLM = load_model(
+            self.model: CausalLM = load_model(
                 config.model_config.model, model_config, config.model_config.dtype, self.device,
                 config.model_config.seed,
             )

@@ -35,7 +35,7 @@ from pagedkv.worker.input_batch import ScheduledTokens
 from pagedkv.worker.model_runner import ModelRunner, StepResult
 
 if TYPE_CHECKING:
-    from pagedkv.models.llama import LlamaConfig
+    from pagedkv.models.loader import HFConfig
 
 TIMEOUT_S = 120.0
 """Longest a rank waits in one collective (a step, or start-up) before the group fails."""
@@ -48,7 +48,7 @@ def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     return dataclasses.replace(config, device=torch.device("cuda", rank))
 
 
-def _start_rank(config: EngineConfig, model_config: LlamaConfig, rank: int, init_method: str) -> ModelRunner:
+def _start_rank(config: EngineConfig, model_config: HFConfig, rank: int, init_method: str) -> ModelRunner:
     """Join the group, build this rank's shard and its KV cache, sized like every other rank's."""
     config = _rank_config(config, rank)
     if config.device.type == "cuda":
@@ -68,7 +68,7 @@ def _start_rank(config: EngineConfig, model_config: LlamaConfig, rank: int, init
     return runner
 
 
-def _worker_main(config: EngineConfig, model_config: LlamaConfig, rank: int, init_method: str) -> None:
+def _worker_main(config: EngineConfig, model_config: HFConfig, rank: int, init_method: str) -> None:
     """A worker process: run every step the driver broadcasts until it broadcasts None."""
     try:
         runner = _start_rank(config, model_config, rank, init_method)
@@ -87,7 +87,7 @@ def _worker_main(config: EngineConfig, model_config: LlamaConfig, rank: int, ini
 class TensorParallelExecutor:
     """Runs every step on all ranks; the driver's own runner (rank 0) is `self.runner`."""
 
-    def __init__(self, config: EngineConfig, model_config: LlamaConfig) -> None:
+    def __init__(self, config: EngineConfig, model_config: HFConfig) -> None:
         tp = config.parallel_config.tensor_parallel_size
         fd, rendezvous = tempfile.mkstemp(prefix="pagedkv-tp-")
         os.close(fd)
