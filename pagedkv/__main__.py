@@ -101,9 +101,9 @@ def _backends(args: argparse.Namespace) -> None:
     cfg = load_config(args.model)
     dtype = parse_dtype(args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     layer = dict(head_size=cfg.head_dim, dtype=dtype, kv_cache_dtype=dtype, block_size=args.block_size,
-                 sliding_window=cfg.sliding_window)
-    print(f"model {args.model}: head size {cfg.head_dim}, dtype {dtype}, block size {args.block_size}, "
-          f"sliding window {cfg.sliding_window}, device {device.type}")
+                 sliding_window=cfg.sliding_window, use_mla=cfg.use_mla)
+    print(f"model {args.model}: {'MLA, latent row' if cfg.use_mla else 'head'} size {cfg.head_dim}, dtype {dtype}, "
+          f"block size {args.block_size}, sliding window {cfg.sliding_window}, device {device.type}")
     report = backend_report(device, **layer)
     width = max(map(len, report))
     for name, reasons in report.items():

@@ -50,6 +50,8 @@ class DeepseekV2Config:
 
     supports_tensor_parallel: ClassVar[bool] = False
     """MLA heads and experts are not split over ranks here: the engine refuses tensor_parallel_size > 1."""
+    use_mla: ClassVar[bool] = True
+    """Attention layers are `MLAAttention`: MLA backends (TORCH_REF_MLA, TRITON_MLA) serve them."""
 
     architecture: str = "DeepseekV2ForCausalLM"
     """The model class that serves it (`loader.MODEL_REGISTRY`): DeepseekV2ForCausalLM or DeepseekV3ForCausalLM."""

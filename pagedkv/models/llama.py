@@ -39,6 +39,8 @@ class LlamaConfig:
     architecture: ClassVar[str] = "LlamaForCausalLM"
     """The model class that serves it (`loader.MODEL_REGISTRY`), for Mistral and Qwen2 too."""
     supports_tensor_parallel: ClassVar[bool] = True
+    use_mla: ClassVar[bool] = False
+    """Attention layers are MHA / GQA / MQA (`Attention`), not MLA: MHA backends serve them."""
 
     vocab_size: int = 32000
     hidden_size: int = 4096

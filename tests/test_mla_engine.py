@@ -1,0 +1,64 @@
+"""MLA in the running engine: TRITON_MLA (under Triton's interpreter) and preemption, checked
+against transformers' DeepSeek-V2 on the same weights, and the selector's choice for MLA layers.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.attention.mla.layer import MLAAttention
+from tests.conftest import write_hf_deepseek
+from tests.test_deepseek_vs_transformers import ATOL, PROMPTS, engine, hf_model, logit_errors
+
+pytest.importorskip("transformers")
+needs_triton = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="TRITON_MLA on the CPU needs TRITON_INTERPRET=1"
+)
+
+
+@pytest.fixture(scope="module")
+def v2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_deepseek(tmp_path_factory.mktemp("mla") / "v2", version=2)
+
+
+@needs_triton
+def test_triton_mla_chunked_and_mixed_steps_match_transformers(v2_dir: Path) -> None:
+    pytest.importorskip("triton")
+    llm = engine(v2_dir, attention_backend="TRITON_MLA", max_num_batched_tokens=16)
+    assert all(layer.attn_backend.get_name() == "TRITON_MLA" for layer in llm.runner.attn_layers.values())
+    splits: list[int] = []
+    llm.add_step_listener(lambda e: splits.append(next(iter(e.result.attn_metadata.values())).num_decodes))
+    error, argmax = logit_errors(llm, hf_model(v2_dir, 2))
+    assert error <= ATOL and argmax
+    assert max(splits) > 1  # decodes of several requests went through the Triton kernel together
+
+
+@pytest.mark.parametrize("backend", ["TORCH_REF_MLA", pytest.param("TRITON_MLA", marks=needs_triton)])
+def test_preemption_under_mla_loses_nothing(v2_dir: Path, backend: str) -> None:
+    """Five requests in 12 usable blocks of 4 tokens: preempted, recomputed, same logits as transformers."""
+    llm = LLM(str(v2_dir), device="cpu", dtype="float32", num_kv_blocks=13, block_size=4, attention_backend=backend)
+    error, argmax = logit_errors(llm, hf_model(v2_dir, 2))
+    assert llm.stats.num_preemptions > 0
+    assert error <= ATOL and argmax
+    assert llm.kv_cache_manager.num_free_blocks() == 12
+
+
+def test_selector_gives_mla_layers_an_mla_backend_and_says_why_not_mha() -> None:
+    llm = LLM("tiny-mla", device="cpu", num_kv_blocks=16)
+    layers = llm.runner.attn_layers.values()
+    assert layers and all(isinstance(layer, MLAAttention) for layer in layers)
+    assert {layer.attn_backend.get_name() for layer in layers} == {"TORCH_REF_MLA"}
+    spec = llm.runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    assert type(spec).__name__ == "MLAAttentionSpec" and spec.num_kv_heads == 1
+    cache = next(iter(llm.runner.kv_caches.values()))
+    assert cache.shape[1:] == (16, llm.model_config.kv_lora_rank + llm.model_config.qk_rope_head_dim)
+    with pytest.raises(ValueError, match="TORCH_REF' cannot serve MLA layer .*serves MHA/GQA/MQA layers only"):
+        LLM("tiny-mla", device="cpu", num_kv_blocks=16, attention_backend="TORCH_REF")
+    with pytest.raises(ValueError, match="an MLA backend serves MLA layers only"):
+        LLM("tiny", device="cpu", num_kv_blocks=16, attention_backend="TORCH_REF_MLA")
+    text = LLM("tiny-mla", device="cpu", num_kv_blocks=16).generate(["multi-head latent"], SamplingParams(max_tokens=4))
+    assert len(text[0].outputs[0].token_ids) == 4
