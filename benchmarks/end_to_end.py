@@ -227,8 +227,8 @@ def roofline(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, 
     """Lower bound on W1's time: prefill at peak FLOP/s, then one decode step per further token.
 
     Prefill: 2 FLOPs per weight and prompt token (embedding gather and LM head excluded; the
-    head runs once per request) plus causal attention, 4 * L(L+1)/2 * heads * head_dim per
-    layer. Decode: max_tokens - 1 steps of all requests, each streaming every weight once
+    head runs once per request; a MoE counts every expert, as pagedkv's dense MoE computes them)
+    plus causal attention, 2 * L(L+1)/2 * heads * (q.k width + p.v width) per layer. Decode: max_tokens - 1 steps of all requests, each streaming every weight once
     (the issue's "16 GB") and every request's KV cache at `hbm_tbps`.
     """
     c = model.config
@@ -237,9 +237,13 @@ def roofline(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, 
     embed, head = model.model.embed_tokens.weight.numel(), model.lm_head.weight.numel()
     body = weights - embed - (0 if c.tie_word_embeddings else head)
     lens = [len(p) for p in prompts]
-    attn = sum(4 * n * (n + 1) / 2 for n in lens) * c.num_attention_heads * c.head_dim * c.num_hidden_layers
+    item = model.lm_head.weight.element_size()
+    if c.use_mla:  # per head: q.k over qk_head_dim, p.v over v_head_dim; one latent row cached per token
+        attn_width, kv_per_token = c.qk_head_dim + c.v_head_dim, c.num_hidden_layers * c.head_dim * item
+    else:
+        attn_width, kv_per_token = 2 * c.head_dim, 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * item
+    attn = sum(2 * n * (n + 1) / 2 for n in lens) * c.num_attention_heads * attn_width * c.num_hidden_layers
     prefill_flops = 2 * body * sum(lens) + 2 * head * len(lens) + attn
-    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * model.lm_head.weight.element_size()
     decode_bytes = sum(weight_bytes + kv_per_token * sum(n + j for n in lens) for j in range(1, max_tokens))
     seconds = prefill_flops / (tflops * 1e12) + decode_bytes / (hbm_tbps * 1e12)
     return {"weight_gb": weight_bytes / 1e9, "prefill_tflop": prefill_flops / 1e12, "decode_gb": decode_bytes / 1e9,

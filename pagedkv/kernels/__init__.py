@@ -1,4 +1,4 @@
-"""Triton kernels: the KV cache scatter and paged attention.
+"""Triton kernels: the KV cache scatter, paged attention and MLA decode attention.
 
 `HAS_TRITON` says whether they can be used; without Triton the names exist but raise a clear
 error when called, so `import pagedkv` works everywhere.
@@ -19,6 +19,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
     from pagedkv.kernels.attention_config import KernelConfig
     from pagedkv.kernels.common import interpreter_problem
+    from pagedkv.kernels.mla_decode import MLADecodeWorkspace, mla_decode_attention
     from pagedkv.kernels.reshape_and_cache import reshape_and_cache
     from pagedkv.kernels.split_kv import SplitKVWorkspace
     from pagedkv.kernels.unified_attention import unified_attention
@@ -27,9 +28,10 @@ else:  # pragma: no cover
     def _missing(*args: Any, **kwargs: Any) -> Any:
         raise ImportError("pagedkv.kernels needs the `triton` package (pip install triton)")
 
-    reshape_and_cache = unified_attention = interpreter_problem = _missing  # type: ignore[assignment]
-    KernelConfig = SplitKVWorkspace = None  # type: ignore[assignment,misc]
+    reshape_and_cache = unified_attention = mla_decode_attention = interpreter_problem = _missing  # type: ignore[assignment]
+    KernelConfig = SplitKVWorkspace = MLADecodeWorkspace = None  # type: ignore[assignment,misc]
 
 __all__ = [
-    "HAS_TRITON", "KernelConfig", "SplitKVWorkspace", "interpreter_problem", "reshape_and_cache", "unified_attention",
+    "HAS_TRITON", "KernelConfig", "MLADecodeWorkspace", "SplitKVWorkspace", "interpreter_problem",
+    "mla_decode_attention", "reshape_and_cache", "unified_attention",
 ]

@@ -8,7 +8,8 @@ scores (`lse_s`, base 2). Softmax over the union of the shares is the weighted m
 
 because `2^lse_s` is exactly the softmax denominator of share s. The merge subtracts the
 largest `lse_s` before exponentiating, so nothing overflows; an empty share has
-`lse_s = -inf` and weight 0.
+`lse_s = -inf` and weight 0, and a sequence with no keys at all (every share empty, e.g. an MLA
+decode of length 0) merges to 0.
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ def _merge_splits_kernel(
     rows = token.to(tl.int64) * num_splits + splits
     split_ok = splits < num_splits
     lse = tl.load(partial_lse_ptr + rows * stride_lse_r + head * stride_lse_h, mask=split_ok, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, 0))
-    weights = weights / tl.sum(weights, 0)
+    top = tl.max(lse, 0)
+    weights = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # all empty: weights 0, not NaN
+    total = tl.sum(weights, 0)
+    weights = weights / tl.where(total == 0.0, 1.0, total)  # ... and the merged output 0
     parts = tl.load(
         partial_out_ptr + rows[:, None] * stride_po_r + head * stride_po_h + dims[None, :] * stride_po_d,
         mask=split_ok[:, None] & (dims[None, :] < HEAD_SIZE), other=0.0,
