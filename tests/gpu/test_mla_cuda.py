@@ -51,7 +51,7 @@ def test_full_decode_graphs_replay_the_eager_logits(tmp_path: Path) -> None:
     for a, b in zip(graphed.values(), eager.values()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     llm.add_step_listener(lambda e: modes.append(e.result.cudagraph_mode))
-    llm.generate(["x" * 20, "yz"], GREEDY, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": list(range(3, 23))}, {"prompt_token_ids": [5, 6]}], GREEDY, use_tqdm=False)
     assert CUDAGraphMode.FULL in modes and CUDAGraphMode.NONE in modes  # decodes replayed, prefills eager
 
 
