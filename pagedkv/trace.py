@@ -4,6 +4,7 @@
     llm.generate(prompts, params)
     trace.detach()
     trace[0].requests, trace[0].slot_mappings, trace.engine.attention_groups
+    trace[0].mla_split                     # MLA models: which tokens went to forward_mqa / forward_mha
     trace.save("run.json"); StepTrace.load("run.json")   # replay a GPU run on a laptop
 
 Nothing here holds a tensor or a reference into the engine: every record is ints, strings
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedkv.attention.mla.common import MLACommonMetadata
+
 if TYPE_CHECKING:
     from pagedkv.engine.llm import LLM, StepEvent
     from pagedkv.kv_cache.spec import KVCacheSpec
@@ -37,7 +40,7 @@ class KVSpecInfo:
     """A KV cache spec (what one block of one layer holds), flattened."""
 
     kind: str
-    """Spec class name: "FullAttentionSpec" or "SlidingWindowSpec"."""
+    """Spec class name: "FullAttentionSpec", "SlidingWindowSpec" or "MLAAttentionSpec"."""
     block_size: int
     num_kv_heads: int
     head_size: int
@@ -125,6 +128,22 @@ class MetadataRecord:
 
 
 @dataclass
+class MLASplitRecord:
+    """How an MLA backend split one step's batch: the leading `num_decodes` requests (one query
+    token each) went to forward_mqa, the other requests to forward_mha.
+
+    It is the split the metadata builder made, by query length, so it can differ from the
+    scheduler's phases: a prompt's last chunk of one token, placed right after the decodes, is a
+    "decode" here (`split_decodes_and_prefills`)."""
+
+    num_decodes: int
+    num_decode_tokens: int
+    """Tokens 0 .. num_decode_tokens - 1 of the step: the forward_mqa rows."""
+    num_prefills: int
+    num_prefill_tokens: int
+
+
+@dataclass
 class StepRecord:
     """Everything one engine step did that the widgets draw."""
 
@@ -155,6 +174,9 @@ class StepRecord:
     tokens are `input_ids`; the padding, slot -1, is not recorded)."""
     duration_s: float
     """Model + sampling time of the step."""
+    mla_split: MLASplitRecord | None = None
+    """The decode / prefill split of the step's MLA layers; None without MLA layers (and in traces
+    recorded before this field)."""
 
     @property
     def scheduled(self) -> list[RequestRecord]:
@@ -392,6 +414,16 @@ def _metadata_records(attn_metadata: dict[str, Any]) -> list[MetadataRecord]:
     return list(by_object.values())
 
 
+def _mla_split(attn_metadata: dict[str, Any]) -> MLASplitRecord | None:
+    """The split of the first MLA metadata object of the step (every MLA attention group splits
+    the same batch by the same query lengths, so they all agree)."""
+    for metadata in attn_metadata.values():
+        if isinstance(metadata, MLACommonMetadata):
+            return MLASplitRecord(metadata.num_decodes, metadata.num_decode_tokens, metadata.num_prefills,
+                                  metadata.num_prefill_tokens)
+    return None
+
+
 def step_record(event: StepEvent, llm: LLM, duration_s: float) -> StepRecord:
     """Turn a `StepEvent` into plain data.
 
@@ -435,4 +467,5 @@ def step_record(event: StepEvent, llm: LLM, duration_s: float) -> StepRecord:
         cudagraph_mode=result.cudagraph_mode.name,
         batch_descriptor=dataclasses.asdict(result.batch_descriptor),
         duration_s=duration_s,
+        mla_split=_mla_split(result.attn_metadata),
     )

@@ -31,6 +31,8 @@ Views (all `TraceView`s: an `ipywidgets.HTML` with an `index` trait, -1 = newest
                          tokens at a time (its `pager` slider pages through a long prefill)
     AttentionGroupsView  layers -> KV cache groups -> attention groups -> one metadata object
     ForwardContextView   per layer name: metadata, slot mapping, KV cache shape
+    MLASplitView         an MLA model's step: which tokens went to forward_mqa (decodes, latent MQA)
+                         and which to forward_mha (prefills, K/V up-projected), and where they meet
     PlotView             one of the plots below with a cursor at the step on display
 StepPlayer(trace, views)   Play + IntSlider; renders every view at the chosen step, then updates the
                            views and the step label together (they always name the same step).
@@ -45,6 +47,8 @@ Not tied to a trace:
     PiecewiseSplitView     a compiled model's pieces and the attention ops run eagerly between them
     TensorParallelLayoutView  model shape + rank count -> each rank's heads (split or replicated),
                            its rows / columns of every matrix, its KV cache per token, the all-reduces
+    cache_bytes, latent_cache_table  MLA's cache per token per layer against the same model with MHA,
+                           and how many tokens fit in a memory budget (notebook 11)
 """
 
 try:
@@ -61,6 +65,7 @@ from pagedkv.widgets.block_table import BlockTableView
 from pagedkv.widgets.common import TraceView, request_color
 from pagedkv.widgets.cudagraph import CudaGraphModeExplorer, PiecewiseSplitView
 from pagedkv.widgets.forward_context import ForwardContextView
+from pagedkv.widgets.mla import MLASplitView, cache_bytes, latent_cache_table
 from pagedkv.widgets.player import StepPlayer
 from pagedkv.widgets.plots import (
     PlotView,
@@ -77,12 +82,15 @@ __all__ = [
     "BlockTableView",
     "CudaGraphModeExplorer",
     "ForwardContextView",
+    "MLASplitView",
     "PiecewiseSplitView",
     "PlotView",
     "SlotMappingView",
     "StepPlayer",
     "TensorParallelLayoutView",
     "TraceView",
+    "cache_bytes",
+    "latent_cache_table",
     "plot_batch_composition",
     "plot_kv_cache_usage",
     "plot_request_timeline",

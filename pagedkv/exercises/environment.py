@@ -91,6 +91,8 @@ WORKBOOK: list[NotebookInfo] = [
     NotebookInfo("09_serving_end_to_end", "continuous batching, chunked prefill, preemption, throughput", "cpu"),
     NotebookInfo("10_tensor_parallelism", "one model over several processes: sharded layers, head layout, all-reduces",
                  "cpu"),
+    NotebookInfo("11_mla", "multi-head latent attention: the latent cache, the decode / prefill split, W_UK absorbed",
+                 "cpu"),
 ]
 
 
