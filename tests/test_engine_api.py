@@ -387,8 +387,10 @@ def test_request_token_ids_between_is_a_slice_of_all_token_ids() -> None:
     from pagedkv.engine.request import Request
 
     req = Request("0", [5, 6, 7], SamplingParams(), eos_token_ids=[], prompt=None)
-    req.output_token_ids += [8, 9]
+    for token in (8, 9):
+        req.append_output_token_id(token)
     full = req.all_token_ids
+    assert full == [5, 6, 7, 8, 9] and req.output_token_ids == [8, 9]
     for start in range(6):
         for end in range(start, 6):
             assert req.token_ids_between(start, end) == full[start:end], (start, end)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,10 +54,13 @@ from pagedkv.engine.request import SEED_RANGE, CompletionOutput, Request, Reques
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.kv_cache.manager import KVCacheManager
+from pagedkv.kv_cache.spec import SlidingWindowSpec
 from pagedkv.models.loader import PRESETS, TRAINED_PRESETS, load_config
 from pagedkv.models.tokenizer import get_tokenizer
 from pagedkv.worker.model_runner import ModelRunner, StepResult
 from pagedkv.worker.tp_executor import TensorParallelExecutor
+
+logger = logging.getLogger("pagedkv")
 
 Prompt = str | dict[str, Any]
 """Text, or {"prompt_token_ids": [...]}."""
@@ -73,6 +77,15 @@ class EngineStats:
     num_decode_tokens: int = 0
     num_finished_requests: int = 0
     model_time_s: float = 0.0
+    num_cached_tokens: int = 0
+    """Prompt (and recomputed) tokens found in the prefix cache, so not run through the model."""
+    num_lookup_tokens: int = 0
+    """Tokens of the requests admitted (new or resumed), all looked up in the prefix cache."""
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """num_cached_tokens / num_lookup_tokens (0 before any lookup)."""
+        return self.num_cached_tokens / self.num_lookup_tokens if self.num_lookup_tokens else 0.0
 
 
 @dataclass
@@ -126,6 +139,7 @@ class LLM:
         compile: bool = False,
         max_cudagraph_capture_size: int | None = None,
         tensor_parallel_size: int = 1,
+        enable_prefix_caching: bool | None = None,
     ) -> None:
         model = check_model(model, sorted([*PRESETS, *TRAINED_PRESETS]))
         device = check_device(device)
@@ -163,6 +177,8 @@ class LLM:
         compilation = check_compilation(cudagraph_mode, enforce_eager, compile, max_cudagraph_capture_size)
         tensor_parallel_size = check_int("tensor_parallel_size", tensor_parallel_size, 1,
                                          hint=" (processes, each holding a shard of the model)")
+        if enable_prefix_caching is not None:
+            enable_prefix_caching = check_bool("enable_prefix_caching", enable_prefix_caching)
 
         model_cfg = load_config(model)
         check_tensor_parallel(tensor_parallel_size, model_cfg, device, compilation)
@@ -214,7 +230,9 @@ class LLM:
         if self._executor is None:
             self.runner.initialize_kv_cache(self.runner.determine_kv_cache_config())
             self.runner.capture_model()
-        self.kv_cache_manager = KVCacheManager(self.runner.kv_cache_config)
+        self.prefix_caching = self._prefix_caching(enable_prefix_caching)
+        """Whether full blocks are hashed and shared between requests with the same prefix."""
+        self.kv_cache_manager = KVCacheManager(self.runner.kv_cache_config, enable_caching=self.prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler_config, max_model_len, self.kv_cache_manager)
         self.sampler = Sampler()
         self.stats = EngineStats()
@@ -222,6 +240,22 @@ class LLM:
         self._ids = itertools.count()
         # Unfinished requests only: a record goes when its final output is returned or it is aborted.
         self._requests: dict[str, Request] = {}
+
+    def _prefix_caching(self, requested: bool | None) -> bool:
+        """On unless turned off or the model cannot: a sliding-window layer gives blocks back as
+        they leave its window, so its blocks do not hold a whole prefix (vLLM's hybrid manager
+        handles that case; this engine does not)."""
+        windowed = [i for i, g in enumerate(self.runner.kv_cache_config.kv_cache_groups)
+                    if isinstance(g.kv_cache_spec, SlidingWindowSpec)]
+        if not windowed or requested is False:
+            return requested is not False
+        reason = (f"prefix caching is not supported for this model: KV cache group(s) {windowed} hold "
+                  "sliding-window layers, whose blocks leave the window")
+        if requested:
+            self.shutdown()
+            raise ValueError(f"enable_prefix_caching=True: {reason}. Pass enable_prefix_caching=False (or None).")
+        logger.info("Prefix caching is off: %s.", reason)
+        return False
 
     def _eos_token_ids(self, model: str) -> list[int]:
         ids = list(self.model_config.eos_token_id)
@@ -381,6 +415,8 @@ class LLM:
     def _fail_step(self, sched: SchedulerOutput, error: Exception) -> None:
         req_ids = [s.request.request_id for s in sched.scheduled]
         for s in sched.scheduled:
+            # Blocks cached when this step was planned were never written: nobody may hit them.
+            self.kv_cache_manager.uncache(s.request.request_id)
             self._end(s.request, "error", error)
             self._forget(s.request)
         error.add_note(
@@ -393,6 +429,8 @@ class LLM:
         self.stats.num_prefill_tokens += sched.num_prefill_tokens
         self.stats.num_decode_tokens += sched.num_decode_tokens
         self.stats.num_finished_requests += len(finished)
+        self.stats.num_cached_tokens += sum(s.num_cached_tokens for s in sched.scheduled)
+        self.stats.num_lookup_tokens += sum(s.num_lookup_tokens for s in sched.scheduled)
 
     def _output(self, request: Request) -> RequestOutput:
         tokens = list(request.output_token_ids)

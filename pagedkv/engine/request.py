@@ -79,6 +79,7 @@ class Request:
     prompt: str | None = None
     """The prompt text, when it was given as a string."""
     output_token_ids: list[int] = field(default_factory=list)
+    """Sampled so far; grows through `append_output_token_id` (which keeps `all_token_ids` too)."""
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
@@ -86,10 +87,21 @@ class Request:
     error: str | None = None
     """Why the request failed (finish_reason "error")."""
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache when it was (last) admitted: not computed then."""
+    _token_ids: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._token_ids = self.prompt_token_ids + self.output_token_ids
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output tokens: one list kept up to date (read it, do not change it)."""
+        return self._token_ids
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._token_ids.append(token_id)
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """`all_token_ids[start:end]` without building the whole list (the runner asks every step)."""

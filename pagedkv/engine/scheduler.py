@@ -10,6 +10,10 @@ last. A prompt that does not fit the budget is split over steps (chunked prefill
 When a running request needs a block and none is free, the newest running request is
 preempted: its blocks are freed and it goes back to the *front* of the waiting queue
 with `num_computed_tokens = 0`, to be recomputed later. Nothing is ever dropped.
+
+With prefix caching, a request admitted from the waiting queue (new, or resumed after
+preemption) first takes the longest cached prefix of its tokens: it starts with
+num_computed_tokens at that length, and the budget pays only for the rest.
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ class ScheduledRequest:
     """The step computes the request's last known token, so a new one is sampled."""
     is_decode: bool = field(init=False)
     """One new token right after a sampled one (vLLM's decode)."""
+    num_cached_tokens: int = 0
+    """Tokens found in the prefix cache when the request was admitted in this step (the first
+    num_cached_tokens of its context: not computed)."""
+    num_lookup_tokens: int = 0
+    """Tokens looked up in the prefix cache: all of them when admitted in this step holding no
+    blocks (new or resumed; with caching off the lookup finds nothing), else 0."""
 
     def __post_init__(self) -> None:
         self.num_computed_tokens = self.request.num_computed_tokens
@@ -131,7 +141,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request: Request | None = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not kv.allocate_slots(request.request_id, request.num_computed_tokens, n):
+            while not kv.allocate_slots(request.request_id, request.num_computed_tokens, n,
+                                        token_ids=request.all_token_ids):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -147,17 +158,25 @@ class Scheduler:
         # 2. Waiting requests, front first -- but not in a step that had to preempt.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            n = request.num_tokens - request.num_computed_tokens
+            hits, num_hit = [], 0
+            if request.num_computed_tokens == 0:  # new or preempted: holds no blocks
+                hits, num_hit = kv.get_computed_blocks(request.request_id, request.all_token_ids)
+            n = request.num_tokens - request.num_computed_tokens - num_hit
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            if not kv.allocate_slots(request.request_id, request.num_computed_tokens, n):
+            if not kv.allocate_slots(request.request_id, request.num_computed_tokens + num_hit, n, hits,
+                                     token_ids=request.all_token_ids):
                 break
             self.waiting.popleft()
+            looked_up = request.num_tokens if request.num_computed_tokens == 0 else 0
+            if looked_up:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens += num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(ScheduledRequest(request, n))
+            scheduled.append(ScheduledRequest(request, n, num_cached_tokens=num_hit, num_lookup_tokens=looked_up))
             budget -= n
 
         # Decodes first: kernels (and MLA) split the batch at num_decode_tokens.
@@ -180,7 +199,7 @@ class Scheduler:
             request.num_computed_tokens += s.num_new_tokens
             if request.request_id not in sampled:
                 continue
-            request.output_token_ids.append(sampled[request.request_id])
+            request.append_output_token_id(sampled[request.request_id])
             if request.check_stop(self.max_model_len):
                 request.status = RequestStatus.FINISHED
                 self.running.remove(request)
