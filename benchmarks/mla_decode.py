@@ -146,7 +146,8 @@ def compiled_kernels() -> dict[int, dict[str, object]]:
 def sweep(block_size: int) -> dict[str, object]:
     """Time each MLATiles on the large decodes (default split count for each); rank by geomean."""
     grid = [MLATiles(n, w, st, ppm) for n, w, st, ppm in [
-        (32, 4, 2, 2), (32, 4, 3, 2), (32, 4, 4, 2), (32, 4, 3, 3), (16, 4, 3, 2), (16, 4, 4, 3), (64, 8, 3, 2)]]
+        (32, 4, 2, 2), (32, 4, 3, 2), (32, 4, 4, 2), (32, 4, 3, 3), (16, 4, 3, 2), (16, 4, 4, 3), (64, 8, 3, 2),
+        (32, 8, 3, 2), (32, 8, 2, 2), (64, 4, 2, 2)]]
     chosen = [Case(8, 4096), Case(128, 4096), Case(32, 16384)]
     inputs = {c: [make_inputs(c, block_size, i) for i in range(copies_for(c.cache_bytes))] for c in chosen}
     results = []
