@@ -8,11 +8,13 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.attention.mla.layer import MLAAttention
 from tests.conftest import write_hf_deepseek
-from tests.test_deepseek_vs_transformers import ATOL, PROMPTS, engine, hf_model, logit_errors
+from tests.reference import LogitsRecorder, reference_logits
+from tests.test_deepseek_vs_transformers import ATOL, GREEDY, engine, hf_model, logit_errors
 
 pytest.importorskip("transformers")
 needs_triton = pytest.mark.skipif(
@@ -62,3 +64,19 @@ def test_selector_gives_mla_layers_an_mla_backend_and_says_why_not_mha() -> None
         LLM("tiny", device="cpu", num_kv_blocks=16, attention_backend="TORCH_REF_MLA")
     text = LLM("tiny-mla", device="cpu", num_kv_blocks=16).generate(["multi-head latent"], SamplingParams(max_tokens=4))
     assert len(text[0].outputs[0].token_ids) == 4
+
+
+def test_prefix_caching_under_mla_reads_shared_latent_blocks(v2_dir: Path) -> None:
+    """Requests sharing a 13-token prefix: their prefills start after the cached blocks, and
+    forward_mha reads those latents from the cache; logits still match transformers."""
+    shared = [(5 * j) % 120 + 3 for j in range(13)]
+    prompts = [shared + [(11 * i + j) % 120 + 3 for j in range(i + 1)] for i in range(4)]
+    llm = engine(v2_dir, attention_backend="TORCH_REF_MLA")
+    recorder = LogitsRecorder(llm)
+    outs = [llm.generate([{"prompt_token_ids": p}], GREEDY)[0] for p in prompts]  # one after another
+    recorder.detach()
+    assert llm.stats.num_cached_tokens == 3 * 12  # blocks of 4: the prefix's 3 full blocks, for requests 2-4
+    hf = hf_model(v2_dir, 2)
+    for out in outs:
+        expected = reference_logits(hf, out.prompt_token_ids, out.outputs[0].token_ids)
+        assert (torch.stack(recorder.rows[out.request_id]) - expected).abs().max() <= ATOL
