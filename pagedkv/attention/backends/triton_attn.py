@@ -165,7 +165,33 @@ class TritonAttentionImpl(TritonCacheWriter, AttentionImpl[TritonAttentionMetada
         )
 
 
-class TritonAttentionBackend(AttentionBackend):
+class TritonBackendRules:
+    """What a backend of Triton kernels refuses whatever its kernel: no triton, a KV cache dtype
+    other than the model's, the CPU without Triton's interpreter. TRITON_ATTN and TRITON_MLA
+    share it; `kernel_reasons` adds a kernel's own limits."""
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return None if HAS_TRITON else "triton is not installed"
+
+    @classmethod
+    def kernel_reasons(cls, head_size: int) -> list[str]:
+        return []
+
+    @classmethod
+    def extra_reasons(
+        cls, *, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype, device_type: str
+    ) -> list[str]:
+        reasons = cls.kernel_reasons(head_size)
+        if kv_cache_dtype != dtype:
+            reasons.append(f"KV cache dtype {kv_cache_dtype} must equal the model dtype {dtype}")
+        problem = interpreter_problem() if device_type == "cpu" and HAS_TRITON else None
+        if problem:
+            reasons.append(problem)
+        return reasons
+
+
+class TritonAttentionBackend(TritonBackendRules, AttentionBackend):
     """Triton paged attention: CUDA, or the CPU under Triton's interpreter (slow; for learning)."""
 
     forward_includes_kv_cache_update = False
@@ -186,21 +212,9 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonAttentionMetadataBuilder
 
     @classmethod
-    def unavailable_reason(cls) -> str | None:
-        return None if HAS_TRITON else "triton is not installed"
-
-    @classmethod
-    def extra_reasons(
-        cls, *, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype, device_type: str
-    ) -> list[str]:
-        reasons = []
+    def kernel_reasons(cls, head_size: int) -> list[str]:
         try:
             check_head_size(head_size)
         except ValueError as exc:
-            reasons.append(str(exc))
-        if kv_cache_dtype != dtype:
-            reasons.append(f"KV cache dtype {kv_cache_dtype} must equal the model dtype {dtype}")
-        problem = interpreter_problem() if device_type == "cpu" and HAS_TRITON else None
-        if problem:
-            reasons.append(problem)
-        return reasons
+            return [str(exc)]
+        return []

@@ -20,10 +20,10 @@ from typing import ClassVar
 import torch
 
 from pagedkv.attention.backend import AttentionCGSupport, CommonAttentionMetadata, MultipleOf
+from pagedkv.attention.backends.triton_attn import TritonBackendRules
 from pagedkv.attention.mla.common import MLACommonBackend, MLACommonImpl, MLACommonMetadataBuilder, MLADecodeMetadata
 from pagedkv.config import EngineConfig
 from pagedkv.kernels import HAS_TRITON
-from pagedkv.kernels.common import interpreter_problem
 from pagedkv.kv_cache.spec import KVCacheSpec
 
 if HAS_TRITON:
@@ -73,7 +73,7 @@ class TritonMLAImpl(MLACommonImpl[TritonMLADecodeMetadata]):
         )
 
 
-class TritonMLABackend(MLACommonBackend):
+class TritonMLABackend(TritonBackendRules, MLACommonBackend):
     """Triton MLA decode: CUDA, or the CPU under Triton's interpreter (slow; for learning)."""
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
@@ -96,19 +96,3 @@ class TritonMLABackend(MLACommonBackend):
     def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
         """Pages of a power-of-two size (the kernel walks a page with a power-of-two tile)."""
         return [2**i for i in range(9)]
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        return None if HAS_TRITON else "triton is not installed"
-
-    @classmethod
-    def extra_reasons(
-        cls, *, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype, device_type: str
-    ) -> list[str]:
-        reasons = []
-        if kv_cache_dtype != dtype:
-            reasons.append(f"KV cache dtype {kv_cache_dtype} must equal the model dtype {dtype}")
-        problem = interpreter_problem() if device_type == "cpu" and HAS_TRITON else None
-        if problem:
-            reasons.append(problem)
-        return reasons
