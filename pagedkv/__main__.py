@@ -33,13 +33,15 @@ def _prompts(args: argparse.Namespace) -> list[Prompt]:
 
 
 def _show_steps(llm: LLM) -> None:
-    print(f"{'step':>4} {'reqs':>4} {'prefill':>7} {'decode':>6} {'blocks used/free':>16} {'preempt':>7}")
+    # prefill: prompt (and recomputed) tokens computed in the step; cached: tokens found in the prefix cache instead.
+    print(f"{'step':>4} {'reqs':>4} {'prefill':>7} {'cached':>6} {'decode':>6} {'blocks used/free':>16} {'preempt':>7}")
 
     def show(event: StepEvent) -> None:
         sched = event.scheduler_output
         free = event.num_free_blocks[0]
         used = llm.kv_cache_manager.num_usable_blocks - free
-        print(f"{event.step:>4} {len(sched.scheduled):>4} {sched.num_prefill_tokens:>7} "
+        cached = sum(s.num_cached_tokens for s in sched.scheduled)
+        print(f"{event.step:>4} {len(sched.scheduled):>4} {sched.num_prefill_tokens:>7} {cached:>6} "
               f"{sched.num_decode_tokens:>6} {f'{used}/{free}':>16} {len(sched.preempted_req_ids):>7}")
 
     llm.add_step_listener(show)
@@ -70,6 +72,8 @@ def _generate(args: argparse.Namespace) -> None:
         num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend,
         max_num_batched_tokens=args.max_num_batched_tokens, cudagraph_mode=args.cudagraph_mode,
         enforce_eager=args.enforce_eager, compile=args.compile, tensor_parallel_size=args.tensor_parallel_size,
+        # None, not True: a model that cannot cache prefixes (sliding windows) runs without, as in LLM().
+        enable_prefix_caching=False if args.no_prefix_caching else None,
     )
     if args.show_steps:
         _show_steps(llm)
@@ -83,7 +87,9 @@ def _generate(args: argparse.Namespace) -> None:
                 print(f"# request {out.request_id} failed: {out.error}", file=sys.stderr)
     elapsed = time.perf_counter() - start
     s = llm.stats
-    print(f"# {s.num_steps} steps, {s.num_prefill_tokens} prefill + {s.num_decode_tokens} decode tokens, "
+    caching = (f"{s.num_cached_tokens} prompt tokens from the prefix cache ({s.prefix_cache_hit_rate:.0%} hit rate)"
+               if llm.prefix_caching else "prefix caching off")
+    print(f"# {s.num_steps} steps, {s.num_prefill_tokens} prefill + {s.num_decode_tokens} decode tokens, {caching}, "
           f"{s.num_preemptions} preemptions, {elapsed:.2f} s, cudagraph_mode {llm.runner.cudagraph_mode.name}",
           file=sys.stderr)
     llm.shutdown()
@@ -164,7 +170,11 @@ def main(argv: list[str] | None = None) -> None:
                      help="torch.compile the model, split at the attention ops (PIECEWISE graphs need it)")
     gen.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                      help="split the model over N processes (gloo on CPU, NCCL with one GPU each)")
-    gen.add_argument("--show-steps", action="store_true", help="print a table row per engine step")
+    gen.add_argument("--no-prefix-caching", action="store_true",
+                     help="do not reuse the KV cache of prompt prefixes seen before (on by default, as in vLLM)")
+    gen.add_argument("--show-steps", action="store_true",
+                     help="print a table row per engine step (prefill: prompt tokens computed; cached: "
+                          "tokens found in the prefix cache instead)")
     gen.add_argument("--stream", action="store_true",
                      help="print every token as its step produces it: [request id] token_id 'text'")
     gen.set_defaults(func=_generate)

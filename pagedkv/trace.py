@@ -5,6 +5,7 @@
     trace.detach()
     trace[0].requests, trace[0].slot_mappings, trace.engine.attention_groups
     trace[0].mla_split                     # MLA models: which tokens went to forward_mqa / forward_mha
+    trace[0].block_pools[0].free_queue     # each group's pool after the step: ref counts, hashes, eviction order
     trace.save("run.json"); StepTrace.load("run.json")   # replay a GPU run on a laptop
 
 Nothing here holds a tensor or a reference into the engine: every record is ints, strings
@@ -29,6 +30,7 @@ from pagedkv.attention.mla.common import MLACommonMetadata
 
 if TYPE_CHECKING:
     from pagedkv.engine.llm import LLM, StepEvent
+    from pagedkv.kv_cache.block_pool import BlockPool
     from pagedkv.kv_cache.spec import KVCacheSpec
 
 TRACE_FORMAT = "pagedkv-trace"
@@ -90,6 +92,8 @@ class EngineInfo:
     """The CUDA graph mode the engine resolved at start-up (traces older than this field: NONE)."""
     cudagraph_capture_sizes: list[int] = dataclasses.field(default_factory=list)
     """Padded token counts with graphs; empty without graphs."""
+    prefix_caching: bool = False
+    """Whether full blocks were hashed and shared between requests (traces older than this field: off)."""
 
     @property
     def num_kv_cache_groups(self) -> int:
@@ -115,6 +119,9 @@ class RequestRecord:
     num_prompt_tokens: int
     block_ids: list[list[int]]
     """Per KV cache group, the request's block-table row during the step (0 = null block)."""
+    num_cached_tokens: int = 0
+    """Tokens found in the prefix cache when the request was admitted in this step: its first
+    num_cached_tokens tokens (whole blocks) were not computed. 0 in every other step."""
 
 
 @dataclass
@@ -141,6 +148,39 @@ class MLASplitRecord:
     """Tokens 0 .. num_decode_tokens - 1 of the step: the forward_mqa rows."""
     num_prefills: int
     num_prefill_tokens: int
+
+
+SHORT_HASH_CHARS = 8
+"""Hex digits of a block hash kept in a trace: enough to tell a step's blocks apart by eye."""
+
+
+@dataclass
+class BlockPoolRecord:
+    """One KV cache group's block pool after a step: who holds each block, which blocks hold a
+    cached prefix, and the order in which free blocks are handed out (evicted) again.
+
+    A free block whose hash is set is *evictable*: a request with that prefix can still take it
+    back, until the head of the free queue reaches it and a new allocation overwrites it."""
+
+    ref_cnts: list[int]
+    """Per block id (the index): block tables holding it after the step; 0 = free (the null block 0 keeps 1)."""
+    block_hashes: list[str | None]
+    """Per block id: the first SHORT_HASH_CHARS hex digits of its block hash, None while not cached."""
+    free_queue: list[list[int]]
+    """Free block ids in eviction order, head (the next block handed out) first, as runs
+    [first, last] of consecutive ids: a fresh pool is the one run [1, num_blocks - 1]."""
+
+    def free_queue_order(self) -> list[int]:
+        """The free block ids, head of the queue first (the runs spelled out)."""
+        return [b for first, last in self.free_queue for b in range(first, last + 1)]
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(h is not None for h in self.block_hashes)
+
+    def evictable(self) -> list[int]:
+        """Free blocks that still hold a cached prefix, in eviction order."""
+        return [b for b in self.free_queue_order() if self.block_hashes[b] is not None]
 
 
 @dataclass
@@ -177,6 +217,13 @@ class StepRecord:
     mla_split: MLASplitRecord | None = None
     """The decode / prefill split of the step's MLA layers; None without MLA layers (and in traces
     recorded before this field)."""
+    block_pools: list[BlockPoolRecord] = dataclasses.field(default_factory=list)
+    """Per KV cache group, its block pool after the step (empty in traces recorded before this field)."""
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens of the step's admitted requests that were found in the prefix cache."""
+        return sum(r.num_cached_tokens for r in self.requests)
 
     @property
     def scheduled(self) -> list[RequestRecord]:
@@ -385,6 +432,7 @@ def engine_info(llm: LLM) -> EngineInfo:
         kv_cache_shapes={name: list(layer.kv_cache.shape) for name, layer in runner.attn_layers.items()},
         cudagraph_mode=runner.cudagraph_mode.name,
         cudagraph_capture_sizes=list(runner.dispatcher.sizes) if runner.dispatcher is not None else [],
+        prefix_caching=llm.prefix_caching,
     )
 
 
@@ -424,6 +472,27 @@ def _mla_split(attn_metadata: dict[str, Any]) -> MLASplitRecord | None:
     return None
 
 
+def _runs(ids: list[int]) -> list[list[int]]:
+    """[3, 7, 8, 9, 4] -> [[3, 3], [7, 9], [4, 4]]: runs of consecutive ids, order kept."""
+    runs: list[list[int]] = []
+    for block_id in ids:
+        if runs and runs[-1][1] + 1 == block_id:
+            runs[-1][1] = block_id
+        else:
+            runs.append([block_id, block_id])
+    return runs
+
+
+def block_pool_record(pool: BlockPool) -> BlockPoolRecord:
+    """A pool's ref counts, short hashes and free queue, as plain data."""
+    return BlockPoolRecord(
+        ref_cnts=[b.ref_cnt for b in pool.blocks],
+        block_hashes=[b.block_hash.hex()[:SHORT_HASH_CHARS] if b.block_hash is not None else None
+                      for b in pool.blocks],
+        free_queue=_runs(list(pool.free_queue)),
+    )
+
+
 def step_record(event: StepEvent, llm: LLM, duration_s: float) -> StepRecord:
     """Turn a `StepEvent` into plain data.
 
@@ -436,7 +505,7 @@ def step_record(event: StepEvent, llm: LLM, duration_s: float) -> StepRecord:
         req = s.request
         requests.append(RequestRecord(
             req.request_id, "decode" if s.is_decode else "prefill", s.num_computed_tokens, s.num_new_tokens,
-            req.num_prompt_tokens, event.block_ids[req.request_id],
+            req.num_prompt_tokens, event.block_ids[req.request_id], s.num_cached_tokens,
         ))
     manager = llm.kv_cache_manager
     for req in llm.scheduler.running:
@@ -468,4 +537,6 @@ def step_record(event: StepEvent, llm: LLM, duration_s: float) -> StepRecord:
         batch_descriptor=dataclasses.asdict(result.batch_descriptor),
         duration_s=duration_s,
         mla_split=_mla_split(result.attn_metadata),
+        # The listener runs after Scheduler.update: finished requests' blocks are back in the queue.
+        block_pools=[block_pool_record(pool) for pool in manager.block_pools],
     )

@@ -168,8 +168,8 @@ def test_cli_generate_show_steps() -> None:
            "--max-tokens", "4", "--show-steps", "--num-kv-blocks", "16", "--device", "cpu"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
     lines = done.stdout.splitlines()
-    assert lines[0].split() == ["step", "reqs", "prefill", "decode", "blocks", "used/free", "preempt"]
-    assert lines[1].split()[:4] == ["1", "1", "9", "0"]  # BOS + 8 bytes of prefill in step 1
+    assert lines[0].split() == ["step", "reqs", "prefill", "cached", "decode", "blocks", "used/free", "preempt"]
+    assert lines[1].split()[:5] == ["1", "1", "9", "0", "0"]  # BOS + 8 bytes of prefill in step 1, none cached
     assert len(lines) == 1 + 4 + 1  # header, 4 steps, the text
     assert "4 steps" in done.stderr
 

@@ -13,7 +13,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = ["hello world!", "abc", "a longer prompt here, chunked"]
 
 
-def run(model: str = "tiny-hybrid", **engine: int) -> StepTrace:
+def run(model: str = "tiny-hybrid", **engine: int | bool) -> StepTrace:
     llm = LLM(model, block_size=4, **{"num_kv_blocks": 24, "max_num_batched_tokens": 16, **engine})
     with StepTrace.attach(llm) as trace:
         llm.generate(PROMPTS, PARAMS)
@@ -97,7 +97,9 @@ def test_attention_groups_and_shared_metadata(trace: StepTrace) -> None:
 
 
 def test_preemption_is_recorded() -> None:
-    trace = run("tiny", num_kv_blocks=11, max_num_batched_tokens=32)
+    # Without prefix caching: a resumed request finds nothing cached and is recomputed from token 0
+    # (with it, see test_trace_prefix_caching.py).
+    trace = run("tiny", num_kv_blocks=11, max_num_batched_tokens=32, enable_prefix_caching=False)
     preempting = [r for r in trace if r.preempted_req_ids]
     assert preempting, "10 usable blocks of 4 tokens cannot hold all three requests at once"
     victim = preempting[0].preempted_req_ids[0]

@@ -26,7 +26,9 @@ Shortcut: `BlockTableView.attach(llm)` makes the trace for you (`view.trace`).
 
 Views (all `TraceView`s: an `ipywidgets.HTML` with an `index` trait, -1 = newest step):
     BlockTableView       physical blocks coloured by owner, free pool, null block, slots
-                         written this step; each request's logical -> physical row
+                         written this step; each request's logical -> physical row; with prefix
+                         caching, blocks shared by several requests, evictable (free but cached)
+                         blocks and the free queue in eviction order
     SlotMappingView      each token: position -> block table -> slot (-1 = padding), a page of
                          tokens at a time (its `pager` slider pages through a long prefill)
     AttentionGroupsView  layers -> KV cache groups -> attention groups -> one metadata object

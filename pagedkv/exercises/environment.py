@@ -93,6 +93,8 @@ WORKBOOK: list[NotebookInfo] = [
                  "cpu"),
     NotebookInfo("11_mla", "multi-head latent attention: the latent cache, the decode / prefill split, W_UK absorbed",
                  "cpu"),
+    NotebookInfo("12_prefix_caching", "shared prompt prefixes: the hash chain, shared and evictable blocks, eviction order",
+                 "cpu"),
 ]
 
 

@@ -1,0 +1,207 @@
+"""Notebook 12 (prefix caching): checkers for the hit length of a prompt and for the block that
+the next allocation takes.
+
+Each tries the notebook's cases first, then random ones it never prints, replays every case on
+the package's real `KVCacheManager` (prefix caching on) for the expected answer, and turns away
+answers that call the manager, the block pool or the hash functions.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from pagedkv.exercises import CheckResult, call_answer, package_answer
+from pagedkv.kv_cache.block_pool import BlockPool, hash_block_tokens, hash_request_blocks
+from pagedkv.kv_cache.manager import KVCacheManager
+from pagedkv.kv_cache.spec import FullAttentionSpec, get_kv_cache_config
+
+PACKAGE: list[Callable[..., Any]] = [
+    KVCacheManager.get_computed_blocks, KVCacheManager.allocate_slots, KVCacheManager.free,
+    BlockPool.get_cached_block, BlockPool.get_new_blocks, BlockPool.touch, BlockPool.free_blocks,
+    BlockPool.cache_full_blocks, hash_block_tokens, hash_request_blocks,
+]
+"""What an answer may not call: the machinery whose result it is asked to predict."""
+
+Event = tuple[Any, ...]
+"""("add", request_id, token_ids): a request arrives and its whole prompt is computed;
+("free", request_id): it finishes and gives its blocks back."""
+
+
+def _manager(block_size: int, num_blocks: int) -> KVCacheManager:
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    return KVCacheManager(get_kv_cache_config({"layer": spec}, num_blocks=num_blocks), enable_caching=True)
+
+
+def _add(kv: KVCacheManager, req_id: str, token_ids: list[int]) -> bool:
+    """Admit a request as the scheduler does: take its cached prefix, allocate and cache the rest.
+    False (and nothing held) if its blocks do not fit."""
+    hits, num_hit = kv.get_computed_blocks(req_id, token_ids)
+    if kv.allocate_slots(req_id, num_hit, len(token_ids) - num_hit, hits, token_ids=token_ids):
+        return True
+    kv.free(req_id)  # forgets the hashes the lookup computed
+    return False
+
+
+# ---- exercise 1: how many prompt tokens does the cache hold? ---------------------------------
+
+SYSTEM = [7, 3, 9, 4, 1, 8, 2, 6, 5]
+"""A 9-token "system prompt" shared by the notebook's cases."""
+SHOWN_HIT_CASES: list[tuple[list[list[int]], list[int], int]] = [
+    ([SYSTEM + [20, 21, 22]], SYSTEM + [30, 31], 4),  # the same system prompt, another question
+    ([list(range(1, 9))], list(range(1, 9)), 4),  # a prompt served before, sent again
+    ([list(range(1, 9))], list(range(1, 10)), 4),  # one token longer than a served one
+    ([list(range(1, 13))], list(range(1, 7)) + [99, 98, 97], 4),  # differs inside the second block
+    ([list(range(1, 5)) + [50, 51, 52, 53], list(range(1, 13))], list(range(1, 14)), 4),  # two served prompts
+]
+"""(cached_prompts, prompt, block_size) cases the notebook can print."""
+
+
+def expected_hit_length(cached_prompts: Sequence[Sequence[int]], prompt: Sequence[int], block_size: int) -> int:
+    """Serve every cached prompt (compute it, then finish it) on a real manager with room for all of
+    them, then look `prompt` up: the number of its tokens found in the cache."""
+    num_blocks = 2 + sum(math.ceil(len(p) / block_size) for p in cached_prompts)  # nothing is evicted
+    kv = _manager(block_size, num_blocks)
+    for i, tokens in enumerate(cached_prompts):
+        assert _add(kv, f"served-{i}", list(tokens))
+        kv.free(f"served-{i}")
+    return kv.get_computed_blocks("new", list(prompt))[1]
+
+
+def _random_hit_case(rng: random.Random) -> tuple[list[list[int]], list[int], int]:
+    """Cached prompts built on a shared system prompt; the prompt equals one of them, extends it,
+    or leaves it at a random token."""
+    bs = rng.choice([2, 3, 4, 8])
+    system = [rng.randrange(1, 100) for _ in range(rng.randint(bs, 4 * bs))]
+    cached = [system[: rng.randint(1, len(system))] + [rng.randrange(1, 100) for _ in range(rng.randint(0, 2 * bs))]
+              for _ in range(rng.randint(1, 3))]
+    base = rng.choice(cached)
+    kind = rng.choice(["equal", "longer", "diverge", "diverge"])
+    if kind == "equal":
+        prompt = list(base)
+    elif kind == "longer":
+        prompt = base + [rng.randrange(1, 100) for _ in range(rng.randint(1, bs))]
+    else:
+        cut = rng.randint(0, len(base) - 1)
+        prompt = base[:cut] + [100 + rng.randrange(100)] + [rng.randrange(1, 100) for _ in range(rng.randint(0, bs))]
+    return cached, prompt, bs
+
+
+def _hit_hint(got: int, expected: int, cached: list[list[int]], prompt: list[int], bs: int) -> str:
+    """The likeliest mistake behind a wrong hit length."""
+    if got % bs:
+        return f"the cache holds whole blocks, so a hit is a multiple of block_size = {bs}"
+    # The same lookup with one more token: what the answer would be if the last token could be a hit.
+    without_last_token_rule = expected_hit_length(cached, [*prompt, 0], bs)
+    if got == without_last_token_rule:
+        return ("the last prompt token is always computed (its logits give the first new token), so the block "
+                "holding it never counts as a hit")
+    return ("blocks match from the first one on, each through the hash of the whole prefix up to its end: the "
+            "first block that differs from every served prompt's ends the hit, and only FULL blocks of a served "
+            "prompt were cached")
+
+
+def check_hit_length(fn: Callable[[list[list[int]], list[int], int], Any], num_hidden: int = 30) -> CheckResult:
+    """`fn(cached_prompts, prompt, block_size)` -> how many tokens of `prompt` the prefix cache
+    holds once every prompt of `cached_prompts` was served (computed, then finished), in a cache
+    large enough that nothing was evicted."""
+    if not callable(fn):
+        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
+    own = package_answer(fn, PACKAGE, "the lookup")
+    if own is not None:
+        return own
+    rng = random.Random()
+    cases = SHOWN_HIT_CASES + [_random_hit_case(rng) for _ in range(num_hidden)]
+    for cached, prompt, bs in cases:
+        call = f"fn({cached}, {prompt}, {bs})"
+        got, rejected = call_answer(fn, ([list(p) for p in cached], list(prompt), bs), PACKAGE, "the lookup", call)
+        if rejected is not None:
+            return rejected
+        expected = expected_hit_length(cached, prompt, bs)
+        if not isinstance(got, int) or isinstance(got, bool):
+            return CheckResult(False, f"{call} returned {got!r}: return a number of tokens (an int).")
+        if got != expected:
+            return CheckResult(False, f"{call} = {got}, expected {expected}; "
+                                      f"{_hit_hint(got, expected, cached, prompt, bs)}.")
+    return CheckResult(True, f"Your hit lengths match the KV cache manager's on {len(cases)} cases.")
+
+
+# ---- exercise 2: which block does the next allocation take? ----------------------------------
+
+SHOWN_EVICTION_CASES: list[tuple[list[Event], int, int]] = [
+    ([("add", "A", list(range(1, 11))), ("free", "A")], 6, 4),
+    ([("add", "A", list(range(1, 11))), ("free", "A"), ("add", "B", list(range(50, 58)))], 6, 4),
+    ([("add", "A", list(range(1, 11))), ("free", "A"), ("add", "B", list(range(1, 9)) + [60, 61])], 6, 4),
+    ([("add", "A", list(range(1, 9))), ("free", "A"), ("add", "B", list(range(20, 28))),
+      ("add", "C", [30, 31, 32, 33])], 5, 4),
+]
+"""(events, num_blocks, block_size) cases the notebook can print."""
+
+
+def replay(events: Sequence[Event], num_blocks: int, block_size: int) -> list[int]:
+    """The free queue (head first) of a real manager after `events`."""
+    kv = _manager(block_size, num_blocks)
+    for event in events:
+        if event[0] == "add":
+            assert _add(kv, event[1], list(event[2])), f"{event} does not fit"
+        else:
+            kv.free(event[1])
+    return list(kv.block_pools[0].free_queue)
+
+
+def _random_events(rng: random.Random) -> tuple[list[Event], int, int]:
+    """Requests on two system prompts arrive and finish on a small pool; every one fits, and some
+    block is free at the end."""
+    bs = rng.choice([2, 4])
+    num_blocks = rng.randint(6, 12)
+    systems = [[rng.randrange(1, 100) for _ in range(rng.randint(bs, 3 * bs))] for _ in range(2)]
+    kv = _manager(bs, num_blocks)
+    events: list[Event] = []
+    running: list[str] = []
+    for i in range(rng.randint(3, 8)):
+        if running and rng.random() < 0.4:
+            req_id = running.pop(rng.randrange(len(running)))
+            kv.free(req_id)
+            events.append(("free", req_id))
+            continue
+        system = rng.choice(systems)
+        tokens = system[: rng.randint(1, len(system))] + [rng.randrange(1, 100) for _ in range(rng.randint(0, 2 * bs))]
+        req_id = chr(ord("A") + i)
+        if _add(kv, req_id, tokens):
+            events.append(("add", req_id, tokens))
+            running.append(req_id)
+    while not kv.block_pools[0].free_queue:  # a request whose blocks are all shared frees none
+        req_id = running.pop(0)
+        kv.free(req_id)
+        events.append(("free", req_id))
+    return events, num_blocks, bs
+
+
+def check_next_block(fn: Callable[[list[Event], int, int], Any], num_hidden: int = 30) -> CheckResult:
+    """`fn(events, num_blocks, block_size)` -> the id of the block the next allocation takes once
+    `events` happened on a fresh pool of `num_blocks` blocks (prefix caching on)."""
+    if not callable(fn):
+        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
+    own = package_answer(fn, PACKAGE, "the free queue")
+    if own is not None:
+        return own
+    rng = random.Random()
+    cases = SHOWN_EVICTION_CASES + [_random_events(rng) for _ in range(num_hidden)]
+    for events, num_blocks, bs in cases:
+        call = f"fn({events}, num_blocks={num_blocks}, block_size={bs})"
+        copies = [(e[0], e[1], list(e[2])) if e[0] == "add" else e for e in events]  # theirs to change
+        got, rejected = call_answer(fn, (copies, num_blocks, bs), PACKAGE, "the free queue", call)
+        if rejected is not None:
+            return rejected
+        queue = replay(events, num_blocks, bs)
+        if got != queue[0]:
+            return CheckResult(False, (
+                f"{call} = {got!r}, expected {queue[0]}: the free queue is then {queue}, head first. A freed "
+                "request's blocks go to its tail, last block first; a cache hit takes a free block out of it; new "
+                "blocks come from its head and lose the prefix they cached."
+            ))
+    return CheckResult(True, f"Your next block matches the block pool's on {len(cases)} sequences of events.")
