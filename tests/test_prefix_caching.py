@@ -152,14 +152,18 @@ def test_cached_tokens_counted_as_predicted() -> None:
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="TRITON_ATTN on the CPU needs TRITON_INTERPRET=1")
-def test_triton_attn_with_caching_matches_the_reference() -> None:
+def test_triton_attn_with_caching_matches_the_reference_and_the_uncached_run() -> None:
     pytest.importorskip("triton")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    llm = LLM("tiny", device="cpu", block_size=BS, num_kv_blocks=24, max_num_batched_tokens=12,
-              attention_backend="TRITON_ATTN")
-    generate_checked(llm, shared_prefix_prompts(3, n=4), params)
+    engine = dict(device="cpu", block_size=BS, num_kv_blocks=24, max_num_batched_tokens=12,
+                  attention_backend="TRITON_ATTN")
+    prompts = shared_prefix_prompts(3, n=4)
+    llm = LLM("tiny", **engine)
+    outs = generate_checked(llm, prompts, params)
     assert llm.stats.num_cached_tokens > 0
     assert_pool_consistent(llm)
+    plain = LLM("tiny", enable_prefix_caching=False, **engine)
+    assert tokens(outs) == tokens(plain.generate(prompts, params, use_tqdm=False))
 
 
 def test_sliding_window_models_turn_caching_off_or_refuse(caplog: pytest.LogCaptureFixture) -> None:
