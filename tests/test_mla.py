@@ -188,7 +188,7 @@ def test_unsplit_weights_are_a_clear_error() -> None:
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="TRITON_MLA runs on a GPU or under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("splits", [1, 3])
-def test_triton_mla_forward_mqa_matches_torch_ref_mla(splits: int) -> None:
+def test_triton_mla_matches_torch_ref_mla_and_the_reference(splits: int) -> None:
     pytest.importorskip("triton")
     from pagedkv.attention.mla.triton_mla import TritonMLADecodeMetadata, TritonMLAImpl
     from pagedkv.kernels import MLADecodeWorkspace
@@ -205,3 +205,7 @@ def test_triton_mla_forward_mqa_matches_torch_ref_mla(splits: int) -> None:
     out = torch.empty(4, HEADS, DIMS.v_head_dim)
     triton_impl.forward(None, batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, metadata, out)  # type: ignore[arg-type]
     torch.testing.assert_close(out.double(), reference(batch, weight), atol=1e-4, rtol=0)
+    ref_impl = make_impl(weight)
+    ref_out = torch.empty_like(out)
+    ref_impl.forward(None, batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, metadata, ref_out)  # type: ignore[arg-type]
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)  # TRITON_MLA against TORCH_REF_MLA
