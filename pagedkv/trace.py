@@ -16,6 +16,7 @@ live. When no trace is attached, the engine does not even build its `StepEvent`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -160,15 +161,34 @@ class BlockPoolRecord:
     cached prefix, and the order in which free blocks are handed out (evicted) again.
 
     A free block whose hash is set is *evictable*: a request with that prefix can still take it
-    back, until the head of the free queue reaches it and a new allocation overwrites it."""
+    back, until the head of the free queue reaches it and a new allocation overwrites it.
+    Stored sparsely (a GPU cache has thousands of blocks, most of them free and uncached every
+    step); `ref_cnts` and `block_hashes` spell it out per block id."""
 
-    ref_cnts: list[int]
-    """Per block id (the index): block tables holding it after the step; 0 = free (the null block 0 keeps 1)."""
-    block_hashes: list[str | None]
-    """Per block id: the first SHORT_HASH_CHARS hex digits of its block hash, None while not cached."""
+    num_blocks: int
+    held: list[list[int]]
+    """[block id, ref count] of every block some block table holds (the null block 0 included)."""
+    cached: list[list[int | str]]
+    """[block id, the first SHORT_HASH_CHARS hex digits of its hash] of every cached block."""
     free_queue: list[list[int]]
     """Free block ids in eviction order, head (the next block handed out) first, as runs
     [first, last] of consecutive ids: a fresh pool is the one run [1, num_blocks - 1]."""
+
+    @functools.cached_property
+    def ref_cnts(self) -> list[int]:
+        """Per block id: block tables holding it after the step; 0 = free (the null block 0 keeps 1)."""
+        counts = [0] * self.num_blocks
+        for block, ref_cnt in self.held:
+            counts[block] = ref_cnt
+        return counts
+
+    @functools.cached_property
+    def block_hashes(self) -> list[str | None]:
+        """Per block id: its short hash, None while not cached."""
+        hashes: list[str | None] = [None] * self.num_blocks
+        for block, short_hash in self.cached:
+            hashes[int(block)] = str(short_hash)
+        return hashes
 
     def free_queue_order(self) -> list[int]:
         """The free block ids, head of the queue first (the runs spelled out)."""
@@ -176,11 +196,12 @@ class BlockPoolRecord:
 
     @property
     def num_cached_blocks(self) -> int:
-        return sum(h is not None for h in self.block_hashes)
+        return len(self.cached)
 
     def evictable(self) -> list[int]:
         """Free blocks that still hold a cached prefix, in eviction order."""
-        return [b for b in self.free_queue_order() if self.block_hashes[b] is not None]
+        cached = {int(block) for block, _ in self.cached}
+        return [b for b in self.free_queue_order() if b in cached]
 
 
 @dataclass
@@ -486,9 +507,10 @@ def _runs(ids: list[int]) -> list[list[int]]:
 def block_pool_record(pool: BlockPool) -> BlockPoolRecord:
     """A pool's ref counts, short hashes and free queue, as plain data."""
     return BlockPoolRecord(
-        ref_cnts=[b.ref_cnt for b in pool.blocks],
-        block_hashes=[b.block_hash.hex()[:SHORT_HASH_CHARS] if b.block_hash is not None else None
-                      for b in pool.blocks],
+        num_blocks=pool.num_blocks,
+        held=[[b.block_id, b.ref_cnt] for b in pool.blocks if b.ref_cnt],
+        cached=[[block.block_id, block_hash.hex()[:SHORT_HASH_CHARS]]
+                for block_hash, block in pool.cached_block_hash_to_block.items()],
         free_queue=_runs(list(pool.free_queue)),
     )
 
