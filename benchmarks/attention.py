@@ -168,7 +168,7 @@ def run_case(case: Case, tunings: dict[str, Tuning | None], with_peers: bool) ->
         row["torch_ref"] = measure(lambda i: reference_fn(batches[i]), min(copies, 2),
                                    graph=case.kind != "prefill")
         row["sdpa_dense"] = measure(lambda i: sdpa_fn(case, i), copies)
-    del batches
+    batches.clear()  # the tensors go now (the lambdas above keep the list itself)
     torch.cuda.empty_cache()
     return row
 
