@@ -281,3 +281,12 @@ def test_kv_sharing_target_cannot_be_the_layer_itself() -> None:
         "KV sharing target 'model.layers.2.self_attn.attn' of layer 'model.layers.2.self_attn.attn' "
         "cannot be the layer itself."
     )
+
+
+def test_layers_share_one_rope_table_per_model() -> None:
+    """One cos/sin table per model (not per layer), never shared across two engines."""
+    a, b = (LLM("tiny", device="cpu", num_kv_blocks=16, dtype=dtype) for dtype in ("float32", "bfloat16"))
+    tables = {id(layer.self_attn.rotary_emb.cos_sin_cache) for layer in a.model.model.layers}
+    assert len(tables) == 1
+    rope_a, rope_b = a.model.model.layers[0].self_attn.rotary_emb, b.model.model.layers[0].self_attn.rotary_emb
+    assert rope_a is not rope_b and rope_a.cos_sin_cache.dtype == torch.float32

@@ -104,11 +104,8 @@ class Request:
         self._token_ids.append(token_id)
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
-        """`all_token_ids[start:end]` without building the whole list (the runner asks every step)."""
-        n = len(self.prompt_token_ids)
-        if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:end] + self.output_token_ids[:max(end - n, 0)]
+        """`all_token_ids[start:end]`, as a new list (the runner asks every step)."""
+        return self._token_ids[start:end]
 
     @property
     def num_tokens(self) -> int:

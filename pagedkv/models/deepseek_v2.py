@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.attention.mla.layer import MLAAttention
-from pagedkv.models.layers import RMSNorm, RotaryEmbedding, hf_rope_parameters, rope_type, yarn_mscale
+from pagedkv.models.layers import RMSNorm, get_rope, hf_rope_parameters, rope_type, share_rotary_embeddings, yarn_mscale
 from pagedkv.models.llama import LlamaMLP
 from pagedkv.models.parallel_layers import (
     ColumnParallelLinear,
@@ -191,8 +191,8 @@ class DeepseekV2Attention(nn.Module):
                                               [self.num_heads * (self.qk_nope_head_dim + config.v_head_dim)])
         self.o_proj = RowParallelLinear(self.num_heads * config.v_head_dim, config.hidden_size,
                                         bias=config.attention_bias)
-        self.rotary_emb = RotaryEmbedding(self.qk_rope_head_dim, config.max_position_embeddings, config.rope_theta,
-                                          config.rope_scaling, interleaved=config.rope_interleave)
+        self.rotary_emb = get_rope(self.qk_rope_head_dim, config.max_position_embeddings, config.rope_theta,
+                                   config.rope_scaling, interleaved=config.rope_interleave)
         self.attn = MLAAttention(
             self.num_heads, config.softmax_scale, self.qk_nope_head_dim, self.qk_rope_head_dim, config.v_head_dim,
             self.kv_lora_rank, self.kv_b_proj, prefix=f"{prefix}.attn",
@@ -304,9 +304,10 @@ class DeepseekV2Model(nn.Module):
     def __init__(self, config: DeepseekV2Config, prefix: str = "model") -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, f"{prefix}.layers.{i}", i) for i in range(config.num_hidden_layers)
-        )
+        with share_rotary_embeddings():  # one cos/sin table for all layers
+            self.layers = nn.ModuleList(
+                DeepseekV2DecoderLayer(config, f"{prefix}.layers.{i}", i) for i in range(config.num_hidden_layers)
+            )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +133,37 @@ class RotaryEmbedding(nn.Module):
         r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
         rotated = torch.stack([r1, r2], dim=-1).flatten(-2) if self.interleaved else torch.cat([r1, r2], dim=-1)
         return rotated.to(dtype).view(shape)
+
+
+_SHARED_ROPE: dict[tuple[Any, ...], RotaryEmbedding] | None = None
+
+
+@contextlib.contextmanager
+def share_rotary_embeddings() -> Iterator[None]:
+    """Inside the block, `get_rope` hands every layer asking for the same rotation the same module.
+
+    A model's layers all rotate alike, and one cos/sin table is max_position x head_dim floats
+    (Llama-3-8B: 67 MB), so 32 copies would take GBs of GPU memory from the KV cache. The sharing
+    is scoped to building one model: two models in one process (float32 and bfloat16, say) never
+    share a table that `.to(dtype)` would convert under the other's feet.
+    """
+    global _SHARED_ROPE
+    saved, _SHARED_ROPE = _SHARED_ROPE, {}
+    try:
+        yield
+    finally:
+        _SHARED_ROPE = saved
+
+
+def get_rope(head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None,
+             interleaved: bool = False) -> RotaryEmbedding:
+    """A `RotaryEmbedding`: a new one, or inside `share_rotary_embeddings` the model's shared one."""
+    if _SHARED_ROPE is None:
+        return RotaryEmbedding(head_dim, max_position, theta, scaling, interleaved)
+    key = (head_dim, max_position, theta, repr(sorted((scaling or {}).items())), interleaved)
+    if key not in _SHARED_ROPE:
+        _SHARED_ROPE[key] = RotaryEmbedding(head_dim, max_position, theta, scaling, interleaved)
+    return _SHARED_ROPE[key]
 
 
 class SiluAndMul(nn.Module):

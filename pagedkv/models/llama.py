@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pagedkv.attention.layer import Attention
-from pagedkv.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, hf_rope_parameters
+from pagedkv.models.layers import RMSNorm, SiluAndMul, get_rope, share_rotary_embeddings, hf_rope_parameters
 from pagedkv.models.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -156,9 +156,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=config.attention_bias)
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config.rope_theta,
+                                   config.rope_scaling)
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -208,10 +207,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig, prefix: str = "model") -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, f"{prefix}.layers.{i}", config.layer_sliding_window(i))
-            for i in range(config.num_hidden_layers)
-        )
+        with share_rotary_embeddings():  # one cos/sin table for all layers
+            self.layers = nn.ModuleList(
+                LlamaDecoderLayer(config, f"{prefix}.layers.{i}", config.layer_sliding_window(i))
+                for i in range(config.num_hidden_layers)
+            )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
