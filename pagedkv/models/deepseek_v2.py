@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.attention.mla.layer import MLAAttention
+from pagedkv.models.fused_moe import FusedMoE, expert_params_mapping
 from pagedkv.models.layers import RMSNorm, get_rope, hf_rope_parameters, rope_type, share_rotary_embeddings, yarn_mscale
 from pagedkv.models.llama import LlamaMLP
 from pagedkv.models.parallel_layers import (
@@ -258,28 +259,22 @@ class DeepseekV2Gate(nn.Module):
 class DeepseekV2MoE(nn.Module):
     """Shared experts for every token, plus each token's routed experts weighted by the gate.
 
-    Every expert (Llama's SwiGLU MLP) runs on every token, and the tokens it was not chosen for
-    get weight 0: n_routed_experts / num_experts_per_tok times the FLOPs of sending each token only
-    to its experts, but no data-dependent shapes, so no host sync and CUDA graphs can capture it.
-    vLLM's fused_moe kernel does the sparse version.
+    The routed experts are stacked (`FusedMoE`): every expert runs on every token, and the tokens
+    it was not chosen for get weight 0, so no shape depends on the routing.
     """
 
     def __init__(self, config: DeepseekV2Config) -> None:
         super().__init__()
         self.gate = DeepseekV2Gate(config)
-        self.experts = nn.ModuleList(LlamaMLP(config.hidden_size, config.moe_intermediate_size)
-                                     for _ in range(config.n_routed_experts))
+        self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_experts = LlamaMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
                                        bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         # [tokens, n_routed_experts]: a token's weight for each expert, 0 where it was not routed.
-        combine = weights.new_zeros(x.shape[0], len(self.experts)).scatter_(1, ids, weights)
-        out = self.shared_experts(x)
-        for e, expert in enumerate(self.experts):
-            out = out + (expert(x) * combine[:, e, None]).to(x.dtype)
-        return out
+        combine = weights.new_zeros(x.shape[0], self.experts.num_experts).scatter_(1, ids, weights)
+        return self.shared_experts(x) + self.experts(x, combine)
 
 
 class DeepseekV2DecoderLayer(nn.Module):
@@ -317,7 +312,8 @@ class DeepseekV2Model(nn.Module):
         return self.norm(hidden_states)
 
 
-# Hugging Face keeps gate and up separate (dense MLP, shared and routed experts); we fuse them.
+# Hugging Face keeps gate and up separate (dense MLP, shared experts); we fuse them. Routed experts
+# are stacked instead (`expert_params_mapping`).
 _STACKED = {".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}
 
 
@@ -340,8 +336,11 @@ class DeepseekV2ForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the parameters (gate/up fused). Every parameter must be set."""
-        load_hf_weights(self, weights, _STACKED, ignored=["lm_head.weight"] if self.config.tie_word_embeddings else [])
+        """Copy Hugging Face-named tensors into the parameters (gate/up fused, experts stacked). Every
+        parameter must be set."""
+        # Expert tensors first: their names also contain ".gate_proj." / ".up_proj.".
+        stacked = {**expert_params_mapping(self.config.n_routed_experts), **_STACKED}
+        load_hf_weights(self, weights, stacked, ignored=["lm_head.weight"] if self.config.tie_word_embeddings else [])
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -33,26 +33,31 @@ from pagedkv.distributed import (
 from pagedkv.models.layers import head_layout, rank_heads
 
 
+ShardId = int | str | tuple[int, str] | None
+"""Which piece of a fused parameter a checkpoint tensor fills: q/k/v or gate/up index, or for
+stacked experts (expert id, "w1" | "w3" | "w2"); None for a parameter loaded whole."""
+
+
 def _divide(total: int, tp_size: int, what: str) -> int:
     if total % tp_size:
         raise ValueError(f"{what} ({total}) must be divisible by tensor_parallel_size ({tp_size}).")
     return total // tp_size
 
 
-def _copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None:
+def copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None:
     if target.shape != source.shape:
         raise ValueError(f"Shape mismatch loading {what}: this rank's slice {tuple(source.shape)}, "
                          f"parameter {tuple(target.shape)}.")
     target.copy_(source)
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
     """The loader of parameters every rank holds whole (the norms): copy, shapes checked."""
-    _copy_checked(param.data, loaded, "a whole parameter")
+    copy_checked(param.data, loaded, "a whole parameter")
 
 
 def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                    stacked: dict[str, tuple[str, int]], ignored: Collection[str] = ()) -> None:
+                    stacked: dict[str, tuple[str, ShardId]], ignored: Collection[str] = ()) -> None:
     """Copy Hugging Face-named tensors into `model`'s (fused, sharded) parameters: each parameter's
     `weight_loader` takes this rank's slice. Every parameter must be set, and every tensor used.
 
@@ -99,7 +104,7 @@ class _ParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         raise NotImplementedError
 
     def extra_repr(self) -> str:
@@ -111,8 +116,8 @@ class ReplicatedLinear(_ParallelLinear):
     """y = x W^T with the whole W on every rank: a small projection whose whole output every rank
     needs (MLA's down-projections q_a_proj and kv_a_proj_with_mqa)."""
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
-        _copy_checked(param.data, loaded, "ReplicatedLinear")
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        copy_checked(param.data, loaded, "ReplicatedLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -137,11 +142,11 @@ class ColumnParallelLinear(_ParallelLinear):
         size = self.output_sizes[shard_id]
         return sum(self.output_sizes[:shard_id]), size, get_tp_rank() * size
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         if shard_id is None and len(self.output_sizes) > 1:
             raise ValueError(f"{type(self).__name__} loads its {len(self.output_sizes)} pieces one at a time.")
         offset, rows, start = self._rows(0 if shard_id is None else shard_id)
-        _copy_checked(param.data.narrow(0, offset, rows), loaded.narrow(0, start, rows), type(self).__name__)
+        copy_checked(param.data.narrow(0, offset, rows), loaded.narrow(0, start, rows), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -183,12 +188,12 @@ class RowParallelLinear(_ParallelLinear):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(_divide(input_size, get_tp_size(), "input size"), output_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         if param.dim() == 1:  # the bias: whole on every rank
-            _copy_checked(param.data, loaded, "RowParallelLinear bias")
+            copy_checked(param.data, loaded, "RowParallelLinear bias")
             return
         cols = self.in_features
-        _copy_checked(param.data, loaded.narrow(1, get_tp_rank() * cols, cols), "RowParallelLinear")
+        copy_checked(param.data, loaded.narrow(1, get_tp_rank() * cols, cols), "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
@@ -211,7 +216,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         rows = max(0, min(self.per_rank, self.num_embeddings - self.start))
         if loaded.shape != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"Shape mismatch loading the vocabulary: checkpoint {tuple(loaded.shape)}, expected "
