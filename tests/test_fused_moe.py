@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.models import fused_moe
-from pagedkv.models.fused_moe import FusedMoE, expert_params_mapping
+from pagedkv.models.fused_moe import FusedMoE, expert_params_mapping, grouped_mm_supported
 from pagedkv.models.parallel_layers import load_hf_weights
 
-E, H, I = 5, 12, 7  # odd sizes: a mixed-up gate/up split or a transposed down_proj cannot line up
+E, H, I = 5, 16, 12  # H != I: a transposed down_proj cannot line up; rows of 16-byte multiples
 
 
 def hf_expert_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -27,32 +27,56 @@ class Holder(torch.nn.Module):
         self.mlp = torch.nn.ModuleDict({"experts": FusedMoE(E, H, I)})
 
 
-def loaded_experts(tensors: dict[str, torch.Tensor]) -> FusedMoE:
-    holder = Holder().double()
+def loaded_experts(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64) -> FusedMoE:
+    holder = Holder().to(dtype)
     load_hf_weights(holder, ((f"mlp.{k}", v) for k, v in tensors.items()), expert_params_mapping(E))
     return holder.mlp["experts"]
 
 
-def reference(x: torch.Tensor, combine: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """sum_e combine[:, e] * down_e(silu(gate_e(x)) * up_e(x)), one expert at a time."""
-    out = torch.zeros_like(x)
-    for e in range(E):
-        w = {n: tensors[f"experts.{e}.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj")}
-        y = F.linear(F.silu(F.linear(x, w["gate_proj"])) * F.linear(x, w["up_proj"]), w["down_proj"])
-        out += combine[:, e, None] * y
+def routing(tokens: int, top_k: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router outputs: weights and distinct expert ids [tokens, top_k]; expert 4 gets no token."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(E - 1, generator=gen)[:top_k] for _ in range(tokens)])
+    return torch.rand(tokens, top_k, generator=gen, dtype=torch.float64), ids
+
+
+def reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+              tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each token through each of its experts alone, in float64: sum_k weight_k * expert_k(x)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for weight, e in zip(weights[t].tolist(), ids[t].tolist()):
+            w = {n: tensors[f"experts.{e}.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj")}
+            xt = x[t].double()
+            out[t] += weight * F.linear(F.silu(F.linear(xt, w["gate_proj"])) * F.linear(xt, w["up_proj"]), w["down_proj"])
     return out
 
 
 @pytest.mark.parametrize("chunk_elements", [fused_moe.CHUNK_ELEMENTS, 3 * E * 2 * I])  # one chunk; chunks of 3
-def test_matches_experts_run_one_by_one(monkeypatch: pytest.MonkeyPatch, chunk_elements: int) -> None:
+def test_dense_way_matches_experts_run_one_by_one(monkeypatch: pytest.MonkeyPatch, chunk_elements: int) -> None:
     monkeypatch.setattr(fused_moe, "CHUNK_ELEMENTS", chunk_elements)
     tensors = hf_expert_tensors()
     experts = loaded_experts(tensors)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(10, H, generator=gen, dtype=torch.float64)
-    combine = torch.rand(10, E, generator=gen, dtype=torch.float64)
-    combine[combine < 0.5] = 0.0  # most tokens skip most experts, as routing leaves them
-    torch.testing.assert_close(experts(x, combine), reference(x, combine, tensors), rtol=1e-12, atol=1e-12)
+    experts.process_weights_after_loading()
+    assert not experts.use_grouped_mm  # float64: no torch._grouped_mm
+    x = torch.randn(10, H, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    weights, ids = routing(10)
+    torch.testing.assert_close(experts(x, weights, ids), reference(x, weights, ids, tensors), rtol=1e-12, atol=1e-12)
+
+
+def test_grouped_way_matches_experts_run_one_by_one() -> None:
+    if not grouped_mm_supported(torch.device("cpu"), torch.float32):
+        pytest.skip(f"torch {torch.__version__} has no CPU torch._grouped_mm")
+    tensors = hf_expert_tensors()
+    experts = loaded_experts(tensors, torch.float32)
+    experts.process_weights_after_loading()
+    assert experts.use_grouped_mm
+    x = torch.randn(10, H, generator=torch.Generator().manual_seed(2))
+    weights, ids = routing(10)
+    got = experts(x, weights.float(), ids)
+    torch.testing.assert_close(got.double(), reference(x, weights, ids, tensors), rtol=1e-5, atol=1e-5)
+    experts.use_grouped_mm = False  # the dense way agrees
+    torch.testing.assert_close(experts(x, weights.float(), ids), got, rtol=1e-5, atol=1e-5)
 
 
 def test_every_expert_tensor_lands_in_its_slot() -> None:
@@ -71,9 +95,15 @@ def test_missing_expert_and_bad_shapes_are_named() -> None:
         loaded_experts(tensors)
     tensors = hf_expert_tensors()
     tensors["experts.1.down_proj.weight"] = tensors["experts.1.down_proj.weight"].T
-    with pytest.raises(ValueError, match=r"Shape mismatch loading expert 1 w2: this rank's slice \(7, 12\), "
-                                         r"parameter \(12, 7\)"):
+    with pytest.raises(ValueError, match=r"Shape mismatch loading expert 1 w2: this rank's slice \(12, 16\), "
+                                         r"parameter \(16, 12\)"):
         loaded_experts(tensors)
     with pytest.raises(ValueError, match=r"FusedMoE loads one expert at a time.*got 0"):
         experts = FusedMoE(E, H, I)
         experts.weight_loader(experts.w2_weight, torch.zeros(H, I), 0)
+
+
+def test_rows_grouped_mm_cannot_stride_take_the_dense_way() -> None:
+    experts = FusedMoE(2, 12, 7)  # 48-byte rows of x, but 28-byte rows of the activations
+    experts.process_weights_after_loading()
+    assert not experts.use_grouped_mm

@@ -257,11 +257,8 @@ class DeepseekV2Gate(nn.Module):
 
 
 class DeepseekV2MoE(nn.Module):
-    """Shared experts for every token, plus each token's routed experts weighted by the gate.
-
-    The routed experts are stacked (`FusedMoE`): every expert runs on every token, and the tokens
-    it was not chosen for get weight 0, so no shape depends on the routing.
-    """
+    """Shared experts for every token, plus each token's routed experts weighted by the gate
+    (stacked in `FusedMoE`)."""
 
     def __init__(self, config: DeepseekV2Config) -> None:
         super().__init__()
@@ -271,10 +268,7 @@ class DeepseekV2MoE(nn.Module):
                                        bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        # [tokens, n_routed_experts]: a token's weight for each expert, 0 where it was not routed.
-        combine = weights.new_zeros(x.shape[0], self.experts.num_experts).scatter_(1, ids, weights)
-        return self.shared_experts(x) + self.experts(x, combine)
+        return self.shared_experts(x) + self.experts(x, *self.gate(x))
 
 
 class DeepseekV2DecoderLayer(nn.Module):

@@ -1,24 +1,30 @@
 """The routed experts of a mixture-of-experts layer, stacked into two weights (vLLM's FusedMoE layout).
 
 A checkpoint stores each expert as its own SwiGLU MLP (gate_proj, up_proj, down_proj). Run one
-after another, a layer of 64 experts is ~320 small kernels per step. Stacked, all experts are
-two matmuls:
+after another, a layer of 64 experts is ~320 small kernels per step. Stacked,
 
     w13_weight [E, 2I, H]: expert e's gate rows, then its up rows ("w1" and "w3" in vLLM's names)
     w2_weight  [E, H, I]:  expert e's down_proj ("w2")
 
-    x [T, H] ── x @ w13ᵀ ──> [T, E, 2, I] ── silu(gate) * up * combine[t, e] ──> [T, E, I]
-                                                                                    │
-                             out [T, H] <── sum over e <── per expert: @ w2[e]ᵀ ─────┘
+the layer is a few large operations, in one of two ways:
 
-`combine[t, e]` is token t's router weight for expert e, 0 where the token was not routed there.
-Every expert thus runs on every token (E / top_k times the FLOPs of running each token through
-its own experts only), but nothing depends on the routing's shape: no host sync, and CUDA graphs
-capture the layer. At decode the step reads every expert's weights anyway; prefill pays the
-extra FLOPs. vLLM's fused_moe kernel gathers each expert's tokens instead.
+grouped (each token through its own top_k experts; `torch._grouped_mm`, where the device and
+dtype have it, `grouped_mm_supported`): sort the token x expert assignments by expert, and multiply each expert's run
+of rows by that expert's matrices in one call. The group sizes stay on the device (no host
+sync), so a decode step is still captured in a CUDA graph.
+
+    assignments (t, e) sorted by e:  | e=0: t3 t7 | e=1: t0 | e=2: (none) | e=3: t0 t3 t5 | ...
+    rows x[t] ── grouped @ w13[e]ᵀ ── silu(gate) * up ── grouped @ w2[e]ᵀ ── * weight ── add into out[t]
+
+dense (the fallback): every expert on every token, with router weight 0 where the token was not
+routed, as two matmuls over all experts (E / top_k times the FLOPs of the grouped way):
+
+    x [T, H] ── x @ w13ᵀ ──> [T, E, 2, I] ── silu(gate) * up * combine[t, e] ──> per expert @ w2[e]ᵀ, summed
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +33,8 @@ from torch import nn
 from pagedkv.models.parallel_layers import ShardId, copy_checked
 
 CHUNK_ELEMENTS = 2**25
-"""Tokens run in chunks whose [tokens, E, 2I] intermediate holds at most this many values
-(64 MB in bf16), so a long prefill does not need E times the activations of a dense MLP."""
+"""The dense way runs tokens in chunks whose [tokens, E, 2I] intermediate holds at most this many
+values (64 MB in bf16), so a long prefill does not need E times the activations of one MLP."""
 
 
 def expert_params_mapping(num_experts: int) -> dict[str, tuple[str, ShardId]]:
@@ -39,8 +45,27 @@ def expert_params_mapping(num_experts: int) -> dict[str, tuple[str, ShardId]]:
             for hf, param, shard in (("gate_proj", "w13", "w1"), ("up_proj", "w13", "w3"), ("down_proj", "w2", "w2"))}
 
 
+@functools.cache
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` (a private op) serves `dtype` on `device` with the group offsets
+    read on the device. On CUDA that is its CUTLASS kernel (bf16, Hopper or newer): for other dtypes
+    it falls back to a loop that reads the offsets on the host, which a CUDA graph would freeze at
+    their capture-time values. The CPU has no graphs: any dtype it runs, tried once on tiny inputs."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) < (9, 0)):
+        return False
+    try:
+        a = torch.ones(3, 16, device=device, dtype=dtype)
+        b = torch.ones(2, 32, 16, device=device, dtype=dtype).transpose(1, 2)
+        out = torch._grouped_mm(a, b, offs=torch.tensor([1, 3], device=device, dtype=torch.int32))
+        return bool((out == 16).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
 class FusedMoE(nn.Module):
-    """All routed experts of one layer in two stacked weights; `forward` runs every expert at once."""
+    """All routed experts of one layer in two stacked weights; `forward` runs each token's experts."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -50,6 +75,8 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.use_grouped_mm = False
+        """Set by `process_weights_after_loading` from the weights' device and dtype."""
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         """Copy one expert's gate_proj ("w1"), up_proj ("w3") or down_proj ("w2") into its slot."""
@@ -62,9 +89,35 @@ class FusedMoE(nn.Module):
             target = target.narrow(0, 0 if which == "w1" else self.intermediate_size, self.intermediate_size)
         copy_checked(target, loaded, f"expert {expert} {which}")
 
-    def forward(self, x: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
-        """x [tokens, hidden], combine [tokens, experts] (router weights, 0 where not routed) -> [tokens, hidden]."""
+    def process_weights_after_loading(self) -> None:
+        """Pick the grouped way where this device and dtype run it (checked here, never during a capture)
+        and its rows are 16-byte multiples, which `torch._grouped_mm` requires of every stride."""
+        w = self.w13_weight
+        aligned = all(size * w.element_size() % 16 == 0 for size in (w.shape[2], self.intermediate_size))
+        self.use_grouped_mm = aligned and grouped_mm_supported(w.device, w.dtype)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [tokens, hidden]; the router's weights and expert ids [tokens, top_k] -> [tokens, hidden]."""
+        return self._grouped(x, weights, ids) if self.use_grouped_mm else self._dense(x, weights, ids)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        top_k = ids.shape[1]
+        flat_ids = ids.flatten()
+        order = flat_ids.argsort(stable=True)  # assignment numbers, grouped by expert
+        token = order // top_k
+        # Rows per expert, counted on the device (torch.bincount would read its size on the host).
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+        ends = counts.cumsum(0, dtype=torch.int32)  # group e is rows [ends[e-1], ends[e])
+        gate, up = torch._grouped_mm(x[token], self.w13_weight.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.w2_weight.transpose(1, 2), offs=ends)
+        y = y.float() * weights.flatten()[order, None]
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token, y).to(x.dtype)
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         experts, two_i, hidden = self.w13_weight.shape
+        # [tokens, E]: a token's weight for each expert, 0 where it was not routed.
+        combine = weights.new_zeros(x.shape[0], experts).scatter_(1, ids, weights)
         w13 = self.w13_weight.view(experts * two_i, hidden)
         w2_t = self.w2_weight.transpose(1, 2)  # [E, I, H] as a view: bmm reads it transposed
         out = torch.empty_like(x)
@@ -77,4 +130,5 @@ class FusedMoE(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, hidden={self.w13_weight.shape[2]}, intermediate={self.intermediate_size}"
+        return (f"experts={self.num_experts}, hidden={self.w13_weight.shape[2]}, intermediate={self.intermediate_size}, "
+                f"grouped_mm={self.use_grouped_mm}")

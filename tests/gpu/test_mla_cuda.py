@@ -15,6 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.compilation import CUDAGraphMode  # noqa: E402
+from pagedkv.models.fused_moe import FusedMoE  # noqa: E402
 from tests.conftest import write_hf_deepseek  # noqa: E402
 from tests.reference import LogitsRecorder, reference_logits  # noqa: E402
 from tests.test_deepseek_vs_transformers import PROMPTS, V3_GROUPS, hf_model  # noqa: E402
@@ -22,8 +23,8 @@ from tests.test_deepseek_vs_transformers import PROMPTS, V3_GROUPS, hf_model  # 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-def run(path: Path, **engine: object) -> tuple[list[list[int]], dict[str, torch.Tensor], LLM]:
-    llm = LLM(str(path), device="cuda", dtype="float32", num_kv_blocks=64, block_size=16,
+def run(path: Path, dtype: str = "float32", **engine: object) -> tuple[list[list[int]], dict[str, torch.Tensor], LLM]:
+    llm = LLM(str(path), device="cuda", dtype=dtype, num_kv_blocks=64, block_size=16,
               attention_backend="TRITON_MLA", **engine)
     recorder = LogitsRecorder(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
@@ -53,6 +54,21 @@ def test_full_decode_graphs_replay_the_eager_logits(tmp_path: Path) -> None:
     llm.add_step_listener(lambda e: modes.append(e.result.cudagraph_mode))
     llm.generate([{"prompt_token_ids": list(range(3, 23))}, {"prompt_token_ids": [5, 6]}], GREEDY, use_tqdm=False)
     assert CUDAGraphMode.FULL in modes and CUDAGraphMode.NONE in modes  # decodes replayed, prefills eager
+
+
+def test_grouped_moe_in_bf16_graphs_replay_the_eager_logits(tmp_path: Path) -> None:
+    """bf16 on Hopper takes FusedMoE's grouped way (torch._grouped_mm with the group offsets on the
+    device): captured decode steps must route each replay's tokens afresh, so graphs match eager."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._grouped_mm's device-offset kernel needs Hopper or newer")
+    path = write_hf_deepseek(tmp_path / "v2", version=2)
+    eager_tokens, eager, eager_llm = run(path, dtype="bfloat16")
+    experts = [m for m in eager_llm.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(m.use_grouped_mm for m in experts)
+    graph_tokens, graphed, _ = run(path, dtype="bfloat16", cudagraph_mode="FULL_DECODE_ONLY")
+    assert graph_tokens == eager_tokens
+    for a, b in zip(graphed.values(), eager.values()):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=0)  # bf16: graphs and eager differ by rounding only
 
 
 def test_deepseek_v2_lite_preset_generates() -> None:
