@@ -8,8 +8,9 @@ uniform in [100, 1024] (`random.Random(0)`, see `w1_prompts`), 128 new tokens ea
 ignored. Rows: pagedkv with each backend (`--backends`; FLASH_ATTN needs `flash_attn.cute`) in
 each mode (`--w1-modes`), then with `--hf` transformers' `generate_batch` and padded `generate`
 on the same weights (`hf_peers.py`), all in this process on this GPU. Each pagedkv engine runs
-W1 once to warm up (Triton / torch.compile compilation lands there: its time is reported as the
-first run) and is timed on a second run. The roofline beside them: every decode step streams
+once to warm up, on other prompts of W1's lengths (Triton / torch.compile compilation lands there:
+its time is reported as the first run; prefix caching then finds nothing of W1's prompts), and
+is timed on W1. The roofline beside them: every decode step streams
 the weights and the KV cache at `--hbm-tbps`, prefill runs its FLOPs at `--tflops` (`roofline`).
 
 **Decode step latency**: per model (`--decode-models`), batch size (`--decode-batches`) and mode
@@ -45,6 +46,7 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # PYTHONPATH first: lets an older checkout be timed
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
+from pagedkv.models.fused_moe import FusedMoE  # noqa: E402
 from pagedkv.models.loader import load_config  # noqa: E402
 
 MODES = ("eager", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE")
@@ -159,17 +161,27 @@ def generate_s(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[flo
 
 
 def run_w1(llm: LLM, prompts: list[list[int]], args: argparse.Namespace, label: str) -> dict[str, object]:
-    """Warm-up run, then the timed run (with --profile: both profiled, then a third timed one)."""
+    """Warm-up run, then the timed run (with --profile: two profiled runs, then the timed one).
+
+    Every run before the timed one gets fresh prompts of W1's lengths: prefix caching (on by
+    default) then finds nothing of W1's prompts, and the timed run prefills all their tokens.
+    """
+    rng = random.Random(1)
+    vocab = max(max(p) for p in prompts) + 1
+
+    def other_prompts() -> list[list[int]]:
+        return [[rng.randrange(3, vocab) for _ in p] for p in prompts]
+
     row: dict[str, object] = {}
     if args.profile:
-        run = lambda: generate_s(llm, prompts, args.max_tokens)  # noqa: E731
-        row["first_run_profile"] = profiled(run, args.top, f"{label}, first run")
-        row["second_run_profile"] = profiled(run, args.top, f"{label}, second run")
+        for run in ("first", "second"):
+            row[f"{run}_run_profile"] = profiled(lambda: generate_s(llm, other_prompts(), args.max_tokens), args.top,
+                                                 f"{label}, {run} run")
         row["first_run_s"] = row["first_run_profile"]["wall_s"]  # type: ignore[index]
     else:
-        row["first_run_s"], _ = generate_s(llm, prompts, args.max_tokens)
+        row["first_run_s"], _ = generate_s(llm, other_prompts(), args.max_tokens)
     if args.kernel_profile:
-        row["kernels"] = kernel_profile(lambda: generate_s(llm, prompts, args.max_tokens), args.top, label)
+        row["kernels"] = kernel_profile(lambda: generate_s(llm, other_prompts(), args.max_tokens), args.top, label)
     steps_before = llm.stats.num_steps
     steps: list[tuple[float, int, str]] = []
     detach = llm.add_step_listener(lambda ev: steps.append(
@@ -227,8 +239,8 @@ def roofline(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, 
     """Lower bound on W1's time: prefill at peak FLOP/s, then one decode step per further token.
 
     Prefill: 2 FLOPs per weight and prompt token (embedding gather and LM head excluded; the
-    head runs once per request; a MoE counts every expert, as pagedkv's dense MoE computes them)
-    plus causal attention, 2 * L(L+1)/2 * heads * (q.k width + p.v width) per layer. Decode: max_tokens - 1 steps of all requests, each streaming every weight once
+    head runs once per request; a MoE counts the experts its FusedMoE layers run per token: the
+    top_k routed ones in the grouped way, every one in the dense way) plus causal attention, 2 * L(L+1)/2 * heads * (q.k width + p.v width) per layer. Decode: max_tokens - 1 steps of all requests, each streaming every weight once
     (the issue's "16 GB") and every request's KV cache at `hbm_tbps`.
     """
     c = model.config
@@ -236,6 +248,8 @@ def roofline(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, 
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embed, head = model.model.embed_tokens.weight.numel(), model.lm_head.weight.numel()
     body = weights - embed - (0 if c.tie_word_embeddings else head)
+    for moe in (m for m in model.modules() if isinstance(m, FusedMoE) and m.use_grouped_mm):
+        body -= (moe.w13_weight.numel() + moe.w2_weight.numel()) * (1 - c.num_experts_per_tok / moe.num_experts)
     lens = [len(p) for p in prompts]
     item = model.lm_head.weight.element_size()
     if c.use_mla:  # per head: q.k over qk_head_dim, p.v over v_head_dim; one latent row cached per token
