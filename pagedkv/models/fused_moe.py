@@ -8,10 +8,10 @@ after another, a layer of 64 experts is ~320 small kernels per step. Stacked,
 
 the layer is a few large operations, in one of two ways:
 
-grouped (each token through its own top_k experts; `torch._grouped_mm`, where the device and
-dtype have it, `grouped_mm_supported`): sort the token x expert assignments by expert, and multiply each expert's run
-of rows by that expert's matrices in one call. The group sizes stay on the device (no host
-sync), so a decode step is still captured in a CUDA graph.
+grouped (each token through its own top_k experts, by `torch._grouped_mm` where the device and
+dtype have it: `grouped_mm_supported`): sort the token x expert assignments by expert, and
+multiply each expert's run of rows by that expert's matrices in one call. The group sizes stay
+on the device (no host sync), so a decode step is still captured in a CUDA graph.
 
     assignments (t, e) sorted by e:  | e=0: t3 t7 | e=1: t0 | e=2: (none) | e=3: t0 t3 t5 | ...
     rows x[t] ── grouped @ w13[e]ᵀ ── silu(gate) * up ── grouped @ w2[e]ᵀ ── * weight ── add into out[t]
