@@ -167,10 +167,10 @@ def run_w1(llm: LLM, prompts: list[list[int]], args: argparse.Namespace, label: 
     default) then finds nothing of W1's prompts, and the timed run prefills all their tokens.
     """
     rng = random.Random(1)
-    vocab = max(max(p) for p in prompts) + 1
+    id_limit = max(max(p) for p in prompts) + 1  # W1's ids already fit the model's vocabulary
 
     def other_prompts() -> list[list[int]]:
-        return [[rng.randrange(3, vocab) for _ in p] for p in prompts]
+        return [[rng.randrange(3, id_limit) for _ in p] for p in prompts]
 
     row: dict[str, object] = {}
     if args.profile:

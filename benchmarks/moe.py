@@ -41,8 +41,7 @@ def peers(moe: FusedMoE) -> dict[str, tuple[Callable[..., torch.Tensor], bool]]:
     w13, w2 = moe.w13_weight, moe.w2_weight
 
     def expert(e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w2[e])
+        return F.linear(moe.act_fn(F.linear(x, w13[e])), w2[e])
 
     def loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         combine = weights.new_zeros(x.shape[0], EXPERTS).scatter_(1, ids, weights)

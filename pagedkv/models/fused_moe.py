@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.models.layers import SiluAndMul
 from pagedkv.models.parallel_layers import ShardId, copy_checked
 
 CHUNK_ELEMENTS = 2**25
@@ -75,6 +76,7 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.act_fn = SiluAndMul()  # on each expert's [gate | up] rows, as in LlamaMLP
         self.use_grouped_mm = False
         """Set by `process_weights_after_loading` from the weights' device and dtype."""
 
@@ -109,8 +111,8 @@ class FusedMoE(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
         ends = counts.cumsum(0, dtype=torch.int32)  # group e is rows [ends[e-1], ends[e])
-        gate, up = torch._grouped_mm(x[token], self.w13_weight.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, self.w2_weight.transpose(1, 2), offs=ends)
+        gate_up = torch._grouped_mm(x[token], self.w13_weight.transpose(1, 2), offs=ends)  # [assignments, 2I]
+        y = torch._grouped_mm(self.act_fn(gate_up), self.w2_weight.transpose(1, 2), offs=ends)
         y = y.float() * weights.flatten()[order, None]
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token, y).to(x.dtype)
 
@@ -124,8 +126,8 @@ class FusedMoE(nn.Module):
         step = max(1, CHUNK_ELEMENTS // (experts * two_i))
         for start in range(0, x.shape[0], step):  # host-side sizes only: the same chunks at capture and replay
             chunk = slice(start, start + step)
-            gate, up = F.linear(x[chunk], w13).view(-1, experts, 2, self.intermediate_size).unbind(2)
-            act = F.silu(gate) * up * combine[chunk, :, None].to(x.dtype)  # [tokens, E, I]
+            gate_up = F.linear(x[chunk], w13).view(-1, experts, two_i)  # [tokens, E, 2I]
+            act = self.act_fn(gate_up) * combine[chunk, :, None].to(x.dtype)  # [tokens, E, I]
             out[chunk] = torch.bmm(act.transpose(0, 1), w2_t).sum(0)  # [E, tokens, H] summed over experts
         return out
 
