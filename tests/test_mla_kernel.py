@@ -127,6 +127,14 @@ def test_rank_and_rope_not_powers_of_two() -> None:
     check(run(*batch, 24, 3), reference(*batch, 24), torch.float32)
 
 
+@pytest.mark.parametrize(("kv_lora_rank", "rope_dim"), [(512, 64), (100, 24)])
+def test_every_quarter_of_the_latent(kv_lora_rank: int, rope_dim: int) -> None:
+    """The kernel handles the latent in four column quarters (LORA_PAD // 4 each). DeepSeek-V2's
+    row (512 + 64) fills all four; 100 + 24 fills three and pads the fourth (128 and 32 wide)."""
+    batch = make_batch([5, 23], num_heads=16, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, block_size=16, seed=8)
+    check(run(*batch, kv_lora_rank, 2), reference(*batch, kv_lora_rank), torch.float32)
+
+
 def test_rope_part_matters() -> None:
     """The test can fail: zeroing the k_pe part of the cache changes the kernel's output."""
     q, kv_cache, block_table, seq_lens = make_batch([11, 30], block_size=4, seed=7)
