@@ -25,7 +25,8 @@ from pagedkv.attention.mla.common import (
 from pagedkv.attention.mla.torch_ref_mla import TorchRefMLAImpl, TorchRefMLAMetadataBuilder
 from pagedkv.kv_cache.spec import MLAAttentionSpec
 
-DIMS = MLADims(kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10)
+# qk_head_dim 24: a head size the paged attention kernel takes, so TRITON_MLA's batched prefill runs.
+DIMS = MLADims(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=10)
 HEADS, BLOCK_SIZE, NUM_BLOCKS = 4, 4, 40
 
 
@@ -209,3 +210,34 @@ def test_triton_mla_matches_torch_ref_mla_and_the_reference(splits: int) -> None
     ref_out = torch.empty_like(out)
     ref_impl.forward(None, batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, metadata, ref_out)  # type: ignore[arg-type]
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)  # TRITON_MLA against TORCH_REF_MLA
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="TRITON_MLA runs on a GPU or under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("tokens_per_pass", [32768, 12])
+def test_triton_mla_prefill_passes_match_the_reference(monkeypatch: pytest.MonkeyPatch, tokens_per_pass: int) -> None:
+    """TRITON_MLA's forward_mha: prefills (a whole prompt, and continuations of 7 and 25 cached
+    tokens) gathered, up-projected and attended by the paged kernel. Budget 32768: one pass;
+    budget 12: passes of 6 and 10 tokens, and the 30-token request alone on the chunked path."""
+    pytest.importorskip("triton")
+    from pagedkv.attention.mla.triton_mla import TritonMLAImpl, TritonMLAMetadataBuilder, TritonMLAPrefillMetadata
+
+    monkeypatch.setattr(TritonMLAMetadataBuilder, "prefill_tokens_per_pass", tokens_per_pass)
+    batch = make_batch([5, 1, 12, 0, 7, 25], [1, 1, 1, 6, 3, 5])
+    weight = kv_b_weight()
+    spec = MLAAttentionSpec(BLOCK_SIZE, 1, DIMS.latent_size, torch.float32)
+    metadata = TorchRefMLAMetadataBuilder(spec, ["layer"], None, torch.device("cpu")).build(batch.common)  # type: ignore[arg-type]
+    builder = object.__new__(TritonMLAMetadataBuilder)  # build_prefill needs only the spec and the device
+    builder.kv_cache_spec, builder.device = spec, torch.device("cpu")
+    metadata.prefill = builder.build_prefill(batch.common, metadata.prefill)
+    assert isinstance(metadata.prefill, TritonMLAPrefillMetadata)
+    expected_passes = {32768: ([slice(0, 14)], []), 12: ([slice(0, 6), slice(6, 9)], [2])}[tokens_per_pass]
+    assert [p.tokens for p in metadata.prefill.passes] == expected_passes[0]
+    assert metadata.prefill.long_requests == expected_passes[1]
+    impl = TritonMLAImpl(HEADS, DIMS.latent_size, SCALE, 1, None, torch.float32, mla_dims=DIMS)
+    impl.process_weights_after_loading(weight)
+    impl.do_kv_cache_update(None, batch.kv_c, batch.k_pe, batch.kv_cache, batch.common.slot_mapping)  # type: ignore[arg-type]
+    nd = metadata.num_decode_tokens
+    out = torch.full((batch.q.shape[0] - nd, HEADS, DIMS.v_head_dim), float("nan"))
+    impl.forward_mha(batch.q[nd:], batch.kv_c[nd:], batch.k_pe[nd:], batch.kv_cache, metadata.prefill, out)
+    torch.testing.assert_close(out.double(), reference(batch, weight)[nd:], atol=1e-4, rtol=0)

@@ -143,11 +143,11 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[MLACommonMetadata[Any]])
         prefill = None
         if num_prefills:
             starts = cm.query_start_loc_cpu[num_decodes : cm.num_reqs + 1] - num_decode_tokens
-            prefill = MLAPrefillMetadata(
+            prefill = self.build_prefill(cm, MLAPrefillMetadata(
                 query_start_loc_cpu=starts.tolist(), seq_lens_cpu=seq_lens_cpu[num_decodes:],
                 block_table=cm.block_table_tensor[num_decodes : cm.num_reqs],
                 context_chunk_tokens=self.context_chunk_tokens,
-            )
+            ))
         decode = None
         if num_decodes:
             decode_lens = seq_lens_cpu[:num_decodes]
@@ -157,6 +157,11 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[MLACommonMetadata[Any]])
             num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens, slot_mapping=cm.slot_mapping,
             decode=decode, prefill=prefill,
         )
+
+    def build_prefill(self, cm: CommonAttentionMetadata, prefill: MLAPrefillMetadata) -> MLAPrefillMetadata:
+        """The prefill part; a backend whose forward_mha needs more (device-side indices built once
+        per step for every layer) overrides this."""
+        return prefill
 
     def build_decode(
         self, cm: CommonAttentionMetadata, num_decodes: int, seq_lens_cpu: list[int], max_seq_len: int

@@ -5,28 +5,39 @@
                                        split count on the host, once for every layer
     impl (one per layer)               do_kv_cache_update -> concat_and_cache_mla
                                        forward_mqa        -> mla_decode_attention (+ merge)
-                                       forward_mha        -> the shared torch prefill path
+                                       forward_mha        -> all prefills at once: their cached
+                                                             latents gathered and up-projected,
+                                                             then the paged attention kernel
 
 A pure-decode step does nothing on the host that reads the device or allocates per layer, so it
 can be captured as a full CUDA graph (UNIFORM_SINGLE_TOKEN_DECODE); steps with prefills run
-forward_mha, whose loop over requests reads host-side lengths, eagerly.
+eagerly. The prefills' gather indices are built once per step by the builder, so a layer's
+forward_mha neither loops over requests nor copies anything from the host.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from pagedkv.attention.backend import AttentionCGSupport, CommonAttentionMetadata, MultipleOf
 from pagedkv.attention.backends.triton_attn import TritonBackendRules
-from pagedkv.attention.mla.common import MLACommonBackend, MLACommonImpl, MLACommonMetadataBuilder, MLADecodeMetadata
+from pagedkv.attention.mla.common import (
+    MLACommonBackend,
+    MLACommonImpl,
+    MLACommonMetadataBuilder,
+    MLADecodeMetadata,
+    MLAPrefillMetadata,
+)
 from pagedkv.config import EngineConfig
 from pagedkv.kernels import HAS_TRITON
 from pagedkv.kv_cache.spec import KVCacheSpec
 
 if HAS_TRITON:
+    from pagedkv.kernels import unified_attention
     from pagedkv.kernels.mla_decode import MLADecodeWorkspace, default_num_kv_splits, mla_decode_attention
 
 
@@ -36,6 +47,40 @@ class TritonMLADecodeMetadata(MLADecodeMetadata):
 
     workspace: MLADecodeWorkspace | None = None
     num_kv_splits: int = 1
+
+
+@dataclass
+class PrefillPass:
+    """Prefills attended together by one call of the paged attention kernel (`unified_attention`).
+
+    Their cache blocks are gathered back to back and up-projected at once; the kernel then reads
+    the per-head K and V as a paged cache of their own, each request's blocks in order::
+
+        gathered blocks:  | a0 a1 a2 | b0 b1 | c0 ...        block_table[a] = 0 1 2
+                                                            block_table[b] = 3 4
+    """
+
+    tokens: slice
+    """This pass's query rows among the step's prefill tokens."""
+    blocks: torch.Tensor
+    """int64 [num_blocks]: the requests' cache blocks, request after request."""
+    block_table: torch.Tensor
+    """int32 [requests, max_blocks]: each request's blocks in the gathered copy."""
+    query_start_loc: torch.Tensor
+    """int32 [requests + 1] on the device, counted from the pass's first token."""
+    seq_lens: torch.Tensor
+    """int32 [requests] on the device."""
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass
+class TritonMLAPrefillMetadata(MLAPrefillMetadata):
+    """The prefill part in passes whose up-projected K and V stay within a token budget; a request
+    longer than the budget on its own (`long_requests`) takes the shared chunked path instead."""
+
+    passes: list[PrefillPass] = field(default_factory=list)
+    long_requests: list[int] = field(default_factory=list)
 
 
 class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
@@ -52,6 +97,50 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
         self.workspace = MLADecodeWorkspace(config.scheduler_config.max_num_seqs, self.num_heads,
                                             self.kv_lora_rank, device)
 
+    prefill_tokens_per_pass: ClassVar[int] = 32768
+    """Most sequence tokens (cached + new) one prefill pass up-projects: K and V take
+    heads x (2 x qk_head_dim) values per token (12 KB in bf16 for DeepSeek-V2-Lite)."""
+
+    def build_prefill(self, cm: CommonAttentionMetadata, prefill: MLAPrefillMetadata) -> MLAPrefillMetadata:
+        """Group the prefills into passes of whole requests, in order, within the token budget."""
+        passes, long_requests, group, group_tokens = [], [], [], 0
+        for i, seq_len in enumerate(prefill.seq_lens_cpu):
+            if group and (seq_len > self.prefill_tokens_per_pass or group_tokens + seq_len > self.prefill_tokens_per_pass):
+                passes.append(self._prefill_pass(prefill, group))
+                group, group_tokens = [], 0
+            if seq_len > self.prefill_tokens_per_pass:
+                long_requests.append(i)
+            else:
+                group.append(i)
+                group_tokens += seq_len
+        if group:
+            passes.append(self._prefill_pass(prefill, group))
+        return TritonMLAPrefillMetadata(**prefill.__dict__, passes=passes, long_requests=long_requests)
+
+    def _prefill_pass(self, prefill: MLAPrefillMetadata, requests: list[int]) -> PrefillPass:
+        """Host-side lists -> a few small device tensors, once per step (every layer reuses them)."""
+        block_size = self.kv_cache_spec.block_size
+        seq_lens = [prefill.seq_lens_cpu[i] for i in requests]
+        num_blocks = [-(-n // block_size) for n in seq_lens]
+        first = [0]
+        for n in num_blocks:
+            first.append(first[-1] + n)
+        rows = torch.tensor([r for r, n in zip(requests, num_blocks) for _ in range(n)], device=self.device)
+        cols = torch.tensor([j for n in num_blocks for j in range(n)], device=self.device)
+        table = torch.tensor(first[:-1])[:, None] + torch.arange(max(num_blocks))[None, :]
+        starts = prefill.query_start_loc_cpu
+        tokens = slice(starts[requests[0]], starts[requests[-1] + 1])
+        query_start_loc = [starts[i] - tokens.start for i in requests] + [tokens.stop - tokens.start]
+        return PrefillPass(
+            tokens=tokens, blocks=prefill.block_table[rows, cols].long(),
+            # Entries past a request's own blocks are never read (the kernel stops at seq_len).
+            block_table=table.clamp(max=first[-1] - 1).to(self.device, torch.int32),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
+            max_seq_len=max(seq_lens),
+        )
+
     def build_decode(
         self, cm: CommonAttentionMetadata, num_decodes: int, seq_lens_cpu: list[int], max_seq_len: int
     ) -> MLADecodeMetadata:
@@ -63,7 +152,45 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
 
 
 class TritonMLAImpl(MLACommonImpl[TritonMLADecodeMetadata]):
-    """forward_mqa by `mla_decode_attention`; the rest from MLACommonImpl."""
+    """forward_mqa by `mla_decode_attention`, forward_mha by `unified_attention` over up-projected K and V."""
+
+    def forward_mha(
+        self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+        prefill: MLAPrefillMetadata, output: torch.Tensor,
+    ) -> None:
+        """Each pass: gather the requests' latent rows (this step's are in the cache already),
+        up-project them to per-head K and V, then one causal paged attention over all requests,
+        every request's new tokens placed after its cached ones::
+
+            request: |---- context (cached) ----|---- query (this step) ----|
+                      all visible to the queries    causal among themselves
+
+        Head sizes the kernel does not take, and requests too long for one pass, go through the
+        shared path (a loop over requests, context in chunks, merged by log-sum-exp)."""
+        dims = self.mla_dims
+        head_size = dims.qk_head_dim
+        if not isinstance(prefill, TritonMLAPrefillMetadata) or not (
+            head_size % 8 == 0 and 16 <= head_size <= 256 and dims.v_head_dim <= head_size
+        ):
+            super().forward_mha(q, kv_c_normed, k_pe, kv_cache, prefill, output)
+            return
+        for i in prefill.long_requests:
+            a, b = prefill.query_start_loc_cpu[i], prefill.query_start_loc_cpu[i + 1]
+            alone = MLAPrefillMetadata([0, b - a], [prefill.seq_lens_cpu[i]], prefill.block_table[i : i + 1],
+                                       prefill.context_chunk_tokens)
+            super().forward_mha(q[a:b], kv_c_normed[a:b], k_pe[a:b], kv_cache, alone, output[a:b])
+        for p in prefill.passes:
+            rows = kv_cache[p.blocks]  # [blocks, block_size, latent]
+            k, v = self._up_project(*rows.flatten(0, 1).split([dims.kv_lora_rank, dims.qk_rope_head_dim], -1))
+            v = F.pad(v, (0, head_size - dims.v_head_dim))  # the kernel takes one head size for K and V
+            paged = (rows.shape[0], rows.shape[1], self.num_heads, head_size)
+            out = torch.empty(p.tokens.stop - p.tokens.start, self.num_heads, head_size, dtype=k.dtype, device=q.device)
+            unified_attention(
+                q[p.tokens].to(k.dtype), k.view(paged), v.view(paged), out, query_start_loc=p.query_start_loc,
+                seq_lens=p.seq_lens, max_query_len=p.max_query_len, max_seq_len=p.max_seq_len,
+                block_table=p.block_table, softmax_scale=self.scale,
+            )
+            output[p.tokens] = out[..., : dims.v_head_dim]
 
     def forward_mqa(self, q: torch.Tensor, kv_cache: torch.Tensor, decode: TritonMLADecodeMetadata) -> torch.Tensor:
         out = torch.empty(*q.shape[:2], self.mla_dims.kv_lora_rank, dtype=q.dtype, device=q.device)
