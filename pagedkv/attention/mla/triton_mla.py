@@ -34,6 +34,7 @@ from pagedkv.attention.mla.common import (
 )
 from pagedkv.config import EngineConfig
 from pagedkv.kernels import HAS_TRITON
+from pagedkv.kernels.common import MAX_HEAD_SIZE, MIN_HEAD_SIZE
 from pagedkv.kv_cache.spec import KVCacheSpec
 
 if HAS_TRITON:
@@ -84,9 +85,13 @@ class TritonMLAPrefillMetadata(MLAPrefillMetadata):
 
 
 class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
-    """Holds the split-KV scratch; picks the split count once per step for all layers."""
+    """Holds the split-KV scratch; once per step for all layers, picks the decode kernel's split
+    count and groups the prefills into passes."""
 
     cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    prefill_tokens_per_pass: ClassVar[int] = 32768
+    """Most sequence tokens (cached + new) one prefill pass up-projects: K and V take
+    heads x (2 x qk_head_dim) values per token (12 KB in bf16 for DeepSeek-V2-Lite)."""
 
     def __init__(self, kv_cache_spec: KVCacheSpec, layer_names: list[str], config: EngineConfig,
                  device: torch.device) -> None:
@@ -97,18 +102,16 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
         self.workspace = MLADecodeWorkspace(config.scheduler_config.max_num_seqs, self.num_heads,
                                             self.kv_lora_rank, device)
 
-    prefill_tokens_per_pass: ClassVar[int] = 32768
-    """Most sequence tokens (cached + new) one prefill pass up-projects: K and V take
-    heads x (2 x qk_head_dim) values per token (12 KB in bf16 for DeepSeek-V2-Lite)."""
-
     def build_prefill(self, cm: CommonAttentionMetadata, prefill: MLAPrefillMetadata) -> MLAPrefillMetadata:
         """Group the prefills into passes of whole requests, in order, within the token budget."""
+        budget = self.prefill_tokens_per_pass
         passes, long_requests, group, group_tokens = [], [], [], 0
         for i, seq_len in enumerate(prefill.seq_lens_cpu):
-            if group and (seq_len > self.prefill_tokens_per_pass or group_tokens + seq_len > self.prefill_tokens_per_pass):
+            too_long = seq_len > budget
+            if group and (too_long or group_tokens + seq_len > budget):
                 passes.append(self._prefill_pass(prefill, group))
                 group, group_tokens = [], 0
-            if seq_len > self.prefill_tokens_per_pass:
+            if too_long:
                 long_requests.append(i)
             else:
                 group.append(i)
@@ -154,6 +157,13 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
 class TritonMLAImpl(MLACommonImpl[TritonMLADecodeMetadata]):
     """forward_mqa by `mla_decode_attention`, forward_mha by `unified_attention` over up-projected K and V."""
 
+    @property
+    def kernel_takes_heads(self) -> bool:
+        """Whether `unified_attention` takes this layer's heads: K's head size (V is padded to it)."""
+        dims = self.mla_dims
+        return (dims.qk_head_dim % 8 == 0 and MIN_HEAD_SIZE <= dims.qk_head_dim <= MAX_HEAD_SIZE
+                and dims.v_head_dim <= dims.qk_head_dim)
+
     def forward_mha(
         self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
         prefill: MLAPrefillMetadata, output: torch.Tensor,
@@ -169,9 +179,7 @@ class TritonMLAImpl(MLACommonImpl[TritonMLADecodeMetadata]):
         shared path (a loop over requests, context in chunks, merged by log-sum-exp)."""
         dims = self.mla_dims
         head_size = dims.qk_head_dim
-        if not isinstance(prefill, TritonMLAPrefillMetadata) or not (
-            head_size % 8 == 0 and 16 <= head_size <= 256 and dims.v_head_dim <= head_size
-        ):
+        if not isinstance(prefill, TritonMLAPrefillMetadata) or not self.kernel_takes_heads:
             super().forward_mha(q, kv_c_normed, k_pe, kv_cache, prefill, output)
             return
         for i in prefill.long_requests:
