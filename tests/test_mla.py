@@ -231,9 +231,9 @@ def test_triton_mla_prefill_passes_match_the_reference(monkeypatch: pytest.Monke
     builder.kv_cache_spec, builder.device = spec, torch.device("cpu")
     metadata.prefill = builder.build_prefill(batch.common, metadata.prefill)
     assert isinstance(metadata.prefill, TritonMLAPrefillMetadata)
-    expected_passes = {32768: ([slice(0, 14)], []), 12: ([slice(0, 6), slice(6, 9)], [2])}[tokens_per_pass]
+    expected_passes = {32768: ([slice(0, 14)], []), 12: ([slice(0, 6), slice(6, 9)], [slice(9, 14)])}[tokens_per_pass]
     assert [p.tokens for p in metadata.prefill.passes] == expected_passes[0]
-    assert metadata.prefill.long_requests == expected_passes[1]
+    assert [rows for rows, _ in metadata.prefill.long_requests] == expected_passes[1]
     impl = TritonMLAImpl(HEADS, DIMS.latent_size, SCALE, 1, None, torch.float32, mla_dims=DIMS)
     impl.process_weights_after_loading(weight)
     impl.do_kv_cache_update(None, batch.kv_c, batch.k_pe, batch.kv_cache, batch.common.slot_mapping)  # type: ignore[arg-type]
@@ -241,3 +241,74 @@ def test_triton_mla_prefill_passes_match_the_reference(monkeypatch: pytest.Monke
     out = torch.full((batch.q.shape[0] - nd, HEADS, DIMS.v_head_dim), float("nan"))
     impl.forward_mha(batch.q[nd:], batch.kv_c[nd:], batch.k_pe[nd:], batch.kv_cache, metadata.prefill, out)
     torch.testing.assert_close(out.double(), reference(batch, weight)[nd:], atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="these batches are CPU tensors: TRITON_MLA needs TRITON_INTERPRET=1 for them")
+def test_prefill_passes_at_the_v2_lite_shape_in_bfloat16() -> None:
+    pytest.importorskip("triton")
+    check_prefill_passes("cpu", context_lens=[0, 20, 5], query_lens=[9, 3, 4])
+
+
+def check_prefill_passes(device: str, context_lens: list[int], query_lens: list[int]) -> None:
+    """TRITON_MLA's prefill passes and the shared loop over requests, at DeepSeek-V2-Lite's
+    attention shape in bf16 (16 heads, latent 512 + 64, qk 192, v 128, pages of 16): both within
+    bf16's reach of float64 (relative error of the whole output), and of each other. The GPU test
+    (tests/gpu/test_mla_cuda.py) runs it with long contexts."""
+    from pagedkv.attention.mla.triton_mla import TritonMLAImpl, TritonMLAMetadataBuilder
+
+    dims, heads, block_size = MLADims(512, 128, 64, 128), 16, 16
+    g = torch.Generator().manual_seed(0)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    pages = [-(-n // block_size) for n in seq_lens]
+    order = torch.randperm(sum(pages), generator=g) + 1  # block 0 stays the null block
+    block_table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
+    for i, first in enumerate([0, *torch.tensor(pages).cumsum(0).tolist()[:-1]]):
+        block_table[i, : pages[i]] = order[first : first + pages[i]]
+    latents = torch.randn(sum(pages) + 1, block_size, dims.latent_size, generator=g).bfloat16()
+    q = torch.randn(sum(query_lens), heads, dims.qk_head_dim, generator=g).bfloat16()
+    weight = (torch.randn(heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank, generator=g)
+              / dims.kv_lora_rank**0.5).bfloat16()
+    scale = dims.qk_head_dim**-0.5
+
+    # float64 from the same bf16 inputs: K and V per head, causal over each whole sequence.
+    w = weight.double().view(heads, dims.qk_nope_head_dim + dims.v_head_dim, dims.kv_lora_rank)
+    expected, new_rows, start = [], [], 0
+    for i, (n, m) in enumerate(zip(seq_lens, query_lens)):
+        pos = torch.arange(n)
+        rows = latents[block_table[i, pos // block_size].long(), pos % block_size]
+        new_rows.append(rows[n - m :])
+        kv = torch.einsum("hdl,sl->shd", w, rows[:, : dims.kv_lora_rank].double())
+        k = torch.cat([kv[..., : dims.qk_nope_head_dim],
+                       rows[:, None, dims.kv_lora_rank :].double().expand(-1, heads, -1)], -1)
+        scores = torch.einsum("qhd,shd->hqs", q[start : start + m].double(), k) * scale
+        scores = scores.masked_fill(pos[None, :] > torch.arange(n - m, n)[:, None], float("-inf"))
+        expected.append(torch.einsum("hqs,shd->qhd", scores.softmax(-1), kv[..., dims.qk_nope_head_dim :]))
+        start += m
+    reference = torch.cat(expected)
+    kv_c, k_pe = torch.cat(new_rows).to(device).split([dims.kv_lora_rank, dims.qk_rope_head_dim], -1)
+
+    qsl = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=lens.to(device), seq_lens_cpu=lens,
+        num_reqs=len(seq_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens), block_table_tensor=block_table.to(device),
+        slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),
+    )
+    spec = MLAAttentionSpec(block_size, 1, dims.latent_size, torch.bfloat16)
+    prefill = TorchRefMLAMetadataBuilder(spec, ["layer"], None, torch.device(device)).build(cm).prefill  # type: ignore[arg-type]
+    builder = object.__new__(TritonMLAMetadataBuilder)  # build_prefill needs only the spec and the device
+    builder.kv_cache_spec, builder.device = spec, torch.device(device)
+    passes = builder.build_prefill(cm, prefill)
+    impl = TritonMLAImpl(heads, dims.latent_size, scale, 1, None, torch.bfloat16, mla_dims=dims)
+    impl.process_weights_after_loading(weight.to(device))
+    outs = []
+    for metadata in (passes, prefill):  # plain MLAPrefillMetadata: the shared loop over requests
+        out = torch.empty(q.shape[0], heads, dims.v_head_dim, dtype=torch.bfloat16, device=device)
+        impl.forward_mha(q.to(device), kv_c, k_pe, latents.to(device), metadata, out)
+        outs.append(out.double().cpu())
+    relative = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert relative(outs[0], reference) < 1e-2 and relative(outs[1], reference) < 1e-2, \
+        (relative(outs[0], reference), relative(outs[1], reference))
+    assert relative(outs[0], outs[1]) < 1e-2

@@ -97,24 +97,31 @@ def _page_rows(block_table_row, tokens, end, stride_c_b, stride_c_s, PAGE_SIZE: 
 
 
 @triton.jit
-def _load_cols(ptr, rows, row_ok, stride_d, FIRST: tl.constexpr, COUNT: tl.constexpr, LIMIT: tl.constexpr):
-    """[rows, COUNT] values: columns FIRST .. FIRST + COUNT - 1 of each row (`rows`: [n, 1] offsets).
+def _cols(rows, row_ok, stride_d, FIRST: tl.constexpr, COUNT: tl.constexpr, LIMIT: tl.constexpr):
+    """Offsets and mask of columns FIRST .. FIRST + COUNT - 1 of `rows` ([n, 1] offsets).
 
-    Rows that are not ok and columns from LIMIT on (padding) read 0, not garbage: they still
-    meet the dots, and 0 x NaN = NaN. The column mask exists only when the range passes LIMIT (a
-    compile-time choice), so the DeepSeek shape (512 + 64) loads whole rows with vector loads.
+    Rows that are not ok and columns from LIMIT on (padding) are masked: loads read 0 there, not
+    garbage (they still meet the dots, and 0 x NaN = NaN), stores skip them. The column mask exists
+    only when the range passes LIMIT (a compile-time choice), so the DeepSeek shape (512 + 64)
+    moves whole rows with vector loads.
     """
     cols = FIRST + tl.arange(0, COUNT)[None, :]
     mask = row_ok[:, None] & (cols < LIMIT) if FIRST + COUNT > LIMIT else row_ok[:, None]
-    return tl.load(ptr + rows + cols * stride_d, mask=mask, other=0.0)
+    return rows + cols * stride_d, mask
+
+
+@triton.jit
+def _load_cols(ptr, rows, row_ok, stride_d, FIRST: tl.constexpr, COUNT: tl.constexpr, LIMIT: tl.constexpr):
+    """[n, COUNT] values of columns FIRST .. FIRST + COUNT - 1 (masked places read 0)."""
+    offsets, mask = _cols(rows, row_ok, stride_d, FIRST, COUNT, LIMIT)
+    return tl.load(ptr + offsets, mask=mask, other=0.0)
 
 
 @triton.jit
 def _store_cols(ptr, rows, row_ok, stride_d, values, FIRST: tl.constexpr, COUNT: tl.constexpr, LIMIT: tl.constexpr):
-    """Store `values` into columns FIRST .. FIRST + COUNT - 1 of `rows`, none from LIMIT on (padding)."""
-    cols = FIRST + tl.arange(0, COUNT)[None, :]
-    mask = row_ok[:, None] & (cols < LIMIT) if FIRST + COUNT > LIMIT else row_ok[:, None]
-    tl.store(ptr + rows + cols * stride_d, values, mask=mask)
+    """Store `values` into columns FIRST .. FIRST + COUNT - 1 (masked places are skipped)."""
+    offsets, mask = _cols(rows, row_ok, stride_d, FIRST, COUNT, LIMIT)
+    tl.store(ptr + offsets, values, mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_heads", "num_splits"])  # per-step values: no variant per value

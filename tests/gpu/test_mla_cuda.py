@@ -19,6 +19,7 @@ from pagedkv.models.fused_moe import FusedMoE  # noqa: E402
 from tests.conftest import write_hf_deepseek  # noqa: E402
 from tests.reference import LogitsRecorder, reference_logits  # noqa: E402
 from tests.test_deepseek_vs_transformers import PROMPTS, V3_GROUPS, hf_model  # noqa: E402
+from tests.test_mla import check_prefill_passes  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -86,69 +87,3 @@ def test_prefill_passes_at_the_v2_lite_shape_match_the_loop_and_float64() -> Non
     attention shape in bf16 (16 heads, latent 512 + 64, qk 192, v 128, pages of 16), on prefills
     with and without cached context, against the shared loop over requests and a float64 reference."""
     check_prefill_passes("cuda", context_lens=[0, 700, 33, 1500], query_lens=[300, 8, 100, 64])
-
-
-def check_prefill_passes(device: str, context_lens: list[int], query_lens: list[int]) -> None:
-    """Both bf16 paths within bf16's reach of float64 (relative error of the whole output), and of
-    each other. (Callable on the CPU under TRITON_INTERPRET=1 with short lengths.)"""
-    from pagedkv.attention.backend import CommonAttentionMetadata
-    from pagedkv.attention.mla.common import MLADims
-    from pagedkv.attention.mla.torch_ref_mla import TorchRefMLAMetadataBuilder
-    from pagedkv.attention.mla.triton_mla import TritonMLAImpl, TritonMLAMetadataBuilder
-    from pagedkv.kv_cache.spec import MLAAttentionSpec
-
-    dims, heads, block_size = MLADims(512, 128, 64, 128), 16, 16
-    g = torch.Generator().manual_seed(0)
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    pages = [-(-n // block_size) for n in seq_lens]
-    order = torch.randperm(sum(pages), generator=g) + 1  # block 0 stays the null block
-    block_table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
-    for i, first in enumerate([0, *torch.tensor(pages).cumsum(0).tolist()[:-1]]):
-        block_table[i, : pages[i]] = order[first : first + pages[i]]
-    latents = torch.randn(sum(pages) + 1, block_size, dims.latent_size, generator=g).bfloat16()
-    q = torch.randn(sum(query_lens), heads, dims.qk_head_dim, generator=g).bfloat16()
-    weight = (torch.randn(heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank, generator=g)
-              / dims.kv_lora_rank**0.5).bfloat16()
-    scale = dims.qk_head_dim**-0.5
-
-    # float64 from the same bf16 inputs: K and V per head, causal over each whole sequence.
-    w = weight.double().view(heads, dims.qk_nope_head_dim + dims.v_head_dim, dims.kv_lora_rank)
-    expected, new_rows, start = [], [], 0
-    for i, (n, m) in enumerate(zip(seq_lens, query_lens)):
-        pos = torch.arange(n)
-        rows = latents[block_table[i, pos // block_size].long(), pos % block_size]
-        new_rows.append(rows[n - m :])
-        kv = torch.einsum("hdl,sl->shd", w, rows[:, : dims.kv_lora_rank].double())
-        k = torch.cat([kv[..., : dims.qk_nope_head_dim],
-                       rows[:, None, dims.kv_lora_rank :].double().expand(-1, heads, -1)], -1)
-        scores = torch.einsum("qhd,shd->hqs", q[start : start + m].double(), k) * scale
-        scores = scores.masked_fill(pos[None, :] > torch.arange(n - m, n)[:, None], float("-inf"))
-        expected.append(torch.einsum("hqs,shd->qhd", scores.softmax(-1), kv[..., dims.qk_nope_head_dim :]))
-        start += m
-    reference = torch.cat(expected)
-    kv_c, k_pe = torch.cat(new_rows).to(device).split([dims.kv_lora_rank, dims.qk_rope_head_dim], -1)
-
-    qsl = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    cm = CommonAttentionMetadata(
-        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=lens.to(device), seq_lens_cpu=lens,
-        num_reqs=len(seq_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), block_table_tensor=block_table.to(device),
-        slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),
-    )
-    spec = MLAAttentionSpec(block_size, 1, dims.latent_size, torch.bfloat16)
-    prefill = TorchRefMLAMetadataBuilder(spec, ["layer"], None, torch.device(device)).build(cm).prefill  # type: ignore[arg-type]
-    builder = object.__new__(TritonMLAMetadataBuilder)  # build_prefill needs only the spec and the device
-    builder.kv_cache_spec, builder.device = spec, torch.device(device)
-    passes = builder.build_prefill(cm, prefill)
-    impl = TritonMLAImpl(heads, dims.latent_size, scale, 1, None, torch.bfloat16, mla_dims=dims)
-    impl.process_weights_after_loading(weight.to(device))
-    outs = []
-    for metadata in (passes, prefill):  # plain MLAPrefillMetadata: the shared loop over requests
-        out = torch.empty(q.shape[0], heads, dims.v_head_dim, dtype=torch.bfloat16, device=device)
-        impl.forward_mha(q.to(device), kv_c, k_pe, latents.to(device), metadata, out)
-        outs.append(out.double().cpu())
-    relative = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
-    assert relative(outs[0], reference) < 1e-2 and relative(outs[1], reference) < 1e-2, \
-        (relative(outs[0], reference), relative(outs[1], reference))
-    assert relative(outs[0], outs[1]) < 1e-2

@@ -17,6 +17,7 @@ forward_mha neither loops over requests nor copies anything from the host.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -34,7 +35,7 @@ from pagedkv.attention.mla.common import (
 )
 from pagedkv.config import EngineConfig
 from pagedkv.kernels import HAS_TRITON
-from pagedkv.kernels.common import MAX_HEAD_SIZE, MIN_HEAD_SIZE
+from pagedkv.kernels.common import MAX_HEAD_SIZE, MIN_HEAD_SIZE, cdiv
 from pagedkv.kv_cache.spec import KVCacheSpec
 
 if HAS_TRITON:
@@ -78,10 +79,11 @@ class PrefillPass:
 @dataclass
 class TritonMLAPrefillMetadata(MLAPrefillMetadata):
     """The prefill part in passes whose up-projected K and V stay within a token budget; a request
-    longer than the budget on its own (`long_requests`) takes the shared chunked path instead."""
+    longer than the budget on its own takes the shared chunked path instead (`long_requests`: its
+    query rows and its own one-request metadata)."""
 
     passes: list[PrefillPass] = field(default_factory=list)
-    long_requests: list[int] = field(default_factory=list)
+    long_requests: list[tuple[slice, MLAPrefillMetadata]] = field(default_factory=list)
 
 
 class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
@@ -112,7 +114,9 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
                 passes.append(self._prefill_pass(prefill, group))
                 group, group_tokens = [], 0
             if too_long:
-                long_requests.append(i)
+                a, b = prefill.query_start_loc_cpu[i], prefill.query_start_loc_cpu[i + 1]
+                long_requests.append((slice(a, b), MLAPrefillMetadata(
+                    [0, b - a], [seq_len], prefill.block_table[i : i + 1], prefill.context_chunk_tokens)))
             else:
                 group.append(i)
                 group_tokens += seq_len
@@ -122,12 +126,9 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
 
     def _prefill_pass(self, prefill: MLAPrefillMetadata, requests: list[int]) -> PrefillPass:
         """Host-side lists -> a few small device tensors, once per step (every layer reuses them)."""
-        block_size = self.kv_cache_spec.block_size
         seq_lens = [prefill.seq_lens_cpu[i] for i in requests]
-        num_blocks = [-(-n // block_size) for n in seq_lens]
-        first = [0]
-        for n in num_blocks:
-            first.append(first[-1] + n)
+        num_blocks = [cdiv(n, self.kv_cache_spec.block_size) for n in seq_lens]
+        first = [0, *itertools.accumulate(num_blocks)]  # each request's first block in the gathered copy
         rows = torch.tensor([r for r, n in zip(requests, num_blocks) for _ in range(n)], device=self.device)
         cols = torch.tensor([j for n in num_blocks for j in range(n)], device=self.device)
         table = torch.tensor(first[:-1])[:, None] + torch.arange(max(num_blocks))[None, :]
@@ -182,11 +183,8 @@ class TritonMLAImpl(MLACommonImpl[TritonMLADecodeMetadata]):
         if not isinstance(prefill, TritonMLAPrefillMetadata) or not self.kernel_takes_heads:
             super().forward_mha(q, kv_c_normed, k_pe, kv_cache, prefill, output)
             return
-        for i in prefill.long_requests:
-            a, b = prefill.query_start_loc_cpu[i], prefill.query_start_loc_cpu[i + 1]
-            alone = MLAPrefillMetadata([0, b - a], [prefill.seq_lens_cpu[i]], prefill.block_table[i : i + 1],
-                                       prefill.context_chunk_tokens)
-            super().forward_mha(q[a:b], kv_c_normed[a:b], k_pe[a:b], kv_cache, alone, output[a:b])
+        for rows, alone in prefill.long_requests:
+            super().forward_mha(q[rows], kv_c_normed[rows], k_pe[rows], kv_cache, alone, output[rows])
         for p in prefill.passes:
             rows = kv_cache[p.blocks]  # [blocks, block_size, latent]
             k, v = self._up_project(*rows.flatten(0, 1).split([dims.kv_lora_rank, dims.qk_rope_head_dim], -1))
