@@ -91,8 +91,13 @@ class MLADecodeWorkspace(SplitKVWorkspace):
 @triton.jit
 def _page_rows(block_table_row, tokens, end, stride_c_b, stride_c_s, PAGE_SIZE: tl.constexpr):
     """Offsets of the cache rows of `tokens` (0 past `end`): the paging. Token t lives in physical
-    block block_table[r, t // PAGE_SIZE], slot t % PAGE_SIZE (shifts: PAGE_SIZE is a power of two)."""
-    block = tl.load(block_table_row + tokens // PAGE_SIZE, mask=tokens < end, other=0).to(tl.int64)
+    block block_table[r, t // PAGE_SIZE], slot t % PAGE_SIZE (shifts: PAGE_SIZE is a power of two).
+
+    The block table is read with an L2 "evict last" hint, like seq_lens: the cache rows streaming
+    past would otherwise push these few KB (read again by every layer of the step) out of L2.
+    """
+    block = tl.load(block_table_row + tokens // PAGE_SIZE, mask=tokens < end, other=0,
+                    eviction_policy="evict_last").to(tl.int64)
     return (block * stride_c_b + (tokens % PAGE_SIZE) * stride_c_s)[:, None]
 
 
@@ -118,10 +123,12 @@ def _load_cols(ptr, rows, row_ok, stride_d, FIRST: tl.constexpr, COUNT: tl.const
 
 
 @triton.jit
-def _store_cols(ptr, rows, row_ok, stride_d, values, FIRST: tl.constexpr, COUNT: tl.constexpr, LIMIT: tl.constexpr):
+def _store_cols(
+    ptr, rows, row_ok, stride_d, values, FIRST: tl.constexpr, COUNT: tl.constexpr, LIMIT: tl.constexpr, EVICT: tl.constexpr,
+):
     """Store `values` into columns FIRST .. FIRST + COUNT - 1 (masked places are skipped)."""
     offsets, mask = _cols(rows, row_ok, stride_d, FIRST, COUNT, LIMIT)
-    tl.store(ptr + offsets, values, mask=mask)
+    tl.store(ptr + offsets, values, mask=mask, eviction_policy=EVICT)
 
 
 @triton.jit(do_not_specialize=["num_heads", "num_splits"])  # per-step values: no variant per value
@@ -137,14 +144,14 @@ def _mla_decode_kernel(
     stride_bt,
     KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, LORA_PAD: tl.constexpr, ROPE_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT_UNIT: tl.constexpr,
-    SPLIT_KV: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT_KV: tl.constexpr, OUT_EVICT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program: BLOCK_H heads of one request, one split of its tokens."""
     Q: tl.constexpr = LORA_PAD // 4  # the latent is handled in quarters (see the scores below)
     head_block = tl.program_id(0)
     split = tl.program_id(1)
     req = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + req)
+    seq_len = tl.load(seq_lens_ptr + req, eviction_policy="evict_last")  # see _page_rows
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < num_heads  # the last head block may be partly empty
@@ -163,7 +170,10 @@ def _mla_decode_kernel(
     end = tl.minimum(start + per_split, seq_len)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of the scores (log2 units)
-    l_i = tl.zeros([BLOCK_H], tl.float32)  # running softmax denominator
+    # The running softmax denominator, kept per score column and summed over the columns once
+    # at the end: a row sum in every iteration is one more exchange between the warps (each warp
+    # holds some of the columns) and two more barriers on the loop's critical path.
+    l_cols = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
     acc0 = tl.zeros([BLOCK_H, Q], tl.float32)  # the output, a quarter of the latent each
     acc1 = tl.zeros([BLOCK_H, Q], tl.float32)
     acc2 = tl.zeros([BLOCK_H, Q], tl.float32)
@@ -198,8 +208,8 @@ def _mla_decode_kernel(
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old maximum
-        l_i = l_i * alpha + tl.sum(p, 1)
         alpha = alpha[:, None]
+        l_cols = l_cols * alpha + p
         p = p.to(c0.dtype)
         acc0 = acc0 * alpha + _dot(p, c0, DOT_PRECISION, UPCAST)  # V = c_kv
         acc1 = acc1 * alpha + _dot(p, c1, DOT_PRECISION, UPCAST)
@@ -208,13 +218,14 @@ def _mla_decode_kernel(
         m_i = m_new
         tokens += BLOCK_N
 
+    l_i = tl.sum(l_cols, 1)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no tokens (empty request or split): output 0
     out_rows = req.to(tl.int64) * num_splits + split  # without splits: num_splits = 1, row = req
     out = (out_rows * stride_o_r + heads * stride_o_h)[:, None]
-    _store_cols(out_ptr, out, head_ok, stride_o_d, acc0 / l_safe[:, None], 0 * Q, Q, KV_LORA_RANK)
-    _store_cols(out_ptr, out, head_ok, stride_o_d, acc1 / l_safe[:, None], 1 * Q, Q, KV_LORA_RANK)
-    _store_cols(out_ptr, out, head_ok, stride_o_d, acc2 / l_safe[:, None], 2 * Q, Q, KV_LORA_RANK)
-    _store_cols(out_ptr, out, head_ok, stride_o_d, acc3 / l_safe[:, None], 3 * Q, Q, KV_LORA_RANK)
+    _store_cols(out_ptr, out, head_ok, stride_o_d, acc0 / l_safe[:, None], 0 * Q, Q, KV_LORA_RANK, OUT_EVICT)
+    _store_cols(out_ptr, out, head_ok, stride_o_d, acc1 / l_safe[:, None], 1 * Q, Q, KV_LORA_RANK, OUT_EVICT)
+    _store_cols(out_ptr, out, head_ok, stride_o_d, acc2 / l_safe[:, None], 2 * Q, Q, KV_LORA_RANK, OUT_EVICT)
+    _store_cols(out_ptr, out, head_ok, stride_o_d, acc3 / l_safe[:, None], 3 * Q, Q, KV_LORA_RANK, OUT_EVICT)
     if SPLIT_KV:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(lse_ptr + out_rows * stride_lse_r + heads * stride_lse_h, lse, mask=head_ok)
@@ -304,6 +315,9 @@ def mla_decode_attention(
         LORA_PAD=max(64, next_power_of_2(kv_lora_rank)), ROPE_PAD=max(16, next_power_of_2(head_dim - kv_lora_rank)),
         BLOCK_H=BLOCK_H, BLOCK_N=tiles.block_n, PAGE_SIZE=block_size, SPLIT_UNIT=max(tiles.block_n, block_size),
         SPLIT_KV=num_splits > 1,
+        # Partials stay in L2 for the merge (and the next call overwrites them there): written
+        # back to HBM they cost ~3 points of bandwidth at 32 x 4096. The final output needs no hint.
+        OUT_EVICT="evict_last" if num_splits > 1 else "",
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreting() and q.dtype == torch.bfloat16,  # the interpreter's bf16 dot is wrong
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
