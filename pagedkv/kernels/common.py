@@ -79,6 +79,12 @@ def check_device(tensor: torch.Tensor) -> None:
 
 
 @functools.lru_cache(maxsize=None)
+def supports_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: a kernel may start while the one before it finishes (Hopper+)."""
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
 def num_compute_units(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (a few, under the CPU interpreter)."""
     if device.type == "cuda":

@@ -10,6 +10,11 @@ because `2^lse_s` is exactly the softmax denominator of share s. The merge subtr
 largest `lse_s` before exponentiating, so nothing overflows; an empty share has
 `lse_s = -inf` and weight 0, and a sequence with no keys at all (every share empty, e.g. an MLA
 decode of length 0) merges to 0.
+
+With programmatic dependent launch (`pdl=True`, Hopper and later) the merge is launched while
+the attention kernel still runs: its programs take their places on the SMs as the attention
+programs leave, and wait (`gdc_wait`, in hardware) until the attention kernel has finished and
+its writes are visible. The attention kernel must allow it early (`gdc_launch_dependents`).
 """
 
 from __future__ import annotations
@@ -54,10 +59,12 @@ def _merge_splits_kernel(
     stride_o_t, stride_o_h, stride_o_d,
     stride_po_r, stride_po_h, stride_po_d,
     stride_lse_r, stride_lse_h,
-    SPLITS_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # launched early: the partials are complete only from here on
     if token >= tl.load(query_start_loc_ptr + num_reqs):
         return  # a padding token: no program wrote its partials
 
@@ -84,13 +91,18 @@ def merge_splits(
     out: torch.Tensor,
     query_start_loc: torch.Tensor,
     num_splits: int,
+    pdl: bool = False,
 ) -> None:
-    """out[t, h] = log-sum-exp weighted mix of the `num_splits` partial rows of token t."""
+    """out[t, h] = log-sum-exp weighted mix of the `num_splits` partial rows of token t.
+
+    `pdl`: launch early, behind an attention kernel that calls `gdc_launch_dependents` (the
+    caller checks `supports_pdl`)."""
     num_tokens, num_q_heads, head_size = out.shape
     _merge_splits_kernel[(num_tokens, num_q_heads)](
         out, partial_out, partial_lse, query_start_loc, query_start_loc.shape[0] - 1, num_splits,
         *out.stride(), *partial_out.stride(), *partial_lse.stride(),
         SPLITS_PAD=next_power_of_2(num_splits),
         HEAD_SIZE=head_size, HEAD_PAD=next_power_of_2(head_size),
-        num_warps=1 if head_size * num_splits <= 2048 else 4,
+        PDL=pdl, num_warps=1 if head_size * num_splits <= 2048 else 4,
+        **({"launch_pdl": True} if pdl else {}),
     )
