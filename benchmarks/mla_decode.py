@@ -91,11 +91,11 @@ def make_inputs(case: Case, block_size: int, seed: int) -> Inputs:
 # --- providers: each returns a no-argument callable over one input copy -----------------------
 
 
-def triton_fn(x: Inputs, context: int, splits: int | None) -> Callable[[], torch.Tensor]:
+def triton_fn(x: Inputs, max_seq_len: int, splits: int | None) -> Callable[[], torch.Tensor]:
     out = torch.empty(x.q.shape[0], HEADS, RANK, device="cuda", dtype=DTYPE)
     workspace = MLADecodeWorkspace(x.q.shape[0], HEADS, RANK, "cuda", max_splits=max(splits or 0, 32))
     return lambda: mla_decode_attention(x.q, x.kv_cache, x.block_table, x.seq_lens, SCALE, RANK, out,
-                                        workspace=workspace, num_kv_splits=splits, max_seq_len=context)
+                                        workspace=workspace, num_kv_splits=splits, max_seq_len=max_seq_len)
 
 
 def torch_fn(x: Inputs) -> Callable[[], torch.Tensor]:

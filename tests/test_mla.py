@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -28,6 +29,10 @@ from pagedkv.kv_cache.spec import MLAAttentionSpec
 # qk_head_dim 24: a head size the paged attention kernel takes, so TRITON_MLA's batched prefill runs.
 DIMS = MLADims(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=10)
 HEADS, BLOCK_SIZE, NUM_BLOCKS = 4, 4, 40
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="these batches are CPU tensors: TRITON_MLA needs TRITON_INTERPRET=1 for them",
+)
 
 
 @dataclass
@@ -186,8 +191,7 @@ def test_unsplit_weights_are_a_clear_error() -> None:
         run(impl, make_batch([2], [1]))
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="these batches are CPU tensors: TRITON_MLA needs TRITON_INTERPRET=1 for them")
+@needs_interpreter
 @pytest.mark.parametrize("splits", [1, 3])
 def test_triton_mla_matches_torch_ref_mla_and_the_reference(splits: int) -> None:
     pytest.importorskip("triton")
@@ -212,8 +216,7 @@ def test_triton_mla_matches_torch_ref_mla_and_the_reference(splits: int) -> None
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)  # TRITON_MLA against TORCH_REF_MLA
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="these batches are CPU tensors: TRITON_MLA needs TRITON_INTERPRET=1 for them")
+@needs_interpreter
 @pytest.mark.parametrize("tokens_per_pass", [32768, 12])
 def test_triton_mla_prefill_passes_match_the_reference(monkeypatch: pytest.MonkeyPatch, tokens_per_pass: int) -> None:
     """TRITON_MLA's forward_mha: prefills (a whole prompt, and continuations of 7 and 25 cached
@@ -227,9 +230,7 @@ def test_triton_mla_prefill_passes_match_the_reference(monkeypatch: pytest.Monke
     weight = kv_b_weight()
     spec = MLAAttentionSpec(BLOCK_SIZE, 1, DIMS.latent_size, torch.float32)
     metadata = TorchRefMLAMetadataBuilder(spec, ["layer"], None, torch.device("cpu")).build(batch.common)  # type: ignore[arg-type]
-    builder = object.__new__(TritonMLAMetadataBuilder)  # build_prefill needs only the spec and the device
-    builder.kv_cache_spec, builder.device = spec, torch.device("cpu")
-    metadata.prefill = builder.build_prefill(batch.common, metadata.prefill)
+    metadata.prefill = prefill_builder(spec, "cpu").build_prefill(metadata.prefill)
     assert isinstance(metadata.prefill, TritonMLAPrefillMetadata)
     expected_passes = {32768: ([slice(0, 14)], []), 12: ([slice(0, 6), slice(6, 9)], [slice(9, 14)])}[tokens_per_pass]
     assert [p.tokens for p in metadata.prefill.passes] == expected_passes[0]
@@ -243,11 +244,20 @@ def test_triton_mla_prefill_passes_match_the_reference(monkeypatch: pytest.Monke
     torch.testing.assert_close(out.double(), reference(batch, weight)[nd:], atol=1e-4, rtol=0)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="these batches are CPU tensors: TRITON_MLA needs TRITON_INTERPRET=1 for them")
+@needs_interpreter
 def test_prefill_passes_at_the_v2_lite_shape_in_bfloat16() -> None:
     pytest.importorskip("triton")
     check_prefill_passes("cpu", context_lens=[0, 20, 5], query_lens=[9, 3, 4])
+
+
+def prefill_builder(spec: MLAAttentionSpec, device: str) -> Any:
+    """A TritonMLAMetadataBuilder for build_prefill alone, which needs only the spec and the device
+    (the full constructor wants an engine config with its layers)."""
+    from pagedkv.attention.mla.triton_mla import TritonMLAMetadataBuilder
+
+    builder = object.__new__(TritonMLAMetadataBuilder)
+    builder.kv_cache_spec, builder.device = spec, torch.device(device)
+    return builder
 
 
 def check_prefill_passes(device: str, context_lens: list[int], query_lens: list[int]) -> None:
@@ -255,7 +265,7 @@ def check_prefill_passes(device: str, context_lens: list[int], query_lens: list[
     attention shape in bf16 (16 heads, latent 512 + 64, qk 192, v 128, pages of 16): both within
     bf16's reach of float64 (relative error of the whole output), and of each other. The GPU test
     (tests/gpu/test_mla_cuda.py) runs it with long contexts."""
-    from pagedkv.attention.mla.triton_mla import TritonMLAImpl, TritonMLAMetadataBuilder
+    from pagedkv.attention.mla.triton_mla import TritonMLAImpl
 
     dims, heads, block_size = MLADims(512, 128, 64, 128), 16, 16
     g = torch.Generator().manual_seed(0)
@@ -298,9 +308,7 @@ def check_prefill_passes(device: str, context_lens: list[int], query_lens: list[
     )
     spec = MLAAttentionSpec(block_size, 1, dims.latent_size, torch.bfloat16)
     prefill = TorchRefMLAMetadataBuilder(spec, ["layer"], None, torch.device(device)).build(cm).prefill  # type: ignore[arg-type]
-    builder = object.__new__(TritonMLAMetadataBuilder)  # build_prefill needs only the spec and the device
-    builder.kv_cache_spec, builder.device = spec, torch.device(device)
-    passes = builder.build_prefill(cm, prefill)
+    passes = prefill_builder(spec, device).build_prefill(prefill)
     impl = TritonMLAImpl(heads, dims.latent_size, scale, 1, None, torch.bfloat16, mla_dims=dims)
     impl.process_weights_after_loading(weight.to(device))
     outs = []

@@ -143,7 +143,7 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[MLACommonMetadata[Any]])
         prefill = None
         if num_prefills:
             starts = cm.query_start_loc_cpu[num_decodes : cm.num_reqs + 1] - num_decode_tokens
-            prefill = self.build_prefill(cm, MLAPrefillMetadata(
+            prefill = self.build_prefill(MLAPrefillMetadata(
                 query_start_loc_cpu=starts.tolist(), seq_lens_cpu=seq_lens_cpu[num_decodes:],
                 block_table=cm.block_table_tensor[num_decodes : cm.num_reqs],
                 context_chunk_tokens=self.context_chunk_tokens,
@@ -158,7 +158,7 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[MLACommonMetadata[Any]])
             decode=decode, prefill=prefill,
         )
 
-    def build_prefill(self, cm: CommonAttentionMetadata, prefill: MLAPrefillMetadata) -> MLAPrefillMetadata:
+    def build_prefill(self, prefill: MLAPrefillMetadata) -> MLAPrefillMetadata:
         """The prefill part; a backend whose forward_mha needs more (device-side indices built once
         per step for every layer) overrides this."""
         return prefill

@@ -104,7 +104,7 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
         self.workspace = MLADecodeWorkspace(config.scheduler_config.max_num_seqs, self.num_heads,
                                             self.kv_lora_rank, device)
 
-    def build_prefill(self, cm: CommonAttentionMetadata, prefill: MLAPrefillMetadata) -> MLAPrefillMetadata:
+    def build_prefill(self, prefill: MLAPrefillMetadata) -> MLAPrefillMetadata:
         """Group the prefills into passes of whole requests, in order, within the token budget."""
         budget = self.prefill_tokens_per_pass
         passes, long_requests, group, group_tokens = [], [], [], 0
