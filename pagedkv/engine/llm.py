@@ -50,6 +50,7 @@ from pagedkv.engine.checks import (
     check_tensor_parallel,
     check_token_ids,
 )
+from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.request import SEED_RANGE, CompletionOutput, Request, RequestOutput, SamplingParams
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
@@ -342,7 +343,9 @@ class LLM:
         return token_ids, prompt if isinstance(prompt, str) else None, params
 
     def _add(self, token_ids: list[int], text: str | None, params: SamplingParams) -> str:
-        request = Request(str(next(self._ids)), token_ids, params, eos_token_ids=self.eos_token_ids, prompt=text)
+        detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        request = Request(str(next(self._ids)), token_ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
+                          detokenizer=detokenizer)
         self.scheduler.add_request(request)
         self._requests[request.request_id] = request
         return request.request_id
@@ -433,13 +436,11 @@ class LLM:
         self.stats.num_lookup_tokens += sum(s.num_lookup_tokens for s in sched.scheduled)
 
     def _output(self, request: Request) -> RequestOutput:
-        tokens = list(request.output_token_ids)
-        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, tokens, request.finish_reason)],
+            outputs=[CompletionOutput(0, request.output_text, list(request.output_token_ids), request.finish_reason)],
             finished=request.finish_reason is not None,
             error=request.error,
         )

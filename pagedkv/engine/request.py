@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pagedkv.engine.checks import check_bool, check_float, check_int, check_optional_int, check_token_ids
+from pagedkv.engine.detokenizer import IncrementalDetokenizer
 
 
 SEED_RANGE = (-(2**63), 2**64 - 1)
@@ -89,6 +90,8 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when it was (last) admitted: not computed then."""
+    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
+    """Turns output_token_ids into text (None: the model has no tokenizer, the text stays "")."""
     _token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +117,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def output_text(self) -> str:
+        """The text of the output so far (decoding only the newest tokens: see IncrementalDetokenizer)."""
+        return self.detokenizer.text(self.output_token_ids) if self.detokenizer is not None else ""
 
     def check_stop(self, max_model_len: int) -> bool:
         """Set the finish reason after a new token; True when the request is done."""
