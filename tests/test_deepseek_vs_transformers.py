@@ -34,6 +34,11 @@ CASES = {  # name -> (version, overrides of write_hf_deepseek)
                                              max_position_embeddings=256)),
     "v3-bias-groups-norm": (3, V3_GROUPS),
     "v3-rope-halves": (3, dict(V3_GROUPS, rope_interleave=False, norm_topk_prob=False)),
+    # 20 heads (two head blocks of the decode kernel, the second partly empty), a latent and a rope
+    # part that are not powers of two, V wider than the no-rope part of K, biases, tied embeddings.
+    "v2-odd-shapes": (2, dict(hidden_size=80, num_attention_heads=20, kv_lora_rank=48, qk_nope_head_dim=8,
+                              qk_rope_head_dim=12, v_head_dim=40, q_lora_rank=12, attention_bias=True,
+                              tie_word_embeddings=True, first_k_dense_replace=0)),
 }
 PROMPTS = [[(7 * i + 3 * j) % 120 + 3 for j in range(n)] for i, n in enumerate([1, 5, 12, 17, 33])]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -68,6 +73,26 @@ def test_logits_match_transformers(tmp_path: Path, name: str) -> None:
     path = write_hf_deepseek(tmp_path / name, version=version, **overrides)
     assert load_config(str(path)).architecture == f"DeepseekV{version}ForCausalLM"
     error, argmax = logit_errors(engine(path), hf_model(path, version))
+    assert error <= ATOL and argmax
+
+
+def test_hub_style_config(tmp_path: Path) -> None:
+    """config.json as DeepSeek's hub repositories have it (written for their remote code):
+    rope_theta at the top, rope_scaling with "type", and keys this engine does not use."""
+    path = write_hf_deepseek(tmp_path / "v3", version=3, rope_scaling=YARN, max_position_embeddings=256, **V3_GROUPS)
+    config = json.loads((path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = {"type" if k == "rope_type" else k: v for k, v in rope.items()}
+    for key in ("dtype", "head_dim", "qk_head_dim", "transformers_version", "mlp_bias", "output_router_logits"):
+        config.pop(key, None)
+    config.update(moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc", aux_loss_alpha=0.001, seq_aux=True,
+                  ep_size=1, num_nextn_predict_layers=1, torch_dtype="bfloat16",
+                  auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    (path / "config.json").write_text(json.dumps(config))
+    hf = hf_model(path, 3)
+    assert hf.config.rope_parameters["rope_type"] == "yarn"  # transformers read the old spelling too
+    error, argmax = logit_errors(engine(path), hf)
     assert error <= ATOL and argmax
 
 
