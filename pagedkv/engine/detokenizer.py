@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from pagedkv.models.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -40,15 +38,15 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
 
-    def text(self, token_ids: Sequence[int]) -> str:
+    def text(self, token_ids: list[int]) -> str:
         """The text of `token_ids`: the ids seen by the last call, plus any new ones at the end."""
         if len(token_ids) < self._read_offset:
             raise ValueError(
                 f"token_ids shrank to {len(token_ids)} ids, but {self._read_offset} were decoded already: "
                 "an IncrementalDetokenizer follows one growing sequence"
             )
-        settled = self.tokenizer.decode(list(token_ids[self._prefix_offset:self._read_offset]))
-        window = self.tokenizer.decode(list(token_ids[self._prefix_offset:]))
+        settled = self.tokenizer.decode(token_ids[self._prefix_offset:self._read_offset])
+        window = self.tokenizer.decode(token_ids[self._prefix_offset:])
         tail = window[len(settled):]
         if window.endswith(REPLACEMENT_CHAR):
             return self._text + tail  # may still change: the next token can complete a character

@@ -440,7 +440,7 @@ class LLM:
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            outputs=[CompletionOutput(0, request.output_text, list(request.output_token_ids), request.finish_reason)],
+            outputs=[CompletionOutput(0, request.output_text(), list(request.output_token_ids), request.finish_reason)],
             finished=request.finish_reason is not None,
             error=request.error,
         )

@@ -118,9 +118,9 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    @property
     def output_text(self) -> str:
-        """The text of the output so far (decoding only the newest tokens: see IncrementalDetokenizer)."""
+        """The text of the output so far. Each call decodes the tokens added since the last one
+        (a method, not a property: it does that work and moves the detokenizer on)."""
         return self.detokenizer.text(self.output_token_ids) if self.detokenizer is not None else ""
 
     def check_stop(self, max_model_len: int) -> bool:
