@@ -3,6 +3,7 @@ all-or-nothing `generate`, `abort_request`, streaming `step()` outputs and the C
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -12,6 +13,7 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.__main__ import main as cli
+from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.sampler import Sampler
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -303,6 +305,10 @@ BAD_ENGINE_ARGS = [
     (dict(enable_chunked_prefill="no"), TypeError, "enable_chunked_prefill"),
     (dict(attention_backend=3), TypeError, "attention_backend"),
     (dict(seed=1.5), TypeError, "seed"),
+    (dict(layer_attention_backends=["TORCH_REF"]), TypeError, "layer_attention_backends"),
+    (dict(enable_prefix_caching=1), TypeError, "enable_prefix_caching"),
+    (dict(tensor_parallel_size=0), ValueError, "tensor_parallel_size"),
+    (dict(max_num_seq=8), TypeError, r"\['max_num_seq'\].*'max_num_seqs'"),  # a typo names the real arguments
 ]
 
 
@@ -318,6 +324,21 @@ def test_engine_arguments_are_checked(kwargs: dict, error: type, field: str) -> 
 def test_cuda_without_a_gpu_says_so() -> None:
     with pytest.raises(ValueError, match=r"no CUDA device.*device=\"cpu\""):
         LLM("tiny", device="cuda", num_kv_blocks=16)
+
+
+def test_engine_args_are_what_llm_builds_its_config_from() -> None:
+    args = EngineArgs("tiny", device="cpu", num_kv_blocks=16, max_num_seqs=3, max_model_len=256,
+                      enable_chunked_prefill=False)
+    config, model_config = args.create_engine_config()
+    assert (config.cache_config.num_kv_blocks, config.scheduler_config.max_num_seqs) == (16, 3)
+    assert config.scheduler_config.max_num_batched_tokens == EngineArgs.max_num_batched_tokens  # the default
+    assert (config.model_config.max_model_len, config.scheduler_config.enable_chunked_prefill) == (256, False)
+    assert model_config.max_position_embeddings > 256
+    llm = LLM(**dataclasses.asdict(args))
+    for part in dataclasses.fields(config):  # the compilation config gains the layers, by name, as the model is built
+        if part.name != "compilation_config":
+            assert getattr(llm.config, part.name) == getattr(config, part.name), part.name
+    assert set(llm.config.compilation_config.static_forward_context) == set(llm.runner.attn_layers)
 
 
 def test_max_model_len_none_means_the_models_limit() -> None:

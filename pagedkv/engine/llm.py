@@ -30,33 +30,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pagedkv.config import (
-    CacheConfig,
-    CUDAGraphMode,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
-from pagedkv.engine.checks import (
-    check_bool,
-    check_compilation,
-    check_device,
-    check_dtype,
-    check_float,
-    check_int,
-    check_model,
-    check_optional_int,
-    check_tensor_parallel,
-    check_token_ids,
-)
+from pagedkv.engine.arg_utils import engine_args
+from pagedkv.engine.checks import check_token_ids
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
-from pagedkv.engine.request import SEED_RANGE, CompletionOutput, Request, RequestOutput, SamplingParams
+from pagedkv.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.kv_cache.spec import SlidingWindowSpec
-from pagedkv.models.loader import PRESETS, TRAINED_PRESETS, load_config
+from pagedkv.models.loader import PRESETS
 from pagedkv.models.tokenizer import get_tokenizer
 from pagedkv.worker.model_runner import ModelRunner, StepResult
 from pagedkv.worker.tp_executor import TensorParallelExecutor
@@ -114,114 +96,26 @@ StepListener = Callable[[StepEvent], None]
 class LLM:
     """A small paged-KV serving engine: continuous batching over one model on one device.
 
-    Every argument is checked here, before anything is built: a wrong type is a `TypeError`,
-    a value out of range a `ValueError`, each naming the argument.
+    Its arguments are the fields of `EngineArgs` (pagedkv.engine.arg_utils, each documented
+    there), all checked before anything is built: a wrong type is a `TypeError`, a value out of
+    range a `ValueError`, each naming the argument.
     """
 
-    def __init__(
-        self,
-        model: str = "tiny",
-        *,
-        device: str | torch.device | None = None,
-        dtype: str | torch.dtype | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        attention_backend: str | None = None,
-        layer_attention_backends: dict[str, str] | None = None,
-        enable_chunked_prefill: bool = True,
-        kv_cache_memory: int | None = None,
-        memory_utilization: float = 0.9,
-        seed: int = 0,
-        cudagraph_mode: CUDAGraphMode | str = CUDAGraphMode.NONE,
-        enforce_eager: bool = False,
-        compile: bool = False,
-        max_cudagraph_capture_size: int | None = None,
-        tensor_parallel_size: int = 1,
-        enable_prefix_caching: bool | None = None,
-    ) -> None:
-        model = check_model(model, sorted([*PRESETS, *TRAINED_PRESETS]))
-        device = check_device(device)
-        dtype = check_dtype(dtype, device)
-        block_size = check_int("block_size", block_size, 1, hint=" (tokens per KV cache block)")
-        num_kv_blocks = check_optional_int(
-            "num_kv_blocks", num_kv_blocks, 2,
-            hint=" or None: at least 2 are needed (block 0 is the reserved null block); None sizes the cache "
-                 "from memory",
-        )
-        max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1, hint=" (most requests in one step)")
-        max_num_batched_tokens = check_int(
-            "max_num_batched_tokens", max_num_batched_tokens, 1, hint=" (the token budget of one step)"
-        )
-        max_model_len = check_optional_int(
-            "max_model_len", max_model_len, 2,
-            hint=" or None for the model's limit (room for a 1-token prompt and one new token)",
-        )
-        if attention_backend is not None and not isinstance(attention_backend, str):
-            raise TypeError(f"attention_backend must be a backend name (str) or None, got {attention_backend!r}.")
-        if layer_attention_backends is not None and not (
-            isinstance(layer_attention_backends, dict)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in layer_attention_backends.items())
-        ):
-            raise TypeError(
-                "layer_attention_backends must map layer names (str) to backend names (str), e.g. "
-                f"{{'model.layers.3.self_attn.attn': 'TORCH_REF'}}, or None; got {layer_attention_backends!r}."
-            )
-        layer_attention_backends = dict(layer_attention_backends or {})
-        enable_chunked_prefill = check_bool("enable_chunked_prefill", enable_chunked_prefill)
-        kv_cache_memory = check_optional_int("kv_cache_memory", kv_cache_memory, 1, hint=" (bytes) or None")
-        memory_utilization = check_float("memory_utilization", memory_utilization, 0, 1, low_open=True)
-        seed = check_int("seed", seed, *SEED_RANGE)
-        # Graphs are opt-in: a replay runs no model Python (hooks, forward context) the workbook inspects.
-        compilation = check_compilation(cudagraph_mode, enforce_eager, compile, max_cudagraph_capture_size)
-        tensor_parallel_size = check_int("tensor_parallel_size", tensor_parallel_size, 1,
-                                         hint=" (processes, each holding a shard of the model)")
-        if enable_prefix_caching is not None:
-            enable_prefix_caching = check_bool("enable_prefix_caching", enable_prefix_caching)
-
-        model_cfg = load_config(model)
-        check_tensor_parallel(tensor_parallel_size, model_cfg, device, compilation)
-        if max_model_len is None:  # only None means "the model's limit"
-            max_model_len = model_cfg.max_position_embeddings
-        if max_model_len > model_cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
-                f"({model_cfg.max_position_embeddings})."
-            )
-        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                f"Without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
-                f"max_model_len ({max_model_len}) so that any prompt fits one step."
-            )
-        self.config = EngineConfig(
-            model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
-            cache_config=CacheConfig(
-                block_size=block_size, num_kv_blocks=num_kv_blocks,
-                kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization,
-            ),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill,
-            ),
-            compilation_config=compilation,
-            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-            device=device,
-            attention_backend=attention_backend,
-            layer_attention_backends=layer_attention_backends,
-        )
+    def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
+        args = engine_args(model, kwargs)
+        self.config, model_cfg = args.create_engine_config()
         self.model_config = model_cfg
+        model = self.config.model_config.model
         self.tokenizer = get_tokenizer(model, model in PRESETS)
         self.eos_token_ids = self._eos_token_ids(model)
         self._executor: TensorParallelExecutor | None = None
         """With tensor_parallel_size > 1: runs each step on every rank (self.runner is rank 0's)."""
-        if tensor_parallel_size > 1:
+        if self.config.parallel_config.tensor_parallel_size > 1:
             self._executor = TensorParallelExecutor(self.config, model_cfg)
             self.runner = self._executor.runner
         else:
             self.runner = ModelRunner(self.config, model_cfg)
-        unknown = sorted(set(layer_attention_backends) - set(self.runner.attn_layers))
+        unknown = sorted(set(self.config.layer_attention_backends) - set(self.runner.attn_layers))
         if unknown:
             self.shutdown()
             raise ValueError(
@@ -231,10 +125,11 @@ class LLM:
         if self._executor is None:
             self.runner.initialize_kv_cache(self.runner.determine_kv_cache_config())
             self.runner.capture_model()
-        self.prefix_caching = self._prefix_caching(enable_prefix_caching)
+        self.prefix_caching = self._prefix_caching(args.enable_prefix_caching)
         """Whether full blocks are hashed and shared between requests with the same prefix."""
         self.kv_cache_manager = KVCacheManager(self.runner.kv_cache_config, enable_caching=self.prefix_caching)
-        self.scheduler = Scheduler(self.config.scheduler_config, max_model_len, self.kv_cache_manager)
+        self.scheduler = Scheduler(self.config.scheduler_config, self.config.model_config.max_model_len,
+                                   self.kv_cache_manager)
         self.sampler = Sampler()
         self.stats = EngineStats()
         self._listeners: list[StepListener] = []

@@ -1,0 +1,167 @@
+"""`EngineArgs`: every argument of `LLM` in one place, checked, then turned into an `EngineConfig`.
+
+    LLM("tiny", max_num_seqs=8)   ->   EngineArgs("tiny", max_num_seqs=8).create_engine_config()
+
+As in vLLM, the front end takes plain values (strings, ints, None for "pick for me") and this
+module owns what they mean: the defaults, the checks, and the resolution of the "None" values
+that depend on the model (max_model_len) or the machine (device, dtype). Everything is checked
+before anything is built: a wrong type is a `TypeError`, a value out of range a `ValueError`,
+each naming the argument and saying what would work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from pagedkv.config import (
+    CacheConfig,
+    CUDAGraphMode,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from pagedkv.engine.checks import (
+    check_bool,
+    check_compilation,
+    check_device,
+    check_dtype,
+    check_float,
+    check_int,
+    check_model,
+    check_optional_int,
+    check_tensor_parallel,
+)
+from pagedkv.engine.request import SEED_RANGE
+from pagedkv.models.loader import PRESETS, TRAINED_PRESETS, HFConfig, load_config
+
+
+@dataclass
+class EngineArgs:
+    """The arguments of `LLM`, as the user gives them (see `create_engine_config` for the checks)."""
+
+    model: str = "tiny"
+    """A preset name (`pagedkv.models.loader.PRESETS`, `TRAINED_PRESETS`) or a local Hugging Face directory."""
+    device: str | torch.device | None = None
+    """Where the model runs; None: the GPU if there is one, else the CPU."""
+    dtype: str | torch.dtype | None = None
+    """Weights and activations ("float32", "bfloat16", ...); None: bf16 on a GPU, fp32 on the CPU."""
+    block_size: int = 16
+    """Tokens per KV cache block (page)."""
+    num_kv_blocks: int | None = None
+    """Blocks in the KV cache (block 0 is the reserved null block); None: sized from memory."""
+    max_num_seqs: int = 64
+    """Most requests in one step."""
+    max_num_batched_tokens: int = 2048
+    """The token budget of one step (prompt chunks + one token per decode)."""
+    max_model_len: int | None = None
+    """Longest request (prompt + output); None: the model's max_position_embeddings."""
+    attention_backend: str | None = None
+    """Backend of every attention layer ("TRITON_ATTN", "TORCH_REF", ...); None: the selector's choice."""
+    layer_attention_backends: dict[str, str] | None = None
+    """Per-layer overrides, layer name -> backend name (e.g. {"model.layers.3.self_attn.attn": "TORCH_REF"})."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps; off, a whole prompt must fit one step's budget."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV cache; None: `memory_utilization` of what the device has free."""
+    memory_utilization: float = 0.9
+    """Fraction in (0, 1] of the free device memory the KV cache may take (when kv_cache_memory is None)."""
+    seed: int = 0
+    """Seed of the random weights of a preset and of the engine's sampling."""
+    cudagraph_mode: CUDAGraphMode | str = CUDAGraphMode.NONE
+    """CUDA graph mode (pagedkv.worker.cudagraph). Opt-in: a replay runs none of the model's Python
+    (hooks, the forward context) that the workbook inspects."""
+    enforce_eager: bool = False
+    """Never capture graphs nor compile, whatever the other two say."""
+    compile: bool = False
+    """torch.compile the model between the attention ops (piecewise)."""
+    max_cudagraph_capture_size: int | None = None
+    """Largest batch (tokens) captured in a graph; None: the default of the mode."""
+    tensor_parallel_size: int = 1
+    """Processes, each holding a shard of the model (tensor parallelism)."""
+    enable_prefix_caching: bool | None = None
+    """Share the KV cache blocks of equal prompt prefixes; None: on where the model allows it."""
+
+    def create_engine_config(self) -> tuple[EngineConfig, HFConfig]:
+        """Check every argument and resolve the defaults; returns the engine config and the model's config."""
+        model = check_model(self.model, sorted([*PRESETS, *TRAINED_PRESETS]))
+        device = check_device(self.device)
+        dtype = check_dtype(self.dtype, device)
+        block_size = check_int("block_size", self.block_size, 1, hint=" (tokens per KV cache block)")
+        num_kv_blocks = check_optional_int(
+            "num_kv_blocks", self.num_kv_blocks, 2,
+            hint=" or None: at least 2 are needed (block 0 is the reserved null block); None sizes the cache "
+                 "from memory",
+        )
+        max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, 1, hint=" (most requests in one step)")
+        max_num_batched_tokens = check_int(
+            "max_num_batched_tokens", self.max_num_batched_tokens, 1, hint=" (the token budget of one step)"
+        )
+        max_model_len = check_optional_int(
+            "max_model_len", self.max_model_len, 2,
+            hint=" or None for the model's limit (room for a 1-token prompt and one new token)",
+        )
+        if self.attention_backend is not None and not isinstance(self.attention_backend, str):
+            raise TypeError(f"attention_backend must be a backend name (str) or None, got {self.attention_backend!r}.")
+        layers = self.layer_attention_backends
+        if layers is not None and not (
+            isinstance(layers, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in layers.items())
+        ):
+            raise TypeError(
+                "layer_attention_backends must map layer names (str) to backend names (str), e.g. "
+                f"{{'model.layers.3.self_attn.attn': 'TORCH_REF'}}, or None; got {layers!r}."
+            )
+        enable_chunked_prefill = check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        kv_cache_memory = check_optional_int("kv_cache_memory", self.kv_cache_memory, 1, hint=" (bytes) or None")
+        memory_utilization = check_float("memory_utilization", self.memory_utilization, 0, 1, low_open=True)
+        seed = check_int("seed", self.seed, *SEED_RANGE)
+        compilation = check_compilation(
+            self.cudagraph_mode, self.enforce_eager, self.compile, self.max_cudagraph_capture_size
+        )
+        tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size, 1,
+                                         hint=" (processes, each holding a shard of the model)")
+        if self.enable_prefix_caching is not None:
+            check_bool("enable_prefix_caching", self.enable_prefix_caching)
+
+        model_cfg = load_config(model)
+        check_tensor_parallel(tensor_parallel_size, model_cfg, device, compilation)
+        if max_model_len is None:  # only None means "the model's limit"
+            max_model_len = model_cfg.max_position_embeddings
+        if max_model_len > model_cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+                f"({model_cfg.max_position_embeddings})."
+            )
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"Without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                f"max_model_len ({max_model_len}) so that any prompt fits one step."
+            )
+        config = EngineConfig(
+            model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            cache_config=CacheConfig(
+                block_size=block_size, num_kv_blocks=num_kv_blocks,
+                kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            compilation_config=compilation,
+            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            device=device,
+            attention_backend=self.attention_backend,
+            layer_attention_backends=dict(layers or {}),
+        )
+        return config, model_cfg
+
+
+def engine_args(model: str, kwargs: dict[str, object]) -> EngineArgs:
+    """`EngineArgs(model, **kwargs)`, with an unknown keyword named along with the known ones."""
+    known = [f.name for f in fields(EngineArgs)]
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        raise TypeError(f"LLM got unexpected keyword argument(s) {unknown}; the arguments are {known}.")
+    return EngineArgs(model, **kwargs)  # type: ignore[arg-type]
