@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 import torch
@@ -218,19 +217,18 @@ def test_triton_mla_matches_torch_ref_mla_and_the_reference(splits: int) -> None
 
 @needs_interpreter
 @pytest.mark.parametrize("tokens_per_pass", [32768, 12])
-def test_triton_mla_prefill_passes_match_the_reference(monkeypatch: pytest.MonkeyPatch, tokens_per_pass: int) -> None:
+def test_triton_mla_prefill_passes_match_the_reference(tokens_per_pass: int) -> None:
     """TRITON_MLA's forward_mha: prefills (a whole prompt, and continuations of 7 and 25 cached
     tokens) gathered, up-projected and attended by the paged kernel. Budget 32768: one pass;
     budget 12: passes of 6 and 10 tokens, and the 30-token request alone on the chunked path."""
     pytest.importorskip("triton")
-    from pagedkv.attention.mla.triton_mla import TritonMLAImpl, TritonMLAMetadataBuilder, TritonMLAPrefillMetadata
+    from pagedkv.attention.mla.triton_mla import TritonMLAImpl, TritonMLAPrefillMetadata, group_prefill_passes
 
-    monkeypatch.setattr(TritonMLAMetadataBuilder, "prefill_tokens_per_pass", tokens_per_pass)
     batch = make_batch([5, 1, 12, 0, 7, 25], [1, 1, 1, 6, 3, 5])
     weight = kv_b_weight()
     spec = MLAAttentionSpec(BLOCK_SIZE, 1, DIMS.latent_size, torch.float32)
     metadata = TorchRefMLAMetadataBuilder(spec, ["layer"], None, torch.device("cpu")).build(batch.common)  # type: ignore[arg-type]
-    metadata.prefill = prefill_builder(spec, "cpu").build_prefill(metadata.prefill)
+    metadata.prefill = group_prefill_passes(metadata.prefill, BLOCK_SIZE, tokens_per_pass, torch.device("cpu"))
     assert isinstance(metadata.prefill, TritonMLAPrefillMetadata)
     expected_passes = {32768: ([slice(0, 14)], []), 12: ([slice(0, 6), slice(6, 9)], [slice(9, 14)])}[tokens_per_pass]
     assert [p.tokens for p in metadata.prefill.passes] == expected_passes[0]
@@ -250,22 +248,12 @@ def test_prefill_passes_at_the_v2_lite_shape_in_bfloat16() -> None:
     check_prefill_passes("cpu", context_lens=[0, 20, 5], query_lens=[9, 3, 4])
 
 
-def prefill_builder(spec: MLAAttentionSpec, device: str) -> Any:
-    """A TritonMLAMetadataBuilder for build_prefill alone, which needs only the spec and the device
-    (the full constructor wants an engine config with its layers)."""
-    from pagedkv.attention.mla.triton_mla import TritonMLAMetadataBuilder
-
-    builder = object.__new__(TritonMLAMetadataBuilder)
-    builder.kv_cache_spec, builder.device = spec, torch.device(device)
-    return builder
-
-
 def check_prefill_passes(device: str, context_lens: list[int], query_lens: list[int]) -> None:
     """TRITON_MLA's prefill passes and the shared loop over requests, at DeepSeek-V2-Lite's
     attention shape in bf16 (16 heads, latent 512 + 64, qk 192, v 128, pages of 16): both within
     bf16's reach of float64 (relative error of the whole output), and of each other. The GPU test
     (tests/gpu/test_mla_cuda.py) runs it with long contexts."""
-    from pagedkv.attention.mla.triton_mla import TritonMLAImpl
+    from pagedkv.attention.mla.triton_mla import TritonMLAImpl, TritonMLAMetadataBuilder, group_prefill_passes
 
     dims, heads, block_size = MLADims(512, 128, 64, 128), 16, 16
     g = torch.Generator().manual_seed(0)
@@ -308,7 +296,7 @@ def check_prefill_passes(device: str, context_lens: list[int], query_lens: list[
     )
     spec = MLAAttentionSpec(block_size, 1, dims.latent_size, torch.bfloat16)
     prefill = TorchRefMLAMetadataBuilder(spec, ["layer"], None, torch.device(device)).build(cm).prefill  # type: ignore[arg-type]
-    passes = prefill_builder(spec, device).build_prefill(prefill)
+    passes = group_prefill_passes(prefill, block_size, TritonMLAMetadataBuilder.prefill_tokens_per_pass, torch.device(device))
     impl = TritonMLAImpl(heads, dims.latent_size, scale, 1, None, torch.bfloat16, mla_dims=dims)
     impl.process_weights_after_loading(weight.to(device))
     outs = []

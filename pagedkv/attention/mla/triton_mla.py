@@ -105,45 +105,7 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
                                             self.kv_lora_rank, device)
 
     def build_prefill(self, prefill: MLAPrefillMetadata) -> MLAPrefillMetadata:
-        """Group the prefills into passes of whole requests, in order, within the token budget."""
-        budget = self.prefill_tokens_per_pass
-        passes, long_requests, group, group_tokens = [], [], [], 0
-        for i, seq_len in enumerate(prefill.seq_lens_cpu):
-            too_long = seq_len > budget
-            if group and (too_long or group_tokens + seq_len > budget):
-                passes.append(self._prefill_pass(prefill, group))
-                group, group_tokens = [], 0
-            if too_long:
-                a, b = prefill.query_start_loc_cpu[i], prefill.query_start_loc_cpu[i + 1]
-                long_requests.append((slice(a, b), MLAPrefillMetadata(
-                    [0, b - a], [seq_len], prefill.block_table[i : i + 1], prefill.context_chunk_tokens)))
-            else:
-                group.append(i)
-                group_tokens += seq_len
-        if group:
-            passes.append(self._prefill_pass(prefill, group))
-        return TritonMLAPrefillMetadata(**prefill.__dict__, passes=passes, long_requests=long_requests)
-
-    def _prefill_pass(self, prefill: MLAPrefillMetadata, requests: list[int]) -> PrefillPass:
-        """Host-side lists -> a few small device tensors, once per step (every layer reuses them)."""
-        seq_lens = [prefill.seq_lens_cpu[i] for i in requests]
-        num_blocks = [cdiv(n, self.kv_cache_spec.block_size) for n in seq_lens]
-        first = [0, *itertools.accumulate(num_blocks)]  # each request's first block in the gathered copy
-        rows = torch.tensor([r for r, n in zip(requests, num_blocks) for _ in range(n)], device=self.device)
-        cols = torch.tensor([j for n in num_blocks for j in range(n)], device=self.device)
-        table = torch.tensor(first[:-1])[:, None] + torch.arange(max(num_blocks))[None, :]
-        starts = prefill.query_start_loc_cpu
-        tokens = slice(starts[requests[0]], starts[requests[-1] + 1])
-        query_start_loc = [starts[i] - tokens.start for i in requests] + [tokens.stop - tokens.start]
-        return PrefillPass(
-            tokens=tokens, blocks=prefill.block_table[rows, cols].long(),
-            # Entries past a request's own blocks are never read (the kernel stops at seq_len).
-            block_table=table.clamp(max=first[-1] - 1).to(self.device, torch.int32),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
-            max_seq_len=max(seq_lens),
-        )
+        return group_prefill_passes(prefill, self.kv_cache_spec.block_size, self.prefill_tokens_per_pass, self.device)
 
     def build_decode(
         self, cm: CommonAttentionMetadata, num_decodes: int, seq_lens_cpu: list[int], max_seq_len: int
@@ -153,6 +115,51 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
                                        self.kv_cache_spec.dtype, self.device)
         return TritonMLADecodeMetadata(**common.__dict__, workspace=self.workspace,
                                        num_kv_splits=min(splits, self.workspace.rows // num_decodes))
+
+
+def group_prefill_passes(
+    prefill: MLAPrefillMetadata, block_size: int, tokens_per_pass: int, device: torch.device,
+) -> TritonMLAPrefillMetadata:
+    """Group the prefills into passes of whole requests, in order, each within `tokens_per_pass`
+    sequence tokens; a request longer than that on its own goes to `long_requests`."""
+    passes, long_requests, group, group_tokens = [], [], [], 0
+    for i, seq_len in enumerate(prefill.seq_lens_cpu):
+        too_long = seq_len > tokens_per_pass
+        if group and (too_long or group_tokens + seq_len > tokens_per_pass):
+            passes.append(_prefill_pass(prefill, group, block_size, device))
+            group, group_tokens = [], 0
+        if too_long:
+            a, b = prefill.query_start_loc_cpu[i], prefill.query_start_loc_cpu[i + 1]
+            long_requests.append((slice(a, b), MLAPrefillMetadata(
+                [0, b - a], [seq_len], prefill.block_table[i : i + 1], prefill.context_chunk_tokens)))
+        else:
+            group.append(i)
+            group_tokens += seq_len
+    if group:
+        passes.append(_prefill_pass(prefill, group, block_size, device))
+    return TritonMLAPrefillMetadata(**prefill.__dict__, passes=passes, long_requests=long_requests)
+
+
+def _prefill_pass(prefill: MLAPrefillMetadata, requests: list[int], block_size: int, device: torch.device) -> PrefillPass:
+    """Host-side lists -> a few small device tensors, once per step (every layer reuses them)."""
+    seq_lens = [prefill.seq_lens_cpu[i] for i in requests]
+    num_blocks = [cdiv(n, block_size) for n in seq_lens]
+    first = [0, *itertools.accumulate(num_blocks)]  # each request's first block in the gathered copy
+    rows = torch.tensor([r for r, n in zip(requests, num_blocks) for _ in range(n)], device=device)
+    cols = torch.tensor([j for n in num_blocks for j in range(n)], device=device)
+    table = torch.tensor(first[:-1])[:, None] + torch.arange(max(num_blocks))[None, :]
+    starts = prefill.query_start_loc_cpu
+    tokens = slice(starts[requests[0]], starts[requests[-1] + 1])
+    query_start_loc = [starts[i] - tokens.start for i in requests] + [tokens.stop - tokens.start]
+    return PrefillPass(
+        tokens=tokens, blocks=prefill.block_table[rows, cols].long(),
+        # Entries past a request's own blocks are never read (the kernel stops at seq_len).
+        block_table=table.clamp(max=first[-1] - 1).to(device, torch.int32),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
+        max_seq_len=max(seq_lens),
+    )
 
 
 class TritonMLAImpl(MLACommonImpl[TritonMLADecodeMetadata]):
