@@ -59,26 +59,30 @@ class EngineArgs:
     max_model_len: int | None = None
     """Longest request (prompt + output); None: the model's max_position_embeddings."""
     attention_backend: str | None = None
-    """Backend of every attention layer ("TRITON_ATTN", "TORCH_REF", ...); None: the selector's choice."""
+    """Backend of every attention layer ("TRITON_ATTN", "TORCH_REF", ...); None: $PAGEDKV_ATTENTION_BACKEND,
+    else the selector's choice per layer."""
     layer_attention_backends: dict[str, str] | None = None
     """Per-layer overrides, layer name -> backend name (e.g. {"model.layers.3.self_attn.attn": "TORCH_REF"})."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps; off, a whole prompt must fit one step's budget."""
     kv_cache_memory: int | None = None
-    """Bytes for the KV cache; None: `memory_utilization` of what the device has free."""
+    """Bytes for the KV cache; None: on a GPU what `memory_utilization` leaves after the weights and
+    a profile run, on the CPU a fixed default (either way no more than max_num_seqs requests of
+    max_model_len tokens can use)."""
     memory_utilization: float = 0.9
-    """Fraction in (0, 1] of the free device memory the KV cache may take (when kv_cache_memory is None)."""
+    """Share in (0, 1] of the GPU's memory the engine may use in all (vLLM's gpu_memory_utilization)."""
     seed: int = 0
-    """Seed of the random weights of a preset and of the engine's sampling."""
+    """Seed of a preset's random weights (sampling seeds are per request: SamplingParams.seed)."""
     cudagraph_mode: CUDAGraphMode | str = CUDAGraphMode.NONE
     """CUDA graph mode (pagedkv.worker.cudagraph). Opt-in: a replay runs none of the model's Python
     (hooks, the forward context) that the workbook inspects."""
     enforce_eager: bool = False
-    """Never capture graphs nor compile, whatever the other two say."""
+    """Run every step eagerly, whatever cudagraph_mode says (no graph is captured)."""
     compile: bool = False
-    """torch.compile the model between the attention ops (piecewise)."""
+    """Trace the forward with torch.compile, split at the attention ops (piecewise graphs need it)."""
     max_cudagraph_capture_size: int | None = None
-    """Largest batch (tokens) captured in a graph; None: the default of the mode."""
+    """Largest batch (tokens) that gets a graph; None: min(2 x max_num_seqs, 512), never more than
+    max_num_batched_tokens."""
     tensor_parallel_size: int = 1
     """Processes, each holding a shard of the model (tensor parallelism)."""
     enable_prefix_caching: bool | None = None
