@@ -8,6 +8,7 @@ test's own lists, not from the paged cache.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -45,26 +46,29 @@ class Batch:
     kv_cache: torch.Tensor
     latents: list[tuple[torch.Tensor, torch.Tensor]]  # per request: every position's (c_kv, k_pe)
     query_lens: list[int]
+    dims: MLADims = DIMS
+    heads: int = HEADS
 
 
 def make_batch(context_lens: list[int], query_lens: list[int], dtype: torch.dtype = torch.float32,
-               seed: int = 0) -> Batch:
+               seed: int = 0, dims: MLADims = DIMS, heads: int = HEADS, block_size: int = BLOCK_SIZE,
+               num_blocks: int = NUM_BLOCKS) -> Batch:
     """Requests with `context_lens` tokens already cached and `query_lens` new ones; the cached
     rows are written with `concat_and_cache_mla`, the new ones left for the step to write."""
     g = torch.Generator().manual_seed(seed)
-    kv_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, DIMS.latent_size, dtype=dtype)
-    free = torch.randperm(NUM_BLOCKS - 1, generator=g).add(1).tolist()  # block 0 is the null block
-    max_blocks = max(-(-(c + q) // BLOCK_SIZE) for c, q in zip(context_lens, query_lens))
+    kv_cache = torch.zeros(num_blocks, block_size, dims.latent_size, dtype=dtype)
+    free = torch.randperm(num_blocks - 1, generator=g).add(1).tolist()  # block 0 is the null block
+    max_blocks = max(-(-(c + q) // block_size) for c, q in zip(context_lens, query_lens))
     block_table = torch.zeros(len(query_lens), max_blocks, dtype=torch.int32)
     latents, slots = [], []
     for i, (c, q) in enumerate(zip(context_lens, query_lens)):
-        n = -(-(c + q) // BLOCK_SIZE)
+        n = -(-(c + q) // block_size)
         block_table[i, :n] = torch.tensor([free.pop() for _ in range(n)])
-        kv_c = torch.randn(c + q, DIMS.kv_lora_rank, generator=g).to(dtype)
-        k_pe = torch.randn(c + q, DIMS.qk_rope_head_dim, generator=g).to(dtype)
+        kv_c = torch.randn(c + q, dims.kv_lora_rank, generator=g).to(dtype)
+        k_pe = torch.randn(c + q, dims.qk_rope_head_dim, generator=g).to(dtype)
         latents.append((kv_c, k_pe))
         pos = torch.arange(c + q)
-        all_slots = block_table[i, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+        all_slots = block_table[i, pos // block_size].long() * block_size + pos % block_size
         concat_and_cache_mla(kv_c[:c], k_pe[:c], kv_cache, all_slots[:c])
         slots.append(all_slots[c:])
     qsl = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
@@ -75,15 +79,16 @@ def make_batch(context_lens: list[int], query_lens: list[int], dtype: torch.dtyp
         max_seq_len=int(seq_lens.max()), block_table_tensor=block_table, slot_mapping=torch.cat(slots),
     )
     new = [(kv_c[c:], k_pe[c:]) for (kv_c, k_pe), c in zip(latents, context_lens)]
-    q = torch.randn(sum(query_lens), HEADS, DIMS.qk_head_dim, generator=g).to(dtype)
+    q = torch.randn(sum(query_lens), heads, dims.qk_head_dim, generator=g).to(dtype)
     return Batch(common, q, torch.cat([n[0] for n in new]), torch.cat([n[1] for n in new]), kv_cache, latents,
-                 query_lens)
+                 query_lens, dims, heads)
 
 
-def kv_b_weight(dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.Tensor:
+def kv_b_weight(dtype: torch.dtype = torch.float32, seed: int = 1, dims: MLADims = DIMS, heads: int = HEADS,
+                ) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    rows = HEADS * (DIMS.qk_nope_head_dim + DIMS.v_head_dim)
-    return (torch.randn(rows, DIMS.kv_lora_rank, generator=g) / DIMS.kv_lora_rank**0.5).to(dtype)
+    rows = heads * (dims.qk_nope_head_dim + dims.v_head_dim)
+    return (torch.randn(rows, dims.kv_lora_rank, generator=g) / dims.kv_lora_rank**0.5).to(dtype)
 
 
 SCALE = DIMS.qk_head_dim**-0.5
@@ -91,16 +96,17 @@ SCALE = DIMS.qk_head_dim**-0.5
 
 def reference(batch: Batch, weight: torch.Tensor) -> torch.Tensor:
     """float64 [tokens, heads, v_head_dim], K and V materialised per head (no absorption)."""
-    w = weight.double().view(HEADS, DIMS.qk_nope_head_dim + DIMS.v_head_dim, DIMS.kv_lora_rank)
-    w_uk, w_uv = w[:, : DIMS.qk_nope_head_dim], w[:, DIMS.qk_nope_head_dim :]
+    dims, heads = batch.dims, batch.heads
+    w = weight.double().view(heads, dims.qk_nope_head_dim + dims.v_head_dim, dims.kv_lora_rank)
+    w_uk, w_uv = w[:, : dims.qk_nope_head_dim], w[:, dims.qk_nope_head_dim :]
     outs, start = [], 0
     for (kv_c, k_pe), q_len in zip(batch.latents, batch.query_lens):
         seq_len = kv_c.shape[0]
         k = torch.cat([torch.einsum("hnl,sl->shn", w_uk, kv_c.double()),
-                       k_pe.double()[:, None, :].expand(-1, HEADS, -1)], dim=-1)
+                       k_pe.double()[:, None, :].expand(-1, heads, -1)], dim=-1)
         v = torch.einsum("hvl,sl->shv", w_uv, kv_c.double())
         q = batch.q[start : start + q_len].double()
-        scores = torch.einsum("qhd,shd->hqs", q, k) * SCALE
+        scores = torch.einsum("qhd,shd->hqs", q, k) * dims.qk_head_dim**-0.5
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
         outs.append(torch.einsum("hqs,shv->qhv", scores.softmax(-1), v))
@@ -256,55 +262,29 @@ def check_prefill_passes(device: str, context_lens: list[int], query_lens: list[
     from pagedkv.attention.mla.triton_mla import TritonMLAImpl, TritonMLAMetadataBuilder, group_prefill_passes
 
     dims, heads, block_size = MLADims(512, 128, 64, 128), 16, 16
-    g = torch.Generator().manual_seed(0)
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    pages = [-(-n // block_size) for n in seq_lens]
-    order = torch.randperm(sum(pages), generator=g) + 1  # block 0 stays the null block
-    block_table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
-    for i, first in enumerate([0, *torch.tensor(pages).cumsum(0).tolist()[:-1]]):
-        block_table[i, : pages[i]] = order[first : first + pages[i]]
-    latents = torch.randn(sum(pages) + 1, block_size, dims.latent_size, generator=g).bfloat16()
-    q = torch.randn(sum(query_lens), heads, dims.qk_head_dim, generator=g).bfloat16()
-    weight = (torch.randn(heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank, generator=g)
-              / dims.kv_lora_rank**0.5).bfloat16()
-    scale = dims.qk_head_dim**-0.5
+    pages = sum(-(-(c + q) // block_size) for c, q in zip(context_lens, query_lens))
+    batch = make_batch(context_lens, query_lens, torch.bfloat16, dims=dims, heads=heads, block_size=block_size,
+                       num_blocks=pages + 1)
+    weight = kv_b_weight(torch.bfloat16, dims=dims, heads=heads)
+    expected = reference(batch, weight)  # float64 from the same bf16 inputs
 
-    # float64 from the same bf16 inputs: K and V per head, causal over each whole sequence.
-    w = weight.double().view(heads, dims.qk_nope_head_dim + dims.v_head_dim, dims.kv_lora_rank)
-    expected, new_rows, start = [], [], 0
-    for i, (n, m) in enumerate(zip(seq_lens, query_lens)):
-        pos = torch.arange(n)
-        rows = latents[block_table[i, pos // block_size].long(), pos % block_size]
-        new_rows.append(rows[n - m :])
-        kv = torch.einsum("hdl,sl->shd", w, rows[:, : dims.kv_lora_rank].double())
-        k = torch.cat([kv[..., : dims.qk_nope_head_dim],
-                       rows[:, None, dims.kv_lora_rank :].double().expand(-1, heads, -1)], -1)
-        scores = torch.einsum("qhd,shd->hqs", q[start : start + m].double(), k) * scale
-        scores = scores.masked_fill(pos[None, :] > torch.arange(n - m, n)[:, None], float("-inf"))
-        expected.append(torch.einsum("hqs,shd->qhd", scores.softmax(-1), kv[..., dims.qk_nope_head_dim :]))
-        start += m
-    reference = torch.cat(expected)
-    kv_c, k_pe = torch.cat(new_rows).to(device).split([dims.kv_lora_rank, dims.qk_rope_head_dim], -1)
-
-    qsl = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    cm = CommonAttentionMetadata(
-        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=lens.to(device), seq_lens_cpu=lens,
-        num_reqs=len(seq_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), block_table_tensor=block_table.to(device),
-        slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),
-    )
+    cm = batch.common
+    cm = dataclasses.replace(cm, query_start_loc=cm.query_start_loc.to(device), seq_lens=cm.seq_lens.to(device),
+                             block_table_tensor=cm.block_table_tensor.to(device),
+                             slot_mapping=cm.slot_mapping.to(device))
     spec = MLAAttentionSpec(block_size, 1, dims.latent_size, torch.bfloat16)
     prefill = TorchRefMLAMetadataBuilder(spec, ["layer"], None, torch.device(device)).build(cm).prefill  # type: ignore[arg-type]
     passes = group_prefill_passes(prefill, block_size, TritonMLAMetadataBuilder.prefill_tokens_per_pass, torch.device(device))
-    impl = TritonMLAImpl(heads, dims.latent_size, scale, 1, None, torch.bfloat16, mla_dims=dims)
+    impl = TritonMLAImpl(heads, dims.latent_size, dims.qk_head_dim**-0.5, 1, None, torch.bfloat16, mla_dims=dims)
     impl.process_weights_after_loading(weight.to(device))
+    kv_cache, kv_c, k_pe, q = (t.to(device) for t in (batch.kv_cache, batch.kv_c, batch.k_pe, batch.q))
+    impl.do_kv_cache_update(None, kv_c, k_pe, kv_cache, cm.slot_mapping)  # type: ignore[arg-type]
     outs = []
     for metadata in (passes, prefill):  # plain MLAPrefillMetadata: the shared loop over requests
         out = torch.empty(q.shape[0], heads, dims.v_head_dim, dtype=torch.bfloat16, device=device)
-        impl.forward_mha(q.to(device), kv_c, k_pe, latents.to(device), metadata, out)
+        impl.forward_mha(q, kv_c, k_pe, kv_cache, metadata, out)
         outs.append(out.double().cpu())
     relative = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
-    assert relative(outs[0], reference) < 1e-2 and relative(outs[1], reference) < 1e-2, \
-        (relative(outs[0], reference), relative(outs[1], reference))
+    assert relative(outs[0], expected) < 1e-2 and relative(outs[1], expected) < 1e-2, \
+        (relative(outs[0], expected), relative(outs[1], expected))
     assert relative(outs[0], outs[1]) < 1e-2

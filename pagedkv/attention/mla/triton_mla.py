@@ -17,6 +17,7 @@ forward_mha neither loops over requests nor copies anything from the host.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -165,9 +166,10 @@ def _prefill_pass(prefill: MLAPrefillMetadata, requests: list[int], block_size: 
 class TritonMLAImpl(MLACommonImpl[TritonMLADecodeMetadata]):
     """forward_mqa by `mla_decode_attention`, forward_mha by `unified_attention` over up-projected K and V."""
 
-    @property
+    @functools.cached_property
     def kernel_takes_heads(self) -> bool:
-        """Whether `unified_attention` takes this layer's heads: K's head size (V is padded to it)."""
+        """Whether `unified_attention` takes this layer's heads: K's head size (V is padded to it).
+        Fixed by the layer's shape, so worked out once per layer, not in every forward."""
         dims = self.mla_dims
         return (dims.qk_head_dim % 8 == 0 and MIN_HEAD_SIZE <= dims.qk_head_dim <= MAX_HEAD_SIZE
                 and dims.v_head_dim <= dims.qk_head_dim)
