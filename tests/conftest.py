@@ -57,7 +57,7 @@ def write_hf_deepseek(path: Path, *, version: int = 2, seed: int = 0, **override
     generator = torch.Generator().manual_seed(seed)
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     for name, tensor in tensors.items():
-        if "norm" in name or "rotary_emb" in name:
+        if "norm" in name or "rotary_emb" in name or tensor.numel() == 0:  # empty: n_shared_experts=0
             continue
         if "e_score_correction_bias" in name:
             std = 0.3

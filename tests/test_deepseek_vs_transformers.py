@@ -6,6 +6,7 @@ up-projected one, chunked prefills) must equal transformers' logits over each wh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -36,6 +37,9 @@ CASES = {  # name -> (version, overrides of write_hf_deepseek)
     "v3-rope-halves": (3, dict(V3_GROUPS, rope_interleave=False, norm_topk_prob=False)),
     # 20 heads (two head blocks of the decode kernel, the second partly empty), a latent and a rope
     # part that are not powers of two, V wider than the no-rope part of K, biases, tied embeddings.
+    # transformers and DeepSeek's code raise the softmax scale by mscale_all_dim under any scaling type.
+    "v3-linear-rope-mscale_all_dim": (3, dict(V3_GROUPS, rope_scaling={"rope_type": "linear", "factor": 2.0,
+                                                                       "mscale_all_dim": 1.0})),
     "v2-odd-shapes": (2, dict(hidden_size=80, num_attention_heads=20, kv_lora_rank=48, qk_nope_head_dim=8,
                               qk_rope_head_dim=12, v_head_dim=40, q_lora_rank=12, attention_bias=True,
                               tie_word_embeddings=True, first_k_dense_replace=0)),
@@ -94,6 +98,34 @@ def test_hub_style_config(tmp_path: Path) -> None:
     assert hf.config.rope_parameters["rope_type"] == "yarn"  # transformers read the old spelling too
     error, argmax = logit_errors(engine(path), hf)
     assert error <= ATOL and argmax
+
+
+def test_v3_config_json_with_keys_left_out(tmp_path: Path) -> None:
+    """A trimmed V3 config.json means what transformers makes of it: V3's defaults for the routing
+    keys left out (not V2's), and YaRN's pretraining length taken from max_position_embeddings."""
+    path = write_hf_deepseek(tmp_path / "v3", version=3, rope_scaling=YARN, max_position_embeddings=256, **V3_GROUPS)
+    config = json.loads((path / "config.json").read_text())
+    for key in ("norm_topk_prob", "routed_scaling_factor"):  # V3_GROUPS sets them to V3's defaults
+        del config[key]
+    del config["rope_parameters"]["original_max_position_embeddings"]  # was YARN's 64
+    (path / "config.json").write_text(json.dumps(config))
+    ours = load_config(str(path))
+    assert isinstance(ours, DeepseekV2Config) and ours.rope_scaling is not None
+    assert (ours.norm_topk_prob, ours.routed_scaling_factor, ours.rope_scaling["original_max_position_embeddings"]) == (
+        True, 2.5, 256)
+    hf = hf_model(path, 3)
+    assert hf.config.rope_parameters["original_max_position_embeddings"] == 256
+    error, argmax = logit_errors(engine(path), hf)
+    assert error <= ATOL and argmax
+
+
+def test_v3_defaults_are_transformers() -> None:
+    """Every DeepSeek field a V3 config.json may leave out defaults to transformers' DeepseekV3Config value."""
+    ours, theirs = DeepseekV2Config.from_hf_dict({}, "deepseek_v3"), transformers.DeepseekV3Config()
+    names = [f.name for f in dataclasses.fields(DeepseekV2Config) if hasattr(theirs, f.name)]
+    assert len(names) > 20
+    for name in set(names) - {"rope_scaling", "eos_token_id"}:  # compared in their own tests
+        assert getattr(ours, name) == getattr(theirs, name), name
 
 
 def test_chunked_prefills_mixed_with_decodes(tmp_path: Path) -> None:
@@ -178,6 +210,13 @@ def test_config_from_transformers_4_and_5(tmp_path: Path) -> None:
     assert new.rope_scaling is not None and new.rope_scaling["factor"] == 4.0 and new.softmax_scale != 24**-0.5
     # What the engine reads off any model config: the cache holds one latent row (32 + 8) per token.
     assert (new.num_key_value_heads, new.head_dim, new.sliding_window, new.q_lora_rank) == (1, 40, None, None)
+
+
+def test_v3_groups_of_one_expert_are_refused() -> None:
+    message = r"two best experts: n_group=4 leaves 1 of the 4 experts per group; use n_group <= 2"
+    with pytest.raises(ValueError, match=message):
+        DeepseekV2Config.from_hf_dict(dict(n_routed_experts=4, num_experts_per_tok=1, n_group=4, topk_group=1),
+                                      "deepseek_v3")
 
 
 def test_v2_norm_topk_prob_is_refused(tmp_path: Path) -> None:

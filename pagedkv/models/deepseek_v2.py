@@ -42,6 +42,14 @@ from pagedkv.models.parallel_layers import (
 )
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+# transformers' DeepseekV3Config defaults where they differ from V2's (the dataclass's): what a V3
+# config.json means by leaving one of these keys out.
+V3_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+    num_attention_heads=128, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=3,
+    n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=4096,
+    bos_token_id=0,
+)
 
 
 @dataclass
@@ -115,6 +123,10 @@ class DeepseekV2Config:
                 raise ValueError(f"topk_method={self.topk_method!r} needs n_group dividing n_routed_experts "
                                  f"({self.n_routed_experts}) and 1 <= topk_group <= n_group; got n_group={groups}, "
                                  f"topk_group={picked}.")
+            if self.topk_method == "noaux_tc" and self.n_routed_experts // groups < 2:
+                raise ValueError(f"topk_method='noaux_tc' scores each group by its two best experts: n_group={groups} "
+                                 f"leaves {self.n_routed_experts // groups} of the {self.n_routed_experts} experts per "
+                                 f"group; use n_group <= {self.n_routed_experts // 2}.")
             if self.num_experts_per_tok > picked * self.n_routed_experts // groups:
                 raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of the "
                                  f"topk_group ({picked}) groups it may choose from.")
@@ -140,11 +152,12 @@ class DeepseekV2Config:
 
     @property
     def softmax_scale(self) -> float:
-        """1 / sqrt(qk_head_dim); under YaRN times mscale(factor, mscale_all_dim)^2, as DeepSeek does:
-        the slowed-down positions flatten attention, and this sharpens it back."""
+        """1 / sqrt(qk_head_dim); under a RoPE scaling with `mscale_all_dim` (YaRN, in DeepSeek's own
+        configs) times mscale(factor, mscale_all_dim)^2, as DeepSeek and transformers do for any
+        scaling type: the slowed-down positions flatten attention, and this sharpens it back."""
         scale = self.qk_head_dim**-0.5
         scaling = self.rope_scaling or {}
-        if rope_type(scaling) == "yarn" and scaling.get("mscale_all_dim"):
+        if rope_type(scaling) != "default" and scaling.get("mscale_all_dim"):
             scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
         return scale
 
@@ -153,8 +166,10 @@ class DeepseekV2Config:
         """Read a `config.json` of transformers 4 (rope_theta + rope_scaling) or 5 (rope_parameters),
         the way the installed transformers' DeepseekV2 / DeepseekV3 model (`model_type`) uses it."""
         # A null q_lora_rank means "no query bottleneck" (V2-Lite); other nulls mean the default.
-        kwargs = {k: hf[k] for k in cls.__dataclass_fields__ if k in hf and (hf[k] is not None or k == "q_lora_rank")}
-        kwargs["rope_theta"], kwargs["rope_scaling"] = hf_rope_parameters(hf, cls.rope_theta)
+        present = {k: hf[k] for k in cls.__dataclass_fields__ if k in hf and (hf[k] is not None or k == "q_lora_rank")}
+        kwargs = {**(V3_DEFAULTS if model_type == "deepseek_v3" else {}), **present}
+        kwargs["rope_theta"], kwargs["rope_scaling"] = hf_rope_parameters(
+            hf, cls.rope_theta, kwargs.get("max_position_embeddings", cls.max_position_embeddings))
         eos = hf.get("eos_token_id")
         kwargs["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if model_type == "deepseek_v3":  # transformers' V3 routes so whatever topk_method says; no MLP biases

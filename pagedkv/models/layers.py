@@ -26,11 +26,27 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def hf_rope_parameters(hf: dict[str, Any], default_theta: float) -> tuple[float, dict[str, Any] | None]:
+def hf_rope_parameters(
+    hf: dict[str, Any], default_theta: float, max_positions: int
+) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) of a `config.json`: transformers 5's `rope_parameters`, or 4's
-    `rope_theta` and `rope_scaling`. The scaling is None for plain RoPE."""
-    rope = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta")}
-    return rope.get("rope_theta") or default_theta, rope if rope_type(rope) != "default" else None
+    `rope_theta` and `rope_scaling`. The scaling is None for plain RoPE.
+
+    As in transformers, a Llama-3 or YaRN scaling without `original_max_position_embeddings` (the
+    context the model was pretrained for) takes the config's top-level value of that name, or else
+    `max_positions` (the config's max_position_embeddings); YaRN without a `factor` takes the
+    ratio of the two lengths.
+    """
+    rope = dict(hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta")})
+    kind = rope_type(rope)
+    if kind in ("llama3", "yarn"):
+        if hf.get("original_max_position_embeddings") is not None:
+            rope["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        elif rope.get("original_max_position_embeddings") is None:
+            rope["original_max_position_embeddings"] = max_positions
+        if kind == "yarn" and rope.get("factor") is None:
+            rope["factor"] = max_positions / rope["original_max_position_embeddings"]
+    return rope.get("rope_theta") or default_theta, rope if kind != "default" else None
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:

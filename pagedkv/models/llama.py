@@ -106,7 +106,8 @@ class LlamaConfig:
         the per-layer windows are read (see `_hf_windows`).
         """
         kwargs = {k: hf[k] for k in cls.__dataclass_fields__ if k in hf and hf[k] is not None}
-        kwargs["rope_theta"], kwargs["rope_scaling"] = hf_rope_parameters(hf, cls.rope_theta)
+        kwargs["rope_theta"], kwargs["rope_scaling"] = hf_rope_parameters(
+            hf, cls.rope_theta, kwargs.get("max_position_embeddings", cls.max_position_embeddings))
         eos = hf.get("eos_token_id")
         kwargs["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if model_type == "qwen2":
