@@ -4,6 +4,7 @@ all-or-nothing `generate`, `abort_request`, streaming `step()` outputs and the C
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
 
@@ -339,6 +340,14 @@ def test_engine_args_are_what_llm_builds_its_config_from() -> None:
         if part.name != "compilation_config":
             assert getattr(llm.config, part.name) == getattr(config, part.name), part.name
     assert set(llm.config.compilation_config.static_forward_context) == set(llm.runner.attn_layers)
+
+
+def test_llm_signature_lists_the_engine_args() -> None:
+    """help(LLM) and notebooks see every argument with its default, though LLM.__init__ takes **kwargs."""
+    params = inspect.signature(LLM).parameters
+    assert [(p.name, p.default) for p in params.values()] == [(f.name, f.default) for f in dataclasses.fields(EngineArgs)]
+    assert params["model"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    assert {p.kind for name, p in params.items() if name != "model"} == {inspect.Parameter.KEYWORD_ONLY}
 
 
 def test_max_model_len_none_means_the_models_limit() -> None:

@@ -11,6 +11,7 @@ each naming the argument and saying what would work.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, fields
 
 import torch
@@ -169,3 +170,13 @@ def engine_args(model: str, kwargs: dict[str, object]) -> EngineArgs:
     if unknown:
         raise TypeError(f"LLM got unexpected keyword argument(s) {unknown}; the arguments are {known}.")
     return EngineArgs(model, **kwargs)  # type: ignore[arg-type]
+
+
+def engine_args_signature() -> inspect.Signature:
+    """The signature `LLM(model, *, device=..., ...)` shows to `help()` and notebooks: EngineArgs'
+    fields with their defaults, keyword-only after `model` (LLM itself takes `**kwargs`)."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for f in fields(EngineArgs):
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name == "model" else inspect.Parameter.KEYWORD_ONLY
+        params.append(inspect.Parameter(f.name, kind, default=f.default, annotation=f.type))
+    return inspect.Signature(params, return_annotation="None")

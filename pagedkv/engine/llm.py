@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pagedkv.engine.arg_utils import engine_args
+from pagedkv.engine.arg_utils import engine_args, engine_args_signature
 from pagedkv.engine.checks import check_token_ids
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
@@ -388,3 +388,6 @@ class LLM:
             raise
         # The Request objects hold the final state, also of one aborted meanwhile (by a listener, say).
         return [self._output(request) for request in requests]
+
+
+LLM.__init__.__signature__ = engine_args_signature()  # type: ignore[attr-defined]  # help(LLM) lists the arguments
