@@ -35,11 +35,11 @@ CASES = {  # name -> (version, overrides of write_hf_deepseek)
                                              max_position_embeddings=256)),
     "v3-bias-groups-norm": (3, V3_GROUPS),
     "v3-rope-halves": (3, dict(V3_GROUPS, rope_interleave=False, norm_topk_prob=False)),
-    # 20 heads (two head blocks of the decode kernel, the second partly empty), a latent and a rope
-    # part that are not powers of two, V wider than the no-rope part of K, biases, tied embeddings.
     # transformers and DeepSeek's code raise the softmax scale by mscale_all_dim under any scaling type.
     "v3-linear-rope-mscale_all_dim": (3, dict(V3_GROUPS, rope_scaling={"rope_type": "linear", "factor": 2.0,
                                                                        "mscale_all_dim": 1.0})),
+    # 20 heads (two head blocks of the decode kernel, the second partly empty), a latent and a rope
+    # part that are not powers of two, V wider than the no-rope part of K, biases, tied embeddings.
     "v2-odd-shapes": (2, dict(hidden_size=80, num_attention_heads=20, kv_lora_rank=48, qk_nope_head_dim=8,
                               qk_rope_head_dim=12, v_head_dim=40, q_lora_rank=12, attention_bias=True,
                               tie_word_embeddings=True, first_k_dense_replace=0)),
