@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import gc
 import importlib.util
 import inspect
@@ -59,18 +58,9 @@ def w1_prompts(num_requests: int = 128) -> list[list[int]]:
     return [[rng.randrange(3, 128000) for _ in range(rng.randint(100, 1024))] for _ in range(128)][:num_requests]
 
 
-def llm_arguments() -> set[str]:
-    """The keyword arguments `LLM` takes in this checkout (older ones had no EngineArgs)."""
-    try:
-        from pagedkv.engine.arg_utils import EngineArgs
-    except ImportError:
-        return set(inspect.signature(LLM.__init__).parameters)
-    return {f.name for f in dataclasses.fields(EngineArgs)}
-
-
 def mode_kwargs(mode: str) -> tuple[dict[str, object], str | None]:
     """`LLM` keyword arguments for a mode, or the reason this checkout cannot run it."""
-    params = llm_arguments()
+    params = inspect.signature(LLM.__init__).parameters  # older checkouts lack some arguments
     if mode == "eager":
         return ({"enforce_eager": True} if "enforce_eager" in params else {}), None
     if "cudagraph_mode" not in params:

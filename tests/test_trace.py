@@ -116,3 +116,23 @@ def test_json_round_trip(trace: StepTrace, tmp_path: Path) -> None:
     assert repr(loaded) == repr(trace)
     with pytest.raises(ValueError, match="Not a pagedkv-trace"):
         StepTrace.from_json('{"format": "something else"}')
+
+
+def test_long_prompts_drop_window_blocks() -> None:
+    """Prompts past tiny-hybrid's 32-token window: the window group drops blocks (null block 0 in
+    its table rows) that the full group keeps. The recorded input ids are the prompts' tokens, and
+    the blocks in use (never counting block 0) are what each pool has given out."""
+    prompts = [[(5 * i + j) % 200 + 3 for j in range(40)] for i in range(2)]
+    llm = LLM("tiny-hybrid", block_size=4, num_kv_blocks=64, max_num_batched_tokens=8, enable_prefix_caching=False)
+    with StepTrace.attach(llm) as trace:
+        llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=4))
+    window = next(g.group_id for g in trace.engine.kv_cache_groups if g.spec.sliding_window)
+    rows = [r.block_ids for record in trace for r in record.requests]
+    assert any(0 in row[window] and 0 not in row[1 - window] for row in rows)
+    usable = trace.engine.num_blocks - 1
+    for record in trace:
+        for rid, pos, token in zip(record.token_req_ids(), record.positions, record.input_ids, strict=True):
+            if pos < len(prompts[int(rid)]):
+                assert token == prompts[int(rid)][pos]
+        if not record.finished_req_ids:  # every allocated block belongs to a recorded request
+            assert [usable - free for free in record.num_free_blocks] == record.num_blocks_in_use

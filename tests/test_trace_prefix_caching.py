@@ -42,10 +42,10 @@ def test_every_step_records_the_live_pool() -> None:
 
     def compare(event: StepEvent) -> None:  # added after the trace: runs right after it recorded the step
         record = trace[-1]
-        for pool, pool_record in zip(llm.kv_cache_manager.block_pools, record.block_pools):
+        for pool, pool_record in zip(llm.kv_cache_manager.block_pools, record.block_pools, strict=True):
             assert pool_record.ref_cnts == [b.ref_cnt for b in pool.blocks]
             assert pool_record.free_queue_order() == list(pool.free_queue)
-            for block, short in zip(pool.blocks, pool_record.block_hashes):
+            for block, short in zip(pool.blocks, pool_record.block_hashes, strict=True):
                 assert short == (None if block.block_hash is None else block.block_hash.hex()[:SHORT_HASH_CHARS])
         checked.append(event.step)
 

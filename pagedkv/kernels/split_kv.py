@@ -103,6 +103,5 @@ def merge_splits(
         *out.stride(), *partial_out.stride(), *partial_lse.stride(),
         SPLITS_PAD=next_power_of_2(num_splits),
         HEAD_SIZE=head_size, HEAD_PAD=next_power_of_2(head_size),
-        PDL=pdl, num_warps=1 if head_size * num_splits <= 2048 else 4,
-        **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, num_warps=1 if head_size * num_splits <= 2048 else 4, launch_pdl=pdl,
     )

@@ -105,8 +105,8 @@ def _mla_split(attn_metadata: dict[str, Any]) -> MLASplitRecord | None:
     the same batch by the same query lengths, so they all agree)."""
     for metadata in attn_metadata.values():
         if isinstance(metadata, MLACommonMetadata):
-            return MLASplitRecord(metadata.num_decodes, metadata.num_decode_tokens, metadata.num_prefills,
-                                  metadata.num_prefill_tokens)
+            return MLASplitRecord(num_decodes=metadata.num_decodes, num_decode_tokens=metadata.num_decode_tokens,
+                                  num_prefills=metadata.num_prefills, num_prefill_tokens=metadata.num_prefill_tokens)
     return None
 
 
