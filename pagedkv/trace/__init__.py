@@ -8,12 +8,16 @@
     trace[0].block_pools[0].free_queue     # each group's pool after the step: ref counts, hashes, eviction order
     trace.save("run.json"); StepTrace.load("run.json")   # replay a GPU run on a laptop
 
-Nothing here holds a tensor or a reference into the engine: every record is ints, strings
-and lists, so a trace survives JSON and a view draws a replayed step exactly as it drew it
-live. When no trace is attached, the engine does not even build its `StepEvent`.
+No record holds a tensor or a reference into the engine (only a live StepTrace keeps the LLM it
+listens to): every record is ints, strings and lists, so a trace survives JSON and a view draws
+a replayed step exactly as it drew it live. When no trace is attached, the engine does not even
+build its `StepEvent`.
+
+Modules: records.py (the plain-data records), recorder.py (engine objects -> records; not CUDA
+graph capture), step_trace.py (StepTrace: attach, index, save / load).
 """
 
-from pagedkv.trace.capture import block_pool_record, engine_info, step_record
+from pagedkv.trace.recorder import block_pool_record, engine_info, step_record
 from pagedkv.trace.records import (
     SHORT_HASH_CHARS,
     AttentionGroupInfo,

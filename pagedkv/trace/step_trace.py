@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.trace.capture import engine_info, step_record
+from pagedkv.trace.recorder import engine_info, step_record
 from pagedkv.trace.records import EngineInfo, StepRecord
 
 if TYPE_CHECKING:

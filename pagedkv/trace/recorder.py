@@ -1,4 +1,4 @@
-"""Turning engine objects (the `LLM`, a `StepEvent`, a `BlockPool`) into trace records."""
+"""The recorder: engine objects (the `LLM`, a `StepEvent`, a `BlockPool`) turned into trace records."""
 
 from __future__ import annotations
 
