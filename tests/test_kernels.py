@@ -25,26 +25,31 @@ pytestmark = pytest.mark.skipif(
 DEVICE = "cpu"
 
 
-def dense_reference(batch: PagedBatch, scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """Float64 attention per request and head; keys fetched slot by slot through the block table."""
+def dense_reference(
+    batch: PagedBatch, scale: float, sliding_window: int | None = None,
+    head_size_k: int | None = None, head_size_v: int | None = None,
+) -> torch.Tensor:
+    """Float64 attention per request and head; keys fetched slot by slot through the block table.
+    `head_size_k` / `head_size_v`: attend with the first dims of q and K / of V only (default: all)."""
     num_q_heads = batch.q.shape[1]
     _, _, block_size, num_kv_heads, head_size = batch.kv_cache.shape
     group = num_q_heads // num_kv_heads
     flat = batch.kv_cache.double().reshape(2, -1, num_kv_heads, head_size)  # [2, slots, heads, D]
-    out = torch.zeros(batch.q.shape, dtype=torch.float64)
+    dk, dv = head_size_k or head_size, head_size_v or head_size
+    out = torch.zeros(*batch.q.shape[:2], dv, dtype=torch.float64)
     for r, seq_len in enumerate(batch.seq_lens.tolist()):
         start, end = batch.query_start_loc[r].item(), batch.query_start_loc[r + 1].item()
         if start == end:
             continue
         pos = torch.arange(seq_len)
         slots = batch.block_table[r, pos // block_size].long() * block_size + pos % block_size
-        keys, values = flat[0, slots], flat[1, slots]
+        keys, values = flat[0, slots, :, :dk], flat[1, slots, :, :dv]
         q_pos = torch.arange(seq_len - (end - start), seq_len)
         visible = pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             visible &= q_pos[:, None] - pos[None, :] < sliding_window
         for h in range(num_q_heads):
-            scores = batch.q[start:end, h].double() @ keys[:, h // group].T * scale
+            scores = batch.q[start:end, h, :dk].double() @ keys[:, h // group].T * scale
             probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
             out[start:end, h] = probs @ values[:, h // group]
     return out
@@ -154,6 +159,24 @@ def test_matches_reference_backend() -> None:
     torch.testing.assert_close(run_kernel(batch, sliding_window=9), expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("head_size,head_size_v,num_splits", [(96, 64, 1), (64, 32, 1), (48, 80, 1), (96, 64, 3)])
+def test_value_head_size_of_its_own(head_size: int, head_size_v: int, num_splits: int) -> None:
+    """V narrower or wider than K (MLA's prefill: K 192, V 128): the output has V's head size.
+    V is a strided view of the cache's first head_size_v dims, so a kernel that read V with K's
+    head size would mix in the dims past it; the output's unused tail must stay untouched."""
+    kind = "decode" if num_splits > 1 else "mixed"
+    batch = random_paged_batch(*BATCHES[kind], head_size=max(head_size, head_size_v), seed=head_size + head_size_v)
+    buffer = torch.full((*batch.q.shape[:2], head_size_v + 8), float("nan"))
+    out = buffer[..., :head_size_v]
+    config = None if num_splits == 1 else KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=num_splits)
+    kwargs = dict(batch.attention_kwargs(), softmax_scale=head_size**-0.5)
+    unified_attention(batch.q[..., :head_size], batch.k_cache[..., :head_size], batch.v_cache[..., :head_size_v], out,
+                      **kwargs, config=config)
+    ref = dense_reference(batch, head_size**-0.5, head_size_k=head_size, head_size_v=head_size_v)
+    assert_close(out, ref, torch.float32)
+    assert buffer[..., head_size_v:].isnan().all(), "the kernel wrote past V's head size"
+
+
 def test_attention_rejects_unsupported_inputs() -> None:
     batch = random_paged_batch([2], [0], head_size=64)
     kwargs = dict(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, max_query_len=2,
@@ -168,6 +191,15 @@ def test_attention_rejects_unsupported_inputs() -> None:
     q3 = torch.zeros(2, 3, 64)
     with pytest.raises(ValueError, match="3 query heads"):
         unified_attention(q3, batch.k_cache, batch.v_cache, q3.clone(), **kwargs)
+    with pytest.raises(ValueError, match=r"out must be .* = \[2, 4, 32\], got \[2, 4, 64\]"):
+        unified_attention(batch.q, batch.k_cache, batch.v_cache[..., :32], batch.q.clone(), **kwargs)
+    with pytest.raises(ValueError, match="head size 12"):
+        unified_attention(batch.q, batch.k_cache, batch.v_cache[..., :12], torch.zeros(2, 4, 12), **kwargs)
+    workspace = SplitKVWorkspace(rows=8, num_q_heads=4, head_size=64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"workspace holds rows of \[4, 64\].*\[4, 32\]"):
+        unified_attention(batch.q, batch.k_cache, batch.v_cache[..., :32], torch.zeros(2, 4, 32), **kwargs,
+                          workspace=workspace, config=KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1,
+                                                                   num_splits=2))
 
 
 # --- reshape_and_cache -----------------------------------------------------------------------

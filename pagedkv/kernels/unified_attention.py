@@ -18,7 +18,9 @@ The grid is (query tile, KV head, split):
   partial output plus its log-sum-exp, and a small second kernel merges the parts.
 * **Head sizes** that are not a power of two (80, 96, ...) run in tiles padded to the next one
   (`HEAD_PAD`). Every access masks the padded dims, so nothing outside q, the cache or out is
-  read or written; for a power-of-two head the mask is compiled out.
+  read or written; for a power-of-two head the mask is compiled out. V may have a head size of
+  its own (`HEAD_SIZE_V`, the size of the output): MLA's prefill attends with K of 192 values
+  and V of 128.
 """
 
 from __future__ import annotations
@@ -84,8 +86,8 @@ def _load_kv(ptrs, in_seq, dim_ok, MASKED: tl.constexpr, PADDED: tl.constexpr):
 @triton.jit
 def _attend_key_tile(
     acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
-    sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_kv_k, dims_kv_v, dim_ok,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, PADDED: tl.constexpr,
+    sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_kv_k, dims_kv_v, dim_ok, v_dim_ok,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, PADDED: tl.constexpr, PADDED_V: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Fold one tile of BLOCK_N keys into the running softmax state (online softmax)."""
@@ -102,7 +104,7 @@ def _attend_key_tile(
     k_rows = (block * stride_kc_b + offset * stride_kc_s)[:, None]
     v_rows = (block * stride_vc_b + offset * stride_vc_s)[:, None]
     k = _load_kv(k_base + k_rows + dims_kv_k, in_seq, dim_ok, MASKED, PADDED)
-    v = _load_kv(v_base + v_rows + dims_kv_v, in_seq, dim_ok, MASKED, PADDED)
+    v = _load_kv(v_base + v_rows + dims_kv_v, in_seq, v_dim_ok, MASKED, PADDED_V)
 
     s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
     if MASKED:
@@ -138,7 +140,8 @@ def _unified_attention_kernel(
     stride_vc_b, stride_vc_s, stride_vc_h, stride_vc_d,
     stride_bt,
     G: tl.constexpr,  # query heads per KV head
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,  # of q and K
+    HEAD_SIZE_V: tl.constexpr, HEAD_PAD_V: tl.constexpr,  # of V and the output
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, ONE_TILE_PER_REQ: tl.constexpr, USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -198,30 +201,32 @@ def _unified_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    v_dims = tl.arange(0, HEAD_PAD_V)
+    v_dim_ok = v_dims < HEAD_SIZE_V
+    acc = tl.zeros([BLOCK_M, HEAD_PAD_V], tl.float32)
     k_base = k_cache_ptr + kv_head * stride_kc_h
     v_base = v_cache_ptr + kv_head * stride_vc_h
     dims_k = (dims * stride_kc_d)[None, :]
-    dims_v = (dims * stride_vc_d)[None, :]
+    dims_v = (v_dims * stride_vc_d)[None, :]
     block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     if USE_WINDOW:  # tiles at the window's lower edge
         for tile in range(tl.maximum(tiles_start, mine_start), tl.minimum(full_start, mine_end)):
             acc, m_i, l_i = _attend_key_tile(
                 acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
-                sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v, dim_ok,
-                BLOCK_N, PAGE_SIZE, True, HEAD_PAD != HEAD_SIZE, USE_WINDOW, DOT_PRECISION, UPCAST,
+                sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v, dim_ok, v_dim_ok,
+                BLOCK_N, PAGE_SIZE, True, HEAD_PAD != HEAD_SIZE, HEAD_PAD_V != HEAD_SIZE_V, USE_WINDOW, DOT_PRECISION, UPCAST,
             )
     for tile in range(tl.maximum(full_start, mine_start), tl.minimum(full_end, mine_end)):
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
-            sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v, dim_ok,
-            BLOCK_N, PAGE_SIZE, False, HEAD_PAD != HEAD_SIZE, USE_WINDOW, DOT_PRECISION, UPCAST,
+            sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v, dim_ok, v_dim_ok,
+            BLOCK_N, PAGE_SIZE, False, HEAD_PAD != HEAD_SIZE, HEAD_PAD_V != HEAD_SIZE_V, USE_WINDOW, DOT_PRECISION, UPCAST,
         )
     for tile in range(tl.maximum(full_end, mine_start), mine_end):  # the causal diagonal
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
-            sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v, dim_ok,
-            BLOCK_N, PAGE_SIZE, True, HEAD_PAD != HEAD_SIZE, USE_WINDOW, DOT_PRECISION, UPCAST,
+            sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v, dim_ok, v_dim_ok,
+            BLOCK_N, PAGE_SIZE, True, HEAD_PAD != HEAD_SIZE, HEAD_PAD_V != HEAD_SIZE_V, USE_WINDOW, DOT_PRECISION, UPCAST,
         )
 
     # --- write back ---------------------------------------------------------------------------
@@ -229,8 +234,8 @@ def _unified_attention_kernel(
     out = acc / l_safe[:, None]
     out_rows = tokens * num_splits + split
     tl.store(
-        out_ptr + out_rows[:, None] * stride_o_t + heads[:, None] * stride_o_h + dims[None, :] * stride_o_d,
-        out, mask=row_ok[:, None] & dim_ok[None, :],
+        out_ptr + out_rows[:, None] * stride_o_t + heads[:, None] * stride_o_h + v_dims[None, :] * stride_o_d,
+        out, mask=row_ok[:, None] & v_dim_ok[None, :],
     )
     if SPLIT_KV:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -255,8 +260,9 @@ def unified_attention(
 ) -> torch.Tensor:
     """Causal paged attention for a ragged batch; writes `out` and returns it.
 
-    q, out: [num_tokens, num_q_heads, head_size]. k_cache, v_cache: [num_blocks, block_size,
-    num_kv_heads, head_size] (strided views are fine). query_start_loc: int32 [num_reqs + 1];
+    q: [num_tokens, num_q_heads, head_size]; k_cache: [num_blocks, block_size, num_kv_heads,
+    head_size]; v_cache: the same with V's head size, usually head_size (MLA's prefill: K 192,
+    V 128); out: [num_tokens, num_q_heads, V's head size]. Strided views are fine. query_start_loc: int32 [num_reqs + 1];
     seq_lens: int32 [num_reqs] (context + query; a request's queries are its last positions);
     block_table: int32 [num_reqs, max_blocks]. A query at position p sees key k iff k <= p and,
     with a sliding window, p - k < sliding_window.
@@ -268,17 +274,17 @@ def unified_attention(
     `config` overrides the tile heuristics (benchmarks, tuning).
     """
     num_tokens, num_q_heads, head_size = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads, head_size_v = k_cache.shape[2], v_cache.shape[3]
     _check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table)
     _check_window(sliding_window)
     if num_tokens == 0 or seq_lens.shape[0] == 0:
         return out
     num_reqs = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
-    head_pad = next_power_of_2(head_size)
+    head_pad, head_pad_v = next_power_of_2(head_size), next_power_of_2(head_size_v)
     if config is None:
-        config = choose_config(
-            device=q.device, head_pad=head_pad, dtype=q.dtype, num_queries_per_kv=group,
+        config = choose_config(  # tiles sized for the wider of K and V
+            device=q.device, head_pad=max(head_pad, head_pad_v), dtype=q.dtype, num_queries_per_kv=group,
             num_kv_heads=num_kv_heads, num_reqs=num_reqs, num_tokens=num_tokens,
             max_query_len=max_query_len, max_seq_len=max_seq_len,
         )
@@ -295,7 +301,12 @@ def unified_attention(
 
     if config.num_splits > 1:
         if workspace is None:
-            workspace = SplitKVWorkspace(num_tokens * config.num_splits, num_q_heads, head_size, q.device)
+            workspace = SplitKVWorkspace(num_tokens * config.num_splits, num_q_heads, head_size_v, q.device)
+        elif tuple(workspace.partial_out.shape[1:]) != (num_q_heads, head_size_v):
+            raise ValueError(
+                f"the split-KV workspace holds rows of {list(workspace.partial_out.shape[1:])} (heads, head size); "
+                f"this call writes [{num_q_heads}, {head_size_v}]: allocate it with the output's heads and head size"
+            )
         partial_out, partial_lse = workspace.views(num_tokens, config.num_splits)
         target, lse = partial_out, partial_lse
     else:
@@ -307,7 +318,7 @@ def unified_attention(
         num_reqs, config.num_splits, softmax_scale * LOG2_E, NO_WINDOW if sliding_window is None else sliding_window,
         *q.stride(), *target.stride(), *lse.stride()[:2], *k_cache.stride(), *v_cache.stride(),
         block_table.stride(0),
-        G=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        G=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad, HEAD_SIZE_V=head_size_v, HEAD_PAD_V=head_pad_v,
         BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, PAGE_SIZE=k_cache.shape[1],
         SPLIT_KV=config.num_splits > 1, ONE_TILE_PER_REQ=one_tile_per_req,
         USE_WINDOW=sliding_window is not None,
@@ -329,20 +340,24 @@ def _check_inputs(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
 ) -> None:
-    if q.dim() != 3 or out.shape != q.shape:
-        raise ValueError(f"q and out must be [num_tokens, num_q_heads, head_size]; got {tuple(q.shape)}, {tuple(out.shape)}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != q.shape[2]:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, num_q_heads, head_size]; got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3] or k_cache.shape[3] != q.shape[2]:
         raise ValueError(
-            f"k_cache/v_cache must be [num_blocks, block_size, num_kv_heads, {q.shape[2]}]; "
-            f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+            f"k_cache must be [num_blocks, block_size, num_kv_heads, {q.shape[2]}] and v_cache the same but for its "
+            f"head size; got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
         )
+    expected = (q.shape[0], q.shape[1], v_cache.shape[3])
+    if tuple(out.shape) != expected:
+        raise ValueError(f"out must be [num_tokens, num_q_heads, V's head size] = {list(expected)}, got {list(out.shape)}")
     if q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
     check_head_size(q.shape[2])
+    check_head_size(v_cache.shape[3])
     for name, tensor in (("q", q), ("k_cache", k_cache), ("out", out)):
         check_attention_dtype(tensor.dtype, name)
-    if k_cache.dtype != q.dtype:
-        raise ValueError(f"KV cache dtype {k_cache.dtype} must equal the query dtype {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"KV cache dtypes {k_cache.dtype} / {v_cache.dtype} must equal the query dtype {q.dtype}")
     for name, tensor in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
         if tensor.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {tensor.dtype}")

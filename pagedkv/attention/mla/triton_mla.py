@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from pagedkv.attention.backend import AttentionCGSupport, CommonAttentionMetadata, MultipleOf
 from pagedkv.attention.backends.triton_attn import TritonBackendRules
@@ -168,11 +167,10 @@ class TritonMLAImpl(MLACommonImpl[TritonMLADecodeMetadata]):
 
     @functools.cached_property
     def kernel_takes_heads(self) -> bool:
-        """Whether `unified_attention` takes this layer's heads: K's head size (V is padded to it).
+        """Whether `unified_attention` takes this layer's head sizes (K's and V's, which differ).
         Fixed by the layer's shape, so worked out once per layer, not in every forward."""
         dims = self.mla_dims
-        return (dims.qk_head_dim % 8 == 0 and MIN_HEAD_SIZE <= dims.qk_head_dim <= MAX_HEAD_SIZE
-                and dims.v_head_dim <= dims.qk_head_dim)
+        return all(d % 8 == 0 and MIN_HEAD_SIZE <= d <= MAX_HEAD_SIZE for d in (dims.qk_head_dim, dims.v_head_dim))
 
     def forward_mha(
         self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -188,7 +186,6 @@ class TritonMLAImpl(MLACommonImpl[TritonMLADecodeMetadata]):
         Head sizes the kernel does not take, and requests too long for one pass, go through the
         shared path (a loop over requests, context in chunks, merged by log-sum-exp)."""
         dims = self.mla_dims
-        head_size = dims.qk_head_dim
         if not isinstance(prefill, TritonMLAPrefillMetadata) or not self.kernel_takes_heads:
             super().forward_mha(q, kv_c_normed, k_pe, kv_cache, prefill, output)
             return
@@ -197,15 +194,13 @@ class TritonMLAImpl(MLACommonImpl[TritonMLADecodeMetadata]):
         for p in prefill.passes:
             rows = kv_cache[p.blocks]  # [blocks, block_size, latent]
             k, v = self._up_project(*rows.flatten(0, 1).split([dims.kv_lora_rank, dims.qk_rope_head_dim], -1))
-            v = F.pad(v, (0, head_size - dims.v_head_dim))  # the kernel takes one head size for K and V
-            paged = (rows.shape[0], rows.shape[1], self.num_heads, head_size)
-            out = torch.empty(p.tokens.stop - p.tokens.start, self.num_heads, head_size, dtype=k.dtype, device=q.device)
-            unified_attention(
-                q[p.tokens].to(k.dtype), k.view(paged), v.view(paged), out, query_start_loc=p.query_start_loc,
-                seq_lens=p.seq_lens, max_query_len=p.max_query_len, max_seq_len=p.max_seq_len,
-                block_table=p.block_table, softmax_scale=self.scale,
+            paged = (rows.shape[0], rows.shape[1], self.num_heads)  # the gathered blocks, as pages
+            unified_attention(  # K of qk_head_dim values, V (and the output) of v_head_dim
+                q[p.tokens].to(k.dtype), k.view(*paged, dims.qk_head_dim), v.view(*paged, dims.v_head_dim),
+                output[p.tokens], query_start_loc=p.query_start_loc, seq_lens=p.seq_lens,
+                max_query_len=p.max_query_len, max_seq_len=p.max_seq_len, block_table=p.block_table,
+                softmax_scale=self.scale,
             )
-            output[p.tokens] = out[..., : dims.v_head_dim]
 
     def forward_mqa(self, q: torch.Tensor, kv_cache: torch.Tensor, decode: TritonMLADecodeMetadata) -> torch.Tensor:
         out = torch.empty(*q.shape[:2], self.mla_dims.kv_lora_rank, dtype=q.dtype, device=q.device)
