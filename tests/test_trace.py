@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.engine.scheduler import SchedulerOutput
+from pagedkv.models.loader import PRESETS
 from pagedkv.trace import StepTrace
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -136,3 +138,58 @@ def test_long_prompts_drop_window_blocks() -> None:
                 assert token == prompts[int(rid)][pos]
         if not record.finished_req_ids:  # every allocated block belongs to a recorded request
             assert [usable - free for free in record.num_free_blocks] == record.num_blocks_in_use
+
+
+def test_engine_info_describes_each_layers_cache(trace: StepTrace) -> None:
+    """EngineInfo against tiny-hybrid's own config: sliding layers (0, 2) form the window group,
+    full layers (1, 3) the other, and every layer's cache is [K and V, blocks, block size, KV heads,
+    head size] as the engine was built (block_size=4, num_kv_blocks=24)."""
+    config = PRESETS["tiny-hybrid"]
+    head_size = config.hidden_size // config.num_attention_heads
+    by_window = {g.spec.sliding_window: g for g in trace.engine.kv_cache_groups}
+    assert set(by_window) == {config.sliding_window, None}
+    for window, kind in ((config.sliding_window, "sliding_attention"), (None, "full_attention")):
+        layers = [i for i, t in enumerate(config.layer_types) if t == kind]
+        assert by_window[window].layer_names == [f"model.layers.{i}.self_attn.attn" for i in layers]
+        assert (by_window[window].spec.num_kv_heads, by_window[window].spec.head_size) == (
+            config.num_key_value_heads, head_size)
+    assert trace.engine.kv_cache_shapes == {
+        name: [2, 24, 4, config.num_key_value_heads, head_size] for name in trace.engine.layer_names
+    }
+    assert len(trace.engine.layer_names) == config.num_hidden_layers
+
+
+def test_a_running_request_left_out_of_a_step_is_recorded_unscheduled() -> None:
+    """This scheduler gives every running request tokens (admission uses leftover budget only); a
+    student's scheduler may not. Here one step leaves the newest decode out: the trace shows it as
+    "unscheduled" with its blocks still held, it resumes where it stopped, and no token changes."""
+    prompts = ["hello world!", "abc"]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM("tiny", block_size=4, num_kv_blocks=24).generate(prompts, params)]
+
+    llm = LLM("tiny", block_size=4, num_kv_blocks=24)
+    schedule = llm.scheduler.schedule
+    left_out: list[str] = []
+
+    def schedule_leaving_one_out() -> SchedulerOutput:
+        out = schedule()
+        decodes = [s for s in out.scheduled if s.is_decode]
+        if not left_out and len(decodes) == 2:
+            left_out.append(decodes[-1].request.request_id)
+            out.scheduled.remove(decodes[-1])
+        return out
+
+    llm.scheduler.schedule = schedule_leaving_one_out
+    with StepTrace.attach(llm) as trace:
+        outputs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert left_out, "both requests decoded in one step at some point"
+    step = next(record for record in trace if any(r.phase == "unscheduled" for r in record.requests))
+    (idle,) = [r for r in step.requests if r.phase == "unscheduled"]
+    assert idle.req_id == left_out[0] and idle.num_new_tokens == 0
+    assert idle.req_id not in [r.req_id for r in step.scheduled]
+    after = next(r for record in trace if record.step > step.step for r in record.scheduled if r.req_id == idle.req_id)
+    assert after.num_computed_tokens == idle.num_computed_tokens  # resumed exactly where it stopped
+    assert after.block_ids == idle.block_ids  # its blocks were held, not freed
+    held = {b for r in step.requests for b in r.block_ids[0]}
+    assert step.num_blocks_in_use == [len(held)] and set(idle.block_ids[0]) <= held
