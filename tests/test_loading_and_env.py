@@ -123,6 +123,15 @@ def test_unsupported_or_contradictory_model_is_rejected(tmp_path: Path, changes:
         LLM(str(model_dir), device="cpu", num_kv_blocks=16)
 
 
+def test_quantized_checkpoint_is_refused(tmp_path: Path) -> None:
+    """DeepSeek-V3's released weights are fp8 with per-block scales; read as plain weights they
+    would load as garbage (or fail on the scale tensors), so the config is refused by name."""
+    model_dir = write_hf_llama(tmp_path / "model")
+    _edit_config(model_dir, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(ValueError, match=r"quantized checkpoints are not supported .*quant_method 'fp8'"):
+        LLM(str(model_dir), device="cpu", num_kv_blocks=16)
+
+
 def test_family_from_either_field_or_llama_without_both(tmp_path: Path) -> None:
     """model_type alone, architectures alone, or (a hand-written Llama config) neither."""
     torch.manual_seed(0)

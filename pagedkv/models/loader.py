@@ -92,6 +92,12 @@ def load_config(model: str) -> HFConfig:
         )
     hf = _read_json_object(config_file)
     model_type = _model_type(hf, config_file)
+    if hf.get("quantization_config"):  # e.g. DeepSeek-V3's own fp8 weights with block scales
+        method = hf["quantization_config"].get("quant_method", "?") if isinstance(hf["quantization_config"], dict) else "?"
+        raise ValueError(
+            f"{config_file}: quantized checkpoints are not supported (quantization_config, quant_method "
+            f"{method!r}); pagedkv loads fp32/fp16/bf16 weights. Save a dequantized copy (e.g. bf16) first."
+        )
     config_cls, _ = MODEL_REGISTRY[SUPPORTED_MODEL_TYPES[model_type]]
     return config_cls.from_hf_dict(hf, model_type=model_type)
 
