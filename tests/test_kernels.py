@@ -168,7 +168,8 @@ def test_value_head_size_of_its_own(head_size: int, head_size_v: int, num_splits
     batch = random_paged_batch(*BATCHES[kind], head_size=max(head_size, head_size_v), seed=head_size + head_size_v)
     buffer = torch.full((*batch.q.shape[:2], head_size_v + 8), float("nan"))
     out = buffer[..., :head_size_v]
-    config = None if num_splits == 1 else KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=num_splits)
+    config = None if num_splits == 1 else KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1,
+                                                       num_splits=num_splits)
     kwargs = dict(batch.attention_kwargs(), softmax_scale=head_size**-0.5)
     unified_attention(batch.q[..., :head_size], batch.k_cache[..., :head_size], batch.v_cache[..., :head_size_v], out,
                       **kwargs, config=config)

@@ -86,8 +86,10 @@ def _load_kv(ptrs, in_seq, dim_ok, MASKED: tl.constexpr, PADDED: tl.constexpr):
 @triton.jit
 def _attend_key_tile(
     acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
-    sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_kv_k, dims_kv_v, dim_ok, v_dim_ok,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, PADDED: tl.constexpr, PADDED_V: tl.constexpr,
+    sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+    dims_kv_k, dims_kv_v, dim_ok, v_dim_ok,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    PADDED: tl.constexpr, PADDED_V: tl.constexpr,  # K's / V's head padded to a power of two
     USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Fold one tile of BLOCK_N keys into the running softmax state (online softmax)."""
@@ -213,20 +215,26 @@ def _unified_attention_kernel(
         for tile in range(tl.maximum(tiles_start, mine_start), tl.minimum(full_start, mine_end)):
             acc, m_i, l_i = _attend_key_tile(
                 acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
-                sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v, dim_ok, v_dim_ok,
-                BLOCK_N, PAGE_SIZE, True, HEAD_PAD != HEAD_SIZE, HEAD_PAD_V != HEAD_SIZE_V, USE_WINDOW, DOT_PRECISION, UPCAST,
+                sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+                dims_k, dims_v, dim_ok, v_dim_ok,
+                BLOCK_N, PAGE_SIZE, True, HEAD_PAD != HEAD_SIZE, HEAD_PAD_V != HEAD_SIZE_V,
+                USE_WINDOW, DOT_PRECISION, UPCAST,
             )
     for tile in range(tl.maximum(full_start, mine_start), tl.minimum(full_end, mine_end)):
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
-            sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v, dim_ok, v_dim_ok,
-            BLOCK_N, PAGE_SIZE, False, HEAD_PAD != HEAD_SIZE, HEAD_PAD_V != HEAD_SIZE_V, USE_WINDOW, DOT_PRECISION, UPCAST,
+            sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+            dims_k, dims_v, dim_ok, v_dim_ok,
+            BLOCK_N, PAGE_SIZE, False, HEAD_PAD != HEAD_SIZE, HEAD_PAD_V != HEAD_SIZE_V,
+            USE_WINDOW, DOT_PRECISION, UPCAST,
         )
     for tile in range(tl.maximum(full_end, mine_start), mine_end):  # the causal diagonal
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
-            sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, dims_k, dims_v, dim_ok, v_dim_ok,
-            BLOCK_N, PAGE_SIZE, True, HEAD_PAD != HEAD_SIZE, HEAD_PAD_V != HEAD_SIZE_V, USE_WINDOW, DOT_PRECISION, UPCAST,
+            sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+            dims_k, dims_v, dim_ok, v_dim_ok,
+            BLOCK_N, PAGE_SIZE, True, HEAD_PAD != HEAD_SIZE, HEAD_PAD_V != HEAD_SIZE_V,
+            USE_WINDOW, DOT_PRECISION, UPCAST,
         )
 
     # --- write back ---------------------------------------------------------------------------
@@ -262,10 +270,10 @@ def unified_attention(
 
     q: [num_tokens, num_q_heads, head_size]; k_cache: [num_blocks, block_size, num_kv_heads,
     head_size]; v_cache: the same with V's head size, usually head_size (MLA's prefill: K 192,
-    V 128); out: [num_tokens, num_q_heads, V's head size]. Strided views are fine. query_start_loc: int32 [num_reqs + 1];
-    seq_lens: int32 [num_reqs] (context + query; a request's queries are its last positions);
-    block_table: int32 [num_reqs, max_blocks]. A query at position p sees key k iff k <= p and,
-    with a sliding window, p - k < sliding_window.
+    V 128); out: [num_tokens, num_q_heads, V's head size]. Strided views are fine.
+    query_start_loc: int32 [num_reqs + 1]; seq_lens: int32 [num_reqs] (context + query; a
+    request's queries are its last positions); block_table: int32 [num_reqs, max_blocks]. A query
+    at position p sees key k iff k <= p and, with a sliding window, p - k < sliding_window.
 
     `max_query_len` / `max_seq_len` are host-side upper bounds that choose the launch shape: a
     CUDA graph captured with them stays correct for any batch within them. `workspace` holds
@@ -342,14 +350,17 @@ def _check_inputs(
 ) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_size]; got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3] or k_cache.shape[3] != q.shape[2]:
+    if (k_cache.dim() != 4 or v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3]
+            or k_cache.shape[3] != q.shape[2]):
         raise ValueError(
-            f"k_cache must be [num_blocks, block_size, num_kv_heads, {q.shape[2]}] and v_cache the same but for its "
-            f"head size; got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+            f"k_cache must be [num_blocks, block_size, num_kv_heads, {q.shape[2]}] and v_cache the same but for "
+            f"its head size; got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
         )
     expected = (q.shape[0], q.shape[1], v_cache.shape[3])
     if tuple(out.shape) != expected:
-        raise ValueError(f"out must be [num_tokens, num_q_heads, V's head size] = {list(expected)}, got {list(out.shape)}")
+        raise ValueError(
+            f"out must be [num_tokens, num_q_heads, V's head size] = {list(expected)}, got {list(out.shape)}"
+        )
     if q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
     check_head_size(q.shape[2])

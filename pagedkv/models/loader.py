@@ -92,8 +92,9 @@ def load_config(model: str) -> HFConfig:
         )
     hf = _read_json_object(config_file)
     model_type = _model_type(hf, config_file)
-    if hf.get("quantization_config"):  # e.g. DeepSeek-V3's own fp8 weights with block scales
-        method = hf["quantization_config"].get("quant_method", "?") if isinstance(hf["quantization_config"], dict) else "?"
+    quantization = hf.get("quantization_config")
+    if quantization:  # e.g. DeepSeek-V3's own fp8 weights with block scales
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
         raise ValueError(
             f"{config_file}: quantized checkpoints are not supported (quantization_config, quant_method "
             f"{method!r}); pagedkv loads fp32/fp16/bf16 weights. Save a dequantized copy (e.g. bf16) first."
