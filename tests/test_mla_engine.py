@@ -39,6 +39,18 @@ def test_triton_mla_chunked_and_mixed_steps_match_transformers(v2_dir: Path) -> 
     assert max(splits) > 1  # decodes of several requests went through the Triton kernel together
 
 
+@needs_triton
+def test_triton_mla_prefill_with_v_wider_than_k_matches_transformers(tmp_path: Path) -> None:
+    """v_head_dim 32 against K's 16 + 8 = 24: forward_mha's paged kernel reads V (and writes the
+    output) at V's own head size, wider than K's."""
+    path = write_hf_deepseek(tmp_path / "wide-v", version=2, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=32)
+    llm = engine(path, attention_backend="TRITON_MLA", max_num_batched_tokens=16)
+    impls = [layer.impl for layer in llm.runner.attn_layers.values()]
+    assert all(impl.kernel_takes_heads for impl in impls)
+    error, argmax = logit_errors(llm, hf_model(path, 2))
+    assert error <= ATOL and argmax
+
+
 @pytest.mark.parametrize("backend", ["TORCH_REF_MLA", pytest.param("TRITON_MLA", marks=needs_triton)])
 def test_preemption_under_mla_loses_nothing(v2_dir: Path, backend: str) -> None:
     """Five requests in 12 usable blocks of 4 tokens: preempted, recomputed, same logits as transformers."""
