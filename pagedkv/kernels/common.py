@@ -28,9 +28,14 @@ def check_attention_dtype(dtype: torch.dtype, name: str) -> None:
         raise ValueError(f"{name} has dtype {dtype}; the Triton kernels support {list(SUPPORTED_DTYPES)}")
 
 
-def check_head_size(head_size: int) -> None:
+def head_size_supported(head_size: int) -> bool:
     """Any multiple of 8 in [16, 256]; tiles are padded to the next power of two (80, 96 -> 128)."""
-    if not (MIN_HEAD_SIZE <= head_size <= MAX_HEAD_SIZE and head_size % 8 == 0):
+    return MIN_HEAD_SIZE <= head_size <= MAX_HEAD_SIZE and head_size % 8 == 0
+
+
+def check_head_size(head_size: int) -> None:
+    """`head_size_supported`, or a ValueError that says which sizes work."""
+    if not head_size_supported(head_size):
         raise ValueError(
             f"head size {head_size} is not supported by the Triton kernels: use a multiple of 8 "
             f"from {MIN_HEAD_SIZE} to {MAX_HEAD_SIZE} (e.g. 64, 80, 96, 128, 256)"

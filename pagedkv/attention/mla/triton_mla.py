@@ -35,7 +35,7 @@ from pagedkv.attention.mla.common import (
 )
 from pagedkv.config import EngineConfig
 from pagedkv.kernels import HAS_TRITON
-from pagedkv.kernels.common import MAX_HEAD_SIZE, MIN_HEAD_SIZE, cdiv
+from pagedkv.kernels.common import cdiv, head_size_supported
 from pagedkv.kv_cache.spec import KVCacheSpec
 
 if HAS_TRITON:
@@ -170,7 +170,7 @@ class TritonMLAImpl(MLACommonImpl[TritonMLADecodeMetadata]):
         """Whether `unified_attention` takes this layer's head sizes (K's and V's, which differ).
         Fixed by the layer's shape, so worked out once per layer, not in every forward."""
         dims = self.mla_dims
-        return all(d % 8 == 0 and MIN_HEAD_SIZE <= d <= MAX_HEAD_SIZE for d in (dims.qk_head_dim, dims.v_head_dim))
+        return head_size_supported(dims.qk_head_dim) and head_size_supported(dims.v_head_dim)
 
     def forward_mha(
         self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
