@@ -94,8 +94,10 @@ def make_inputs(case: Case, block_size: int, seed: int) -> Inputs:
 def triton_fn(x: Inputs, max_seq_len: int, splits: int | None) -> Callable[[], torch.Tensor]:
     out = torch.empty(x.q.shape[0], HEADS, RANK, device="cuda", dtype=DTYPE)
     workspace = MLADecodeWorkspace(x.q.shape[0], HEADS, RANK, "cuda", max_splits=max(splits or 0, 32))
+    # early_launch as TRITON_MLA calls it: the kernel before this one wrote neither seq_lens nor the block table
     return lambda: mla_decode_attention(x.q, x.kv_cache, x.block_table, x.seq_lens, SCALE, RANK, out,
-                                        workspace=workspace, num_kv_splits=splits, max_seq_len=max_seq_len)
+                                        workspace=workspace, num_kv_splits=splits, max_seq_len=max_seq_len,
+                                        early_launch=True)
 
 
 def torch_fn(x: Inputs) -> Callable[[], torch.Tensor]:

@@ -116,6 +116,21 @@ def test_bfloat16(splits: int) -> None:
     check(out, reference(*batch, 32), torch.bfloat16)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_early_launch_reads_the_query_written_just_before(splits: int) -> None:
+    """early_launch=True (on Hopper: the kernel starts while the kernel before it still runs, and
+    waits for it before reading the query and the cache). Here that kernel writes the query, a new
+    one every call, so a query read too early would give the last call's output."""
+    q, kv_cache, block_table, seq_lens = make_batch(SEQ_LENS, block_size=4, dtype=torch.bfloat16, seed=6)
+    workspace = MLADecodeWorkspace(q.shape[0], q.shape[1], 32, DEVICE, max_splits=8)
+    live, out = torch.empty_like(q), torch.empty(q.shape[0], q.shape[1], 32, dtype=q.dtype, device=DEVICE)
+    for step in range(3):
+        torch.mul(q, 1.0 - 0.5 * step, out=live)
+        mla_decode_attention(live, kv_cache, block_table, seq_lens, SCALE, 32, out,
+                             workspace=workspace, num_kv_splits=splits, early_launch=True)
+        check(out, reference(live, kv_cache, block_table, seq_lens, 32), torch.bfloat16)
+
+
 def test_float32_output_from_bfloat16_inputs() -> None:
     batch = make_batch([5, 12], block_size=4, dtype=torch.bfloat16, seed=5)
     check(run(*batch, 32, 2, out_dtype=torch.float32), reference(*batch, 32), torch.bfloat16)

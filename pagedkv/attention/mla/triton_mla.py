@@ -207,6 +207,7 @@ class TritonMLAImpl(MLACommonImpl[TritonMLADecodeMetadata]):
         return mla_decode_attention(
             q, kv_cache, decode.block_table, decode.seq_lens, self.scale, self.mla_dims.kv_lora_rank, out,
             workspace=decode.workspace, num_kv_splits=decode.num_kv_splits,
+            early_launch=True,  # block_table and seq_lens are the step's metadata, written before any layer ran
         )
 
 
