@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
-
 import pytest
 import torch
 
