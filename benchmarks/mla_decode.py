@@ -156,14 +156,15 @@ def compiled_kernels() -> dict[int, dict[str, object]]:
 
 
 def sweep(block_size: int) -> dict[str, object]:
-    """Time each MLATiles on the decodes the target covers (default split count for each); rank by geomean.
+    """Time each MLATiles on the decodes the target covers and a mixed batch (default split count for
+    each); rank by geomean.
 
     Each launch shape is also checked against the torch peer on one case (max abs difference).
     """
     grid = [MLATiles(n, w, st, ppm) for n, w, st, ppm in [
         (32, 4, 3, 2), (32, 4, 2, 2), (32, 4, 2, 3), (32, 4, 4, 1), (16, 4, 3, 2), (16, 4, 3, 3), (16, 4, 4, 2),
         (32, 8, 3, 2), (64, 4, 2, 2)]]
-    chosen = [Case(8, 4096), Case(32, 4096), Case(64, 4096), Case(128, 4096), Case(32, 16384)]
+    chosen = [Case(8, 4096), Case(32, 4096), Case(64, 4096), Case(128, 4096), Case(32, 16384), Case(32, 4096, mixed=True)]
     inputs = {c: [make_inputs(c, block_size, i) for i in range(copies_for(c.cache_bytes))] for c in chosen}
     copy_gbps = copy_bandwidth_gbps()
     check = chosen[0]
