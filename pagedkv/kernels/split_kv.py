@@ -65,7 +65,7 @@ def _merge_splits_kernel(
     head = tl.program_id(1)
     # query_start_loc is an input of the attention kernel, complete before that kernel started:
     # read while waiting for it, the padding check costs no round trip to memory after the wait
-    # (+0.3-1 point of bandwidth for the MLA decode at 32 x 4096 on an H200).
+    # (up to 1 point of bandwidth for the MLA decode at 32 x 4096 on an H200).
     num_tokens = tl.load(query_start_loc_ptr + num_reqs)
     if PDL:
         tl.extra.cuda.gdc_wait()  # launched early: the partials are complete only from here on
