@@ -18,6 +18,7 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 
+import pagedkv.config
 from pagedkv import LLM, SamplingParams
 from pagedkv.compilation import CompiledPiece, attention_compiled_piecewise, compile_model
 from pagedkv.compilation.split import op_name
@@ -144,6 +145,40 @@ def test_compiled_engine_logits_equal_eager_logits() -> None:
     for got, want in zip(steps, eager):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert compiled.backend.num_graphs == 1
+
+
+def test_compile_with_no_engine_config_left_from_an_earlier_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in a new process: no engine config is current once the model is built, so a layer that
+    asked for it in forward made Dynamo trace the construction of a default one (and fail)."""
+    monkeypatch.setattr(pagedkv.config, "_current_config", None)
+    prompts, max_tokens = [list(range(1, 20)), [7, 8, 9]], [3, 2]
+    kwargs = dict(device="cpu", num_kv_blocks=32, max_num_batched_tokens=32)
+    compiled = _logits_per_step(LLM("tiny", compile=True, **kwargs), prompts, max_tokens)
+    eager = _logits_per_step(LLM("tiny", **kwargs), prompts, max_tokens)
+    assert len(compiled) == len(eager) >= 3
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_deepseek_with_moe_equals_eager() -> None:
+    """tiny-mla (MLA attention, routed experts) through torch.compile, split at the MLA ops. On the
+    CPU in float32 the grouped expert matmul runs eagerly but cannot be traced (its shape function
+    takes bf16 only), so the traced model takes FusedMoE's dense way: the same logits up to rounding."""
+    prompts, max_tokens = [list(range(3, 30)), [5, 6, 7, 8]], [4, 3]
+    kwargs = dict(device="cpu", num_kv_blocks=32, max_num_batched_tokens=16, attention_backend="TORCH_REF_MLA")
+    eager_llm = LLM("tiny-mla", **kwargs)
+    eager = _logits_per_step(eager_llm, prompts, max_tokens)
+    llm = LLM("tiny-mla", compile=True, **kwargs)
+    compiled = _logits_per_step(llm, prompts, max_tokens)
+    backend = llm.runner.compiled_forward.backend
+    assert backend.num_graphs == 1
+    split_at = [_ops_called(item.graph)[0][0] for item in backend.items if item.is_splitting_op]
+    layers = llm.model_config.num_hidden_layers
+    assert split_at == ["pagedkv::unified_mla_kv_cache_update", "pagedkv::unified_mla_attention_with_output"] * layers
+    assert all(_ops_called(item.graph) == [] for item in backend.items if not item.is_splitting_op)
+    assert len(compiled) == len(eager) >= 4
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
 def test_piece_wrapper_receives_every_piece_and_is_what_runs() -> None:

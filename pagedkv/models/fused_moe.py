@@ -25,6 +25,7 @@ routed, as two matmuls over all experts (E / top_k times the FLOPs of the groupe
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,13 @@ def expert_params_mapping(num_experts: int) -> dict[str, tuple[str, ShardId]]:
             for hf, param, shard in (("gate_proj", "w13", "w1"), ("up_proj", "w13", "w3"), ("down_proj", "w2", "w2"))}
 
 
+def _tiny_grouped_mm(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Two groups (rows 0 and 1-2) of ones through `torch._grouped_mm`: every output value is 16."""
+    a = torch.ones(3, 16, device=device, dtype=dtype)
+    b = torch.ones(2, 32, 16, device=device, dtype=dtype).transpose(1, 2)
+    return torch._grouped_mm(a, b, offs=torch.tensor([1, 3], device=device, dtype=torch.int32))
+
+
 @functools.cache
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `torch._grouped_mm` (a private op) serves `dtype` on `device` with the group offsets
@@ -57,12 +65,29 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) < (9, 0)):
         return False
     try:
-        a = torch.ones(3, 16, device=device, dtype=dtype)
-        b = torch.ones(2, 32, 16, device=device, dtype=dtype).transpose(1, 2)
-        out = torch._grouped_mm(a, b, offs=torch.tensor([1, 3], device=device, dtype=torch.int32))
-        return bool((out == 16).all())
+        return bool((_tiny_grouped_mm(device, dtype) == 16).all())
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+
+
+@functools.cache
+def grouped_mm_traceable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch.compile can trace `torch._grouped_mm` for `dtype`. It runs the op's shape
+    function on fake tensors instead of the kernel, and that function may take fewer dtypes than
+    the kernel does (bf16 only in torch 2.13, where the CPU kernel also takes float32)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")  # it logs a refusal as an error
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        with FakeTensorMode():
+            _tiny_grouped_mm(device, dtype)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    finally:
+        fake_log.setLevel(level)
 
 
 class FusedMoE(nn.Module):
@@ -79,6 +104,8 @@ class FusedMoE(nn.Module):
         self.act_fn = SiluAndMul()  # on each expert's [gate | up] rows, as in LlamaMLP
         self.use_grouped_mm = False
         """Set by `process_weights_after_loading` from the weights' device and dtype."""
+        self.grouped_mm_traceable = False
+        """Whether torch.compile can trace the grouped way too (set with `use_grouped_mm`)."""
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         """Copy one expert's gate_proj ("w1"), up_proj ("w3") or down_proj ("w2") into its slot."""
@@ -97,10 +124,16 @@ class FusedMoE(nn.Module):
         w = self.w13_weight
         aligned = all(size * w.element_size() % 16 == 0 for size in (w.shape[2], self.intermediate_size))
         self.use_grouped_mm = aligned and grouped_mm_supported(w.device, w.dtype)
+        self.grouped_mm_traceable = self.use_grouped_mm and grouped_mm_traceable(w.device, w.dtype)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [tokens, hidden]; the router's weights and expert ids [tokens, top_k] -> [tokens, hidden]."""
-        return self._grouped(x, weights, ids) if self.use_grouped_mm else self._dense(x, weights, ids)
+        """x [tokens, hidden]; the router's weights and expert ids [tokens, top_k] -> [tokens, hidden].
+
+        Under torch.compile (`LLM(compile=True)`) the grouped way is traced only where its shape
+        function takes the dtype; elsewhere the traced model takes the dense way."""
+        tracing = torch.compiler.is_compiling()
+        grouped = self.use_grouped_mm and (self.grouped_mm_traceable or not tracing)
+        return self._grouped(x, weights, ids) if grouped else self._dense(x, weights, ids)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         top_k = ids.shape[1]
@@ -120,16 +153,22 @@ class FusedMoE(nn.Module):
         experts, two_i, hidden = self.w13_weight.shape
         # [tokens, E]: a token's weight for each expert, 0 where it was not routed.
         combine = weights.new_zeros(x.shape[0], experts).scatter_(1, ids, weights)
-        w13 = self.w13_weight.view(experts * two_i, hidden)
-        w2_t = self.w2_weight.transpose(1, 2)  # [E, I, H] as a view: bmm reads it transposed
+        if torch.compiler.is_compiling():  # one graph for every batch size: no loop over its chunks
+            return self._dense_rows(x, combine)
         out = torch.empty_like(x)
         step = max(1, CHUNK_ELEMENTS // (experts * two_i))
         for start in range(0, x.shape[0], step):  # host-side sizes only: the same chunks at capture and replay
             chunk = slice(start, start + step)
-            gate_up = F.linear(x[chunk], w13).view(-1, experts, two_i)  # [tokens, E, 2I]
-            act = self.act_fn(gate_up) * combine[chunk, :, None].to(x.dtype)  # [tokens, E, I]
-            out[chunk] = torch.bmm(act.transpose(0, 1), w2_t).sum(0)  # [E, tokens, H] summed over experts
+            out[chunk] = self._dense_rows(x[chunk], combine[chunk])
         return out
+
+    def _dense_rows(self, x: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
+        """Every expert on every row of `x`, each weighted by `combine` [rows, E] and summed."""
+        experts, two_i, hidden = self.w13_weight.shape
+        w2_t = self.w2_weight.transpose(1, 2)  # [E, I, H] as a view: bmm reads it transposed
+        gate_up = F.linear(x, self.w13_weight.view(experts * two_i, hidden)).view(-1, experts, two_i)  # [rows, E, 2I]
+        act = self.act_fn(gate_up) * combine[:, :, None].to(x.dtype)  # [rows, E, I]
+        return torch.bmm(act.transpose(0, 1), w2_t).sum(0)  # [E, rows, H] summed over experts
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.w13_weight.shape[2]}, intermediate={self.intermediate_size}, "

@@ -211,7 +211,10 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.per_rank = -(-num_embeddings // get_tp_size())
+        # Kept, not asked again in forward: the layer is built for one rank count, and forward
+        # reading the engine config would also make torch.compile trace that lookup.
+        self.tp_size = get_tp_size()
+        self.per_rank = -(-num_embeddings // self.tp_size)
         self.start = get_tp_rank() * self.per_rank
         self.weight = nn.Parameter(torch.zeros(self.per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -224,7 +227,7 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:rows].copy_(loaded[self.start:self.start + rows])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if get_tp_size() == 1:
+        if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
         mine = (local >= 0) & (local < self.per_rank)
