@@ -10,6 +10,9 @@ engine's logits equal the eager engine's step by step.
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -179,6 +182,21 @@ def test_compiled_deepseek_with_moe_equals_eager() -> None:
     assert len(compiled) == len(eager) >= 4
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-mla"])
+def test_cli_compile_in_a_new_process(model: str) -> None:
+    """`python -m pagedkv generate --compile` as a user runs it, in a process where no engine ran
+    before: it exits cleanly and prints what the uncompiled run prints (the summary line aside)."""
+    def generate(*extra: str) -> list[str]:
+        argv = [sys.executable, "-m", "pagedkv", "generate", "--model", model, "--device", "cpu",
+                "--prompt-token-ids", "3,4,5,6,7,8,9", "--max-tokens", "3", *extra]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        return [line for line in done.stdout.splitlines() if not line.startswith("#")]
+
+    assert generate("--compile") == generate()
 
 
 def test_piece_wrapper_receives_every_piece_and_is_what_runs() -> None:

@@ -150,7 +150,7 @@ class FusedMoE(nn.Module):
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token, y).to(x.dtype)
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        experts, two_i, hidden = self.w13_weight.shape
+        experts, two_i = self.w13_weight.shape[:2]
         # [tokens, E]: a token's weight for each expert, 0 where it was not routed.
         combine = weights.new_zeros(x.shape[0], experts).scatter_(1, ids, weights)
         if torch.compiler.is_compiling():  # one graph for every batch size: no loop over its chunks
