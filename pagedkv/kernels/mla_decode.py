@@ -318,8 +318,9 @@ def mla_decode_attention(
 
     tiles = _tiles(q.dtype, q.device)
     # The merge's launch overlaps this kernel's last programs (0.5-1 point of bandwidth at 32 x 4096).
-    early_merge = num_splits > 1 and supports_pdl(q.device)
-    early_launch = early_launch and supports_pdl(q.device)
+    pdl = supports_pdl(q.device)
+    early_merge = num_splits > 1 and pdl
+    early_launch = early_launch and pdl
     if num_splits > 1:
         target, lse = workspace.views(num_decodes, num_splits)
     else:
@@ -342,7 +343,8 @@ def mla_decode_attention(
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=early_launch,
     )
     if num_splits > 1:
-        merge_splits(target, lse, out, workspace.query_start_loc[: num_decodes + 1], num_splits, pdl=early_merge)
+        merge_splits(target, lse, out, workspace.query_start_loc[: num_decodes + 1], num_splits,
+                     early_launch=early_merge)
     return out
 
 

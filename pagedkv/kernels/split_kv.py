@@ -11,7 +11,7 @@ largest `lse_s` before exponentiating, so nothing overflows; an empty share has
 `lse_s = -inf` and weight 0, and a sequence with no keys at all (every share empty, e.g. an MLA
 decode of length 0) merges to 0.
 
-With programmatic dependent launch (`pdl=True`, Hopper and later) the merge is launched while
+With programmatic dependent launch (`early_launch=True`, Hopper and later) the merge is launched while
 the attention kernel still runs: its programs take their places on the SMs as the attention
 programs leave, and wait (`gdc_wait`, in hardware) until the attention kernel has finished and
 its writes are visible. The attention kernel must allow it early (`gdc_launch_dependents`).
@@ -59,7 +59,7 @@ def _merge_splits_kernel(
     stride_o_t, stride_o_h, stride_o_d,
     stride_po_r, stride_po_h, stride_po_d,
     stride_lse_r, stride_lse_h,
-    SPLITS_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, PDL: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -67,7 +67,7 @@ def _merge_splits_kernel(
     # read while waiting for it, the padding check costs no round trip to memory after the wait
     # (up to 1 point of bandwidth for the MLA decode at 32 x 4096 on an H200).
     num_tokens = tl.load(query_start_loc_ptr + num_reqs)
-    if PDL:
+    if EARLY_LAUNCH:
         tl.extra.cuda.gdc_wait()  # launched early: the partials are complete only from here on
     if token >= num_tokens:
         return  # a padding token: no program wrote its partials
@@ -95,11 +95,11 @@ def merge_splits(
     out: torch.Tensor,
     query_start_loc: torch.Tensor,
     num_splits: int,
-    pdl: bool = False,
+    early_launch: bool = False,
 ) -> None:
     """out[t, h] = log-sum-exp weighted mix of the `num_splits` partial rows of token t.
 
-    `pdl`: launch early, behind an attention kernel that calls `gdc_launch_dependents` (the
+    `early_launch`: launch early, behind an attention kernel that calls `gdc_launch_dependents` (the
     caller checks `supports_pdl`)."""
     num_tokens, num_q_heads, head_size = out.shape
     _merge_splits_kernel[(num_tokens, num_q_heads)](
@@ -107,5 +107,5 @@ def merge_splits(
         *out.stride(), *partial_out.stride(), *partial_lse.stride(),
         SPLITS_PAD=next_power_of_2(num_splits),
         HEAD_SIZE=head_size, HEAD_PAD=next_power_of_2(head_size),
-        PDL=pdl, num_warps=1 if head_size * num_splits <= 2048 else 4, launch_pdl=pdl,
+        EARLY_LAUNCH=early_launch, num_warps=1 if head_size * num_splits <= 2048 else 4, launch_pdl=early_launch,
     )
