@@ -122,11 +122,11 @@ def run_case(case: Case, block_size: int, extra_splits: list[int]) -> dict[str, 
     splits = default_num_kv_splits(case.batch, HEADS, longest, block_size, DTYPE, torch.device("cuda"))
     row: dict[str, object] = {"case": case.name, "batch": case.batch, "context": case.context, "mixed": case.mixed,
                               "bytes": case.cache_bytes, "copies": copies, "splits": splits}
-    # Every provider here runs in a graph: no profiler (it would slow the graph timings after it).
-    row["triton"] = measure(lambda i: triton_fn(inputs[i], longest, None), copies, profile=False)
+    # Every provider here runs in a graph, so the profiler never runs (it slows graph timings after it).
+    row["triton"] = measure(lambda i: triton_fn(inputs[i], longest, None), copies)
     for n in extra_splits:
-        row[f"triton_s{n}"] = measure(lambda i: triton_fn(inputs[i], longest, n), copies, profile=False)
-    row["torch_ref"] = measure(lambda i: torch_fn(inputs[i]), min(copies, 2), profile=False)
+        row[f"triton_s{n}"] = measure(lambda i: triton_fn(inputs[i], longest, n), copies)
+    row["torch_ref"] = measure(lambda i: torch_fn(inputs[i]), min(copies, 2))
     try:  # sanity: both agree (bf16 outputs of an fp32 computation)
         diff = (triton_fn(inputs[0], longest, None)().float() - torch_fn(inputs[0])().float())
         row["max_abs_diff_vs_torch"] = diff.abs().max().item()

@@ -18,6 +18,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def needs_triton_on_cpu(what: str) -> pytest.MarkDecorator:
+    """Skip marker for tests that give Triton kernels CPU tensors: they need its interpreter, on and
+    working here (`interpreter_problem` says why not: e.g. TRITON_INTERPRET unset on a GPU machine)."""
+    try:
+        from pagedkv.kernels import interpreter_problem
+
+        problem = interpreter_problem()
+    except ImportError as exc:  # no triton package
+        problem = str(exc)
+    return pytest.mark.skipif(problem is not None, reason=f"{what} on CPU tensors: {problem}")
+
+
 def write_hf_llama(path: Path, *, seed: int = 0, **overrides: object) -> Path:
     """Save a randomly initialised `transformers.LlamaForCausalLM` with `save_pretrained`."""
     transformers = pytest.importorskip("transformers")

@@ -39,6 +39,7 @@ from pagedkv.forward_context import set_forward_context
 from pagedkv.trace import StepTrace
 from pagedkv.worker import cudagraph
 from pagedkv.worker.attn_utils import min_cudagraph_support, to_kernel_block_table
+from tests.conftest import needs_triton_on_cpu
 
 
 class EmulatedGraph:
@@ -265,6 +266,7 @@ GRAPH_STEPS = {
 
 
 @pytest.mark.slow
+@needs_triton_on_cpu("TRITON_ATTN")
 @pytest.mark.parametrize(("mode", "compile"), list(GRAPH_STEPS), ids=lambda v: getattr(v, "name", str(v)))
 def test_graph_steps_give_eager_logits(mode: M, compile: bool, eager_steps: list[Step], emulated_graphs: None) -> None:
     """Decodes replay FULL graphs without a forward context; mixed steps run piecewise (compiled)
@@ -311,6 +313,7 @@ def test_cpu_engines_run_eagerly_and_say_why(caplog: pytest.LogCaptureFixture) -
     assert "cudagraph_mode NONE: every step runs eagerly (CUDA graphs need a CUDA device" in caplog.text
 
 
+@needs_triton_on_cpu("TRITON_ATTN")
 def test_enforce_eager_wins(caplog: pytest.LogCaptureFixture) -> None:
     llm = LLM("tiny", cudagraph_mode="FULL_DECODE_ONLY", enforce_eager=True, **ENGINE)
     assert llm.runner.cudagraph_mode is M.NONE and llm.runner.full_graph is None

@@ -289,6 +289,9 @@ def test_each_puzzle_cell_runs_alone_in_a_fresh_interpreter(tmp_path: Path) -> N
     done = _run_fresh([e + "\n" + s for e, s in zip(exercises, solutions)], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     verdicts = [line for line in done.stdout.splitlines() if line[:1] in "✅❌"]
+    unable = [v for v in verdicts if "interpreter cannot run a loop" in v]  # old Triton with new numpy
+    if unable:
+        pytest.skip(unable[0])
     assert verdicts[0].startswith("❌ block-table row, seq_lens [5, 16, 1]"), verdicts  # the empty skeleton
     assert verdicts[1] == "✅ block-table row: 2 random cases match the float64 reference.", verdicts
     assert sum(v.startswith("✅") for v in verdicts) == len(PUZZLES), done.stdout

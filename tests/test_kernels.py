@@ -7,8 +7,6 @@ read past a sequence would fail. Shapes are tiny: the interpreter runs programs 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -16,10 +14,9 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 from pagedkv.kernels import KernelConfig, SplitKVWorkspace, reshape_and_cache, unified_attention
 from pagedkv.kernels.testing import PagedBatch, random_paged_batch
+from tests.conftest import needs_triton_on_cpu
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests need TRITON_INTERPRET=1"
-)
+pytestmark = needs_triton_on_cpu("CPU kernel tests")
 DEVICE = "cpu"
 
 

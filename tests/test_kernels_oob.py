@@ -13,8 +13,6 @@ Run with TRITON_INTERPRET=1 set in the environment (as CI does).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -24,11 +22,10 @@ from pagedkv.kernels import KernelConfig, reshape_and_cache  # noqa: E402
 from pagedkv.kernels.testing import (  # noqa: E402
     PagedBatch, outside, overread_gap, poisoned, random_paged_batch, run_poisoned,
 )
+from tests.conftest import needs_triton_on_cpu  # noqa: E402
 from tests.test_kernels import assert_close, dense_reference  # noqa: E402  (float64, slot by slot)
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests need TRITON_INTERPRET=1"
-)
+pytestmark = needs_triton_on_cpu("CPU kernel tests")
 SEEDS = [0, 1, 2]
 
 

@@ -34,7 +34,7 @@ def twin() -> Iterator[str]:
 
 
 def engine(**kwargs: object) -> LLM:
-    return LLM("tiny-hybrid", block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, **kwargs)
+    return LLM("tiny-hybrid", device="cpu", block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, **kwargs)
 
 
 def test_two_attention_groups_in_one_kv_cache_group(twin: str) -> None:

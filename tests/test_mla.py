@@ -9,7 +9,6 @@ test's own lists, not from the paged cache.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -25,14 +24,12 @@ from pagedkv.attention.mla.common import (
 )
 from pagedkv.attention.mla.torch_ref_mla import TorchRefMLAImpl, TorchRefMLAMetadataBuilder
 from pagedkv.kv_cache.spec import MLAAttentionSpec
+from tests.conftest import needs_triton_on_cpu
 
 # qk_head_dim 24: a head size the paged attention kernel takes, so TRITON_MLA's batched prefill runs.
 DIMS = MLADims(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=10)
 HEADS, BLOCK_SIZE, NUM_BLOCKS = 4, 4, 40
-needs_interpreter = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="these batches are CPU tensors: TRITON_MLA needs TRITON_INTERPRET=1 for them",
-)
+needs_interpreter = needs_triton_on_cpu("TRITON_MLA")
 
 
 @dataclass

@@ -4,7 +4,6 @@ against transformers' DeepSeek-V2 on the same weights, and the selector's choice
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -12,14 +11,12 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.attention.mla.layer import MLAAttention
-from tests.conftest import write_hf_deepseek
+from tests.conftest import needs_triton_on_cpu, write_hf_deepseek
 from tests.reference import LogitsRecorder, reference_logits
 from tests.test_deepseek_vs_transformers import ATOL, GREEDY, engine, hf_model, logit_errors
 
 pytest.importorskip("transformers")
-needs_triton = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="TRITON_MLA on the CPU needs TRITON_INTERPRET=1"
-)
+needs_triton = needs_triton_on_cpu("TRITON_MLA")
 
 
 @pytest.fixture(scope="module")

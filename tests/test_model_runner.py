@@ -3,7 +3,6 @@ memory-based sizing, kernel block size selection and KV sharing at run time."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +20,7 @@ from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.loader import PRESETS
 from pagedkv.worker.attn_utils import select_kernel_block_size
 from pagedkv.worker.model_runner import CPU_DEFAULT_KV_CACHE_BYTES, ModelRunner
+from tests.conftest import needs_triton_on_cpu
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 
@@ -88,7 +88,7 @@ def test_kernel_blocks_read_the_same_cache_as_manager_blocks(
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1")
+@needs_triton_on_cpu("TRITON_ATTN")
 def test_triton_kernel_reads_kernel_blocks(registered) -> None:
     pytest.importorskip("triton")
     from pagedkv.attention.backends.triton_attn import TritonAttentionBackend

@@ -5,7 +5,6 @@ the engine's outputs and logits unchanged by it (against the float64 transformer
 from __future__ import annotations
 
 import logging
-import os
 import random
 
 import pytest
@@ -15,6 +14,7 @@ from pagedkv.kv_cache.block_pool import BlockPool, hash_block_tokens, hash_reque
 from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.kv_cache.spec import FullAttentionSpec, get_kv_cache_config
 from tests.reference import generate_checked
+from tests.conftest import needs_triton_on_cpu
 
 import torch
 
@@ -151,7 +151,7 @@ def test_cached_tokens_counted_as_predicted() -> None:
     assert_pool_consistent(llm)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="TRITON_ATTN on the CPU needs TRITON_INTERPRET=1")
+@needs_triton_on_cpu("TRITON_ATTN")
 def test_triton_attn_with_caching_matches_the_reference_and_the_uncached_run() -> None:
     pytest.importorskip("triton")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -1,5 +1,8 @@
 """Tensor parallelism on the CPU (gloo): tp = 2 and 4 against tp = 1 and Hugging Face transformers.
 
+Every engine is pinned to the CPU, so these tests run the same on a machine with one GPU (the
+ranks on GPUs: tests/gpu/test_tensor_parallel_cuda.py).
+
 Every engine here spawns worker processes; each test ends them (context manager or shutdown) and
 checks that none is left. Models are tiny Hugging Face directories with the head layouts of
 seed 003: GQA split, KV heads replicated (MQA, and GQA with tp > num_kv_heads), MHA.
@@ -28,7 +31,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 def serve(model: str, tp: int, **engine: object) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens of PROMPTS and, per request, the logits rows they were sampled from."""
-    with LLM(model, dtype="float32", num_kv_blocks=64, block_size=4, tensor_parallel_size=tp, **engine) as llm:
+    with LLM(model, device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, tensor_parallel_size=tp,
+             **engine) as llm:
         recorder = LogitsRecorder(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         return ([o.outputs[0].token_ids for o in outs],
@@ -69,7 +73,7 @@ def test_tp_matches_tp1_and_transformers(tmp_path: Path, name: str, tp: int, sha
 def test_preemption_under_tp_keeps_every_request() -> None:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [{"prompt_token_ids": [7 * i + j for j in range(12)]} for i in range(6)]
-    engine = dict(num_kv_blocks=14, block_size=4, max_num_seqs=6, dtype="float32")
+    engine = dict(device="cpu", num_kv_blocks=14, block_size=4, max_num_seqs=6, dtype="float32")
     expected = [o.outputs[0].token_ids for o in LLM("tiny", **engine).generate(prompts, params, use_tqdm=False)]
     with LLM("tiny", tensor_parallel_size=2, **engine) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -79,7 +83,7 @@ def test_preemption_under_tp_keeps_every_request() -> None:
 
 
 def test_killed_worker_is_an_error_not_a_hang() -> None:
-    llm = LLM("tiny", num_kv_blocks=32, tensor_parallel_size=2)
+    llm = LLM("tiny", device="cpu", num_kv_blocks=32, tensor_parallel_size=2)
     llm.add_request("hello", GREEDY)
     llm.step()
     os.kill(llm._executor.workers[0].pid, signal.SIGKILL)
@@ -93,7 +97,7 @@ def test_killed_worker_is_an_error_not_a_hang() -> None:
 
 
 def test_garbage_collected_engine_ends_its_workers() -> None:
-    llm = LLM("tiny", num_kv_blocks=32, tensor_parallel_size=2)
+    llm = LLM("tiny", device="cpu", num_kv_blocks=32, tensor_parallel_size=2)
     assert len(multiprocessing.active_children()) == 1
     del llm
     import gc
@@ -109,7 +113,7 @@ def test_garbage_collected_engine_ends_its_workers() -> None:
 )
 def test_bad_tensor_parallel_size_is_refused_before_any_process_starts(tp: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        LLM("tiny", num_kv_blocks=32, tensor_parallel_size=tp)
+        LLM("tiny", device="cpu", num_kv_blocks=32, tensor_parallel_size=tp)
     assert multiprocessing.active_children() == []
 
 
@@ -119,7 +123,7 @@ def test_cli_tensor_parallel_size_prints_the_tp1_text(capsys: pytest.CaptureFixt
     texts = []
     for tp in ("1", "2"):
         cli(["generate", "--model", "tiny-pydoc", "--prompt", "A class definition", "--max-tokens", "24",
-             "--num-kv-blocks", "16", "--tensor-parallel-size", tp])
+             "--num-kv-blocks", "16", "--device", "cpu", "--tensor-parallel-size", tp])
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and "executable" in texts[0]
     assert_no_workers_left()
@@ -127,12 +131,12 @@ def test_cli_tensor_parallel_size_prints_the_tp1_text(capsys: pytest.CaptureFixt
 
 def test_start_up_error_on_rank_0_is_raised_as_is_and_ends_the_workers() -> None:
     with pytest.raises(ValueError, match="NOT_A_BACKEND"):
-        LLM("tiny", num_kv_blocks=32, tensor_parallel_size=2, attention_backend="NOT_A_BACKEND")
+        LLM("tiny", device="cpu", num_kv_blocks=32, tensor_parallel_size=2, attention_backend="NOT_A_BACKEND")
     assert_no_workers_left()
 
 
 @pytest.mark.parametrize("engine", [dict(cudagraph_mode="FULL_AND_PIECEWISE"), dict(compile=True)])
 def test_piecewise_graphs_and_compile_are_refused_under_tp(engine: dict) -> None:
     with pytest.raises(NotImplementedError, match="captures whole-model CUDA graphs only"):
-        LLM("tiny", num_kv_blocks=32, tensor_parallel_size=2, **engine)
+        LLM("tiny", device="cpu", num_kv_blocks=32, tensor_parallel_size=2, **engine)
     assert multiprocessing.active_children() == []

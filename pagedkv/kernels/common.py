@@ -71,6 +71,33 @@ def interpreter_problem() -> str | None:
             "TRITON_INTERPRET=1 was set after triton had been imported, so Triton is not in its "
             f"interpreter: {INTERPRETER_HINT}"
         )
+    return _interpreter_loop_problem()
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreter_loop_problem() -> str | None:
+    """Whether the interpreter can run a loop whose bound comes from a loaded value, as every
+    kernel here does. Triton 3.6's interpreter turns that bound into a Python int through a
+    one-element numpy array, which numpy 2.4 refuses; Triton 3.8 squeezes it first. Probed by
+    running a one-program kernel once, so any other pair of versions is judged by what it does."""
+    import numpy
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def count_pairs(n_ptr, out_ptr):
+        count = 0
+        for _ in range(0, tl.cdiv(tl.load(n_ptr), 2)):
+            count += 1
+        tl.store(out_ptr, count)
+
+    try:
+        count_pairs[(1,)](torch.tensor([5], dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    except Exception as exc:  # the interpreter wraps the TypeError in its own error
+        return (
+            f"Triton {triton.__version__}'s interpreter cannot run a loop bounded by a loaded value with "
+            f"numpy {numpy.__version__} ({str(exc).splitlines()[0][:100]}): install triton>=3.8, or numpy<2.4"
+        )
     return None
 
 
