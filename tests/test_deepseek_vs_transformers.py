@@ -212,6 +212,81 @@ def test_config_from_transformers_4_and_5(tmp_path: Path) -> None:
     assert (new.num_key_value_heads, new.head_dim, new.sliding_window, new.q_lora_rank) == (1, 40, None, None)
 
 
+def _edit_config(path: Path, **changes: object) -> None:
+    """Rewrite config.json with `changes`."""
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | changes))
+
+
+@pytest.mark.parametrize("spelling", ["theta_beside_rope_parameters", "rope_scaling_beside_rope_parameters"])
+def test_rope_keys_are_read_as_transformers_reads_them(tmp_path: Path, spelling: str) -> None:
+    """A `rope_theta` next to `rope_parameters` fills in the theta those lack; a `rope_scaling`
+    (the older spelling) wins over `rope_parameters`. Either, ignored, moves every position."""
+    path = write_hf_deepseek(tmp_path / "v3", version=3, max_position_embeddings=256, **V3_GROUPS)
+    rope = json.loads((path / "config.json").read_text())["rope_parameters"]
+    if spelling == "theta_beside_rope_parameters":
+        _edit_config(path, rope_parameters={k: v for k, v in rope.items() if k != "rope_theta"}, rope_theta=100.0)
+        expected = (100.0, None)
+    else:
+        _edit_config(path, rope_scaling={"type" if k == "rope_type" else k: v for k, v in YARN.items()},
+                     rope_theta=rope["rope_theta"])
+        expected = (rope["rope_theta"], "yarn")
+    ours = load_config(str(path))
+    assert isinstance(ours, DeepseekV2Config)
+    assert (ours.rope_theta, ours.rope_scaling and ours.rope_scaling["type"]) == expected
+    error, argmax = logit_errors(engine(path), hf_model(path, 3))
+    assert error <= ATOL and argmax
+
+
+def test_null_flags_read_as_false(tmp_path: Path) -> None:
+    """`"rope_interleave": null` and `"norm_topk_prob": null` are False to transformers (`if config.flag`)."""
+    path = write_hf_deepseek(tmp_path / "v3", version=3, **V3_GROUPS)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"rope_interleave": None, "norm_topk_prob": None}))
+    ours = load_config(str(path))
+    assert isinstance(ours, DeepseekV2Config) and (ours.rope_interleave, ours.norm_topk_prob) == (False, False)
+    error, argmax = logit_errors(engine(path), hf_model(path, 3))
+    assert error <= ATOL and argmax
+
+
+def test_multi_token_prediction_layers_are_skipped(tmp_path: Path) -> None:
+    """DeepSeek-V3's checkpoints store the MTP module after the last layer (hub: model.layers.61.*):
+    loaded like transformers, which drops it; a tensor of a layer past it is still an error."""
+    path = write_hf_deepseek(tmp_path / "v3", version=3, **V3_GROUPS)
+    _edit_config(path, num_nextn_predict_layers=1)
+    weights_file = path / "model.safetensors"
+    tensors = load_file(weights_file)
+    mtp = {name.replace("model.layers.2.", "model.layers.3."): t.clone() for name, t in tensors.items()
+           if name.startswith("model.layers.2.")}
+    mtp |= {"model.layers.3.eh_proj.weight": torch.randn(64, 128), "model.layers.3.enorm.weight": torch.ones(64),
+            "model.layers.3.hnorm.weight": torch.ones(64), "model.layers.3.shared_head.norm.weight": torch.ones(64)}
+    save_file(tensors | mtp, weights_file)
+    error, argmax = logit_errors(engine(path), hf_model(path, 3))
+    assert error <= ATOL and argmax
+    save_file(tensors | mtp | {"model.layers.4.enorm.weight": torch.ones(64)}, weights_file)
+    with pytest.raises(ValueError, match=r"'model\.layers\.4\.enorm\.weight' has no matching parameter"):
+        engine(path)
+
+
+def test_router_stays_float32_in_bfloat16(tmp_path: Path) -> None:
+    """As transformers keeps them: the router's weight and correction bias are not rounded to bf16."""
+    path = write_hf_deepseek(tmp_path / "v3", version=3, **V3_GROUPS)
+    tensors = load_file(path / "model.safetensors")
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", num_kv_blocks=16, block_size=4)
+    gates = {name: m for name, m in llm.model.named_modules() if isinstance(m, DeepseekV2Gate)}
+    assert len(gates) == 2 and llm.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    for name, gate in gates.items():
+        assert torch.equal(gate.weight, tensors[f"{name}.weight"])  # float32, every bit
+        assert torch.equal(gate.e_score_correction_bias, tensors[f"{name}.e_score_correction_bias"])
+
+
+def test_v2_with_v3_router_is_refused(tmp_path: Path) -> None:
+    path = write_hf_deepseek(tmp_path / "v2")
+    _edit_config(path, topk_method="noaux_tc", n_group=2, topk_group=1)
+    with pytest.raises(NotImplementedError, match="'noaux_tc' is DeepSeek-V3's router"):
+        load_config(str(path))
+
+
 def test_v3_groups_of_one_expert_are_refused() -> None:
     message = r"two best experts: n_group=4 leaves 1 of the 4 experts per group; use n_group <= 2"
     with pytest.raises(ValueError, match=message):

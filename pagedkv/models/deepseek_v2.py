@@ -48,7 +48,7 @@ V3_DEFAULTS: dict[str, Any] = dict(
     vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
     num_attention_heads=128, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=3,
     n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=4096,
-    bos_token_id=0,
+    bos_token_id=0, num_nextn_predict_layers=1,
 )
 
 
@@ -109,6 +109,10 @@ class DeepseekV2Config:
     mlp_bias: bool = False
     """Biases on the dense MLP and the shared experts (V2 only; routed experts never have one)."""
     hidden_act: str = "silu"
+    num_nextn_predict_layers: int = 0
+    """Multi-token-prediction layers (V3) that the checkpoint stores after the last decoder layer, as
+    `model.layers.{num_hidden_layers + i}.*`: for speculative decoding, which this engine does not
+    do, so their tensors are skipped at loading."""
     bos_token_id: int | None = 1
     eos_token_id: list[int] = field(default_factory=list)
 
@@ -165,8 +169,11 @@ class DeepseekV2Config:
     def from_hf_dict(cls, hf: dict[str, Any], model_type: str = "deepseek_v2") -> DeepseekV2Config:
         """Read a `config.json` of transformers 4 (rope_theta + rope_scaling) or 5 (rope_parameters),
         the way the installed transformers' DeepseekV2 / DeepseekV3 model (`model_type`) uses it."""
-        # A null q_lora_rank means "no query bottleneck" (V2-Lite); other nulls mean the default.
-        present = {k: hf[k] for k in cls.__dataclass_fields__ if k in hf and (hf[k] is not None or k == "q_lora_rank")}
+        # A null q_lora_rank means "no query bottleneck" (V2-Lite) and a null flag means False (as
+        # transformers' `if config.flag:` reads it); other nulls mean the default.
+        fields = cls.__dataclass_fields__
+        present = {k: False if hf[k] is None and fields[k].type == "bool" else hf[k] for k in fields
+                   if k in hf and (hf[k] is not None or k == "q_lora_rank" or fields[k].type == "bool")}
         kwargs = {**(V3_DEFAULTS if model_type == "deepseek_v3" else {}), **present}
         kwargs["rope_theta"], kwargs["rope_scaling"] = hf_rope_parameters(
             hf, cls.rope_theta, kwargs.get("max_position_embeddings", cls.max_position_embeddings))
@@ -175,6 +182,11 @@ class DeepseekV2Config:
         if model_type == "deepseek_v3":  # transformers' V3 routes so whatever topk_method says; no MLP biases
             kwargs.update(architecture="DeepseekV3ForCausalLM", topk_method="noaux_tc", mlp_bias=False)
         else:
+            if kwargs.get("topk_method") == "noaux_tc":
+                raise NotImplementedError(
+                    "topk_method='noaux_tc' is DeepSeek-V3's router (sigmoid scores and e_score_correction_bias); "
+                    "a deepseek_v2 config.json cannot use it: set model_type 'deepseek_v3' for a V3 checkpoint."
+                )
             kwargs["rope_interleave"] = True  # V2 rotates neighbouring pairs (as complex numbers)
             if kwargs.get("norm_topk_prob"):
                 raise NotImplementedError(
@@ -329,6 +341,10 @@ _STACKED = {".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj."
 class DeepseekV2ForCausalLM(nn.Module):
     """The whole model: tokens + positions -> hidden states -> logits."""
 
+    keep_in_float32: ClassVar[tuple[str, ...]] = (".gate.weight", ".gate.e_score_correction_bias")
+    """Parameters (name endings) that stay float32 when the model runs in bf16/fp16, as in transformers:
+    the router's. Rounded to bf16, the bias (large next to the score gaps) picks other experts."""
+
     def __init__(self, config: DeepseekV2Config) -> None:
         super().__init__()
         self.config = config
@@ -346,10 +362,13 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters (gate/up fused, experts stacked). Every
-        parameter must be set."""
+        parameter must be set; the multi-token-prediction layers' tensors are skipped."""
         # Expert tensors first: their names also contain ".gate_proj." / ".up_proj.".
         stacked = {**expert_params_mapping(self.config.n_routed_experts), **_STACKED}
-        load_hf_weights(self, weights, stacked, ignored=["lm_head.weight"] if self.config.tie_word_embeddings else [])
+        first, count = self.config.num_hidden_layers, self.config.num_nextn_predict_layers
+        mtp = tuple(f"model.layers.{i}." for i in range(first, first + count))
+        load_hf_weights(self, ((name, t) for name, t in weights if not name.startswith(mtp)),
+                        stacked, ignored=["lm_head.weight"] if self.config.tie_word_embeddings else [])
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

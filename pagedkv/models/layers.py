@@ -32,12 +32,16 @@ def hf_rope_parameters(
     """(rope_theta, rope_scaling) of a `config.json`: transformers 5's `rope_parameters`, or 4's
     `rope_theta` and `rope_scaling`. The scaling is None for plain RoPE.
 
-    As in transformers, a Llama-3 or YaRN scaling without `original_max_position_embeddings` (the
+    Read as transformers 5 reads them: a `rope_scaling` (the older spelling, still in many hub
+    configs) wins over `rope_parameters`, and a top-level `rope_theta` fills in a theta that the
+    winner lacks. A Llama-3 or YaRN scaling without `original_max_position_embeddings` (the
     context the model was pretrained for) takes the config's top-level value of that name, or else
     `max_positions` (the config's max_position_embeddings); YaRN without a `factor` takes the
     ratio of the two lengths.
     """
-    rope = dict(hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta")})
+    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    if hf.get("rope_theta") is not None:
+        rope.setdefault("rope_theta", hf["rope_theta"])
     kind = rope_type(rope)
     if kind in ("llama3", "yarn"):
         if hf.get("original_max_position_embeddings") is not None:
