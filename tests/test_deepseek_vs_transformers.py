@@ -280,10 +280,14 @@ def test_router_stays_float32_in_bfloat16(tmp_path: Path) -> None:
         assert torch.equal(gate.e_score_correction_bias, tensors[f"{name}.e_score_correction_bias"])
 
 
-def test_v2_with_v3_router_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("changes", "message"), [
+    (dict(topk_method="noaux_tc", n_group=2, topk_group=1), "'noaux_tc' is DeepSeek-V3's router"),
+    (dict(moe_layer_freq=2), "moe_layer_freq=2: every layer from first_k_dense_replace on is a MoE layer"),
+])
+def test_v2_configs_this_model_cannot_serve_are_refused(tmp_path: Path, changes: dict, message: str) -> None:
     path = write_hf_deepseek(tmp_path / "v2")
-    _edit_config(path, topk_method="noaux_tc", n_group=2, topk_group=1)
-    with pytest.raises(NotImplementedError, match="'noaux_tc' is DeepSeek-V3's router"):
+    _edit_config(path, **changes)
+    with pytest.raises(NotImplementedError, match=message):
         load_config(str(path))
 
 

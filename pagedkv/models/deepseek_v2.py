@@ -169,6 +169,11 @@ class DeepseekV2Config:
     def from_hf_dict(cls, hf: dict[str, Any], model_type: str = "deepseek_v2") -> DeepseekV2Config:
         """Read a `config.json` of transformers 4 (rope_theta + rope_scaling) or 5 (rope_parameters),
         the way the installed transformers' DeepseekV2 / DeepseekV3 model (`model_type`) uses it."""
+        if hf.get("moe_layer_freq", 1) != 1:  # DeepSeek's own code: MoE only where layer % freq == 0
+            raise NotImplementedError(
+                f"moe_layer_freq={hf['moe_layer_freq']}: every layer from first_k_dense_replace on is a MoE layer "
+                "here (moe_layer_freq 1, as in every released DeepSeek-V2/V3 checkpoint; transformers ignores the key)."
+            )
         # A null q_lora_rank means "no query bottleneck" (V2-Lite) and a null flag means False (as
         # transformers' `if config.flag:` reads it); other nulls mean the default.
         fields = cls.__dataclass_fields__
@@ -342,8 +347,9 @@ class DeepseekV2ForCausalLM(nn.Module):
     """The whole model: tokens + positions -> hidden states -> logits."""
 
     keep_in_float32: ClassVar[tuple[str, ...]] = (".gate.weight", ".gate.e_score_correction_bias")
-    """Parameters (name endings) that stay float32 when the model runs in bf16/fp16, as in transformers:
-    the router's. Rounded to bf16, the bias (large next to the score gaps) picks other experts."""
+    """Parameters (name endings) that stay float32 when the model runs in bf16/fp16, as transformers
+    keeps them: the router's. Rounded to bf16 (8 significant bits), the weight and the bias that is
+    added to the scores before the top-k can change which experts a token is sent to."""
 
     def __init__(self, config: DeepseekV2Config) -> None:
         super().__init__()
