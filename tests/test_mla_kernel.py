@@ -17,12 +17,12 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 from pagedkv.kernels import MLADecodeWorkspace, SplitKVWorkspace, mla_decode_attention  # noqa: E402
 from pagedkv.kernels.mla_decode import default_num_kv_splits  # noqa: E402
+from tests.conftest import needs_triton_on_cpu  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(
-    not INTERPRETING and not torch.cuda.is_available(), reason="CPU kernel tests need TRITON_INTERPRET=1"
-)
-DEVICE = "cpu" if INTERPRETING else "cuda"
+DEVICE = "cpu" if INTERPRETING or not torch.cuda.is_available() else "cuda"  # compiled on a GPU
+if DEVICE == "cpu":
+    pytestmark = needs_triton_on_cpu("CPU kernel tests")
 SCALE = 0.125
 
 
