@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -169,24 +170,60 @@ WINDOW_CASES = {
 }
 
 
+def _family_dir(path: Path, family: str, fields: dict, edit: Callable[[dict], object] | None) -> Path:
+    """A 4-layer `{family}ForCausalLM` saved by transformers, its config.json then edited."""
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family}Config")(**{
+        **dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False),
+        **fields,
+    })
+    getattr(transformers, f"{family}ForCausalLM")(config).save_pretrained(path)
+    if edit is not None:
+        hf = json.loads((path / "config.json").read_text())
+        edit(hf)
+        (path / "config.json").write_text(json.dumps(hf))
+    return path
+
+
+def _logits_match_auto_model(path: Path, prompt: list[int]) -> LLM:
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert_last_logits_match(llm, ref, prompt)
+    return llm
+
+
 @pytest.mark.parametrize("name", list(WINDOW_CASES))
 def test_per_layer_windows_match_transformers(tmp_path: Path, name: str) -> None:
     """Each family's config.json -> per-layer windows, read as transformers reads them (prompt 48 > window 8)."""
     family, fields, edit, windows = WINDOW_CASES[name]
-    torch.manual_seed(0)
-    config = getattr(transformers, f"{family}Config")(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
-        **fields,
-    )
-    getattr(transformers, f"{family}ForCausalLM")(config).save_pretrained(tmp_path / name)
-    if edit is not None:
-        config_json = tmp_path / name / "config.json"
-        hf = json.loads(config_json.read_text())
-        edit(hf)
-        config_json.write_text(json.dumps(hf))
-    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32).eval()
-    prompt = PROMPTS[5]
-    llm = LLM(str(tmp_path / name), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
+    llm = _logits_match_auto_model(_family_dir(tmp_path / name, family, fields, edit), PROMPTS[5])
     assert [llm.runner.attn_layers[f"model.layers.{i}.self_attn.attn"].sliding_window for i in range(4)] == windows
-    assert_last_logits_match(llm, ref, prompt)
+
+
+def _no_context_lengths(hf: dict) -> None:
+    """No max_position_embeddings, and a RoPE scaling that takes its pretraining length from it."""
+    del hf["max_position_embeddings"]
+    del hf["rope_parameters"]["original_max_position_embeddings"]
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+
+# name -> (family, config fields, config.json edit): keys a family reads its own way in transformers.
+FAMILY_KEY_CASES = {
+    # Left out, max_position_embeddings is the family's default (Mistral 131072, Qwen2 32768), not Llama's 2048.
+    "mistral-default-context": ("Mistral", dict(rope_parameters=LLAMA3, sliding_window=None), _no_context_lengths),
+    "qwen2-default-context": ("Qwen2", dict(rope_parameters=LLAMA3), _no_context_lengths),
+    # Mistral has no biases and Qwen2 biases on q/k/v only: bias keys in their files change nothing.
+    "mistral-bias-keys": ("Mistral", dict(sliding_window=None), _setting(attention_bias=True, mlp_bias=True)),
+    "qwen2-bias-keys": ("Qwen2", {}, _setting(attention_bias=True, mlp_bias=True)),
+    "llama-qkv_bias-key": ("Llama", {}, _setting(qkv_bias=True)),  # not a Llama key
+    "llama-swish": ("Llama", {}, _setting(hidden_act="swish")),  # another name of SiLU
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILY_KEY_CASES))
+def test_family_keys_are_read_as_transformers_reads_them(tmp_path: Path, name: str) -> None:
+    family, fields, edit = FAMILY_KEY_CASES[name]
+    _logits_match_auto_model(_family_dir(tmp_path / name, family, fields, edit), PROMPTS[5])

@@ -52,19 +52,27 @@ def _edit_config(model_dir: Path, **changes: object) -> None:
 # ---- which safetensors files are read -------------------------------------------------------
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded-with-index"])
-def test_only_the_hf_checkpoint_files_are_read(tmp_path: Path, sharded: bool) -> None:
-    """Mistral repositories also ship `consolidated.safetensors` (other tensor names): not read."""
+@pytest.mark.parametrize("layout", ["single-file", "sharded-with-index", "single-file-beside-stale-shards"])
+def test_only_the_hf_checkpoint_files_are_read(tmp_path: Path, layout: str) -> None:
+    """The files transformers reads, and no others: Mistral repositories also ship
+    `consolidated.safetensors` (other tensor names); a directory may hold other saves of the same
+    tensors with other values (`model.fp16.safetensors`, an older sharded save). Read too, those
+    would overwrite the weights."""
     src = write_hf_llama(tmp_path / "src")
     model_dir = tmp_path / "model"
     model = transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
-    model.save_pretrained(model_dir, max_shard_size="40KB" if sharded else "1GB")
-    shards = sorted(f.name for f in model_dir.glob("*.safetensors"))
-    assert (len(shards) > 2) == sharded and (model_dir / "model.safetensors.index.json").is_file() == sharded
+    model.save_pretrained(model_dir, max_shard_size="40KB" if layout == "sharded-with-index" else "1GB")
+    assert (model_dir / "model.safetensors.index.json").is_file() == (layout == "sharded-with-index")
     safetensors_torch.save_file(
         {"tok_embeddings.weight": torch.randn(3, 4), "layers.0.attention.wq.weight": torch.randn(4, 4)},
         str(model_dir / "consolidated.safetensors"),
     )
+    other = {name: torch.randn_like(t) for name, t in model.state_dict().items()}
+    safetensors_torch.save_file(other, str(model_dir / "model.fp16.safetensors"))
+    if layout == "single-file-beside-stale-shards":
+        safetensors_torch.save_file(other, str(model_dir / "model-00001-of-00001.safetensors"))
+        (model_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {name: "model-00001-of-00001.safetensors" for name in other}}))
     ours, expected = _last_logits(model_dir)
     assert (ours - expected).abs().max().item() <= 1e-4
 
@@ -72,12 +80,25 @@ def test_only_the_hf_checkpoint_files_are_read(tmp_path: Path, sharded: bool) ->
 def test_no_hf_checkpoint_file_is_a_clear_error(tmp_path: Path) -> None:
     model_dir = write_hf_llama(tmp_path / "model")
     (model_dir / "model.safetensors").rename(model_dir / "consolidated.safetensors")
-    with pytest.raises(ValueError, match=r"No model\*\.safetensors .*'consolidated\.safetensors'"):
+    with pytest.raises(ValueError, match=r"No model\.safetensors, .*'consolidated\.safetensors'"):
         LLM(str(model_dir), device="cpu", num_kv_blocks=16)
+
+
+def test_shards_without_their_index_are_read(tmp_path: Path) -> None:
+    """Shards named as save_pretrained names them, but no index.json: read all of them."""
+    src = write_hf_llama(tmp_path / "src")
+    model_dir = tmp_path / "model"
+    transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.float32).save_pretrained(model_dir, max_shard_size="40KB")
+    (model_dir / "model.safetensors.index.json").unlink()
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=16)
+    reference = LLM(str(src), device="cpu", dtype="float32", num_kv_blocks=16)
+    for ours, theirs in zip(llm.model.state_dict().values(), reference.model.state_dict().values()):
+        assert torch.equal(ours, theirs)
 
 
 def test_index_naming_a_missing_shard_is_a_clear_error(tmp_path: Path) -> None:
     model_dir = write_hf_llama(tmp_path / "model")
+    (model_dir / "model.safetensors").rename(model_dir / "model-00001-of-00002.safetensors")
     index = {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
     (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=r"index\.json names shard files .*'model-00002-of-00002\.safetensors'"):

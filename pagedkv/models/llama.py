@@ -105,15 +105,29 @@ class LlamaConfig:
         `model_type` is the family ("llama", "mistral" or "qwen2"): it decides the biases and how
         the per-layer windows are read (see `_hf_windows`).
         """
-        kwargs = {k: hf[k] for k in cls.__dataclass_fields__ if k in hf and hf[k] is not None}
+        present = {k: hf[k] for k in cls.__dataclass_fields__ if k in hf and hf[k] is not None and k != "qkv_bias"}
+        kwargs = {**FAMILY_DEFAULTS.get(model_type, {}), **present}
         kwargs["rope_theta"], kwargs["rope_scaling"] = hf_rope_parameters(
             hf, cls.rope_theta, kwargs.get("max_position_embeddings", cls.max_position_embeddings))
         eos = hf.get("eos_token_id")
         kwargs["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        if model_type == "qwen2":
-            kwargs["qkv_bias"] = True  # Qwen2 always has q/k/v biases, and none on o_proj
+        if kwargs.get("hidden_act") == "swish":  # another name of SiLU (transformers' ACT2FN has both)
+            kwargs["hidden_act"] = "silu"
+        # Mistral has no biases and Qwen2 biases on q/k/v only, whatever bias keys the file has.
+        if model_type == "mistral":
+            kwargs.update(attention_bias=False, mlp_bias=False)
+        elif model_type == "qwen2":
+            kwargs.update(qkv_bias=True, attention_bias=False, mlp_bias=False)
         kwargs["sliding_window"], kwargs["layer_types"] = _hf_windows(hf, model_type)
         return cls(**kwargs)
+
+
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    # transformers' defaults for keys a config.json leaves out, where Mistral's and Qwen2's differ
+    # from Llama's (the dataclass defaults above); the windows are in `_hf_windows`.
+    "mistral": dict(intermediate_size=14336, num_key_value_heads=8, max_position_embeddings=131072),
+    "qwen2": dict(vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768, bos_token_id=None),
+}
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")

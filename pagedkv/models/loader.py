@@ -148,12 +148,16 @@ def _model_type(hf: dict[str, Any], config_file: Path) -> str:
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a Hugging Face checkpoint, as `save_pretrained` writes them.
+    """The safetensors files of a Hugging Face checkpoint, in transformers' order of preference.
 
-    A sharded save lists its shards in `model.safetensors.index.json`; otherwise the weights are
-    `model*.safetensors`. Other safetensors files in the directory (Mistral's
-    `consolidated.safetensors`, the same weights under other names) are not read.
+    `model.safetensors` (one file), else the shards that `model.safetensors.index.json` lists,
+    else shards `model-*-of-*.safetensors` without their index. Other safetensors files in the
+    directory (Mistral's `consolidated.safetensors`, `model.fp16.safetensors`, an older save) are
+    not read: loaded too, they would overwrite the weights with others.
     """
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = _read_json_object(index).get("weight_map")
@@ -164,6 +168,15 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         if missing:
             raise ValueError(f"{index} names shard files that are not in {model_dir}: {missing}.")
         return files
+    files = sorted(model_dir.glob("model-*-of-*.safetensors"))
+    if not files:
+        others = sorted(f.name for f in model_dir.glob("*.safetensors"))
+        raise ValueError(
+            f"No model.safetensors, model.safetensors.index.json or model-*-of-*.safetensors shards in {model_dir}"
+            + (f"; {others} are not in the Hugging Face layout" if others else "")
+            + ". Save the model with transformers' save_pretrained."
+        )
+    return files
     files = sorted(model_dir.glob("model*.safetensors"))
     if not files:
         others = sorted(f.name for f in model_dir.glob("*.safetensors"))
