@@ -177,15 +177,6 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
             + ". Save the model with transformers' save_pretrained."
         )
     return files
-    files = sorted(model_dir.glob("model*.safetensors"))
-    if not files:
-        others = sorted(f.name for f in model_dir.glob("*.safetensors"))
-        raise ValueError(
-            f"No model*.safetensors (or model.safetensors.index.json) in {model_dir}"
-            + (f"; {others} are not in the Hugging Face layout" if others else "")
-            + ". Save the model with transformers' save_pretrained."
-        )
-    return files
 
 
 # Presets drawn on the CPU with weights scaled so that attention decides the output.
