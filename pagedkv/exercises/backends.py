@@ -128,6 +128,9 @@ def run_backend(name: str, device: torch.device | str | None = None) -> BackendR
         """Wrap impl.forward to keep what it returns when that is not the `output` it was given."""
         def forward_and_watch(layer: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             output = args[4] if len(args) > 4 else kwargs["output"]
+            # The engine's `output` is uninitialised memory: zeroed, rows the impl leaves unwritten
+            # read 0 (diagnosed as such), not whatever was there (sometimes NaN, diagnosed as a mask bug).
+            output.zero_()
             result = forward(layer, query, *args, **kwargs)
             if isinstance(result, torch.Tensor) and result.data_ptr() != output.data_ptr():
                 returned[layer_name] = result.detach().float().cpu()
