@@ -8,6 +8,7 @@ triton (`.ci/test` exports it too). With a GPU the kernels are tested compiled.
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 
@@ -28,6 +29,18 @@ def needs_triton_on_cpu(what: str) -> pytest.MarkDecorator:
     except ImportError as exc:  # no triton package
         problem = str(exc)
     return pytest.mark.skipif(problem is not None, reason=f"{what} on CPU tensors: {problem}")
+
+
+def edit_config_json(model_dir: Path, **changes: object) -> None:
+    """Set (or, with None, delete) keys of the directory's config.json."""
+    path = model_dir / "config.json"
+    hf = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            hf.pop(key, None)
+        else:
+            hf[key] = value
+    path.write_text(json.dumps(hf))
 
 
 def write_hf_llama(path: Path, *, seed: int = 0, **overrides: object) -> Path:

@@ -19,7 +19,7 @@ from pagedkv.attention.mla.layer import MLAAttention
 from pagedkv.models.deepseek_v2 import DeepseekV2Config, DeepseekV2Gate
 from pagedkv.models.layers import RotaryEmbedding, rope_inv_freq
 from pagedkv.models.loader import PRESETS, load_config
-from tests.conftest import write_hf_deepseek
+from tests.conftest import edit_config_json, write_hf_deepseek
 from tests.reference import LogitsRecorder, reference_logits
 
 transformers = pytest.importorskip("transformers")
@@ -212,12 +212,6 @@ def test_config_from_transformers_4_and_5(tmp_path: Path) -> None:
     assert (new.num_key_value_heads, new.head_dim, new.sliding_window, new.q_lora_rank) == (1, 40, None, None)
 
 
-def _edit_config(path: Path, **changes: object) -> None:
-    """Rewrite config.json with `changes`."""
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps(config | changes))
-
-
 @pytest.mark.parametrize("spelling", ["theta_beside_rope_parameters", "rope_scaling_beside_rope_parameters"])
 def test_rope_keys_are_read_as_transformers_reads_them(tmp_path: Path, spelling: str) -> None:
     """A `rope_theta` next to `rope_parameters` fills in the theta those lack; a `rope_scaling`
@@ -225,10 +219,10 @@ def test_rope_keys_are_read_as_transformers_reads_them(tmp_path: Path, spelling:
     path = write_hf_deepseek(tmp_path / "v3", version=3, max_position_embeddings=256, **V3_GROUPS)
     rope = json.loads((path / "config.json").read_text())["rope_parameters"]
     if spelling == "theta_beside_rope_parameters":
-        _edit_config(path, rope_parameters={k: v for k, v in rope.items() if k != "rope_theta"}, rope_theta=100.0)
+        edit_config_json(path, rope_parameters={k: v for k, v in rope.items() if k != "rope_theta"}, rope_theta=100.0)
         expected = (100.0, None)
     else:
-        _edit_config(path, rope_scaling={"type" if k == "rope_type" else k: v for k, v in YARN.items()},
+        edit_config_json(path, rope_scaling={"type" if k == "rope_type" else k: v for k, v in YARN.items()},
                      rope_theta=rope["rope_theta"])
         expected = (rope["rope_theta"], "yarn")
     ours = load_config(str(path))
@@ -253,7 +247,7 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path: Path) -> None:
     """DeepSeek-V3's checkpoints store the MTP module after the last layer (hub: model.layers.61.*):
     loaded like transformers, which drops it; a tensor of a layer past it is still an error."""
     path = write_hf_deepseek(tmp_path / "v3", version=3, **V3_GROUPS)
-    _edit_config(path, num_nextn_predict_layers=1)
+    edit_config_json(path, num_nextn_predict_layers=1)
     weights_file = path / "model.safetensors"
     tensors = load_file(weights_file)
     mtp = {name.replace("model.layers.2.", "model.layers.3."): t.clone() for name, t in tensors.items()
@@ -286,7 +280,7 @@ def test_router_stays_float32_in_bfloat16(tmp_path: Path) -> None:
 ])
 def test_v2_configs_this_model_cannot_serve_are_refused(tmp_path: Path, changes: dict, message: str) -> None:
     path = write_hf_deepseek(tmp_path / "v2")
-    _edit_config(path, **changes)
+    edit_config_json(path, **changes)
     with pytest.raises(NotImplementedError, match=message):
         load_config(str(path))
 

@@ -17,7 +17,7 @@ from pagedkv.attention.backends.torch_ref import TorchRefBackend
 from pagedkv.attention.selector import get_attn_backend, load_backend, register_backend, unregister_backend
 from pagedkv.models.loader import load_config
 from pagedkv.models.tokenizer import ByteTokenizer
-from tests.conftest import write_hf_llama
+from tests.conftest import edit_config_json, write_hf_llama
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -35,18 +35,6 @@ def _last_logits(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return captured[0], ref(torch.tensor([PROMPT])).logits[0, -1]
-
-
-def _edit_config(model_dir: Path, **changes: object) -> None:
-    """Set (or, with None, delete) keys of the directory's config.json."""
-    path = model_dir / "config.json"
-    hf = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            hf.pop(key, None)
-        else:
-            hf[key] = value
-    path.write_text(json.dumps(hf))
 
 
 # ---- which safetensors files are read -------------------------------------------------------
@@ -139,7 +127,7 @@ def test_config_json_that_is_not_an_object(tmp_path: Path) -> None:
 )
 def test_unsupported_or_contradictory_model_is_rejected(tmp_path: Path, changes: dict, message: str) -> None:
     model_dir = write_hf_llama(tmp_path / "model")
-    _edit_config(model_dir, **changes)
+    edit_config_json(model_dir, **changes)
     with pytest.raises(ValueError, match=message):
         LLM(str(model_dir), device="cpu", num_kv_blocks=16)
 
@@ -148,7 +136,7 @@ def test_quantized_checkpoint_is_refused(tmp_path: Path) -> None:
     """DeepSeek-V3's released weights are fp8 with per-block scales; read as plain weights they
     would load as garbage (or fail on the scale tensors), so the config is refused by name."""
     model_dir = write_hf_llama(tmp_path / "model")
-    _edit_config(model_dir, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    edit_config_json(model_dir, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
     with pytest.raises(ValueError, match=r"quantized checkpoints are not supported .*quant_method 'fp8'"):
         LLM(str(model_dir), device="cpu", num_kv_blocks=16)
 
@@ -161,14 +149,14 @@ def test_family_from_either_field_or_llama_without_both(tmp_path: Path) -> None:
         num_key_value_heads=2, initializer_range=0.3,
     )
     transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen2")
-    _edit_config(tmp_path / "qwen2", model_type=None)
+    edit_config_json(tmp_path / "qwen2", model_type=None)
     assert load_config(str(tmp_path / "qwen2")).qkv_bias  # Qwen2's q/k/v biases, from architectures alone
-    _edit_config(tmp_path / "qwen2", model_type="qwen2", architectures=None)
+    edit_config_json(tmp_path / "qwen2", model_type="qwen2", architectures=None)
     assert load_config(str(tmp_path / "qwen2")).qkv_bias
 
     llama = write_hf_llama(tmp_path / "llama")
     expected = load_config(str(llama))
-    _edit_config(llama, model_type=None, architectures=None)
+    edit_config_json(llama, model_type=None, architectures=None)
     assert load_config(str(llama)) == expected
 
 
@@ -184,7 +172,7 @@ def test_family_from_either_field_or_llama_without_both(tmp_path: Path) -> None:
 )
 def test_bad_window_fields_are_rejected(tmp_path: Path, changes: dict, message: str) -> None:
     model_dir = write_hf_llama(tmp_path / "model")
-    _edit_config(model_dir, model_type="mistral", architectures=["MistralForCausalLM"], **changes)
+    edit_config_json(model_dir, model_type="mistral", architectures=["MistralForCausalLM"], **changes)
     with pytest.raises(ValueError, match=message):
         load_config(str(model_dir))
 

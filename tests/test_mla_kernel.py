@@ -19,8 +19,7 @@ from pagedkv.kernels import MLADecodeWorkspace, SplitKVWorkspace, mla_decode_att
 from pagedkv.kernels.mla_decode import default_num_kv_splits  # noqa: E402
 from tests.conftest import needs_triton_on_cpu  # noqa: E402
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETING or not torch.cuda.is_available() else "cuda"  # compiled on a GPU
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 if DEVICE == "cpu":
     pytestmark = needs_triton_on_cpu("CPU kernel tests")
 SCALE = 0.125

@@ -176,9 +176,9 @@ class DeepseekV2Config:
             )
         # A null q_lora_rank means "no query bottleneck" (V2-Lite) and a null flag means False (as
         # transformers' `if config.flag:` reads it); other nulls mean the default.
-        fields = cls.__dataclass_fields__
-        present = {k: False if hf[k] is None and fields[k].type == "bool" else hf[k] for k in fields
-                   if k in hf and (hf[k] is not None or k == "q_lora_rank" or fields[k].type == "bool")}
+        flags = {k for k, f in cls.__dataclass_fields__.items() if isinstance(f.default, bool)}
+        present = {k: False if hf[k] is None and k in flags else hf[k] for k in cls.__dataclass_fields__
+                   if k in hf and (hf[k] is not None or k == "q_lora_rank" or k in flags)}
         kwargs = {**(V3_DEFAULTS if model_type == "deepseek_v3" else {}), **present}
         kwargs["rope_theta"], kwargs["rope_scaling"] = hf_rope_parameters(
             hf, cls.rope_theta, kwargs.get("max_position_embeddings", cls.max_position_embeddings))

@@ -247,6 +247,9 @@ _STACKED = {
 class LlamaForCausalLM(nn.Module):
     """The whole model: tokens + positions -> hidden states -> logits."""
 
+    keep_in_float32: ClassVar[tuple[str, ...]] = ()
+    """Parameters (name endings) that stay float32 in a bf16/fp16 engine: none here (DeepSeek: its router)."""
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config

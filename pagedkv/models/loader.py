@@ -244,8 +244,7 @@ def load_model(model: str, config: HFConfig, dtype: torch.dtype, device: torch.d
 
         files = checkpoint_files(checkpoint_dir(model))
         net.load_weights(item for f in files for item in load_file(f, device=str(device)).items())
-    keep = {name: p.detach().float() for name, p in net.named_parameters()
-            if name.endswith(getattr(net, "keep_in_float32", ()))}  # the model's float32 parameters
+    keep = {name: p.detach().float() for name, p in net.named_parameters() if name.endswith(net.keep_in_float32)}
     net = net.to(dtype=dtype).eval()
     for name, param in net.named_parameters():
         if name in keep:
