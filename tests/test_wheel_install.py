@@ -32,6 +32,13 @@ def _run(cmd: list[str], cwd: Path, timeout: int = 900, env: dict[str, str] | No
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("build", reason="the build package (test extra) is not installed")
     out = tmp_path_factory.mktemp("dist")
+    # The build runs in an isolated env and the install test in a fresh venv: both fetch packages.
+    probe = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--dest", str(out), "setuptools>=77"]
+    if subprocess.run(probe, capture_output=True, timeout=300).returncode != 0:
+        pytest.skip("no package index reachable (`pip download setuptools` failed): building the wheel and "
+                    "installing it into a fresh venv need one")
+    for fetched in out.iterdir():
+        fetched.unlink()
     _run([sys.executable, "-m", "build", "--outdir", str(out), str(REPO)], cwd=out)
     return out
 

@@ -20,6 +20,8 @@ from tests.conftest import write_hf_deepseek  # noqa: E402
 from tests.reference import LogitsRecorder, reference_logits  # noqa: E402
 from tests.test_deepseek_vs_transformers import PROMPTS, V3_GROUPS, hf_model  # noqa: E402
 from tests.test_mla import check_prefill_passes  # noqa: E402
+from tests.test_mla_kernel import check, make_batch, reference  # noqa: E402
+from tests.test_mla_kernel import run as run_kernel  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -87,3 +89,26 @@ def test_prefill_passes_at_the_v2_lite_shape_match_the_loop_and_float64() -> Non
     attention shape in bf16 (16 heads, latent 512 + 64, qk 192, v 128, pages of 16), on prefills
     with and without cached context, against the shared loop over requests and a float64 reference."""
     check_prefill_passes("cuda", context_lens=[0, 700, 33, 1500], query_lens=[300, 8, 100, 64])
+
+
+# Shapes only the compiled kernel meets (the CPU tests keep to tiny ones): a latent of 1024 (the
+# widest tiles: 32 rows x 1088 values per pipeline buffer), one padded to 1024 (520), 128 heads
+# (eight head blocks), the smallest parts (8 + 2, padded to 64 + 16), a rope part of 128, pages
+# of 1 and 128, and each input dtype.
+ODD_SHAPES = {  # name -> (heads, kv_lora_rank, rope_dim, block_size, dtype, seq_lens)
+    "latent-1024": (16, 1024, 64, 16, torch.bfloat16, [700, 1, 0, 300]),
+    "latent-520-17-heads": (17, 520, 64, 64, torch.bfloat16, [257, 64, 1000]),
+    "128-heads-fp16": (128, 512, 64, 64, torch.float16, [129, 2000, 5]),
+    "smallest-parts-fp32": (3, 8, 2, 1, torch.float32, [1, 90, 33]),
+    "rope-128-pages-128": (20, 160, 128, 128, torch.float32, [300, 1, 129]),
+}
+
+
+@pytest.mark.parametrize("name", list(ODD_SHAPES))
+def test_decode_kernel_compiled_on_odd_shapes(name: str) -> None:
+    """The compiled MLA decode kernel against float64 on shapes past the CPU tests' tiny ones
+    (found fine by a random fuzz of 60 shapes on an H200; these are its extremes)."""
+    heads, rank, rope, block_size, dtype, seq_lens = ODD_SHAPES[name]
+    batch = make_batch(seq_lens, num_heads=heads, kv_lora_rank=rank, rope_dim=rope, block_size=block_size,
+                       dtype=dtype, seed=len(name))
+    check(run_kernel(*batch, rank, None), reference(*batch, rank), dtype)
