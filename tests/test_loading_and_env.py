@@ -93,6 +93,33 @@ def test_index_naming_a_missing_shard_is_a_clear_error(tmp_path: Path) -> None:
         LLM(str(model_dir), device="cpu", num_kv_blocks=16)
 
 
+@pytest.mark.parametrize("stored", ["embedding-only", "lm_head-only", "both-equal", "both-different"])
+def test_tied_embeddings_read_as_transformers_reads_them(tmp_path: Path, stored: str,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """tie_word_embeddings with the embedding, the lm_head or both in the file. transformers ties
+    the one table it finds to both uses, and unties a pair that differs (a file that is not a
+    tied model, whatever its config says): so must the engine, saying so. Before, the engine
+    always took the embedding (logits off when they differ) and refused a file with only lm_head."""
+    model_dir = write_hf_llama(tmp_path / "model", tie_word_embeddings=True)
+    path = model_dir / "model.safetensors"
+    tensors = safetensors_torch.load_file(str(path))
+    embedding = tensors.pop("model.embed_tokens.weight")
+    assert "lm_head.weight" not in tensors  # save_pretrained writes a tied table once
+    if stored != "lm_head-only":
+        tensors["model.embed_tokens.weight"] = embedding
+    if stored != "embedding-only":
+        tensors["lm_head.weight"] = torch.randn_like(embedding) if stored == "both-different" else embedding.clone()
+    safetensors_torch.save_file(tensors, str(path), metadata={"format": "pt"})
+    with caplog.at_level("WARNING", logger="pagedkv"):
+        ours, expected = _last_logits(model_dir)
+    assert (ours - expected).abs().max().item() <= 1e-4
+    untied = stored == "both-different"
+    assert ("loading them untied, as transformers does" in caplog.text) == untied
+    model = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=16).model
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == (not untied)
+    assert model.config.tie_word_embeddings == (not untied)
+
+
 # ---- config.json ----------------------------------------------------------------------------
 
 

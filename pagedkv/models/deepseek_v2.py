@@ -374,7 +374,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         first, count = self.config.num_hidden_layers, self.config.num_nextn_predict_layers
         mtp = tuple(f"model.layers.{i}." for i in range(first, first + count))
         load_hf_weights(self, ((name, t) for name, t in weights if not name.startswith(mtp)),
-                        stacked, ignored=["lm_head.weight"] if self.config.tie_word_embeddings else [])
+                        stacked, tied_embeddings=self.config.tie_word_embeddings)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -283,4 +283,4 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused, sharded) parameters: each parameter's
         `weight_loader` takes this rank's slice. Every parameter must be set."""
-        load_hf_weights(self, weights, _STACKED, ignored=["lm_head.weight"] if self.config.tie_word_embeddings else [])
+        load_hf_weights(self, weights, _STACKED, tied_embeddings=self.config.tie_word_embeddings)

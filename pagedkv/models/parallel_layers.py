@@ -18,7 +18,8 @@ rank every layer is the plain layer it replaces (`ReplicatedLinear` is whole on 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+import logging
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,11 @@ from pagedkv.distributed import (
 )
 from pagedkv.models.layers import head_layout, rank_heads
 
+
+logger = logging.getLogger("pagedkv")
+
+EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+"""The Hugging Face names of the two tables `tie_word_embeddings` shares (Llama's and DeepSeek's)."""
 
 ShardId = int | str | tuple[int, str] | None
 """Which piece of a fused parameter a checkpoint tensor fills: q/k/v or gate/up index, or for
@@ -57,30 +63,37 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: S
 
 
 def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                    stacked: dict[str, tuple[str, ShardId]], ignored: Collection[str] = ()) -> None:
+                    stacked: dict[str, tuple[str, ShardId]], tied_embeddings: bool = False) -> None:
     """Copy Hugging Face-named tensors into `model`'s (fused, sharded) parameters: each parameter's
     `weight_loader` takes this rank's slice. Every parameter must be set, and every tensor used.
 
     `stacked` maps a part of a Hugging Face name to the fused parameter that holds it and its
     shard index there (".k_proj." -> (".qkv_proj.", 1)): a fused parameter is complete once every
-    shard that `stacked` can send it has arrived. Tensors named in `ignored` are skipped (a tied
-    lm_head: the embedding is loaded under its own name).
+    shard that `stacked` can send it has arrived. With `tied_embeddings` (the model's
+    `config.tie_word_embeddings`) the embedding and the lm_head are loaded by `_load_tied`.
     """
     params = dict(model.named_parameters())  # a tied lm_head is listed once, as the embedding
+    held: dict[str, torch.Tensor] = {}
     loaded: set[str] = set()
     for hf_name, tensor in weights:
+        if tied_embeddings and hf_name in (EMBEDDING, LM_HEAD):
+            held[hf_name] = tensor
+            continue
         name, shard = hf_name, None
         for part, (fused, index) in stacked.items():
             if part in hf_name:
                 name, shard = hf_name.replace(part, fused), index
                 break
-        if "rotary_emb.inv_freq" in name or name in ignored:  # old checkpoints save RoPE's buffer
+        if "rotary_emb.inv_freq" in name:  # old checkpoints save RoPE's buffer
             continue
         if name not in params:
             raise ValueError(f"Checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}.")
         param = params[name]
         getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
         loaded.add(name if shard is None else f"{name}#{shard}")
+    if held:
+        _load_tied(model, held)
+        loaded.add(EMBEDDING)
     expected = set()
     for n in params:
         shards = {index for fused, index in stacked.values() if fused in n}
@@ -88,6 +101,25 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"Checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}.")
+
+
+def _load_tied(model: nn.Module, held: dict[str, torch.Tensor]) -> None:
+    """The embedding and lm_head of a model built tied, read as transformers reads them: either
+    tensor alone fills the shared table; both, equal, too. Both and different means the file
+    does not hold a tied model whatever its config says: transformers then unties them (with a
+    warning), and so does this, setting `model.config.tie_word_embeddings` to False."""
+    embedding = model.get_parameter(EMBEDDING)
+    embed, head = held.get(EMBEDDING), held.get(LM_HEAD)
+    if embed is not None and head is not None and not torch.equal(embed, head):
+        logger.warning("tie_word_embeddings is set but the checkpoint's %s and %s differ: loading them untied, as "
+                       "transformers does (set tie_word_embeddings to false in config.json to silence this).",
+                       EMBEDDING, LM_HEAD)
+        lm_head = model.get_submodule(LM_HEAD.rsplit(".", 1)[0])
+        lm_head.weight = nn.Parameter(torch.empty_like(embedding), requires_grad=False)
+        lm_head.weight.weight_loader = lm_head.weight_loader
+        lm_head.weight_loader(lm_head.weight, head)
+        model.config.tie_word_embeddings = False
+    embedding.weight_loader(embedding, embed if embed is not None else head)
 
 
 class _ParallelLinear(nn.Module):
