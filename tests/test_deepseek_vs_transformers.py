@@ -33,6 +33,10 @@ CASES = {  # name -> (version, overrides of write_hf_deepseek)
     "v2-q_lora-group_limited-yarn": (2, dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=2,
                                              topk_group=1, routed_scaling_factor=1.5, rope_scaling=YARN,
                                              max_position_embeddings=256)),
+    # 3 picks from the 2 experts of the one kept group: the third is an expert of a dropped group,
+    # weighed 0 (DeepSeek-V2's code and transformers mask dropped groups' scores to 0).
+    "v2-group_limited-more-picks-than-kept": (2, dict(topk_method="group_limited_greedy", n_group=2, topk_group=1,
+                                                      num_experts_per_tok=3)),
     "v3-bias-groups-norm": (3, V3_GROUPS),
     "v3-rope-halves": (3, dict(V3_GROUPS, rope_interleave=False, norm_topk_prob=False)),
     # transformers and DeepSeek's code raise the softmax scale by mscale_all_dim under any scaling type.
@@ -293,6 +297,15 @@ def test_v3_groups_of_one_expert_are_refused() -> None:
     with pytest.raises(ValueError, match=message):
         DeepseekV2Config.from_hf_dict(dict(n_routed_experts=4, num_experts_per_tok=1, n_group=4, topk_group=1),
                                       "deepseek_v3")
+
+
+def test_v3_more_picks_than_kept_experts_is_refused() -> None:
+    """noaux_tc masks dropped groups to -inf but weighs by the unmasked scores: picks past the kept
+    experts would be arbitrary experts with real weights."""
+    message = r"num_experts_per_tok \(3\) exceeds the experts of the topk_group \(1\) groups .* use num_experts_per_tok <= 2"
+    with pytest.raises(ValueError, match=message):
+        DeepseekV2Config.from_hf_dict(dict(n_routed_experts=4, num_experts_per_tok=3, n_group=2, topk_group=1,
+                                           topk_method="noaux_tc"), "deepseek_v3")
 
 
 def test_v2_norm_topk_prob_is_refused(tmp_path: Path) -> None:

@@ -131,9 +131,11 @@ class DeepseekV2Config:
                 raise ValueError(f"topk_method='noaux_tc' scores each group by its two best experts: n_group={groups} "
                                  f"leaves {self.n_routed_experts // groups} of the {self.n_routed_experts} experts per "
                                  f"group; use n_group <= {self.n_routed_experts // 2}.")
-            if self.num_experts_per_tok > picked * self.n_routed_experts // groups:
+            if self.topk_method == "noaux_tc" and self.num_experts_per_tok > picked * self.n_routed_experts // groups:
                 raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of the "
-                                 f"topk_group ({picked}) groups it may choose from.")
+                                 f"topk_group ({picked}) groups it may choose from (noaux_tc would weigh experts of "
+                                 f"dropped groups by their scores): use num_experts_per_tok <= "
+                                 f"{picked * self.n_routed_experts // groups} or a larger topk_group.")
 
     @property
     def qk_head_dim(self) -> int:
@@ -277,7 +279,10 @@ class DeepseekV2Gate(nn.Module):
             group_scores = grouped.topk(2, dim=-1).values.sum(-1) if self.method == "noaux_tc" else grouped.amax(-1)
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
             keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)  # -inf: never chosen
+            if self.method == "noaux_tc":  # -inf: never chosen
+                choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+            else:  # 0, and weighed by it, as in DeepSeek-V2's code: chosen only past the kept experts, with weight 0
+                scores = choice = grouped.masked_fill(~keep[..., None], 0.0).flatten(1)
         ids = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
