@@ -120,6 +120,22 @@ def test_tied_embeddings_read_as_transformers_reads_them(tmp_path: Path, stored:
     assert model.config.tie_word_embeddings == (not untied)
 
 
+@pytest.mark.parametrize(("changes", "tensor", "shapes"), [
+    (dict(intermediate_size=48), "mlp.down_proj.weight", r"checkpoint \(64, 96\), expected \(64, 48\)"),
+    (dict(num_key_value_heads=1), "self_attn.k_proj.weight", r"checkpoint \(32, 64\), expected \(16, 64\)"),
+    (dict(head_dim=32), "self_attn.k_proj.weight", r"checkpoint \(32, 64\), expected \(64, 64\)"),
+])
+def test_weights_of_other_sizes_than_config_json_are_refused(tmp_path: Path, changes: dict, tensor: str,
+                                                             shapes: str) -> None:
+    """A config.json that does not belong to its weights. Smaller sizes than the checkpoint's were
+    loaded without a word (each layer cut its slice out of the larger tensor, as a tensor-parallel
+    rank does): wrong weights, wrong tokens. The whole tensor is checked first now."""
+    model_dir = write_hf_llama(tmp_path / "model")
+    edit_config_json(model_dir, **changes)
+    with pytest.raises(ValueError, match=rf"'model\.layers\.0\.{tensor}': Shape mismatch .*: {shapes} from config"):
+        LLM(str(model_dir), device="cpu", num_kv_blocks=16)
+
+
 # ---- config.json ----------------------------------------------------------------------------
 
 

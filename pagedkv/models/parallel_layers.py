@@ -50,6 +50,14 @@ def _divide(total: int, tp_size: int, what: str) -> int:
     return total // tp_size
 
 
+def check_checkpoint_shape(loaded: torch.Tensor, expected: Sequence[int], what: str) -> None:
+    """The whole checkpoint tensor's shape, checked before a rank cuts its slice out of it (a
+    slice of a larger tensor would fit the parameter and load wrong weights without a word)."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"Shape mismatch loading {what}: checkpoint {tuple(loaded.shape)}, expected {tuple(expected)} "
+                         "from config.json's sizes. Does config.json belong to these weights?")
+
+
 def copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None:
     if target.shape != source.shape:
         raise ValueError(f"Shape mismatch loading {what}: this rank's slice {tuple(source.shape)}, "
@@ -89,7 +97,10 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         if name not in params:
             raise ValueError(f"Checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}.")
         param = params[name]
-        getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
+        try:
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
+        except ValueError as error:
+            raise ValueError(f"Checkpoint tensor {hf_name!r}: {error}") from error
         loaded.add(name if shard is None else f"{name}#{shard}")
     if held:
         _load_tied(model, held)
@@ -168,16 +179,18 @@ class ColumnParallelLinear(_ParallelLinear):
         self.output_sizes = [_divide(size, tp, "output size") for size in output_sizes]
         super().__init__(input_size, sum(self.output_sizes), bias)
 
-    def _rows(self, shard_id: int | str) -> tuple[int, int, int]:
-        """(offset in this rank's weight, rows, first row in the full checkpoint piece)."""
+    def _rows(self, shard_id: int | str) -> tuple[int, int, int, int]:
+        """(offset in this rank's weight, rows, first row in the full checkpoint piece, the full
+        piece's rows)."""
         shard_id = int(shard_id)
         size = self.output_sizes[shard_id]
-        return sum(self.output_sizes[:shard_id]), size, get_tp_rank() * size
+        return sum(self.output_sizes[:shard_id]), size, get_tp_rank() * size, size * get_tp_size()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         if shard_id is None and len(self.output_sizes) > 1:
             raise ValueError(f"{type(self).__name__} loads its {len(self.output_sizes)} pieces one at a time.")
-        offset, rows, start = self._rows(0 if shard_id is None else shard_id)
+        offset, rows, start, full_rows = self._rows(0 if shard_id is None else shard_id)
+        check_checkpoint_shape(loaded, (full_rows, *param.shape[1:]), type(self).__name__)
         copy_checked(param.data.narrow(0, offset, rows), loaded.narrow(0, start, rows), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -202,14 +215,16 @@ class QKVParallelLinear(ColumnParallelLinear):
                  bias: bool = False) -> None:
         layout = head_layout(total_num_heads, total_num_kv_heads, get_tp_size())
         self.head_size, self.layout = head_size, layout
+        self.total_sizes = [total_num_heads * head_size] + [total_num_kv_heads * head_size] * 2  # in the checkpoint
         self.output_sizes = [layout.num_heads * head_size] + [layout.num_kv_heads * head_size] * 2
         # The sizes are per rank already: skip ColumnParallelLinear's even split.
         _ParallelLinear.__init__(self, hidden_size, sum(self.output_sizes), bias)
 
-    def _rows(self, shard_id: int | str) -> tuple[int, int, int]:
+    def _rows(self, shard_id: int | str) -> tuple[int, int, int, int]:
         index = {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else shard_id
         heads = rank_heads(self.layout, get_tp_rank())[min(index, 1)]  # k and v: the same KV heads
-        return sum(self.output_sizes[:index]), self.output_sizes[index], heads.start * self.head_size
+        return (sum(self.output_sizes[:index]), self.output_sizes[index], heads.start * self.head_size,
+                self.total_sizes[index])
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -225,6 +240,7 @@ class RowParallelLinear(_ParallelLinear):
             copy_checked(param.data, loaded, "RowParallelLinear bias")
             return
         cols = self.in_features
+        check_checkpoint_shape(loaded, (self.out_features, cols * get_tp_size()), "RowParallelLinear")
         copy_checked(param.data, loaded.narrow(1, get_tp_rank() * cols, cols), "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
