@@ -226,6 +226,32 @@ def test_generate_aborts_its_requests_when_interrupted(error: BaseException) -> 
     assert [o.outputs[0].token_ids for o in llm.generate([ids(4), ids(6)], GREEDY)] == expected
 
 
+def test_a_listener_that_raises_in_step_loses_no_output() -> None:
+    """The listener raises in the step where a request finishes: the exception reaches the caller
+    (with a note), and the next step() returns that step's outputs, the final one included. They
+    were lost: the request had been forgotten and its last output was never returned."""
+    llm = small_llm()
+    expected = small_llm().generate(ids(4), GREEDY)[0].outputs[0].token_ids
+
+    def listener(event) -> None:
+        if event.finished_req_ids:
+            raise RuntimeError("listener broke")
+
+    llm.add_step_listener(listener)
+    request_id = llm.add_request(ids(4), GREEDY)
+    seen, raised = [], 0
+    while llm.has_unfinished_requests():
+        try:
+            seen += llm.step()
+        except RuntimeError as error:
+            raised += 1
+            assert "the next step() returns them first" in str(error.__notes__)
+    assert raised == 1
+    assert [o.request_id for o in seen] == [request_id] * len(expected)
+    assert seen[-1].finished and seen[-1].outputs[0].token_ids == expected
+    assert_idle(llm)
+
+
 def test_abort_request_waiting_and_running() -> None:
     llm = small_llm(max_num_seqs=1)
     running, waiting, kept = (llm.add_request(ids(5, start=s), GREEDY) for s in (1, 2, 3))

@@ -136,6 +136,9 @@ class LLM:
         self._ids = itertools.count()
         # Unfinished requests only: a record goes when its final output is returned or it is aborted.
         self._requests: dict[str, Request] = {}
+        # Outputs of a step whose listener raised: the step had run, so they are kept, and the
+        # next step() returns them first (else a request finishing in that step would be lost).
+        self._undelivered: list[RequestOutput] = []
 
     def _prefix_caching(self, requested: bool | None) -> bool:
         """On unless turned off or the model cannot: a sliding-window layer gives blocks back as
@@ -209,7 +212,8 @@ class LLM:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Whether `step()` has more to return: requests not finished, or outputs not yet delivered."""
+        return bool(self._undelivered) or self.scheduler.has_unfinished_requests()
 
     def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None, SamplingParams]:
         """Check one prompt and its parameters completely; nothing is queued here."""
@@ -269,10 +273,12 @@ class LLM:
         raises, no single request can be blamed (they share the batch), and retrying would most
         likely raise again; vLLM's engine core shuts down in that case. Here the step's requests
         are finished with an error and their blocks freed, then the exception is re-raised with
-        a note naming them: the error is not hidden, and the engine serves later requests.
+        a note naming them: the error is not hidden, and the engine serves later requests. A step
+        listener that raises does so after its step has run: the next call returns that step's outputs.
         """
+        undelivered, self._undelivered = self._undelivered, []
         if not self.scheduler.has_unfinished_requests():
-            return []
+            return undelivered
         sched = self.scheduler.schedule()
         self.stats.num_preemptions += len(sched.preempted_req_ids)
         if not sched.scheduled:
@@ -284,6 +290,7 @@ class LLM:
             result = (self._executor or self.runner).execute_model(sched.runner_input(), block_ids)
         except Exception as error:  # not KeyboardInterrupt: a step interrupted that way can simply run again
             self._fail_step(sched, error)
+            self._undelivered = undelivered
             raise
         requests = [self._requests[r] for r in result.batch.sampling_req_ids]
         sampled = self.sampler(
@@ -296,7 +303,7 @@ class LLM:
             if isinstance(token, Exception):  # this request's failure alone: the others go on
                 self._end(request, "error", token)
                 finished.append(request)
-        outputs = [self._output(r) for r in requests]
+        outputs = undelivered + [self._output(r) for r in requests]
         for request in finished:
             self._forget(request)
         self._count(sched, finished)
@@ -306,8 +313,14 @@ class LLM:
                 num_free_blocks=[p.num_free_blocks for p in self.kv_cache_manager.block_pools],
                 finished_req_ids=[r.request_id for r in finished], runner=self.runner,
             )
-            for listener in list(self._listeners):
-                listener(event)
+            try:
+                for listener in list(self._listeners):
+                    listener(event)
+            except Exception as error:
+                self._undelivered = outputs
+                error.add_note("pagedkv: a step listener raised after its step had run; the step's outputs are kept "
+                               "and the next step() returns them first.")
+                raise
         return outputs
 
     def _fail_step(self, sched: SchedulerOutput, error: Exception) -> None:
@@ -385,6 +398,7 @@ class LLM:
         except BaseException:
             for request in requests:
                 self.abort_request(request.request_id)
+            self._undelivered.clear()  # this call's (the engine was idle): it returns none of them
             raise
         # The Request objects hold the final state, also of one aborted meanwhile (by a listener, say).
         return [self._output(request) for request in requests]
