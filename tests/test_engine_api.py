@@ -112,6 +112,41 @@ def test_parameters_changed_after_construction_are_checked_when_added() -> None:
     assert_idle(llm)
 
 
+def test_parameters_changed_while_the_request_runs_change_nothing() -> None:
+    """The request keeps a checked copy: a field set to a bad value afterwards used to make every
+    later step raise (the engine jammed until the request was aborted)."""
+    llm = small_llm()
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.add_request(ids(3), params)
+    params.max_tokens = "x"
+    outputs = run_steps(llm)
+    assert [len(o.outputs[0].token_ids) for o in outputs["0"]] == [1, 2, 3] and outputs["0"][-1].finished
+    assert_idle(llm)
+
+
+def test_a_temperature_below_sampling_eps_is_greedy() -> None:
+    """1e-38 is a valid temperature, but logits divided by it overflow (the request failed with
+    'probability tensor contains inf'); below 1e-5 the sampler takes the argmax, as vLLM does."""
+    llm = small_llm()
+    greedy = llm.generate(ids(4), GREEDY)[0].outputs[0].token_ids
+    for temperature in (1e-38, 5e-324, 1e-6):
+        out = llm.generate(ids(4), SamplingParams(temperature=temperature, max_tokens=5, ignore_eos=True))[0]
+        assert out.error is None and out.outputs[0].token_ids == greedy
+
+
+def test_misused_generate_and_listener_arguments_are_named() -> None:
+    llm = small_llm()
+    with pytest.raises(TypeError, match=r"sampling_params must be a SamplingParams, a list of them .* got 5"):
+        llm.generate("a", 5)
+    with pytest.raises(ValueError, match=r"prompt 0: The prompt cannot be encoded as UTF-8: .*surrogate"):
+        llm.generate("\ud800", GREEDY)
+    with pytest.raises(ValueError, match=r"The prompt cannot be encoded as UTF-8"):
+        llm.add_request("\ud800", GREEDY)
+    with pytest.raises(TypeError, match="pass a function, got 5"):
+        llm.add_step_listener(5)
+    assert_idle(llm)
+
+
 def _sample_failing_for_seed_666(logits, params, generator):
     if params.seed == 666:
         raise RuntimeError("sampler exploded for this request")
@@ -329,6 +364,8 @@ BAD_ENGINE_ARGS = [
     (dict(dtype=16), TypeError, "dtype"),
     (dict(device="banana"), ValueError, "device"),
     (dict(device=3.5), TypeError, "device"),
+    (dict(device="mps"), ValueError, r"device='mps': pagedkv runs on 'cpu' or 'cuda'"),
+    (dict(device="xpu"), ValueError, r"device='xpu': pagedkv runs on 'cpu' or 'cuda'"),
     (dict(enable_chunked_prefill="no"), TypeError, "enable_chunked_prefill"),
     (dict(attention_backend=3), TypeError, "attention_backend"),
     (dict(seed=1.5), TypeError, "seed"),

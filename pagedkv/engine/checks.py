@@ -119,8 +119,11 @@ def check_device(device: object) -> torch.device:
         device = torch.device(device)
     except RuntimeError:
         raise ValueError(f"device={device!r} is not a device torch knows; use 'cpu', 'cuda' or 'cuda:N'.") from None
-    if device.type != "cuda":
+    if device.type == "cpu":
         return device
+    if device.type != "cuda":  # the kernels and backends here are written for these two
+        raise ValueError(f"device={str(device)!r}: pagedkv runs on 'cpu' or 'cuda' devices; "
+                         "leave device=None to pick one.")
     if not torch.cuda.is_available():
         raise ValueError(
             f"device={str(device)!r} was asked for, but no CUDA device is visible to torch "

@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +186,8 @@ class LLM:
 
     def add_step_listener(self, listener: StepListener) -> Callable[[], None]:
         """Call `listener(StepEvent)` after every step; returns a function that detaches it."""
+        if not callable(listener):
+            raise TypeError(f"A step listener is called with each StepEvent: pass a function, got {listener!r}.")
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener) if listener in self._listeners else None
 
@@ -219,7 +221,9 @@ class LLM:
         """Check one prompt and its parameters completely; nothing is queued here."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Sampling parameters must be a SamplingParams, got {params!r}.")
-        params.validate()  # again: fields may have been changed since the object was made
+        # A checked copy: fields may have been changed since the object was made, and the caller
+        # may change them again while the request runs.
+        params = replace(params)
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise ValueError(f"A dict prompt needs 'prompt_token_ids', got keys {sorted(prompt)}.")
@@ -230,7 +234,10 @@ class LLM:
                     f"Model {self.config.model_config.model!r} has no tokenizer; pass "
                     "{'prompt_token_ids': [...]} instead of a string."
                 )
-            token_ids = self.tokenizer.encode(prompt)
+            try:
+                token_ids = self.tokenizer.encode(prompt)
+            except UnicodeError as error:  # lone surrogates, say: the tokenizer takes UTF-8 text
+                raise ValueError(f"The prompt cannot be encoded as UTF-8: {error}.") from None
         else:
             raise TypeError(f"A prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}.")
         vocab = self.model_config.vocab_size
@@ -376,6 +383,10 @@ class LLM:
             raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}.")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+                isinstance(p, SamplingParams) for p in sampling_params):
+            raise TypeError("sampling_params must be a SamplingParams, a list of them (one per prompt) or None, "
+                            f"got {sampling_params!r}.")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"Got {len(prompts)} prompts but {len(sampling_params)} sampling params.")
         if self.has_unfinished_requests():
@@ -387,8 +398,9 @@ class LLM:
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             try:
                 prepared.append(self._prepare(prompt, params))
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"prompt {i}: {e} (nothing was queued)") from None
+            except (TypeError, ValueError) as e:  # re-raised as the base type: a subclass may need other arguments
+                raise (TypeError if isinstance(e, TypeError) else ValueError)(
+                    f"prompt {i}: {e} (nothing was queued)") from None
         requests = [self._requests[self._add(*p)] for p in prepared]
         show_progress = use_tqdm if use_tqdm is not None else len(requests) >= 8
         try:

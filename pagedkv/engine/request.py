@@ -9,6 +9,10 @@ from pagedkv.engine.checks import check_bool, check_float, check_int, check_opti
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 
 
+SAMPLING_EPS = 1e-5
+"""A temperature below this samples greedily, as in vLLM: logits divided by a temperature of 1e-38
+overflow to inf, and their softmax is NaN."""
+
 SEED_RANGE = (-(2**63), 2**64 - 1)
 """What `torch.Generator.manual_seed` takes; a negative seed wraps modulo 2**64."""
 
@@ -24,7 +28,7 @@ class SamplingParams:
     """
 
     temperature: float = 1.0
-    """0 means greedy (argmax)."""
+    """0 means greedy (argmax), and so does anything below SAMPLING_EPS (1e-5)."""
     top_k: int = 0
     """Keep only the k most likely tokens; 0 keeps all (vLLM also spells that -1; here it is 0)."""
     top_p: float = 1.0
@@ -54,7 +58,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
 
 class RequestStatus(enum.Enum):
