@@ -191,6 +191,18 @@ def test_attention_rejects_unsupported_inputs() -> None:
         unified_attention(batch.q, batch.k_cache, batch.v_cache[..., :32], batch.q.clone(), **kwargs)
     with pytest.raises(ValueError, match="head size 12"):
         unified_attention(batch.q, batch.k_cache, batch.v_cache[..., :12], torch.zeros(2, 4, 12), **kwargs)
+    with pytest.raises(ValueError, match=r"q must be \[num_tokens, num_q_heads, head_size\]; got \(2, 256\)"):
+        unified_attention(batch.q.flatten(1), batch.k_cache, batch.v_cache, batch.q.clone(), **kwargs)
+    with pytest.raises(ValueError, match=r"inconsistent batch: .*block_table \(2,\); expected"):
+        unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.q.clone(), **kwargs | dict(block_table=batch.block_table[0]))
+    with pytest.raises(TypeError, match="seq_lens must be a torch.Tensor, got list"):
+        unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.q.clone(), **kwargs | dict(seq_lens=[2]))
+    with pytest.raises(ValueError, match="k_cache is on meta, q on cpu: put them on one device"):
+        unified_attention(batch.q, batch.k_cache.to("meta"), batch.v_cache, batch.q.clone(), **kwargs)
+    with pytest.raises(ValueError, match="sliding_window must be None or a positive int"):
+        unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.q.clone(), **kwargs, sliding_window=4.5)
+    with pytest.raises(TypeError, match="softmax_scale must be a float"):
+        unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.q.clone(), **kwargs | dict(softmax_scale="x"))
     workspace = SplitKVWorkspace(rows=8, num_q_heads=4, head_size=64, device=DEVICE)
     with pytest.raises(ValueError, match=r"workspace holds rows of \[4, 64\].*\[4, 32\]"):
         unified_attention(batch.q, batch.k_cache, batch.v_cache[..., :32], torch.zeros(2, 4, 32), **kwargs,
@@ -266,6 +278,11 @@ def test_reshape_and_cache_rejects_mismatched_shapes() -> None:
         reshape_and_cache(torch.zeros(3, 2, 32), torch.zeros(3, 2, 32), cache[0], cache[1], torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="int32/int64"):
         reshape_and_cache(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), cache[0], cache[1], torch.zeros(3))
+    with pytest.raises(ValueError, match="k_cache is on meta, key on cpu: put them on one device"):
+        reshape_and_cache(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), cache[0].to("meta"), cache[1],
+                          torch.zeros(3, dtype=torch.long))
+    with pytest.raises(TypeError, match="slot_mapping must be a torch.Tensor, got list"):
+        reshape_and_cache(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), cache[0], cache[1], [0, 1, 2])
 
 
 # --- the backends on top of the kernels ----------------------------------------------------------

@@ -190,6 +190,12 @@ def test_bad_input_is_named() -> None:
         call(seq_lens=seq_lens.long())
     with pytest.raises(ValueError, match="not a power of two"):
         call(kv_cache=kv_cache[:, :3])
+    with pytest.raises(TypeError, match="kv_lora_rank must be an int .* got 32.0"):
+        call(kv_lora_rank=32.0)
+    with pytest.raises(TypeError, match="block_table must be a torch.Tensor, got list"):
+        call(block_table=block_table.tolist())
+    with pytest.raises(ValueError, match="seq_lens is on meta, q on"):
+        call(seq_lens=seq_lens.to("meta"))
     with pytest.raises(ValueError, match="needs scratch"):
         call(num_kv_splits=2)
     with pytest.raises(ValueError, match="must be an MLADecodeWorkspace"):

@@ -101,9 +101,18 @@ def _interpreter_loop_problem() -> str | None:
     return None
 
 
-def check_device(tensor: torch.Tensor) -> None:
-    """Triton compiles for GPUs; CPU tensors only work under its interpreter (`interpreter_problem`)."""
-    if tensor.device.type != "cpu":
+def check_tensors(**tensors: torch.Tensor) -> None:
+    """A kernel's arguments, checked first: tensors, all on one device, and one that can run the
+    kernels (Triton compiles for GPUs; CPU tensors only work under its interpreter)."""
+    first, device = None, None
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if device is None:
+            first, device = name, tensor.device
+        elif tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, {first} on {device}: put them on one device")
+    if device is None or device.type != "cpu":
         return
     problem = interpreter_problem()
     if problem:

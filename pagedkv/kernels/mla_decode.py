@@ -41,7 +41,7 @@ import triton.language as tl
 
 from pagedkv.kernels.attention_config import _num_splits
 from pagedkv.kernels.common import (
-    cdiv, check_attention_dtype, check_device, interpreting, next_power_of_2, num_compute_units, supports_pdl,
+    cdiv, check_attention_dtype, check_tensors, interpreting, next_power_of_2, num_compute_units, supports_pdl,
 )
 from pagedkv.kernels.split_kv import SplitKVWorkspace, merge_splits
 from pagedkv.kernels.unified_attention import LOG2_E, _dot
@@ -352,6 +352,7 @@ def _check_inputs(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
     kv_lora_rank: int, out: torch.Tensor,
 ) -> None:
+    check_tensors(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens, out=out)
     if q.dim() != 3 or kv_cache.dim() != 3:
         raise ValueError(
             f"q must be [num_decodes, num_heads, kv_lora_rank + rope_dim] and kv_cache [num_blocks, block_size, "
@@ -361,6 +362,8 @@ def _check_inputs(
         raise ValueError(
             f"q rows have {q.shape[2]} values but cache rows {kv_cache.shape[2]}: both must be kv_lora_rank + rope_dim"
         )
+    if not isinstance(kv_lora_rank, int):
+        raise TypeError(f"kv_lora_rank must be an int (DeepSeek: 512), got {kv_lora_rank!r}")
     if not 0 < kv_lora_rank < q.shape[2]:
         raise ValueError(
             f"kv_lora_rank={kv_lora_rank} leaves a rope part of {q.shape[2] - kv_lora_rank} values in rows of "
@@ -385,10 +388,6 @@ def _check_inputs(
         )
     if block_table.stride(1) != 1:
         raise ValueError("block_table rows must be contiguous")
-    for name, tensor in (("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens), ("out", out)):
-        if tensor.device != q.device:
-            raise ValueError(f"{name} is on {tensor.device}, q on {q.device}: put them on one device")
-    check_device(q)
 
 
 def _check_workspace(

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.kernels.common import check_attention_dtype, next_power_of_2
+from pagedkv.kernels.common import check_attention_dtype, check_tensors, next_power_of_2
 
 
 @triton.jit
@@ -72,8 +72,8 @@ def reshape_and_cache(
     `slot_mapping.shape[0]` tokens are written, so `key` may carry extra padding rows.
     No host synchronisation: safe inside a CUDA graph.
     """
-    num_tokens = slot_mapping.shape[0]
     _check_shapes(key, value, k_cache, v_cache, slot_mapping)
+    num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
     num_kv_heads, head_size = key.shape[1], key.shape[2]
@@ -96,6 +96,7 @@ def _check_shapes(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
+    check_tensors(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(
             f"key and value must both be [num_tokens, num_kv_heads, head_size]; "

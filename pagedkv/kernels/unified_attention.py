@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.attention_config import KernelConfig, choose_config
-from pagedkv.kernels.common import check_attention_dtype, check_device, check_head_size, interpreting, next_power_of_2
+from pagedkv.kernels.common import check_attention_dtype, check_head_size, check_tensors, interpreting, next_power_of_2
 from pagedkv.kernels.split_kv import SplitKVWorkspace, merge_splits
 
 LOG2_E = 1.4426950408889634
@@ -281,10 +281,12 @@ def unified_attention(
     allocated per call. With a workspace the call does no allocation and no host sync.
     `config` overrides the tile heuristics (benchmarks, tuning).
     """
-    num_tokens, num_q_heads, head_size = q.shape
-    num_kv_heads, head_size_v = k_cache.shape[2], v_cache.shape[3]
     _check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table)
     _check_window(sliding_window)
+    if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
+        raise TypeError(f"softmax_scale must be a float (1 / sqrt(head_size), usually), got {softmax_scale!r}")
+    num_tokens, num_q_heads, head_size = q.shape
+    num_kv_heads, head_size_v = k_cache.shape[2], v_cache.shape[3]
     if num_tokens == 0 or seq_lens.shape[0] == 0:
         return out
     num_reqs = seq_lens.shape[0]
@@ -348,6 +350,8 @@ def _check_inputs(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
 ) -> None:
+    check_tensors(q=q, k_cache=k_cache, v_cache=v_cache, out=out, query_start_loc=query_start_loc, seq_lens=seq_lens,
+                  block_table=block_table)
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_size]; got {tuple(q.shape)}")
     if (k_cache.dim() != 4 or v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3]
@@ -372,16 +376,16 @@ def _check_inputs(
     for name, tensor in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
         if tensor.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {tensor.dtype}")
-    if query_start_loc.shape[0] != seq_lens.shape[0] + 1 or block_table.shape[0] < seq_lens.shape[0]:
+    if (query_start_loc.dim() != 1 or seq_lens.dim() != 1 or block_table.dim() != 2
+            or query_start_loc.shape[0] != seq_lens.shape[0] + 1 or block_table.shape[0] < seq_lens.shape[0]):
         raise ValueError(
-            f"inconsistent batch: query_start_loc {tuple(query_start_loc.shape)}, seq_lens "
-            f"{tuple(seq_lens.shape)}, block_table {tuple(block_table.shape)}"
+            f"inconsistent batch: query_start_loc {tuple(query_start_loc.shape)}, seq_lens {tuple(seq_lens.shape)}, "
+            f"block_table {tuple(block_table.shape)}; expected [num_reqs + 1], [num_reqs], [>= num_reqs, max_blocks]"
         )
     if block_table.stride(1) != 1:
         raise ValueError("block_table rows must be contiguous")
-    check_device(q)
 
 
 def _check_window(sliding_window: int | None) -> None:
-    if sliding_window is not None and not 1 <= sliding_window < NO_WINDOW:
+    if sliding_window is not None and (not isinstance(sliding_window, int) or not 1 <= sliding_window < NO_WINDOW):
         raise ValueError(f"sliding_window must be None or a positive int below {NO_WINDOW}, got {sliding_window}")
