@@ -45,6 +45,10 @@ class Attention(nn.Module):
         super().__init__()
         config = get_current_engine_config()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_size", head_size),
+                            ("sliding_window", 1 if sliding_window is None else sliding_window)):
+            if type(value) is not int or value < 1:  # bool is an int subclass, not an int here
+                raise ValueError(f"Attention layer {prefix!r}: {name} must be a positive int, got {value!r}.")
         if num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads}): "
