@@ -384,6 +384,19 @@ def test_engine_arguments_are_checked(kwargs: dict, error: type, field: str) -> 
     assert type(info.value) is error
 
 
+def test_a_kv_cache_too_large_to_allocate_names_its_arguments() -> None:
+    """16 PB: more than any address space, so the allocation fails everywhere (the allocator's
+    message alone named no argument)."""
+    with pytest.raises(RuntimeError) as info:
+        LLM("tiny", device="cpu", num_kv_blocks=10**12)
+    assert "it was sized by num_kv_blocks=1000000000000, kv_cache_memory=None: lower them" in str(info.value.__notes__)
+
+
+def test_a_block_too_large_for_the_memory_names_block_size() -> None:
+    with pytest.raises(ValueError, match=r"would hold 0 blocks .*block_size=1000000 tokens.* a smaller block_size"):
+        LLM("tiny", device="cpu", block_size=10**6, kv_cache_memory=2**20)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_cuda_without_a_gpu_says_so() -> None:
     with pytest.raises(ValueError, match=r"no CUDA device.*device=\"cpu\""):

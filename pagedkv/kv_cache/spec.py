@@ -106,8 +106,9 @@ def get_kv_cache_config(
         num_blocks = memory_bytes // config.bytes_per_block
     if num_blocks < 2:
         raise ValueError(
-            f"The KV cache would hold {num_blocks} blocks; at least 2 are needed "
-            "(block 0 is the reserved null block). Give more memory or a larger num_kv_blocks."
+            f"The KV cache would hold {num_blocks} blocks of {config.bytes_per_block} bytes (all layers; "
+            f"block_size={groups[0].kv_cache_spec.block_size} tokens); at least 2 are needed (block 0 is the reserved "
+            "null block). Give more memory, a larger num_kv_blocks or a smaller block_size."
         )
     config.num_blocks = num_blocks
     return config

@@ -171,7 +171,17 @@ class ModelRunner:
             for name in group_spec.layer_names
         ]
         per_layer = math.prod(shapes[0])
-        buffer = torch.zeros(per_layer * len(shapes), dtype=spec.dtype, device=self.device)
+        try:
+            buffer = torch.zeros(per_layer * len(shapes), dtype=spec.dtype, device=self.device)
+        except RuntimeError as error:  # torch.OutOfMemoryError on a GPU; the CPU allocator's own message
+            cache = self.config.cache_config
+            error.add_note(
+                f"pagedkv: the KV cache ({self.kv_cache_config.num_blocks} blocks of {spec.block_size} tokens for "
+                f"{len(shapes)} layers, {per_layer * len(shapes) * spec.dtype.itemsize / 2**30:.2f} GiB) does not fit "
+                f"on {self.device}; it was sized by num_kv_blocks={cache.num_kv_blocks}, "
+                f"kv_cache_memory={cache.kv_cache_memory}: lower them, or leave both None to size it from free memory."
+            )
+            raise
         return {
             name: buffer[i * per_layer : (i + 1) * per_layer].view(shape)
             for i, (name, shape) in enumerate(zip(group_spec.layer_names, shapes))
