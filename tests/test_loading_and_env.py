@@ -175,6 +175,29 @@ def test_unsupported_or_contradictory_model_is_rejected(tmp_path: Path, changes:
         LLM(str(model_dir), device="cpu", num_kv_blocks=16)
 
 
+@pytest.mark.parametrize(("changes", "message"), [
+    (dict(num_attention_heads=0), r"num_attention_heads must be an int >= 1, got 0"),  # was a ZeroDivisionError
+    (dict(max_position_embeddings="1024"), r"max_position_embeddings must be an int >= 1, got '1024'"),
+    (dict(hidden_size=-64), r"hidden_size must be an int >= 1, got -64"),  # was torch's "Dimension size"
+    (dict(rms_norm_eps="x"), r"rms_norm_eps must be a number > 0, got 'x'"),  # was accepted
+])
+def test_config_json_numbers_are_checked_by_name(tmp_path: Path, changes: dict, message: str) -> None:
+    model_dir = write_hf_llama(tmp_path / "model")
+    edit_config_json(model_dir, **changes)
+    with pytest.raises(ValueError, match=r"^config\.json: " + message):
+        LLM(str(model_dir), device="cpu", num_kv_blocks=16)
+
+
+def test_deepseek_config_json_numbers_are_checked_by_name() -> None:
+    from pagedkv.models.deepseek_v2 import DeepseekV2Config
+
+    with pytest.raises(ValueError, match=r"config\.json: kv_lora_rank must be an int >= 1, got 0"):
+        DeepseekV2Config.from_hf_dict(dict(kv_lora_rank=0), "deepseek_v2")
+    with pytest.raises(ValueError, match=r"config\.json: n_shared_experts must be an int >= 0, got -1"):
+        DeepseekV2Config.from_hf_dict(dict(n_shared_experts=-1), "deepseek_v2")
+    assert DeepseekV2Config.from_hf_dict(dict(q_lora_rank=None, n_shared_experts=0), "deepseek_v2").q_lora_rank is None
+
+
 def test_quantized_checkpoint_is_refused(tmp_path: Path) -> None:
     """DeepSeek-V3's released weights are fp8 with per-block scales; read as plain weights they
     would load as garbage (or fail on the scale tensors), so the config is refused by name."""

@@ -30,7 +30,9 @@ from torch import nn
 
 from pagedkv.attention.mla.layer import MLAAttention
 from pagedkv.models.fused_moe import FusedMoE, expert_params_mapping
-from pagedkv.models.layers import RMSNorm, get_rope, hf_rope_parameters, rope_type, share_rotary_embeddings, yarn_mscale
+from pagedkv.models.layers import (
+    RMSNorm, check_config_numbers, get_rope, hf_rope_parameters, rope_type, share_rotary_embeddings, yarn_mscale,
+)
 from pagedkv.models.llama import LlamaMLP
 from pagedkv.models.parallel_layers import (
     ColumnParallelLinear,
@@ -117,6 +119,12 @@ class DeepseekV2Config:
     eos_token_id: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        check_config_numbers(
+            self, counts=("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"),
+            floats=("rms_norm_eps", "rope_theta", "routed_scaling_factor"), positive=(
+                "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "n_routed_experts", "num_experts_per_tok", "max_position_embeddings"))
         if self.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act={self.hidden_act!r} is not supported; DeepSeek models use 'silu'.")
         if self.topk_method not in TOPK_METHODS:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,23 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+def check_config_numbers(
+    config: object, *, positive: Sequence[str] = (), counts: Sequence[str] = (), floats: Sequence[str] = (),
+) -> None:
+    """The config.json numbers a model is built from, named when wrong (else a wrong type or a 0
+    surfaces as a torch or ZeroDivisionError deep in the model's construction): `positive` ints
+    >= 1, `counts` ints >= 0, `floats` numbers > 0. None (a field that may be absent) passes."""
+    for names, low in ((positive, 1), (counts, 0)):
+        for name in names:
+            value = getattr(config, name)
+            if value is not None and (type(value) is not int or value < low):
+                raise ValueError(f"config.json: {name} must be an int >= {low}, got {value!r}.")
+    for name in floats:
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ValueError(f"config.json: {name} must be a number > 0, got {value!r}.")
 
 
 def hf_rope_parameters(

@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from pagedkv.attention.layer import Attention
-from pagedkv.models.layers import RMSNorm, SiluAndMul, get_rope, share_rotary_embeddings, hf_rope_parameters
+from pagedkv.models.layers import (
+    RMSNorm, SiluAndMul, check_config_numbers, get_rope, hf_rope_parameters, share_rotary_embeddings,
+)
 from pagedkv.models.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -67,6 +69,9 @@ class LlamaConfig:
     eos_token_id: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        check_config_numbers(self, floats=("rms_norm_eps", "rope_theta"), positive=(
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings"))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
