@@ -26,9 +26,20 @@ def test_unknown_backend_name() -> None:
 
 
 def test_env_var_selects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name from the environment says so: the caller may not know the variable is set."""
     monkeypatch.setenv("PAGEDKV_ATTENTION_BACKEND", "MISSING_ONE")
-    with pytest.raises(ValueError, match="Unknown attention backend 'MISSING_ONE'"):
+    with pytest.raises(ValueError, match=r"Unknown attention backend 'MISSING_ONE'.*\(from \$PAGEDKV_ATTENTION_BACKEND\)"):
         get_attn_backend(**LAYER, device="cpu")
+    monkeypatch.setenv("PAGEDKV_ATTENTION_BACKEND", "TRITON_MLA")
+    with pytest.raises(ValueError, match=r"'TRITON_MLA' \(from \$PAGEDKV_ATTENTION_BACKEND\) cannot serve layer"):
+        get_attn_backend(**LAYER, device="cpu")
+    assert get_attn_backend(**LAYER, device="cpu", selected="TORCH_REF") is TorchRefBackend  # an explicit name wins
+
+
+def test_an_empty_name_is_not_a_backend() -> None:
+    """attention_backend="" was taken as "pick one" without a word; None is how to say that."""
+    with pytest.raises(ValueError, match="Unknown attention backend ''"):
+        LLM("tiny", device="cpu", attention_backend="", num_kv_blocks=8)
 
 
 class _Picky(TorchRefBackend):

@@ -121,12 +121,17 @@ def get_attn_backend(
         f"{kv_cache_dtype}, block size {block_size}, sliding window {sliding_window}, "
         f"device {platform.device_type})"
     )
-    selected = selected or os.environ.get(ENV_VAR) or None
-    if selected:
-        reasons = backend_reasons(selected, **layer)
+    source = ""  # said when the name comes from the environment, which the caller may not know is set
+    if selected is None and os.environ.get(ENV_VAR):
+        selected, source = os.environ[ENV_VAR], f" (from ${ENV_VAR})"
+    if selected is not None:
+        try:
+            reasons = backend_reasons(selected, **layer)
+        except ValueError as error:  # an unknown name
+            raise ValueError(f"{error}{source}") from None
         if reasons:
             raise ValueError(
-                f"Attention backend {selected!r} cannot serve {what}: " + "; ".join(reasons) + "."
+                f"Attention backend {selected!r}{source} cannot serve {what}: " + "; ".join(reasons) + "."
             )
         return load_backend(selected)
     candidates = _PREFERRED + [n for n in platform.backend_priority if n not in _PREFERRED]
