@@ -385,6 +385,8 @@ def test_triton_interpreter_set_after_triton_was_imported() -> None:
 def test_triton_interpreter_set_before_python_starts() -> None:
     """Then import order does not matter (transformers, which may import triton, first here)."""
     out = _python("import transformers\n" + REASONS + BACKENDS_COMMAND, TRITON_INTERPRET="1")
+    if out["reasons"] and "interpreter cannot run a loop" in out["reasons"][0]:  # kernels.common's probe
+        pytest.skip(out["reasons"][0])  # these triton / numpy versions: no interpreter to order imports for
     assert out["reasons"] == []
     [line] = out["backends_line"]
     assert "TRITON_INTERPRET" not in line
