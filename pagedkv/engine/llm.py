@@ -383,8 +383,7 @@ class LLM:
             raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}.")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if not isinstance(sampling_params, (list, tuple)) or not all(
-                isinstance(p, SamplingParams) for p in sampling_params):
+        if not isinstance(sampling_params, (list, tuple)):  # its items are checked with their prompts
             raise TypeError("sampling_params must be a SamplingParams, a list of them (one per prompt) or None, "
                             f"got {sampling_params!r}.")
         if len(sampling_params) != len(prompts):
