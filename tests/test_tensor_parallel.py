@@ -13,6 +13,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -94,6 +96,20 @@ def test_killed_worker_is_an_error_not_a_hang() -> None:
     with pytest.raises(RuntimeError, match="shut down"):  # the engine says it cannot go on
         llm._executor.execute_model(None, {})  # type: ignore[arg-type]
     assert_no_workers_left()
+
+
+def test_script_without_a_main_guard_fails_at_once_with_the_fix(tmp_path: Path) -> None:
+    """The spawned worker imports the script again, whose LLM(...) then dies in the worker's
+    start-up: the driver says so at once and names the fix, where it used to wait out the
+    group's 120 s start-up timeout and report a gloo "Wait timeout"."""
+    script = tmp_path / "serve.py"
+    script.write_text("from pagedkv import LLM\nLLM('tiny', device='cpu', num_kv_blocks=32, tensor_parallel_size=2)\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode != 0 and time.monotonic() - start < 60
+    assert 'worker rank 1 exited with code 1 while starting' in done.stderr
+    assert 'create the LLM under `if __name__ == "__main__":`' in done.stderr
 
 
 def test_garbage_collected_engine_ends_its_workers() -> None:

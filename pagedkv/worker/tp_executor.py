@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import time
 import traceback
 import weakref
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -68,8 +69,9 @@ def _start_rank(config: EngineConfig, model_config: HFConfig, rank: int, init_me
     return runner
 
 
-def _worker_main(config: EngineConfig, model_config: HFConfig, rank: int, init_method: str) -> None:
+def _worker_main(config: EngineConfig, model_config: HFConfig, rank: int, init_method: str, started: Any) -> None:
     """A worker process: run every step the driver broadcasts until it broadcasts None."""
+    started.set()  # the process came up (see `TensorParallelExecutor._wait_for_workers`)
     try:
         runner = _start_rank(config, model_config, rank, init_method)
         while True:
@@ -93,8 +95,9 @@ class TensorParallelExecutor:
         os.close(fd)
         init_method = f"file://{rendezvous}"
         context = mp.get_context("spawn")
+        started = [context.Event() for _ in range(1, tp)]
         self.workers = [
-            context.Process(target=_worker_main, args=(config, model_config, rank, init_method),
+            context.Process(target=_worker_main, args=(config, model_config, rank, init_method, started[rank - 1]),
                             name=f"pagedkv-tp-rank{rank}", daemon=True)
             for rank in range(1, tp)
         ]
@@ -104,11 +107,26 @@ class TensorParallelExecutor:
         self._told_to_stop = [False]  # shared with the finalizer, which must not hold `self`
         self._finalizer = weakref.finalize(self, _shut_down, self.workers, rendezvous, self._told_to_stop)
         try:
+            self._wait_for_workers(started)
             self.runner = _start_rank(config, model_config, 0, init_method)
         except BaseException:  # e.g. no backend serves the per-rank layout: that error, not a rank's death
             self._closed = True
             self._finalizer()  # the workers fail the same way or wait for rank 0: end them
             raise
+
+    def _wait_for_workers(self, started: list[Any]) -> None:
+        """Fail at once if a worker dies before it runs `_worker_main`, rather than after the
+        group's start-up timeout. Usually a script that creates the LLM outside an
+        `if __name__ == "__main__":` block: each spawned worker imports the script again."""
+        deadline = time.monotonic() + TIMEOUT_S
+        for rank, (worker, event) in enumerate(zip(self.workers, started), start=1):
+            while not event.wait(0.05) and time.monotonic() < deadline:
+                if worker.exitcode is not None:
+                    raise RuntimeError(
+                        f"Tensor-parallel worker rank {rank} exited with code {worker.exitcode} while starting (its "
+                        "traceback is above). Workers are spawned processes that import your main script again: "
+                        "in a script, create the LLM under `if __name__ == \"__main__\":`."
+                    )
 
     def execute_model(self, scheduled: list[ScheduledTokens], block_ids: dict[str, list[list[int]]]) -> StepResult:
         if self._closed:
