@@ -210,6 +210,28 @@ def test_attention_rejects_unsupported_inputs() -> None:
                                                                    num_splits=2))
 
 
+def test_attention_on_cpu_tensors_rejects_indices_past_its_tensors() -> None:
+    """Where the check costs no device sync (CPU tensors, the interpreter): each of these read
+    outside a tensor, which on the CPU was a segfault that ended the Python process."""
+    batch = random_paged_batch([3], [5], head_size=16, block_size=4)
+    kwargs = dict(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, max_query_len=3,
+                  max_seq_len=8, block_table=batch.block_table, softmax_scale=1.0)
+
+    def call(**changes: object) -> None:
+        unified_attention(batch.q, batch.k_cache, batch.v_cache, torch.empty_like(batch.q), **kwargs | changes)
+
+    far = batch.block_table.clone()
+    far[0, 1] = 1000
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = 1000 is not a block of the cache"):
+        call(block_table=far)
+    with pytest.raises(ValueError, match=r"seq_lens must be in \[0, 12\] \(the block table's 3 pages of 4 tokens\)"):
+        call(seq_lens=torch.tensor([40], dtype=torch.int32), max_seq_len=40)
+    with pytest.raises(ValueError, match="query_start_loc must rise from 0 to at most the 3 tokens"):
+        call(query_start_loc=torch.tensor([0, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match="max_query_len=1 and max_seq_len=8 must bound the batch's 3 and 8"):
+        call(max_query_len=1)  # left query rows unwritten, without a word
+
+
 # --- reshape_and_cache -----------------------------------------------------------------------
 
 
@@ -283,6 +305,10 @@ def test_reshape_and_cache_rejects_mismatched_shapes() -> None:
                           torch.zeros(3, dtype=torch.long))
     with pytest.raises(TypeError, match="slot_mapping must be a torch.Tensor, got list"):
         reshape_and_cache(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), cache[0], cache[1], [0, 1, 2])
+    if DEVICE == "cpu":  # checked where it is free (a slot past the cache was a segfault on the CPU)
+        with pytest.raises(ValueError, match=r"slots in \[0, 64\) or -1 \(skip\), got values from 0 to 6400000"):
+            reshape_and_cache(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), cache[0], cache[1],
+                              torch.tensor([0, 5, 6_400_000]))
 
 
 # --- the backends on top of the kernels ----------------------------------------------------------

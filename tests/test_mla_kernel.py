@@ -196,6 +196,13 @@ def test_bad_input_is_named() -> None:
         call(block_table=block_table.tolist())
     with pytest.raises(ValueError, match="seq_lens is on meta, q on"):
         call(seq_lens=seq_lens.to("meta"))
+    if DEVICE == "cpu":  # checked where it is free: these read past the cache (a segfault on the CPU)
+        far = block_table.clone()
+        far[0, 0] = kv_cache.shape[0]
+        with pytest.raises(ValueError, match=rf"block_table\[0, 0\] = {kv_cache.shape[0]} is not a block"):
+            call(block_table=far)
+        with pytest.raises(ValueError, match=r"seq_lens must be in \[0, 8\]"):
+            call(seq_lens=torch.tensor([9], dtype=torch.int32))
     with pytest.raises(ValueError, match="needs scratch"):
         call(num_kv_splits=2)
     with pytest.raises(ValueError, match="must be an MLADecodeWorkspace"):

@@ -119,6 +119,27 @@ def check_tensors(**tensors: torch.Tensor) -> None:
         raise RuntimeError(f"Triton kernels got CPU tensors (use a CUDA device to run them compiled); {problem}")
 
 
+def check_pages_on_cpu(block_table: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """The pages a batch reads, checked where that is free: on CPU tensors (Triton's interpreter,
+    no device to wait for). A length past the block table or a block id past the cache makes a
+    kernel read outside its tensors: on the CPU a segfault, which takes the Python (or Jupyter)
+    process down. On a GPU the check would cost a device sync per call, so there the kernels
+    trust their metadata, as vLLM's do. `seq_lens` has one entry per row of the batch."""
+    if seq_lens.device.type != "cpu" or seq_lens.numel() == 0:
+        return
+    max_blocks = block_table.shape[1]
+    if seq_lens.min() < 0 or seq_lens.max() > max_blocks * block_size:
+        raise ValueError(f"seq_lens must be in [0, {max_blocks * block_size}] (the block table's {max_blocks} pages of "
+                         f"{block_size} tokens), got {seq_lens.tolist()}")
+    ids = block_table[: seq_lens.shape[0]]
+    used = torch.arange(max_blocks) < ((seq_lens.long() + block_size - 1) // block_size)[:, None]
+    bad = used & ((ids < 0) | (ids >= num_blocks))
+    if bad.any():
+        row, page = bad.nonzero()[0].tolist()
+        raise ValueError(f"block_table[{row}, {page}] = {ids[row, page].item()} is not a block of the cache "
+                         f"(0 .. {num_blocks - 1})")
+
+
 @functools.lru_cache(maxsize=None)
 def supports_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch: a kernel may start while the one before it finishes (Hopper+)."""

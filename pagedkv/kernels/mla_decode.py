@@ -41,7 +41,7 @@ import triton.language as tl
 
 from pagedkv.kernels.attention_config import _num_splits
 from pagedkv.kernels.common import (
-    cdiv, check_attention_dtype, check_tensors, interpreting, next_power_of_2, num_compute_units, supports_pdl,
+    cdiv, check_attention_dtype, check_pages_on_cpu, check_tensors, interpreting, next_power_of_2, num_compute_units, supports_pdl,
 )
 from pagedkv.kernels.split_kv import SplitKVWorkspace, merge_splits
 from pagedkv.kernels.unified_attention import LOG2_E, _dot
@@ -295,6 +295,7 @@ def mla_decode_attention(
     _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, out)
     num_decodes, num_heads, head_dim = q.shape
     block_size = kv_cache.shape[1]
+    check_pages_on_cpu(block_table, seq_lens[:num_decodes], kv_cache.shape[0], block_size)
     if num_kv_splits is not None and num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be None or >= 1, got {num_kv_splits}")
     if workspace is None and (num_kv_splits or 1) > 1:

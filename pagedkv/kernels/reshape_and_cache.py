@@ -117,5 +117,11 @@ def _check_shapes(
         )
     if slot_mapping.shape[0] > key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots but key only {key.shape[0]} tokens")
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    # Where it is free (CPU tensors, see check_pages_on_cpu): a slot past the cache is a segfault there.
+    if slot_mapping.device.type == "cpu" and slot_mapping.numel() and (
+            slot_mapping.min() < -1 or slot_mapping.max() >= num_slots):
+        raise ValueError(f"slot_mapping must hold slots in [0, {num_slots}) or -1 (skip), got values from "
+                         f"{slot_mapping.min().item()} to {slot_mapping.max().item()}")
     check_attention_dtype(key.dtype, "key")
     check_attention_dtype(k_cache.dtype, "k_cache")

@@ -32,7 +32,9 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.attention_config import KernelConfig, choose_config
-from pagedkv.kernels.common import check_attention_dtype, check_head_size, check_tensors, interpreting, next_power_of_2
+from pagedkv.kernels.common import (
+    check_attention_dtype, check_head_size, check_pages_on_cpu, check_tensors, interpreting, next_power_of_2,
+)
 from pagedkv.kernels.split_kv import SplitKVWorkspace, merge_splits
 
 LOG2_E = 1.4426950408889634
@@ -287,6 +289,8 @@ def unified_attention(
         raise TypeError(f"softmax_scale must be a float (1 / sqrt(head_size), usually), got {softmax_scale!r}")
     num_tokens, num_q_heads, head_size = q.shape
     num_kv_heads, head_size_v = k_cache.shape[2], v_cache.shape[3]
+    check_pages_on_cpu(block_table, seq_lens, k_cache.shape[0], k_cache.shape[1])
+    _check_batch_on_cpu(query_start_loc, seq_lens, num_tokens, max_query_len, max_seq_len)
     if num_tokens == 0 or seq_lens.shape[0] == 0:
         return out
     num_reqs = seq_lens.shape[0]
@@ -384,6 +388,26 @@ def _check_inputs(
         )
     if block_table.stride(1) != 1:
         raise ValueError("block_table rows must be contiguous")
+
+
+def _check_batch_on_cpu(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, max_query_len: int, max_seq_len: int,
+) -> None:
+    """The ragged batch's offsets and the host-side bounds, checked where that is free (see
+    `check_pages_on_cpu`): offsets past q read outside it, and a max_query_len below a request's
+    query length leaves rows of `out` unwritten."""
+    if query_start_loc.device.type != "cpu" or seq_lens.numel() == 0:
+        return
+    query_lens = query_start_loc.diff()
+    if query_start_loc[0] != 0 or query_lens.min() < 0 or query_start_loc[-1] > num_tokens:
+        raise ValueError(f"query_start_loc must rise from 0 to at most the {num_tokens} tokens of q, "
+                         f"got {query_start_loc.tolist()}")
+    if (query_lens > seq_lens).any():
+        raise ValueError(f"a request's query is longer than its sequence: query lengths {query_lens.tolist()}, "
+                         f"seq_lens {seq_lens.tolist()}")
+    if query_lens.max() > max_query_len or seq_lens.max() > max_seq_len:
+        raise ValueError(f"max_query_len={max_query_len} and max_seq_len={max_seq_len} must bound the batch's "
+                         f"{query_lens.max().item()} and {seq_lens.max().item()}")
 
 
 def _check_window(sliding_window: int | None) -> None:
