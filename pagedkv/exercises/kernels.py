@@ -1,5 +1,4 @@
-"""Checkers for notebook 06's Triton puzzles (the harness, and puzzle 2: the KV scatter) and for
-notebook 07's block-table rewrite.
+"""Checkers for notebook 06's Triton puzzles (the harness, and puzzle 2: the KV scatter).
 
 A puzzle answer is a `@triton.jit` kernel plus a launcher `launch(kernel, *inputs)` that calls
 `kernel[grid](...)`. The checker hands the launcher a stand-in for the kernel that counts (and

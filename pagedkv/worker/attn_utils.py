@@ -1,8 +1,8 @@
 """Attention groups, and the per-step metadata built once per group.
 
-    KV cache group 0 (full attention)          KV cache group 1 (sliding window)
+    KV cache group 0 (sliding window)          KV cache group 1 (full attention)
       attention group (TORCH_REF, spec, 4 heads)   attention group (TORCH_REF, spec', 4 heads)
-        layers 1, 3 -> one builder                   layers 0, 2 -> one builder
+        layers 0, 2 -> one builder                   layers 1, 3 -> one builder
         each step: one CommonAttentionMetadata per KV cache group,
                    one builder.build(...) per attention group,
                    the same metadata object under every layer name of the group
