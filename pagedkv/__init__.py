@@ -24,7 +24,8 @@ from pagedkv.config import (  # noqa: E402
     ParallelConfig,
     SchedulerConfig,
 )
-from pagedkv.engine.llm import LLM, EngineStats, StepEvent  # noqa: E402
+from pagedkv.engine.events import EngineStats, StepEvent  # noqa: E402
+from pagedkv.engine.llm import LLM  # noqa: E402
 from pagedkv.engine.request import CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"

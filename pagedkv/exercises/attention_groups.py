@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.engine.llm import LLM, StepEvent
+from pagedkv.engine.events import StepEvent
+from pagedkv.engine.llm import LLM
 from pagedkv.engine.request import SamplingParams
 from pagedkv.exercises import CheckResult, compare
 from pagedkv.kv_cache.spec import SlidingWindowSpec

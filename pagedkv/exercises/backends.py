@@ -29,7 +29,8 @@ import torch
 from pagedkv.attention.backend import AttentionBackend
 from pagedkv.attention.layer import Attention
 from pagedkv.attention.selector import backend_report, register_backend
-from pagedkv.engine.llm import LLM, StepEvent
+from pagedkv.engine.events import StepEvent
+from pagedkv.engine.llm import LLM
 from pagedkv.engine.request import SamplingParams
 from pagedkv.exercises import CheckResult, used_package, watch_calls
 from pagedkv.exercises.attention_groups import step_lengths

@@ -22,7 +22,8 @@ from pagedkv.trace.records import (
 )
 
 if TYPE_CHECKING:
-    from pagedkv.engine.llm import LLM, StepEvent
+    from pagedkv.engine.events import StepEvent
+    from pagedkv.engine.llm import LLM
     from pagedkv.kv_cache.block_pool import BlockPool
     from pagedkv.kv_cache.spec import KVCacheSpec
 

@@ -14,7 +14,8 @@ from pagedkv.trace.recorder import engine_info, step_record
 from pagedkv.trace.records import EngineInfo, StepRecord
 
 if TYPE_CHECKING:
-    from pagedkv.engine.llm import LLM, StepEvent
+    from pagedkv.engine.events import StepEvent
+    from pagedkv.engine.llm import LLM
 
 TRACE_FORMAT = "pagedkv-trace"
 TRACE_VERSION = 1

@@ -1,0 +1,55 @@
+"""What the engine reports about itself: counters over its life (`EngineStats`, `LLM.stats`) and,
+after every step, a `StepEvent` for each listener (`LLM.add_step_listener`: trace recorders,
+widgets, exercise checkers)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pagedkv.engine.scheduler import SchedulerOutput
+from pagedkv.worker.model_runner import ModelRunner, StepResult
+
+
+@dataclass
+class EngineStats:
+    """Counters over the engine's life."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prefill_tokens: int = 0
+    """Prompt (and recomputed) tokens run through the model."""
+    num_decode_tokens: int = 0
+    num_finished_requests: int = 0
+    model_time_s: float = 0.0
+    num_cached_tokens: int = 0
+    """Prompt (and recomputed) tokens found in the prefix cache, so not run through the model."""
+    num_lookup_tokens: int = 0
+    """Tokens of the requests admitted (new or resumed), all looked up in the prefix cache."""
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """num_cached_tokens / num_lookup_tokens (0 before any lookup)."""
+        return self.num_cached_tokens / self.num_lookup_tokens if self.num_lookup_tokens else 0.0
+
+
+@dataclass
+class StepEvent:
+    """Everything a listener (trace recorder, widget) may want to know about one step.
+
+    Read it inside the listener: `result` holds views of the runner's persistent buffers (the
+    device block tables, for one), which the next step overwrites. `block_ids` is a copy.
+    """
+
+    step: int
+    scheduler_output: SchedulerOutput
+    result: StepResult
+    block_ids: dict[str, list[list[int]]]
+    """Request id -> per KV cache group, its block table row during the step."""
+    num_free_blocks: list[int]
+    """Per KV cache group, after the step."""
+    finished_req_ids: list[str]
+    runner: ModelRunner = field(repr=False)
+
+
+StepListener = Callable[[StepEvent], None]
