@@ -286,6 +286,17 @@ def test_a_listener_that_raises_in_step_loses_no_output() -> None:
     assert seen[-1].finished and seen[-1].outputs[0].token_ids == expected
     assert_idle(llm)
 
+    # generate() on an engine still holding such outputs names them
+    request_id = llm.add_request(ids(4), GREEDY)
+    with pytest.raises(RuntimeError):
+        while True:
+            llm.step()
+    with pytest.raises(ValueError, match=r"0 request\(s\) added with add_request are unfinished and 1 output\(s\)"):
+        llm.generate(ids(3), GREEDY)
+    seen = llm.step()
+    assert seen[-1].finished and seen[-1].outputs[0].token_ids == expected
+    assert_idle(llm)
+
 
 def test_abort_request_waiting_and_running() -> None:
     llm = small_llm(max_num_seqs=1)

@@ -348,7 +348,8 @@ class LLM:
         if self.has_unfinished_requests():
             raise ValueError(
                 f"generate() needs an idle engine, but {len(self._requests)} request(s) added with add_request are "
-                "unfinished: call step() until has_unfinished_requests() is False, or abort_request() them."
+                f"unfinished and {len(self._undelivered)} output(s) of a step whose listener raised are not yet "
+                "returned: call step() until has_unfinished_requests() is False, or abort_request() them."
             )
         prepared = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
