@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -72,6 +73,8 @@ def test_choose_backend(tiny: LLM) -> None:
         (lambda p, r: p[0], "refuses the layer"),
         (lambda p, r: next((n for n in r if not r[n]), None), "expected"),
         (lambda p, r: "TORCH_REF", "expected"),
+        # never None: the always-tried case where every backend refuses (random cases had it 8% of the time)
+        (lambda p, r: next((n for n in p if not r[n]), p[0]), "expected None"),
     ]:
         assert_rejected(check_choose_backend(tiny, wrong), "For priority", phrase)
     assert_rejected(check_choose_backend(tiny, get_attn_backend), "pagedkv's own get_attn_backend")
@@ -105,8 +108,10 @@ def test_qkv_width() -> None:
     assert_rejected(check_qkv_width(lambda h, hq, hkv, d, tp: 3 * (hq // tp) * d), qwen, "own K and V")
     assert_rejected(check_qkv_width(lambda h, hq, hkv, d, tp: (hq // tp) * d), qwen, "only the query part")
     # Right for Qwen2-7B (4 KV heads over 4 ranks), wrong once KV heads are replicated: 40 random cases hold one.
-    floor_split = check_qkv_width(lambda h, hq, hkv, d, tp: (hq // tp + 2 * (hkv // tp)) * d, num_hidden=40)
-    assert_rejected(floor_split, "replicated")
+    floor_split = check_qkv_width(lambda h, hq, hkv, d, tp: (hq // tp + 2 * (hkv // tp)) * d, num_hidden=0)
+    assert_rejected(floor_split, "fn(4096, 64, 8, 128, 16)", "replicated")  # a fixed case, not left to chance
+    assert_rejected(check_qkv_width(lambda h, hq, hkv, d, tp: (hq + 2 * hkv) * d // tp, num_hidden=0),
+                    "fn(4096, 64, 8, 128, 16)")
     assert_rejected(check_qkv_width(lambda h, hq, hkv, d, tp: "1152"), qwen, "an int")
     # The notebook's number typed in passes its case only; the module built by the package does not count.
     assert_rejected(check_qkv_width(lambda h, hq, hkv, d, tp: 1152), "is not it")
@@ -171,6 +176,20 @@ def test_attention_context(tiny: LLM) -> None:
     assert check_attention_context(tiny, right)
     assert_rejected(check_attention_context(tiny, whole_dict), "whole attn_metadata dict")
     assert_rejected(check_attention_context(tiny, other_layer), "layer is wrong", "model.layers.3")
+
+    def first_entries(name: str) -> tuple[Any, ...]:  # right on "tiny" (one group), not on "tiny-hybrid"
+        ctx = get_forward_context()
+        layer = ctx.no_compile_layers[name]
+        return next(iter(ctx.attn_metadata.values())), layer, layer.kv_cache, next(iter(ctx.slot_mapping.values()))
+
+    assert_rejected(check_attention_context(tiny, first_entries), "metadata of a layer in another group")
+
+    def first_slots(name: str) -> tuple[Any, ...]:
+        ctx = get_forward_context()
+        layer = ctx.no_compile_layers[name]
+        return ctx.attn_metadata[name], layer, layer.kv_cache, next(iter(ctx.slot_mapping.values()))
+
+    assert_rejected(check_attention_context(tiny, first_slots), "slot mapping of a layer in another KV cache group")
     assert_rejected(check_attention_context(tiny, lambda name: name), "tuple of 4")
     assert_rejected(check_attention_context(tiny, lambda name: 1 / 0), "ZeroDivisionError")
     assert_rejected(check_attention_context(tiny, get_attention_context), "pagedkv's own get_attention_context")
@@ -372,6 +391,7 @@ def test_lengths() -> None:
     expected = step_lengths(event)
     assert expected["query_lens"] == [1, 7] and expected["context_lens"] == [5, 3]
     assert check_lengths(event, query_lens=[1, 7], context_lens=(5, 3))
+    assert check_lengths(event, query_lens=torch.tensor([1, 7]), context_lens=np.array([5, 3]))  # was a crash
     assert_rejected(check_lengths(event, query_lens=[1, 8], context_lens=[5, 3]), "query_lens", "entry 1 is 8")
     assert_rejected(check_lengths(event, query_lens=[1, 7], context_lens=[6, 10]),
                     "context_lens", "seq_len - query_len")

@@ -37,9 +37,25 @@ def test_decode_split() -> None:
     assert not every_one_token and "LEADING" in every_one_token.message
     assert not mla.check_decode_split(split_decodes_and_prefills)
 
+    def two_is_a_decode(lens: list[int]) -> tuple[int, int, int, int]:
+        k = next((i for i, n in enumerate(lens) if n > 2), len(lens))
+        return k, len(lens) - k, sum(lens[:k]), sum(lens[k:])
+
+    wrong = mla.check_decode_split(two_is_a_decode, num_hidden=0)  # the fixed case [1, 2, 1]: 2s are rare at random
+    assert not wrong and "fn([1, 2, 1])" in wrong.message
+
 
 def test_absorbed_query() -> None:
     assert mla.check_absorbed_query(lambda q, w: torch.einsum("hn,hnl->hl", q, w))
     wrong = mla.check_absorbed_query(lambda q, w: torch.einsum("hn,hnl->hl", q, w.flip(0)))
     assert not wrong and "differs" in wrong.message
     assert not mla.check_absorbed_query(lambda q, w: q)
+
+    def into_float32(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # right, but rounded
+        out = torch.zeros(q.shape[0], w.shape[2])
+        for h in range(q.shape[0]):
+            out[h] = w[h].T @ q[h]
+        return out
+
+    rounded = mla.check_absorbed_query(into_float32)
+    assert not rounded and "returned torch.float32" in rounded.message and "dtype=q_nope.dtype" in rounded.message

@@ -36,6 +36,8 @@ def check_lengths(event: StepEvent, *, query_lens: Any, context_lens: Any) -> Ch
         "context_lens": "tokens already in the KV cache before this step: seq_len - query_len",
     }
     for name, got in (("query_lens", query_lens), ("context_lens", context_lens)):
+        if hasattr(got, "tolist"):  # a torch tensor or a numpy array of the right values is right too
+            got = got.tolist()
         got_list = list(got) if isinstance(got, Sequence) and not isinstance(got, str) else got
         result = compare(name, got_list, expected[name], hints[name])
         if not result:

@@ -185,7 +185,8 @@ def check_choose_backend(llm: LLM, fn: ChooseFn, layer_name: str = "model.layers
     report = selector_report(llm, layer_name)
     live = (list(get_platform(llm.config.device).backend_priority), report)
     rng = random.Random()
-    for priority, reasons in [live, *(_random_case(rng) for _ in range(num_hidden))]:
+    every_refusing = (_NAMES[:3], {n: [_REASONS[0]] for n in _NAMES})  # always tried: the answer None is rare at random
+    for priority, reasons in [live, every_refusing, *(_random_case(rng) for _ in range(num_hidden))]:
         got, rejected = call_answer(fn, (list(priority), {n: list(r) for n, r in reasons.items()}),
                                     [get_attn_backend], "the rule", f"fn({priority}, ...)")
         if rejected is not None:
@@ -193,5 +194,5 @@ def check_choose_backend(llm: LLM, fn: ChooseFn, layer_name: str = "model.layers
         want = _expected_choice(priority, reasons)
         if got != want:
             return CheckResult(False, _explain_choice(got, want, priority, reasons))
-    return CheckResult(True, f"Your rule agrees with the selector on {num_hidden + 1} cases. On this machine "
+    return CheckResult(True, f"Your rule agrees with the selector on {num_hidden + 2} cases. On this machine "
                              f"{chosen} serves {layer_name!r}: {_why_chosen(llm, layer_name, chosen, report)}.")

@@ -30,6 +30,9 @@ def _explain(field: str, got: Any, expected: Any, layer_name: str, context: Any)
         return "you returned the whole slot_mapping dict; take this layer's entry (it may be missing: use .get)"
     if field == "attn_metadata" and any(got is m for m in context.attn_metadata.values()):
         return "that is the metadata of a layer in another group; index attn_metadata with this layer's name"
+    if field == "slot_mapping" and any(_same(got, m) for m in context.slot_mapping.values()):
+        return ("that is the slot mapping of a layer in another KV cache group (each group has its own slots); "
+                "index slot_mapping with this layer's name")
     if field == "layer" and isinstance(got, torch.nn.Module) and not isinstance(got, Attention):
         return (f"that is a {type(got).__name__}; the registry no_compile_layers holds the generic "
                 "Attention layer under the name")
@@ -44,13 +47,30 @@ def _explain(field: str, got: Any, expected: Any, layer_name: str, context: Any)
 def check_attention_context(llm: LLM, fn: Callable[[str], Any]) -> CheckResult:
     """Call `fn(layer_name)` inside real forward passes of `llm`, for every attention layer, and
     compare with the engine's `get_attention_context(layer_name)`:
-    (attn_metadata, layer, kv_cache, slot_mapping), the very same objects.
+    (attn_metadata, layer, kv_cache, slot_mapping), the very same objects. When `llm` has one KV
+    cache group (every layer shares one metadata object), "tiny-hybrid" (two groups) is served too:
+    else a lookup that ignores the layer name would pass.
     """
     if not callable(fn):
         return CheckResult(False, f"Pass your function itself, got {fn!r}.")
     own = package_answer(fn, [get_attention_context], "the lookup")
     if own is not None:
         return own
+    engines = [llm]
+    if len(llm.runner.kv_cache_config.kv_cache_groups) == 1:
+        engines.append(LLM("tiny-hybrid", device=llm.config.device, num_kv_blocks=32))
+    total = 0
+    for engine in engines:
+        problem, calls = _check_lookups(engine, fn)
+        if problem:
+            return CheckResult(False, problem + ".")
+        total += calls
+    return CheckResult(True, f"Your lookup returned the engine's own objects in all {total} layer calls "
+                             f"({' and '.join(repr(e.config.model_config.model) for e in engines)}, 2 steps each).")
+
+
+def _check_lookups(llm: LLM, fn: Callable[[str], Any]) -> tuple[str | None, int]:
+    """(the first wrong lookup, how many calls were checked) over two steps of `llm`."""
     problems: list[str] = []
     calls = 0
 
@@ -87,10 +107,7 @@ def check_attention_context(llm: LLM, fn: Callable[[str], Any]) -> CheckResult:
     finally:
         for hook in hooks:
             hook.remove()
-    if problems:
-        return CheckResult(False, problems[0] + ".")
-    return CheckResult(True, f"Your lookup returned the engine's own objects in all {calls} layer calls "
-                             f"({len(llm.runner.attn_layers)} layers x 2 steps).")
+    return (problems[0] if problems else None), calls
 
 
 def _signature(layer_name: str) -> str:

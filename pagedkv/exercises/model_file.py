@@ -85,7 +85,11 @@ def check_qkv_width(fn: QkvWidthFn, num_hidden: int = 8) -> CheckResult:
         return own
     rng = random.Random()
     hidden = [(hq, hkv, tp) for hq, hkv, tp, _ in _layout_cases(num_hidden, rng)][-num_hidden:]
-    cases = [QWEN2_7B_TP4] + [
+    # Then always two layouts with KV heads replicated (more ranks than KV heads), which random
+    # geometries reach only now and then.
+    replicated = [{"hidden_size": 64 * hq, "num_heads": hq, "num_kv_heads": hkv, "head_dim": 128, "tp_size": tp}
+                  for hq, hkv, tp in ((64, 8, 16), (32, 1, 8))]
+    cases = [QWEN2_7B_TP4, *replicated] + [
         {"hidden_size": 64 * hq, "num_heads": hq, "num_kv_heads": hkv, "head_dim": rng.choice([64, 80, 128]),
          "tp_size": tp} for hq, hkv, tp in hidden
     ]
@@ -101,7 +105,7 @@ def check_qkv_width(fn: QkvWidthFn, num_hidden: int = 8) -> CheckResult:
             return CheckResult(False, f"{call}: {verdict.message}")
         first = first or verdict
     return CheckResult(True, f"Qwen2-7B at tp_size 4: {first.message if first else ''} Your function also "
-                             f"matches the real module on {num_hidden} random geometries.")
+                             f"matches the real module on 2 replicated-KV layouts and {num_hidden} random geometries.")
 
 
 def _as_triple(result: Any) -> tuple[int, int, int] | None:

@@ -171,7 +171,9 @@ def check_online_softmax(kernel: Any, launch: Launch) -> CheckResult:
 def check_gqa_attention(kernel: Any, launch: Launch) -> CheckResult:
     """Puzzle 6: puzzle 5 with heads: q, out [R, num_q_heads, D], caches [blocks, page, num_kv_heads, D];
     one program per (request, KV head) computes its G = num_q_heads // num_kv_heads query heads."""
+    # G = 2 = num_kv_heads, then G = 4 != 2 (a kernel that mixes them up passes the first), then MQA.
     cases = [lambda: _attention_case(8, [5, 17, 1], num_q_heads=4, num_kv_heads=2),
+             lambda: _attention_case(12, [9, 3], num_q_heads=8, num_kv_heads=2),
              lambda: _attention_case(9, [11], num_q_heads=4, num_kv_heads=1)]
     hint = "query head h reads KV head h // G: program (r, kv) loads q rows kv * G ... kv * G + G - 1 as a [G, D] tile."
     return check_launches([kernel], launch, cases, "GQA attention", hint)
