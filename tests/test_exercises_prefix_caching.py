@@ -3,13 +3,18 @@ and reject wrong ones and answers that call the package's manager, pool or hash 
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections import OrderedDict
 from typing import Any
 
+import pytest
+
 from pagedkv.exercises import prefix_caching
-from pagedkv.exercises.prefix_caching import SHOWN_EVICTION_CASES, SHOWN_HIT_CASES, check_hit_length, check_next_block
+from pagedkv.exercises.prefix_caching import (
+    RULE_CASES, SHOWN_EVICTION_CASES, SHOWN_HIT_CASES, check_hit_length, check_next_block,
+)
 from pagedkv.kv_cache.block_pool import hash_request_blocks
 from pagedkv.kv_cache.manager import KVCacheManager
 
@@ -26,8 +31,9 @@ def right_hit_length(cached_prompts: list[list[int]], prompt: list[int], block_s
     return best * block_size
 
 
-def right_next_block(events: list[tuple[Any, ...]], num_blocks: int, block_size: int) -> int:
-    """A pool simulated with token prefixes as the cache keys (equal prefixes, equal hashes)."""
+def right_next_block(events: list[tuple[Any, ...]], num_blocks: int, block_size: int, broken: str = "") -> int:
+    """A pool simulated with token prefixes as the cache keys (equal prefixes, equal hashes).
+    `broken` names one rule to break, as a student's answer might (see the test of RULE_CASES)."""
     free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
     ref = [0] * num_blocks
     key_of: dict[int, tuple[int, ...]] = {}  # block -> the prefix it caches
@@ -42,21 +48,23 @@ def right_next_block(events: list[tuple[Any, ...]], num_blocks: int, block_size:
             continue
         _, req_id, tokens = event
         row = []
-        for j in range((len(tokens) - 1) // block_size):
+        for j in range((len(tokens) - (broken != "last token hits")) // block_size):
             block = block_of.get(tuple(tokens[:(j + 1) * block_size]))
             if block is None:
                 break
-            free.pop(block, None)
+            if broken != "hits stay free":
+                free.pop(block, None)
             ref[block] += 1
             row.append(block)
         while len(row) < math.ceil(len(tokens) / block_size):
             block = free.popitem(last=False)[0]
-            block_of.pop(key_of.pop(block, None), None)  # evicted
+            if broken != "evicted keep prefix":
+                block_of.pop(key_of.pop(block, None), None)  # evicted
             ref[block] = 1
             row.append(block)
         for j, block in enumerate(row[: len(tokens) // block_size]):
             key = tuple(tokens[:(j + 1) * block_size])
-            if block not in key_of and key not in block_of:
+            if broken == "newest block caches" or (block not in key_of and key not in block_of):
                 key_of[block], block_of[key] = key, block
         rows[req_id] = row
     return next(iter(free))
@@ -107,6 +115,15 @@ def test_next_block() -> None:
     result = check_next_block(right_next_block)
     assert result, result.message
     assert [right_next_block(*case) for case in SHOWN_EVICTION_CASES] == [4, 3, 5, 1]
+
+
+@pytest.mark.parametrize("broken", ["last token hits", "hits stay free", "evicted keep prefix", "newest block caches"])
+def test_next_block_rejects_each_broken_rule_every_time(broken: str) -> None:
+    """Random events reached these only now and then (a rule broken passed up to 19 calls in 20):
+    RULE_CASES, tried on every call, catch each one."""
+    answer = functools.partial(right_next_block, broken=broken)
+    assert not check_next_block(answer, num_hidden=0)
+    assert any(answer(*case) != right_next_block(*case) for case in RULE_CASES)
 
 
 def test_next_block_rejects_wrong_answers() -> None:

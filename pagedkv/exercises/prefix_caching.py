@@ -141,6 +141,22 @@ SHOWN_EVICTION_CASES: list[tuple[list[Event], int, int]] = [
 ]
 """(events, num_blocks, block_size) cases the notebook can print."""
 
+RULE_CASES: list[tuple[list[Event], int, int]] = [
+    # the block holding a prompt's last token is never a hit (it is computed again)
+    ([("add", "A", [94, 63, 81]), ("add", "B", [94, 63])], 6, 2),
+    # a hit block leaves the free queue
+    ([("add", "A", [80, 59]), ("add", "B", [77, 6, 13]), ("free", "A"), ("add", "D", [80, 59, 21, 61, 25]),
+      ("free", "B")], 6, 2),
+    # a block taken from the queue loses the prefix it cached
+    ([("add", "A", [71, 70, 31, 30]), ("free", "A"), ("add", "C", [32, 85, 41, 47, 25, 56]), ("free", "C"),
+      ("add", "E", [71, 3, 46, 36, 79]), ("free", "E"), ("add", "G", [71, 70, 31, 30]), ("free", "G")], 6, 2),
+    # a prefix cached already keeps its block; a second block with the same tokens caches nothing
+    ([("add", "A", [60, 51, 59]), ("add", "B", [91, 28, 91]), ("add", "C", [91, 28]), ("free", "C"), ("free", "B"),
+      ("add", "G", [91, 28, 9])], 7, 2),
+]
+"""Checked on every call: one case per rule of the pool that random events reach only now and then
+(found by simulating answers that each break one rule)."""
+
 
 def replay(events: Sequence[Event], num_blocks: int, block_size: int) -> list[int]:
     """The free queue (head first) of a real manager after `events`."""
@@ -190,7 +206,7 @@ def check_next_block(fn: Callable[[list[Event], int, int], Any], num_hidden: int
     if own is not None:
         return own
     rng = random.Random()
-    cases = SHOWN_EVICTION_CASES + [_random_events(rng) for _ in range(num_hidden)]
+    cases = SHOWN_EVICTION_CASES + RULE_CASES + [_random_events(rng) for _ in range(num_hidden)]
     for events, num_blocks, bs in cases:
         call = f"fn({events}, num_blocks={num_blocks}, block_size={bs})"
         copies = [(e[0], e[1], list(e[2])) if e[0] == "add" else e for e in events]  # theirs to change
