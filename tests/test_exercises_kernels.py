@@ -255,6 +255,28 @@ def test_checker_refuses_a_launcher_that_does_the_work() -> None:
     assert not result.ok and "without running the kernel" in result.message
 
 
+@triton.jit
+def _scatter_unskipped(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t, stride_b, stride_s, stride_h,
+                       block_size, HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BUG: tl.constexpr):
+    """Slot -1 not skipped: block -1 // block_size = 0 and offset -1 in Triton's integer division, one
+    row before the cache."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    heads = tl.arange(0, HEADS)[:, None]
+    dims = tl.arange(0, HEAD_SIZE)[None, :]
+    src = token * stride_t + heads * HEAD_SIZE + dims
+    dst = (slot // block_size) * stride_b + (slot % block_size) * stride_s + heads * stride_h + dims
+    tl.store(k_cache_ptr + dst, tl.load(key_ptr + src))
+    tl.store(v_cache_ptr + dst, tl.load(value_ptr + src))
+
+
+def test_a_write_before_the_cache_is_caught_in_a_guard_block() -> None:
+    """The checker's caches sit between guard blocks: that write used to land in memory the cache
+    does not own (the checker's process later aborted in free()), and was reported as V's write."""
+    result = P.check_scatter_kernel(_scatter_unskipped, _launch_scatter(False))
+    assert not result.ok and "a write outside the K cache, before the cache" in result.message
+
+
 def test_a_failing_launch_is_reported_in_one_line() -> None:
     def bad_launch(kernel, key, value, k_cache, v_cache, slots):
         kernel[(slots.shape[0],)](key, value)  # missing arguments

@@ -40,8 +40,8 @@ class Case:
     outputs: dict[str, torch.Tensor]
     expected: dict[str, torch.Tensor]
     description: str
-    explain: Callable[[tuple[int, ...]], str] | None = None
-    """What the first mismatching index means (e.g. which token owns that cache row)."""
+    explain: Callable[[str, tuple[int, ...]], str] | None = None
+    """What the first mismatching index of an output (by name) means (e.g. which token owns that cache row)."""
 
 
 class _KernelStandIn:
@@ -89,9 +89,9 @@ def _last_line(exc: BaseException) -> str:
 
 
 def first_mismatch(
-    name: str, got: torch.Tensor, expected: torch.Tensor, explain: Callable[[tuple[int, ...]], str] | None = None
+    name: str, got: torch.Tensor, expected: torch.Tensor, explain: Callable[[str, tuple[int, ...]], str] | None = None
 ) -> str | None:
-    """'name[i, j] is GOT, expected EXP' for the first differing element (plus `explain(index)`);
+    """'name[i, j] is GOT, expected EXP' for the first differing element (plus `explain(name, index)`);
     None when all agree (floats within 1e-4: the kernels compute in float32, the reference in float64)."""
     got, expected = got.detach().cpu(), expected.cpu()
     if got.is_floating_point():
@@ -101,7 +101,7 @@ def first_mismatch(
     if bool(ok.all()):
         return None
     index = tuple(int(i) for i in (~ok).nonzero()[0])
-    where = f" ({explain(index)})" if explain else ""
+    where = f" ({explain(name, index)})" if explain else ""
     at = ", ".join(map(str, index))
     return f"{name}[{at}] is {got[index].item():.4g}, expected {expected[index].item():.4g}{where}"
 
@@ -153,24 +153,32 @@ def _scatter_case(seed: int, num_tokens: int, block_size: int, num_kv_heads: int
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[torch.randperm(num_tokens, generator=gen)[: max(1, num_tokens // 4)]] = -1  # padding tokens
     # The engine's layout: one (2, blocks, block_size, heads, head_size) tensor, K and V as views.
-    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size)
-    expected = kv_cache.clone().double()
+    # Here with a guard block before and after each: a kernel that writes slot -1 (or any slot past
+    # the cache) writes into a guard, not into memory it does not own (a crash, later, in Jupyter).
+    guarded = torch.zeros(2, num_blocks + 2, block_size, num_kv_heads, head_size, device=default_device())
+    kv_cache = guarded[:, 1:-1]
+    guards = {"before the cache": guarded[:, 0], "after the cache": guarded[:, -1]}  # views: written in place
+    expected = torch.zeros(kv_cache.shape, dtype=torch.float64)
     valid = slots >= 0
     expected[0].view(-1, num_kv_heads, head_size)[slots[valid]] = key[valid].double()
     expected[1].view(-1, num_kv_heads, head_size)[slots[valid]] = value[valid].double()
     device = default_device()  # compiled Triton needs GPU tensors; the interpreter takes CPU ones
-    kv_cache = kv_cache.to(device)
     return Case(
         args=[key.to(device), value.to(device), kv_cache[0], kv_cache[1], slots.to(device)],
-        outputs={"k_cache": kv_cache[0], "v_cache": kv_cache[1]},
-        expected={"k_cache": expected[0], "v_cache": expected[1]},
+        outputs={**guards, "k_cache": kv_cache[0], "v_cache": kv_cache[1]},
+        expected={**{name: torch.zeros(g.shape, dtype=torch.float64) for name, g in guards.items()},
+                  "k_cache": expected[0], "v_cache": expected[1]},
         description=f"slot_mapping {slots.tolist()}, block_size {block_size}",
-        explain=lambda index: _cache_row_owner(slots.tolist(), index[0] * block_size + index[1]),
+        explain=lambda name, index: _cache_row_owner(name, slots.tolist(), index, block_size),
     )
 
 
-def _cache_row_owner(slots: list[int], slot: int) -> str:
-    """Which token the checker's slot_mapping sends to cache row `slot`, if any."""
+def _cache_row_owner(name: str, slots: list[int], index: tuple[int, ...], block_size: int) -> str:
+    """Which token the checker's slot_mapping sends to the cache row at `index`, if any."""
+    if name.endswith("the cache"):  # a guard block
+        return (f"a write outside the {'K' if index[0] == 0 else 'V'} cache, {name}: a slot of -1 (padding) "
+                "must store nothing")
+    slot = index[0] * block_size + index[1]
     if slot in slots:
         return f"slot {slot}, where token {slots.index(slot)} writes"
     return f"slot {slot}, which no token writes"
