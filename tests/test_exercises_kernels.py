@@ -54,10 +54,13 @@ def _scatter(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t, s
              block_size, HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BUG: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
-    if not BUG:  # BUG: a padding token (slot -1) writes into slot 0
+    # BUG 1: a padding token (slot -1) writes into slot 0. BUG 2: it is not skipped at all, and
+    # -1 // B = 0, -1 % B = -1 (Triton divides as C does): it writes the row before the cache.
+    if not BUG:
         if slot < 0:
             return
-    slot = tl.maximum(slot, 0)
+    if BUG != 2:
+        slot = tl.maximum(slot, 0)
     heads = tl.arange(0, HEADS)[:, None]
     dims = tl.arange(0, HEAD_SIZE)[None, :]
     src = token * stride_t + heads * HEAD_SIZE + dims
@@ -66,7 +69,7 @@ def _scatter(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t, s
     tl.store(v_cache_ptr + dst, tl.load(value_ptr + src))
 
 
-def _launch_scatter(bug: bool) -> Callable[..., None]:
+def _launch_scatter(bug: int) -> Callable[..., None]:
     def launch(kernel, key, value, k_cache, v_cache, slots):
         kernel[(slots.shape[0],)](key, value, k_cache, v_cache, slots, key.stride(0), k_cache.stride(0),
                                   k_cache.stride(1), k_cache.stride(2), k_cache.shape[1],
@@ -255,25 +258,10 @@ def test_checker_refuses_a_launcher_that_does_the_work() -> None:
     assert not result.ok and "without running the kernel" in result.message
 
 
-@triton.jit
-def _scatter_unskipped(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t, stride_b, stride_s, stride_h,
-                       block_size, HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BUG: tl.constexpr):
-    """Slot -1 not skipped: block -1 // block_size = 0 and offset -1 in Triton's integer division, one
-    row before the cache."""
-    token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token)
-    heads = tl.arange(0, HEADS)[:, None]
-    dims = tl.arange(0, HEAD_SIZE)[None, :]
-    src = token * stride_t + heads * HEAD_SIZE + dims
-    dst = (slot // block_size) * stride_b + (slot % block_size) * stride_s + heads * stride_h + dims
-    tl.store(k_cache_ptr + dst, tl.load(key_ptr + src))
-    tl.store(v_cache_ptr + dst, tl.load(value_ptr + src))
-
-
 def test_a_write_before_the_cache_is_caught_in_a_guard_block() -> None:
     """The checker's caches sit between guard blocks: that write used to land in memory the cache
     does not own (the checker's process later aborted in free()), and was reported as V's write."""
-    result = P.check_scatter_kernel(_scatter_unskipped, _launch_scatter(False))
+    result = P.check_scatter_kernel(_scatter, _launch_scatter(2))
     assert not result.ok and "a write outside the K cache, before the cache" in result.message
 
 
