@@ -104,6 +104,7 @@ def test_raising_configurations_are_full_with_never() -> None:
 def test_check_raising() -> None:
     assert check_raising({("FULL", "NEVER")}).ok
     assert check_raising([(M.FULL, S.NEVER)]).ok
+    assert check_raising({("full", "never")}).ok  # any case, as check_lowering reads mode names (was "could not read")
     extra = check_raising({("FULL", "NEVER"), ("FULL_DECODE_ONLY", "NEVER")})
     assert not extra.ok
     assert "('FULL_DECODE_ONLY', 'NEVER') does not raise" in extra.message

@@ -226,6 +226,11 @@ def raising_configurations() -> set[tuple[str, str]]:
     return raising
 
 
+def _support(name: Any) -> AttentionCGSupport:
+    """An AttentionCGSupport or its name, in any case (as CUDAGraphMode.parse reads modes)."""
+    return name if isinstance(name, AttentionCGSupport) else AttentionCGSupport[name.strip().upper()]
+
+
 def check_raising(answer: Iterable[tuple[Any, Any]]) -> CheckResult:
     """Exercise 6: the set of (mode, support) pairs that raise (enforce_eager=False).
 
@@ -234,9 +239,8 @@ def check_raising(answer: Iterable[tuple[Any, Any]]) -> CheckResult:
     if answer is ...:
         return CheckResult(False, "Replace `...` with a set of (mode, support) pairs, e.g. {(\"NONE\", \"ALWAYS\")}.")
     try:
-        given = {(CUDAGraphMode.parse(m).name, (s if isinstance(s, AttentionCGSupport) else AttentionCGSupport[s]).name)
-                 for m, s in answer}
-    except (KeyError, TypeError, ValueError) as exc:
+        given = {(CUDAGraphMode.parse(m).name, _support(s).name) for m, s in answer}
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
         return CheckResult(False, f"Give (mode, support) pairs of names or enums; could not read {answer!r} ({exc}).")
     expected = raising_configurations()
     if given == expected:
