@@ -155,14 +155,14 @@ def _scatter_case(seed: int, num_tokens: int, block_size: int, num_kv_heads: int
     # The engine's layout: one (2, blocks, block_size, heads, head_size) tensor, K and V as views.
     # Here with a guard block before and after each: a kernel that writes slot -1 (or any slot past
     # the cache) writes into a guard, not into memory it does not own (a crash, later, in Jupyter).
-    guarded = torch.zeros(2, num_blocks + 2, block_size, num_kv_heads, head_size, device=default_device())
+    device = default_device()  # compiled Triton needs GPU tensors; the interpreter takes CPU ones
+    guarded = torch.zeros(2, num_blocks + 2, block_size, num_kv_heads, head_size, device=device)
     kv_cache = guarded[:, 1:-1]
     guards = {"before the cache": guarded[:, 0], "after the cache": guarded[:, -1]}  # views: written in place
     expected = torch.zeros(kv_cache.shape, dtype=torch.float64)
     valid = slots >= 0
     expected[0].view(-1, num_kv_heads, head_size)[slots[valid]] = key[valid].double()
     expected[1].view(-1, num_kv_heads, head_size)[slots[valid]] = value[valid].double()
-    device = default_device()  # compiled Triton needs GPU tensors; the interpreter takes CPU ones
     return Case(
         args=[key.to(device), value.to(device), kv_cache[0], kv_cache[1], slots.to(device)],
         outputs={**guards, "k_cache": kv_cache[0], "v_cache": kv_cache[1]},
@@ -175,7 +175,7 @@ def _scatter_case(seed: int, num_tokens: int, block_size: int, num_kv_heads: int
 
 def _cache_row_owner(name: str, slots: list[int], index: tuple[int, ...], block_size: int) -> str:
     """Which token the checker's slot_mapping sends to the cache row at `index`, if any."""
-    if name.endswith("the cache"):  # a guard block
+    if name not in ("k_cache", "v_cache"):  # a guard block
         return (f"a write outside the {'K' if index[0] == 0 else 'V'} cache, {name}: a slot of -1 (padding) "
                 "must store nothing")
     slot = index[0] * block_size + index[1]
