@@ -258,6 +258,25 @@ def test_checker_refuses_a_launcher_that_does_the_work() -> None:
     assert not result.ok and "without running the kernel" in result.message
 
 
+def test_a_launcher_with_the_first_cases_sizes_written_in_fails_a_later_case() -> None:
+    """Each puzzle's later cases have other page and head sizes than its first (4 and 16), so a
+    launcher that writes those numbers in instead of reading them from the tensors is caught."""
+    def fixed_slots(kernel, block_table, seq_lens, slots, page_size):
+        _launch_slots(False)(kernel, block_table, seq_lens, slots, 4)
+
+    def fixed_scores(kernel, q, k_cache, block_table, seq_lens, scores, scale):
+        kernel[(q.shape[0], block_table.shape[1])](
+            q, k_cache, block_table, seq_lens, scores, scale, q.stride(0), k_cache.stride(0), k_cache.stride(1),
+            block_table.stride(0), scores.stride(0), PAGE=4, HEAD_SIZE=16, MASK=True)
+
+    def fixed_scale(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
+        _launch_attention(False, False)(kernel, q, k_cache, v_cache, block_table, seq_lens, out, 16**-0.5)
+
+    for result in (P.check_block_table_row(_slots, fixed_slots), P.check_masked_scores(_scores, fixed_scores),
+                   P.check_online_softmax(_attention, fixed_scale)):
+        assert not result.ok and "page size 8, head size 32" in result.message, result.message
+
+
 def test_a_write_before_the_cache_is_caught_in_a_guard_block() -> None:
     """The checker's caches sit between guard blocks: that write used to land in memory the cache
     does not own (the checker's process later aborted in free()), and was reported as V's write."""
