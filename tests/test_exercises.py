@@ -21,7 +21,13 @@ from pagedkv.attention.backend import (
 from pagedkv.attention.layer import get_attention_context
 from pagedkv.attention.selector import get_attn_backend, unregister_backend
 from pagedkv.exercises import CheckResult
-from pagedkv.exercises.attention_groups import check_lengths, check_null_blocks, step_lengths
+from pagedkv.exercises.attention_groups import (
+    check_lengths,
+    check_null_blocks,
+    manager_window_rows,
+    sliding_window_rows,
+    step_lengths,
+)
 from pagedkv.exercises.backends import check_backend
 from pagedkv.exercises.environment import WORKBOOK, check_choose_backend, environment_report, runs_here
 from pagedkv.exercises.forward_context import check_attention_context
@@ -411,6 +417,23 @@ def test_null_blocks_has_a_random_block_size() -> None:
 
     assert_rejected(check_null_blocks(only_4_and_8), "your function says 0")
 
+
+
+def test_null_blocks_catches_a_window_written_in() -> None:
+    # Right for tiny-hybrid's window only: the KV cache manager's run with another window catches it.
+    def only_32(c: int, w: int, b: int) -> int:
+        return max(c - 32 + 1, 0) // b
+
+    assert_rejected(check_null_blocks(only_32), "null block(s), your function says")
+
+
+@pytest.mark.parametrize("block_size, prompt_len", [(4, 40), (5, 57)])
+def test_manager_window_rows_replay_the_engines_rows(block_size: int, prompt_len: int) -> None:
+    """The checker's model-free run (any window) gives the engine's rows for tiny-hybrid's window."""
+    engine = sliding_window_rows(block_size, prompt_len)
+    replay = manager_window_rows(32, block_size, prompt_len)
+    assert [(s.step, s.context_len, s.null_blocks, len(s.row)) for s in replay] == \
+        [(s.step, s.context_len, s.null_blocks, len(s.row)) for s in engine]
 
 # ---- 07: flash attention -------------------------------------------------------------------------
 

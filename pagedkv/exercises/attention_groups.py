@@ -7,11 +7,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pagedkv.engine.events import StepEvent
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.request import SamplingParams
 from pagedkv.exercises import CheckResult, compare
-from pagedkv.kv_cache.spec import SlidingWindowSpec
+from pagedkv.kv_cache.manager import KVCacheManager
+from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
 
 def step_lengths(event: StepEvent) -> dict[str, list[int]]:
@@ -92,20 +95,44 @@ def sliding_window_rows(block_size: int, prompt_len: int = 40, max_tokens: int =
     return samples
 
 
+def manager_window_rows(
+    sliding_window: int, block_size: int, prompt_len: int, budget: int = 16, max_tokens: int = 16
+) -> list[SlidingRowSample]:
+    """The rows of `sliding_window_rows` for any window: the same schedule (prompt chunks of
+    `budget` tokens, then one token per step) played on a KV cache manager with one
+    sliding-window group, without a model ("tiny-hybrid" has only the window 32)."""
+    spec = SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
+                             sliding_window=sliding_window)
+    num_blocks = spec.blocks_needed(prompt_len + max_tokens) + 1
+    manager = KVCacheManager(KVCacheConfig(num_blocks, [KVCacheGroupSpec(["window_layer"], spec)]))
+    samples: list[SlidingRowSample] = []
+    computed, step = 0, 1
+    while computed < prompt_len + max_tokens - 1:  # the last sampled token is never run
+        new = min(budget, prompt_len - computed) if computed < prompt_len else 1
+        assert manager.allocate_slots("0", computed, new)
+        samples.append(SlidingRowSample(step, "0", computed, manager.get_block_ids("0")[0], sliding_window,
+                                        block_size))
+        computed, step = computed + new, step + 1
+    return samples
+
+
 def check_null_blocks(fn: Callable[[int, int, int], Any]) -> CheckResult:
     """Compare `fn(context_len, sliding_window, block_size)` with the null blocks of real rows.
 
-    The engine serves a long request on "tiny-hybrid" with block sizes 4 and 8 (as the notebook
-    says), then once more with a block size and a prompt length drawn at random on each call; in
-    every step the number of leading null blocks in the request's sliding-window row must equal fn(...).
+    The engine serves a long request on "tiny-hybrid" (window 32) with block sizes 4 and 8 (as the
+    notebook says), then once more with a block size and a prompt length drawn at random on each
+    call; a KV cache manager then plays the same schedule with a random other window. In every
+    step the number of leading null blocks in the request's sliding-window row must equal fn(...).
     """
     if not callable(fn):
         return CheckResult(False, f"Pass your function itself, got {fn!r}.")
     checked = 0
     rng = random.Random()
     runs = [(4, 40), (8, 40), (rng.choice([2, 3, 5, 6, 16]), rng.randint(33, 70))]
-    for block_size, prompt_len in runs:
-        for s in sliding_window_rows(block_size, prompt_len):
+    other = (rng.choice([8, 12, 20, 48]), rng.choice([2, 4, 5, 8]), rng.randint(40, 80))
+    runs_rows = [sliding_window_rows(b, n) for b, n in runs] + [manager_window_rows(*other)]
+    for rows in runs_rows:
+        for s in rows:
             try:
                 got = fn(s.context_len, s.sliding_window, s.block_size)
             except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
@@ -125,4 +152,5 @@ def check_null_blocks(fn: Callable[[int, int, int], Any]) -> CheckResult:
                     "before that position can be given back.",
                 )
     return CheckResult(True, f"Your function matches the engine's sliding-window rows in all {checked} "
-                             f"(step, block size) cases, block sizes {[b for b, _ in runs]}.")
+                             f"(step, block size) cases: window 32 with block sizes {[b for b, _ in runs]}, "
+                             f"window {other[0]} with block size {other[1]}.")
