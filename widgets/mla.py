@@ -90,9 +90,9 @@ def _tooltip(group: _Group) -> str:
 class MLASplitView(TraceView):
     """One step's tokens in batch order, coloured by the attention path the MLA backend sent them to.
 
-        tokens  | r0 | r1 | r2 |  r3 r3 r3 r3 r3  |  r4 r4 r4 |
-                |-- forward_mqa --|------------ forward_mha ----------|
-                0          num_decode_tokens                  num_actual_tokens
+        tokens  | r0 | r1 | r2 |  r3 r3 r3 r3 r3  |  r4 r4 r4  |
+                | forward_mqa -|--------- forward_mha ---------|
+                0              num_decode_tokens               num_actual_tokens
 
     The split is the metadata builder's (`StepRecord.mla_split`): the leading requests with one
     query token are decodes, everything from the first longer request on is a prefill. Cells show

@@ -90,7 +90,8 @@ class MLADecodeWorkspace(SplitKVWorkspace):
 
 @triton.jit
 def _page_rows(block_table_row, tokens, end, stride_c_b, stride_c_s, PAGE_SIZE: tl.constexpr):
-    """Offsets of the cache rows of `tokens` (0 past `end`): the paging. Token t lives in physical
+    """Offsets of the cache rows of `tokens` (tokens past `end` read block 0, the null block;
+    their loads are masked anyway): the paging. Token t lives in physical
     block block_table[r, t // PAGE_SIZE], slot t % PAGE_SIZE (shifts: PAGE_SIZE is a power of two).
 
     The block table is read with an L2 "evict last" hint, like seq_lens: the cache rows streaming
@@ -379,7 +380,7 @@ def _check_inputs(
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} must equal the query dtype {q.dtype}")
     block_size = kv_cache.shape[1]
     if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"block_size {block_size} is not a power of two (1, 2, 4, ..., 16, 64 work)")
+        raise ValueError(f"block_size {block_size} is not a power of two (1, 2, 4, 8, 16, ... work)")
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError(f"block_table and seq_lens must be int32, got {block_table.dtype} and {seq_lens.dtype}")
     if block_table.dim() != 2 or block_table.shape[0] < q.shape[0] or seq_lens.dim() != 1 or seq_lens.shape[0] < q.shape[0]:

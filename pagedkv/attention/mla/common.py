@@ -17,12 +17,12 @@ Two ways to attend, with the same result (tests/test_mla.py checks that they agr
         KV head of size kv_lora_rank + rope, whose "values" are the c_kv part; W_UV after:
         out[h] = W_UV[h] @ sum_j p_j c_j
 
-The batch comes decodes first (the scheduler orders it so); `split_decodes_and_prefills`
+The batch comes decodes first (the scheduler orders it so; in vLLM, Model Runner V2 does); `split_decodes_and_prefills`
 finds where the decodes end, and `MLACommonImpl.forward` sends each part to its path:
 
     tokens  | d0 | d1 | d2 |  p0 p0 p0 p0 p0  |  p1 p1 p1  |
-            |-- forward_mqa --|------------ forward_mha ------------|
-            0          num_decode_tokens                   num_actual_tokens
+            | forward_mqa -|--------- forward_mha ---------|
+            0              num_decode_tokens               num_actual_tokens
 """
 
 from __future__ import annotations
@@ -230,6 +230,10 @@ class MLACommonImpl(AttentionImpl[MLACommonMetadata[M]]):
 
     A backend implements `forward_mqa` (the decode kernel over the latent cache); the prefill
     path, the weight absorption and the split are the same for all.
+
+    vLLM's counterpart is MLAAttentionImpl: its constructor also gets the kv_b_proj layer, and its
+    layer (MLAAttention) makes the split. Here the impl's `forward` makes it, so the layer stays a
+    plain `Attention`, and kv_b_proj's weight arrives in `process_weights_after_loading`.
     """
 
     def __init__(
@@ -247,9 +251,10 @@ class MLACommonImpl(AttentionImpl[MLACommonMetadata[M]]):
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, kv_cache_dtype, attn_type)
         self.mla_dims = mla_dims
         self.W_UK: torch.Tensor | None = None
-        """[heads, qk_nope_head_dim, kv_lora_rank]: c_kv -> each head's k_nope."""
+        """[heads, qk_nope_head_dim, kv_lora_rank]: c_kv -> each head's k_nope (vLLM's W_UK_T: the
+        same tensor, named by the other convention)."""
         self.W_UV_T: torch.Tensor | None = None
-        """[heads, kv_lora_rank, v_head_dim]: latent attention output -> each head's output."""
+        """[heads, kv_lora_rank, v_head_dim]: latent attention output -> each head's output (vLLM's W_UV)."""
         self.kv_b_weight: torch.Tensor | None = None
 
     def process_weights_after_loading(self, kv_b_proj_weight: torch.Tensor) -> None:

@@ -5,12 +5,15 @@
                                        split count on the host, once for every layer
     impl (one per layer)               do_kv_cache_update -> concat_and_cache_mla
                                        forward_mqa        -> mla_decode_attention (+ merge)
-                                       forward_mha        -> all prefills at once: their cached
-                                                             latents gathered and up-projected,
-                                                             then the paged attention kernel
+                                       forward_mha        -> the prefills in passes of up to
+                                                             32768 sequence tokens: their cached
+                                                             latents gathered and up-projected
+                                                             once per pass, then the paged
+                                                             attention kernel
 
-A pure-decode step does nothing on the host that reads the device or allocates per layer, so it
-can be captured as a full CUDA graph (UNIFORM_SINGLE_TOKEN_DECODE); steps with prefills run
+A pure-decode step reads nothing back from the device and allocates no scratch per layer (the
+builder's split-KV workspace is shared; the per-layer outputs come from the graph's memory
+pool when captured), so it can be captured as a full CUDA graph (UNIFORM_SINGLE_TOKEN_DECODE); steps with prefills run
 eagerly. The prefills' gather indices are built once per step by the builder, so a layer's
 forward_mha neither loops over requests nor copies anything from the host.
 """
@@ -93,7 +96,8 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
     cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     prefill_tokens_per_pass: ClassVar[int] = 32768
     """Most sequence tokens (cached + new) one prefill pass up-projects: K and V take
-    heads x (2 x qk_head_dim) values per token (12 KB in bf16 for DeepSeek-V2-Lite)."""
+    heads x (qk_head_dim + v_head_dim) values per token (16 x (192 + 128) x 2 B = 10 KiB in bf16
+    for DeepSeek-V2-Lite). A request longer than this goes through a loop of its own."""
 
     def __init__(self, kv_cache_spec: KVCacheSpec, layer_names: list[str], config: EngineConfig,
                  device: torch.device) -> None:
