@@ -62,6 +62,13 @@ def test_layout_table_mqa_tp4_replicates_the_kv_head() -> None:
     assert _cells(html, 3)[1] == "24-31"
 
 
+def test_view_refuses_a_choice_its_menus_lack() -> None:
+    with pytest.raises(ValueError, match=r"tp_size 3 is not one of the choices \[1, 2, 4, 8, 16\]"):
+        TensorParallelLayoutView(tp_size=3)
+    with pytest.raises(ValueError, match="shape 'Llama-3-8B' is not one of the choices"):
+        TensorParallelLayoutView("Llama-3-8B")
+
+
 def test_view_explains_an_impossible_split() -> None:
     view = TensorParallelLayoutView("Qwen2-7B (28 q / 4 kv heads)", tp_size=8)
     assert "Cannot split" in view.html.value and "28" in view.html.value

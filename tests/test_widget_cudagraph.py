@@ -184,3 +184,8 @@ def test_split_view_needs_a_traced_model() -> None:
 
     with pytest.raises(ValueError, match="has not traced the model yet"):
         PiecewiseSplitView(PiecewiseBackend(["pagedkv::unified_attention_with_output"], "eager"))
+
+
+def test_split_view_names_what_it_wants_when_given_the_wrapper(compiled_tiny) -> None:
+    with pytest.raises(TypeError, match="the `backend` of a CompiledForward; got CompiledForward .pass its .backend"):
+        PiecewiseSplitView(compiled_tiny)

@@ -77,8 +77,7 @@ def test_live_view_in_a_notebook_redraws_at_most_every_interval_and_at_the_cell_
     monkeypatch.setattr(common, "_ipython", lambda: Shell)
     monkeypatch.setattr(common, "LIVE_REDRAW_INTERVAL_S", 3600.0)
     llm = engine()
-    view = BlockTableView.attach(llm)
-    view._drawn_at = float("-inf")  # as if the last drawing was long ago: the first step draws
+    view = BlockTableView.attach(llm)  # nothing drawn live yet: the first step draws
     llm.generate(PROMPTS, PARAMS)
     assert len(view.trace) > 2
     assert 'data-step="1"' in view.value  # every later step came within the interval
@@ -237,6 +236,83 @@ def test_forward_context_view_in_a_step_player(hybrid_trace: StepTrace) -> None:
         for meta in record.metadata:
             fields = ", ".join(f"{f}={v}" for f, v in meta.fields.items())
             assert fields in unescape(view.value)
+
+
+# ---- bad input, traces attached mid-run, players left behind ---------------------------------
+
+def test_view_index_out_of_range_is_refused_and_the_view_keeps_its_step(hybrid_trace: StepTrace) -> None:
+    view = BlockTableView(hybrid_trace, index=0)
+    n = len(hybrid_trace)
+    with pytest.raises(IndexError, match=rf"index {n} is out of range for a trace of {n} steps: use 0..{n - 1}"):
+        view.index = n
+    assert view.index == 0 and repr(view).startswith("BlockTableView(step 1,")
+    with pytest.raises(IndexError, match=r"index 1 is out of range for a trace of 0 steps: use 0..0, or -1"):
+        BlockTableView(StepTrace(hybrid_trace.engine), index=1)
+    for bad in ({"max_blocks": -3}, {"columns": 0}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be a positive int"):
+            BlockTableView(hybrid_trace, **bad)
+
+
+def test_step_player_index_reads_minus_one_as_the_newest_step(hybrid_trace: StepTrace) -> None:
+    player = StepPlayer(hybrid_trace, [BlockTableView(hybrid_trace)])
+    player.index = -1
+    assert player.index == len(hybrid_trace) - 1 and label_step(player) == hybrid_trace[-1].step
+    with pytest.raises(IndexError, match="index 99 is out of range"):
+        player.index = 99
+    other = StepTrace.from_json(hybrid_trace.to_json())
+    with pytest.raises(ValueError, match="BlockTableView draws another trace than the player's"):
+        StepPlayer(hybrid_trace, [BlockTableView(other)])
+
+
+def test_timeline_of_a_trace_attached_mid_run_shows_a_request_only_preempted() -> None:
+    llm = LLM("tiny", num_kv_blocks=8, block_size=4, max_num_batched_tokens=32)
+    for prompt in ["hello world!!", "abcdefghij", "a longer prompt"]:
+        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    llm.step()
+    llm.step()
+    with StepTrace.attach(llm) as trace:  # attached mid-run (a later cell): its one step preempts request 1
+        llm.step()
+    assert trace[0].preempted_req_ids == ["1"] and "1" not in [r.req_id for r in trace[0].requests]
+    assert "1" in trace.req_ids()
+    ax = plot_request_timeline(trace)
+    assert "req 1" in [label.get_text() for label in ax.get_yticklabels()]
+
+
+def test_a_player_left_on_an_earlier_step_draws_nothing_per_step_in_a_notebook(monkeypatch) -> None:  # noqa: ANN001
+    """Re-running a player's cell leaves the old player alive (ipywidgets keeps it): while a cell
+    runs it must not draw its views for each new step; its plot of the whole run catches up when
+    the cell ends. close() stops it following the trace at all."""
+    from IPython.core.events import EventManager, available_events
+
+    from pagedkv.widgets import common
+
+    class Shell:
+        events = EventManager(None, available_events)
+
+    monkeypatch.setattr(common, "_ipython", lambda: Shell)
+    llm = engine()
+    trace = StepTrace.attach(llm)
+    llm.generate(PROMPTS[:1], PARAMS)
+    renders: list[str] = []
+    for cls in (BlockTableView, PlotView):
+        render = cls.render
+        monkeypatch.setattr(cls, "render", lambda self, record, _r=render: renders.append(type(self).__name__)
+                            or _r(self, record))
+    plot = PlotView(trace)
+    player = StepPlayer(trace, [BlockTableView(trace), plot])
+    player.index = 0  # scrubbed back
+    before = len(trace)
+    renders.clear()
+    llm.generate(PROMPTS, PARAMS)
+    assert renders == [] and f"of {len(trace)})" in player.label.value  # only the label's count moved
+    Shell.events.trigger("post_run_cell", None)
+    assert renders == ["PlotView"] and player.index == 0 and len(trace) > before
+    player.close()
+    plot.close()
+    renders.clear()
+    llm.generate(PROMPTS[:1], PARAMS)
+    Shell.events.trigger("post_run_cell", None)
+    assert renders == [] and "of" in player.label.value
 
 
 # ---- theme: colours come from JupyterLab's variables ----------------------------------------

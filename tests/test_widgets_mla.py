@@ -63,6 +63,30 @@ def test_split_survives_json_and_older_traces_load(run: tuple[StepTrace, list], 
     assert loaded.steps == trace.steps
     old = trace.to_json().replace('"mla_split":', '"dropped":')  # a trace recorded before the field
     assert all(r.mla_split is None for r in StepTrace.from_json(old))
+    html = MLASplitView(StepTrace.from_json(old), index=0).value  # an MLA model: not "has no MLA layers"
+    assert "recorded before traces kept the split" in html and "no MLA layers" not in html
+
+
+def test_tooltip_of_a_recomputed_request_counts_its_generated_tokens() -> None:
+    """A preempted request recomputes its generated tokens too: they are not prompt positions."""
+    llm = LLM("tiny-mla", device="cpu", num_kv_blocks=8, block_size=4, max_num_batched_tokens=32)
+    with StepTrace.attach(llm) as trace:
+        llm.generate(["hello world!!", "abcdefghij", "a longer prompt"],
+                     SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    recomputes = 0
+    for i, record in enumerate(trace):
+        prompt_lens = {r.req_id: r.num_prompt_tokens for r in record.scheduled}
+        for req_id, tip in re.findall(r"<title>request (\w+): ([^;]*);", MLASplitView(trace, index=i).value):
+            span = re.fullmatch(r"(prefill of prompt|recompute of) positions (\d+)-(\d+)\b.*", tip)
+            if span is None:
+                continue
+            beyond_prompt = int(span[3]) >= prompt_lens[req_id]
+            assert (span[1] == "recompute of") == beyond_prompt, tip
+            if beyond_prompt:
+                generated = int(span[3]) + 1 - prompt_lens[req_id]
+                assert f"({prompt_lens[req_id]} prompt + {generated} generated token" in tip, tip
+                recomputes += 1
+    assert sum(len(r.preempted_req_ids) for r in trace) and recomputes, "the run should preempt and recompute"
 
 
 def test_models_without_mla_record_no_split() -> None:

@@ -6,7 +6,8 @@ from typing import Any
 
 from pagedkv.trace import BlockPoolRecord, KVCacheGroupInfo, StepRecord, StepTrace
 from pagedkv.widgets.common import (
-    ACCENT, BASE_STYLE, BG, BG_SOLID, BORDER, FG, FG_MUTED, SVG_STYLE, TraceView, esc, request_color, short_layer,
+    ACCENT, BASE_STYLE, BG, BG_SOLID, BORDER, FG, FG_MUTED, SVG_STYLE, TraceView, check_positive_int, esc,
+    request_color, short_layer,
 )
 
 CELL_W, CELL_H, GAP = 56, 40, 4
@@ -43,8 +44,8 @@ class BlockTableView(TraceView):
     """
 
     def __init__(self, trace: StepTrace, *, max_blocks: int = 256, columns: int = 16, **kwargs: Any) -> None:
-        self.max_blocks = max_blocks
-        self.columns = columns
+        self.max_blocks = check_positive_int("max_blocks", max_blocks, "blocks drawn per KV cache group")
+        self.columns = check_positive_int("columns", columns, "blocks per row of the grid")
         super().__init__(trace, **kwargs)
 
     def render(self, record: StepRecord) -> str:

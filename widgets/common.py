@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import time
 import zlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets
@@ -74,6 +75,13 @@ def esc(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
+def check_positive_int(name: str, value: object, what: str) -> int:
+    """`value` if it is an int >= 1, else a ValueError naming the argument and what it is for."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int ({what}), got {value!r}.")
+    return value
+
+
 def short_layer(name: str) -> str:
     """"model.layers.3.self_attn.attn" -> "layers.3" (the part that differs between layers)."""
     parts = name.split(".")
@@ -83,30 +91,65 @@ def short_layer(name: str) -> str:
     return name
 
 
+class LiveRedraw:
+    """Runs `draw` after a new step: at once in a plain Python process; while a notebook cell
+    runs, at most every LIVE_REDRAW_INTERVAL_S (or, `at_cell_end_only`, never), and once more
+    when the cell ends (so the newest step is what stays on screen)."""
+
+    def __init__(self, draw: Callable[[], None], at_cell_end_only: bool = False) -> None:
+        self.draw = draw
+        self.at_cell_end_only = at_cell_end_only
+        self.drawn_at = float("-inf")
+        """`time.monotonic()` when `draw` last ran."""
+        self.waiting = False
+        """True while a draw waits for the end of the running cell."""
+
+    def new_step(self) -> None:
+        shell = _ipython()
+        due = not self.at_cell_end_only and time.monotonic() - self.drawn_at >= LIVE_REDRAW_INTERVAL_S
+        if shell is None or due:
+            self._run()
+        elif not self.waiting:  # skip this step's drawing; draw the newest one when the cell ends
+            self.waiting = True
+            shell.events.register("post_run_cell", self._catch_up)
+
+    def _run(self) -> None:
+        self.draw()
+        self.drawn_at = time.monotonic()
+
+    def _catch_up(self, *_: Any) -> None:
+        _ipython().events.unregister("post_run_cell", self._catch_up)  # IPython iterates over a copy
+        self.waiting = False
+        self._run()
+
+
 class TraceView(ipywidgets.HTML):
     """One step of a `StepTrace` drawn as HTML/SVG; `index` picks the step.
 
     `index = -1` follows the newest step, so a view attached to a running engine redraws
     after every step; a `StepPlayer` sets concrete indices instead. Subclasses only write
-    `render(record)`: the same code draws a live step and a replayed one.
+    `render(record)`: the same code draws a live step and a replayed one. `close()` stops a
+    view from following its trace (a view that is only deleted in a notebook stays registered
+    with ipywidgets, and so with its trace).
     """
 
     index = traitlets.Int(-1, help="Index into trace.steps; -1 = the newest step.")
     needs_step = True
     """False for views that can draw start-up facts before the first step."""
+    draws_whole_run = False
+    """True for views whose drawing of a step changes as the run grows (a plot of the whole run)."""
     _quiet = False
     """True while `show` sets `index` for HTML it already rendered: no second render."""
-    _drawn_at = float("-inf")
-    """`time.monotonic()` of the last redraw."""
-    _catching_up = False
-    """True while a redraw waits for the end of the running cell."""
+    _stop_observing: Callable[[], None] = staticmethod(lambda: None)
+    """Set once the view observes its trace (a failed __init__ has nothing to stop)."""
 
     def __init__(self, trace: StepTrace, *, index: int = -1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.trace = trace
         self.index = index
         self.observe(self._on_index, "index")
-        trace.observe(self._on_new_step)
+        self._live = LiveRedraw(self._draw_newest)
+        self._stop_observing = trace.observe(self._on_new_step)
         self.redraw()
 
     @classmethod
@@ -136,25 +179,30 @@ class TraceView(ipywidgets.HTML):
             return super()._repr_mimebundle_(**kwargs)
         return ipywidgets.VBox([*self.controls, self])._repr_mimebundle_(**kwargs)
 
+    @traitlets.validate("index")
+    def _check_index(self, proposal: dict[str, Any]) -> int:
+        index, n = proposal["value"], len(self.trace)
+        if index != -1 and not 0 <= index < max(n, 1):  # 0 on an empty trace: the first step, once it runs
+            raise IndexError(f"index {index} is out of range for a trace of {n} steps: use 0..{max(n - 1, 0)}, "
+                             "or -1 for the newest step.")
+        return index
+
     def _on_index(self, _change: dict[str, Any]) -> None:
         if not self._quiet:
             self.redraw()
 
     def _on_new_step(self, _record: StepRecord) -> None:
-        if self.index != -1:
-            return
-        shell = _ipython()
-        if shell is None or time.monotonic() - self._drawn_at >= LIVE_REDRAW_INTERVAL_S:
-            self.redraw()
-        elif not self._catching_up:  # skip this step's drawing; draw the newest one when the cell ends
-            self._catching_up = True
-            shell.events.register("post_run_cell", self._catch_up)
-
-    def _catch_up(self, *_: Any) -> None:
-        _ipython().events.unregister("post_run_cell", self._catch_up)  # IPython iterates over a copy
-        self._catching_up = False
         if self.index == -1:
+            self._live.new_step()
+
+    def _draw_newest(self) -> None:
+        if self.index == -1:  # still following when a deferred draw comes due
             self.redraw()
+
+    def close(self) -> None:
+        """Stop following the trace, then close the widget."""
+        self._stop_observing()
+        super().close()
 
     def html_at(self, index: int) -> str:
         """The HTML of step `index` (-1 = newest), rendered but not shown."""
@@ -166,7 +214,6 @@ class TraceView(ipywidgets.HTML):
 
     def redraw(self) -> None:
         self.value = self.html_at(self.index)
-        self._drawn_at = time.monotonic()
 
     def show(self, index: int, html: str) -> None:
         """Display `html`, rendered earlier by `html_at(index)`, and set `index` without rendering again.

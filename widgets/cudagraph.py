@@ -13,7 +13,7 @@ Colours are JupyterLab theme variables (`--jp-...`), so the view reads in light 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ipywidgets
 
@@ -22,6 +22,9 @@ from pagedkv.attention.selector import load_backend, registered_backends
 from pagedkv.compilation import CUDAGraphMode
 from pagedkv.exercises.cudagraph import Resolution, resolve_explained
 from pagedkv.widgets.common import BASE_STYLE, esc, short_layer
+
+if TYPE_CHECKING:
+    from pagedkv.compilation.backend import PiecewiseBackend
 
 ANY_BACKEND = "YOUR_BACKEND"
 """The backend named in messages when only a support level is chosen."""
@@ -249,8 +252,14 @@ class PiecewiseSplitView(ipywidgets.HTML):
     the first forward of at least 2 tokens (that call traces the model).
     """
 
-    def __init__(self, backend: Any, **kwargs: Any) -> None:
-        if not getattr(backend, "items", None):
+    def __init__(self, backend: PiecewiseBackend, **kwargs: Any) -> None:
+        from pagedkv.compilation.backend import PiecewiseBackend  # torch.fx: only when a split is drawn
+
+        if not isinstance(backend, PiecewiseBackend):
+            hint = " (pass its .backend)" if isinstance(getattr(backend, "backend", None), PiecewiseBackend) else ""
+            raise TypeError(f"PiecewiseSplitView draws a PiecewiseBackend, the `backend` of a CompiledForward; "
+                            f"got {type(backend).__name__}{hint}.")
+        if not backend.items:
             raise ValueError(
                 "The backend has not traced the model yet: run one forward of at least 2 tokens "
                 "(e.g. llm.generate(...)) before drawing its split."

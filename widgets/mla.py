@@ -80,9 +80,15 @@ def _count(n: int, noun: str) -> str:
 
 def _tooltip(group: _Group) -> str:
     r = group.request
-    what = (f"decode of position {r.num_computed_tokens}" if r.phase == "decode" else
-            f"prefill of prompt positions {r.num_computed_tokens}-{r.num_computed_tokens + r.num_new_tokens - 1} "
-            f"of {r.num_prompt_tokens}")
+    first, last_position = r.num_computed_tokens, r.num_computed_tokens + r.num_new_tokens - 1
+    if r.phase == "decode":
+        what = f"decode of position {first}"
+    elif last_position < r.num_prompt_tokens:
+        what = f"prefill of prompt positions {first}-{last_position} of {r.num_prompt_tokens}"
+    else:  # a preempted request recomputes its generated tokens too
+        generated = last_position + 1 - r.num_prompt_tokens
+        what = (f"recompute of positions {first}-{last_position} ({r.num_prompt_tokens} prompt + "
+                f"{_count(generated, 'generated token')})")
     last = group.first_token + r.num_new_tokens - 1
     return f"request {r.req_id}: {what}; step tokens {group.first_token}-{last} -> {group.path}"
 
@@ -102,9 +108,12 @@ class MLASplitView(TraceView):
     def render(self, record: StepRecord) -> str:
         split = record.mla_split
         if split is None:
+            has_mla = any(g.spec.kind == "MLAAttentionSpec" for g in self.engine.attention_groups)
+            why = ("this trace was recorded before traces kept the split (StepRecord.mla_split): record it again"
+                   if has_mla else f"{esc(self.engine.model)} has no MLA layers, so no decode / prefill split to "
+                                   "draw (try tiny-mla)")
             return (f'<div class="pkv-mla-split" data-step="{record.step}" style="{BASE_STYLE}; color: {FG_MUTED}">'
-                    f"step {record.step}: {esc(self.engine.model)} has no MLA layers, so no decode / prefill split "
-                    "to draw (try tiny-mla).</div>")
+                    f"step {record.step}: {why}.</div>")
         groups = _groups(record, split)
         return (
             f'<div class="pkv-mla-split" data-step="{record.step}" data-num-decode-tokens="{split.num_decode_tokens}" '

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ipywidgets
 
 from pagedkv.trace import StepRecord, StepTrace
-from pagedkv.widgets.common import TraceView
+from pagedkv.widgets.common import LiveRedraw, TraceView
 
 
 class StepPlayer(ipywidgets.VBox):
@@ -17,12 +17,23 @@ class StepPlayer(ipywidgets.VBox):
     The Play button and the slider are linked in the browser; each slider move reaches the
     kernel, which renders every view at that step and only then updates the views and the
     label together, so the label always names the step the views show. While the trace is still
-    recording, a player whose slider sits on the last step follows the new steps.
+    recording, a player whose slider sits on the last step follows the new steps (in a running
+    notebook cell at most every LIVE_REDRAW_INTERVAL_S). One left on an earlier step updates its
+    label's step count, and redraws views of the whole run (a `PlotView`) when the cell ends: a
+    player whose cell was run again still exists, so it must cost next to nothing per step.
+    `close()` stops it following the trace.
     """
+
+    _stop_observing: Callable[[], None] = staticmethod(lambda: None)
+    """Set once the player observes its trace (a failed __init__ has nothing to stop)."""
 
     def __init__(
         self, trace: StepTrace, views: Sequence[TraceView] = (), *, interval_ms: int = 700, **kwargs: Any
     ) -> None:
+        others = [type(view).__name__ for view in views if view.trace is not trace]
+        if others:
+            raise ValueError(f"{others[0]} draws another trace than the player's: build the views on the "
+                             "trace you pass to StepPlayer, so that the label and the views show the same run.")
         self.trace = trace
         self.views = list(views)
         last = max(len(trace) - 1, 0)
@@ -35,8 +46,12 @@ class StepPlayer(ipywidgets.VBox):
         controls = ipywidgets.HBox([self.play, self.slider, self.label])
         super().__init__([controls, *(w for view in self.views for w in (*view.controls, view))], **kwargs)
         self.add_class("pkv-step-player")
-        self.slider.observe(lambda change: self._show(change["new"]), "value")
-        trace.observe(self._on_new_step)
+        self._following = self.slider.value == self.slider.max
+        """Whether the slider sat on the last step when it last moved: new steps then move it on."""
+        self.slider.observe(self._on_slider, "value")
+        self._live = LiveRedraw(self._show_newest)
+        self._whole_run = LiveRedraw(self._redraw_whole_run, at_cell_end_only=True)
+        self._stop_observing = trace.observe(self._on_new_step)
         self._show(0)
 
     @property
@@ -45,16 +60,41 @@ class StepPlayer(ipywidgets.VBox):
 
     @index.setter
     def index(self, value: int) -> None:
-        self.slider.value = value
+        """Show step `value` (-1: the newest, as for a view)."""
+        n = len(self.trace)
+        if not -max(n, 1) <= value < max(n, 1):
+            raise IndexError(f"index {value} is out of range for a trace of {n} steps: use 0..{max(n - 1, 0)}, "
+                             "or -1 for the newest step.")
+        self.slider.value = value % max(n, 1)
+
+    def close(self) -> None:
+        """Stop following the trace, then close the player (not its views: they have their own `close`)."""
+        self._stop_observing()
+        super().close()
+
+    def _on_slider(self, change: dict[str, int]) -> None:
+        self._following = change["new"] == self.slider.max
+        self._show(change["new"])
 
     def _on_new_step(self, _record: StepRecord) -> None:
-        following = self.slider.value == self.slider.max
-        last = len(self.trace) - 1
-        self.slider.max = self.play.max = last
-        if following and self.slider.value != last:
-            self.slider.value = last  # the observer redraws
-        else:
+        self.slider.max = self.play.max = len(self.trace) - 1
+        if self._following:
+            self._live.new_step()
+        else:  # the same step stays on display: its label's count and plots of the whole run change
+            self.label.value = self._label(self.slider.value)
+            self._whole_run.new_step()
+
+    def _show_newest(self) -> None:
+        if self.slider.value != self.slider.max:
+            self.slider.value = self.slider.max  # _on_slider draws every view
+        else:  # the first step (index 0 before and after): the views still say "waiting"
             self._show(self.slider.value)
+
+    def _redraw_whole_run(self) -> None:
+        index = self.slider.value
+        for view in self.views:
+            if view.draws_whole_run:
+                view.show(index, view.html_at(index))
 
     def _show(self, index: int) -> None:
         # Render every view first (the slow part: SVG strings, a PlotView's PNG), then hand the

@@ -133,6 +133,8 @@ class PlotView(TraceView):
     live engine it grows with every step (rendering a PNG costs ~0.1 s per step).
     """
 
+    draws_whole_run = True
+
     def __init__(self, trace: StepTrace, plot: PlotFn = plot_kv_cache_usage, **kwargs: Any) -> None:
         self.plot = plot
         super().__init__(trace, **kwargs)

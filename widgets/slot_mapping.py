@@ -8,7 +8,9 @@ from typing import Any
 import ipywidgets
 
 from pagedkv.trace import StepRecord, StepTrace
-from pagedkv.widgets.common import BASE_STYLE, BG_HEADER, BORDER_LIGHT, FG_MUTED, TraceView, esc, request_color
+from pagedkv.widgets.common import (
+    BASE_STYLE, BG_HEADER, BORDER_LIGHT, FG_MUTED, TraceView, check_positive_int, esc, request_color,
+)
 
 _CELL = f"padding:1px 4px; border:1px solid {BORDER_LIGHT}; text-align:center"
 
@@ -26,9 +28,7 @@ class SlotMappingView(TraceView):
     """
 
     def __init__(self, trace: StepTrace, *, tokens_per_page: int = 32, **kwargs: Any) -> None:
-        if isinstance(tokens_per_page, bool) or not isinstance(tokens_per_page, int) or tokens_per_page < 1:
-            raise ValueError(f"tokens_per_page must be a positive int, got {tokens_per_page!r}.")
-        self.tokens_per_page = tokens_per_page
+        self.tokens_per_page = check_positive_int("tokens_per_page", tokens_per_page, "tokens drawn per page")
         self.pager = ipywidgets.IntSlider(value=1, min=1, max=1, description="token page", continuous_update=True)
         self.pager.add_class("pkv-token-pager")
         self._clamping = False

@@ -79,12 +79,18 @@ def layout_table(model: LlamaConfig, tp_size: int, dtype_bytes: int = 2) -> str:
     )
 
 
+TP_SIZES = [1, 2, 4, 8, 16]
+
+
 class TensorParallelLayoutView(ipywidgets.VBox):
     """Pick a model shape and a rank count; see what each rank holds and where ranks talk."""
 
     def __init__(self, shape: str = next(iter(SHAPES)), tp_size: int = 2, **kwargs: Any) -> None:
+        for name, value, options in (("shape", shape, list(SHAPES)), ("tp_size", tp_size, TP_SIZES)):
+            if value not in options:
+                raise ValueError(f"{name} {value!r} is not one of the choices {options}.")
         self.shape = ipywidgets.Dropdown(options=list(SHAPES), value=shape, description="model")
-        self.tp = ipywidgets.Dropdown(options=[1, 2, 4, 8, 16], value=tp_size, description="tp")
+        self.tp = ipywidgets.Dropdown(options=TP_SIZES, value=tp_size, description="tp")
         self.html = ipywidgets.HTML()
         super().__init__([ipywidgets.HBox([self.shape, self.tp]), self.html], **kwargs)
         for control in (self.shape, self.tp):

@@ -59,9 +59,16 @@ class StepTrace:
     def __exit__(self, *exc: object) -> None:
         self.detach()
 
-    def observe(self, callback: Callable[[StepRecord], None]) -> None:
-        """Call `callback(record)` after each newly recorded step (how live widgets update)."""
+    def observe(self, callback: Callable[[StepRecord], None]) -> Callable[[], None]:
+        """Call `callback(record)` after each newly recorded step (how live widgets update);
+        returns a function that stops it (a widget's `close()` calls it)."""
         self._observers.append(callback)
+
+        def stop() -> None:
+            if callback in self._observers:
+                self._observers.remove(callback)
+
+        return stop
 
     def _record(self, event: StepEvent) -> None:
         assert self._llm is not None
@@ -90,10 +97,12 @@ class StepTrace:
         return [r.step for r in self.steps]
 
     def req_ids(self) -> list[str]:
-        """Every request seen in the trace, in order of first appearance."""
+        """Every request seen in the trace (scheduled, preempted or finished in a recorded step),
+        in order of first appearance. A trace attached mid-run can see a request only preempted."""
         seen: dict[str, None] = {}
         for record in self.steps:
             seen.update(dict.fromkeys(r.req_id for r in record.requests))
+            seen.update(dict.fromkeys([*record.preempted_req_ids, *record.finished_req_ids]))
         return list(seen)
 
     def __repr__(self) -> str:
