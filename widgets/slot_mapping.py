@@ -8,9 +8,7 @@ from typing import Any
 import ipywidgets
 
 from pagedkv.trace import StepRecord, StepTrace
-from pagedkv.widgets.common import (
-    BASE_STYLE, BG_HEADER, BORDER_LIGHT, FG_MUTED, TraceView, check_positive_int, esc, request_color,
-)
+from pagedkv.widgets.common import BASE_STYLE, BORDER_LIGHT, TraceView, check_positive_int, esc, request_color
 
 _CELL = f"padding:1px 4px; border:1px solid {BORDER_LIGHT}; text-align:center"
 
@@ -22,8 +20,8 @@ class SlotMappingView(TraceView):
         physical block = block_table[request][logical]  (which block of the pool)
         slot = physical block * block_size + position % block_size
 
-    Padding tokens (added to reach a captured CUDA graph size) get slot -1 and write nothing.
-    A step with more than `tokens_per_page` tokens (a prefill) is drawn a page at a time: the
+    A trace holds the step's own tokens only (padding up to a captured CUDA graph size, slot -1,
+    is cut off when the step is recorded). A step with more than `tokens_per_page` tokens (a prefill) is drawn a page at a time: the
     "token page" slider above the table (`view.pager`) pages through all of them.
     """
 
@@ -67,14 +65,12 @@ class SlotMappingView(TraceView):
             return f'<tr><th style="{_CELL}; text-align:right; white-space:nowrap">{label}</th>{"".join(cells)}</tr>'
 
         def cell(i: int, text: object, slot: int | None = None) -> str:
-            if i >= len(req_ids):  # a padding token
-                return f'<td style="{_CELL}; color:{FG_MUTED}; background:{BG_HEADER}">pad</td>'
             color = request_color(req_ids[i])
             data = f' class="pkv-slot" data-slot="{slot}"' if slot is not None else ""
             return f'<td{data} style="{_CELL}; border-top:3px solid {color}">{esc(text)}</td>'
 
         def per_token(values: list[Any]) -> list[str]:
-            return [cell(i, values[i] if i < len(req_ids) else "") for i in shown]
+            return [cell(i, values[i]) for i in shown]
 
         table = [row("token #", [cell(i, i) for i in shown]), row("request", per_token(req_ids)),
                  row("token id", per_token(record.input_ids)), row("position", per_token(record.positions))]
@@ -98,11 +94,6 @@ class SlotMappingView(TraceView):
         logical, physical, offset, slots = [], [], [], []
         for i in shown:
             slot = record.slot_mappings[g][i]
-            if i >= len(req_ids) or slot < 0:
-                for cells in (logical, physical, offset):
-                    cells.append(cell(i, ""))
-                slots.append(f'<td class="pkv-slot" data-slot="-1" style="{_CELL}; color:{FG_MUTED}">-1</td>')
-                continue
             pos = record.positions[i]
             logical.append(cell(i, pos // bs))
             physical.append(cell(i, rows_by_req[req_ids[i]][g][pos // bs]))
