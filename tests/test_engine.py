@@ -83,6 +83,45 @@ def test_preemption_recomputes_and_loses_nothing() -> None:
     assert tight.kv_cache_manager.num_free_blocks() == 8
 
 
+@pytest.mark.parametrize("num_kv_blocks, budget", [(9, 2048), (11, 6)])
+def test_a_preempted_request_goes_first_in_line_and_no_one_is_admitted_in_its_step(
+    num_kv_blocks: int, budget: int
+) -> None:
+    """vLLM's policy: the victim (the newest running request) waits at the front of the queue, and
+    a step that had to preempt admits no waiting request (it would only be preempted in turn)."""
+    llm = LLM("tiny", device="cpu", num_kv_blocks=num_kv_blocks, block_size=4, max_num_batched_tokens=budget,
+              attention_backend="TORCH_REF")
+    preempting: list[int] = []
+
+    def check(event: StepEvent) -> None:
+        victims = event.scheduler_output.preempted_req_ids
+        if victims:
+            preempting.append(event.step)
+            assert llm.scheduler.waiting[0].request_id == victims[-1]
+            assert all(s.num_lookup_tokens == 0 for s in event.scheduler_output.scheduled), "admitted in the step"
+
+    llm.add_step_listener(check)
+    llm.generate(PREEMPTED_PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert preempting
+
+
+def test_a_request_fits_when_its_tokens_up_to_max_model_len_do() -> None:
+    """max_tokens=100 would overflow 4 blocks of 4, but max_model_len=16 ends the request first."""
+    llm = LLM("tiny", device="cpu", num_kv_blocks=5, block_size=4, max_model_len=16)
+    out = llm.generate(prompts([4]), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 12
+
+
+def test_without_chunking_a_prompt_of_exactly_the_remaining_budget_runs_now() -> None:
+    llm = LLM("tiny", device="cpu", num_kv_blocks=64, max_num_batched_tokens=16, max_model_len=16,
+              enable_chunked_prefill=False)
+    llm.add_request(prompts([4])[0], GREEDY)
+    llm.step()  # request 0 prefilled; from now on it decodes, 1 token a step
+    llm.add_request(prompts([1, 15])[1], GREEDY)  # 15 tokens: exactly what the decode leaves
+    llm.step()
+    assert llm.stats.num_prefill_tokens == 4 + 15
+
+
 def test_hybrid_model_has_two_groups_and_matches_with_small_cache() -> None:
     llm, events, _ = run_hybrid_small_cache()
     groups = llm.runner.kv_cache_config.kv_cache_groups
@@ -135,6 +174,44 @@ def test_sampler_top_p_keeps_the_nucleus() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     seen = {Sampler()(logits, [str(i)], [SamplingParams(temperature=1.0, top_p=0.7, seed=i)])[0] for i in range(200)}
     assert seen == {0, 1}, "top_p=0.7 keeps exactly the two tokens that reach 0.8"
+
+
+def _draws(logits: torch.Tensor, n: int, **params: float) -> list[int]:
+    """The token the sampler picks for `logits` with seeds 0 .. n - 1."""
+    from pagedkv.engine.sampler import Sampler
+
+    return [Sampler()(logits, [str(i)], [SamplingParams(seed=i, **params)])[0] for i in range(n)]
+
+
+def test_sampler_temperature_divides_the_logits() -> None:
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    expected = (p**2 / (p**2).sum())[0].item()  # softmax(log p / 0.5) = p^2 / sum p^2: 0.685 for token 0
+    picks = _draws(torch.log(p).float()[None], 2000, temperature=0.5)
+    assert abs(picks.count(0) / 2000 - expected) < 0.05  # T * logits would give about 0.38
+
+
+def test_sampler_top_k_and_top_p_together_and_a_tie_at_top_p() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert set(_draws(logits, 200, temperature=1.0, top_k=3, top_p=0.7)) == {0, 1}
+    # Two equal tokens, top_p 0.5: the first alone reaches it, so one token is ever drawn.
+    assert len(set(_draws(torch.zeros(1, 2), 100, temperature=1.0, top_p=0.5))) == 1
+
+
+def test_a_seeded_request_draws_new_numbers_every_step() -> None:
+    from pagedkv.engine.sampler import Sampler
+
+    sampler, params = Sampler(), SamplingParams(temperature=1.0, seed=3)
+    picks = [sampler(torch.zeros(1, 1000), ["r"], [params])[0] for _ in range(20)]
+    assert len(set(picks)) > 10  # a generator seeded again each step would draw the same token 20 times
+
+
+def test_uniform_decode_steps_are_the_steps_of_one_token_per_request() -> None:
+    llm = LLM("tiny", device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, attention_backend="TORCH_REF")
+    flags: list[tuple[bool, bool]] = []
+    llm.add_step_listener(lambda e: flags.append(
+        (e.result.batch_descriptor.uniform_decode, all(s.num_new_tokens == 1 for s in e.scheduler_output.scheduled))))
+    llm.generate(CHUNKED_PROMPTS, GREEDY)
+    assert all(got == expected for got, expected in flags) and {e for _, e in flags} == {True, False}
 
 
 def test_clear_errors() -> None:

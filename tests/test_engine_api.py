@@ -16,6 +16,7 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.__main__ import main as cli
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.sampler import Sampler
+from tests.reference import generate_checked
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
@@ -198,6 +199,25 @@ def test_a_failing_model_step_aborts_its_requests_and_the_engine_recovers() -> N
     seen = run_steps(llm)
     assert list(seen) == [second] and seen[second][-1].outputs[0].token_ids == reference
     assert_idle(llm)
+
+
+def test_a_failing_step_leaves_no_cached_block_it_never_wrote() -> None:
+    """The aborted request's full blocks were hashed when scheduled, but the step never wrote
+    them: all must leave the prefix cache, else a later prompt that extends it reads garbage."""
+    llm = small_llm(max_num_seqs=1, attention_backend="TORCH_REF")
+    llm.add_request(ids(12), GREEDY)  # three full blocks of 4
+    real = llm.runner.execute_model
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device fell over")
+
+    llm.runner.execute_model = broken
+    with pytest.raises(RuntimeError, match="device fell over"):
+        llm.step()
+    llm.runner.execute_model = real
+    assert not llm.kv_cache_manager.block_pools[0].cached_block_hash_to_block
+    llm.generate(ids(12), GREEDY)
+    generate_checked(llm, [ids(13)], GREEDY)  # logits against the float64 reference
 
 
 # ---- bug 3: no silent conversions ---------------------------------------------------------

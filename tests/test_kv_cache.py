@@ -80,6 +80,14 @@ def test_sliding_window_group_swaps_old_blocks_for_null_block() -> None:
     assert manager.num_free_blocks(1) == 9 - 3
 
 
+def test_a_window_block_is_given_back_in_the_first_step_no_query_sees_it() -> None:
+    window = SlidingWindowSpec(block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32, sliding_window=6)
+    manager = KVCacheManager(get_kv_cache_config({"full": FULL, "swa": window}, num_blocks=10))
+    assert manager.allocate_slots("r", 0, 13) and manager.allocate_slots("r", 13, 1)
+    # The step's query sits at 13 and sees keys 8..13 (13 - k < 6): positions 0-7, blocks 0 and 1, are out.
+    assert manager.get_block_ids("r")[1][:3] == [0, 0, 3]
+
+
 def test_slot_mapping_hand_worked() -> None:
     # Request 0 holds blocks [3, 8], request 1 holds [2], request 2 holds [5]; block_size 4.
     table = torch.tensor([[3, 8], [2, 0], [5, 0]], dtype=torch.int32)

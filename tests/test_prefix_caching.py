@@ -173,3 +173,22 @@ def test_sliding_window_models_turn_caching_off_or_refuse(caplog: pytest.LogCapt
     with pytest.raises(ValueError, match="enable_prefix_caching=True: prefix caching is not supported"):
         LLM("tiny-hybrid", device="cpu", num_kv_blocks=16, enable_prefix_caching=True)
     assert LLM("tiny", device="cpu", num_kv_blocks=16).prefix_caching  # on by default
+
+
+def test_a_block_filled_by_a_later_chunk_is_cached_too() -> None:
+    """A prefill chunk that ends inside block 2 leaves it unhashed; the chunk that fills it hashes it."""
+    kv, tokens = manager(), list(range(13))
+    assert kv.allocate_slots("A", 0, 10, token_ids=tokens)  # blocks 0, 1 full; block 2 half
+    assert kv.allocate_slots("A", 10, 3, token_ids=tokens)  # block 2 full now
+    assert run(kv, "B", tokens + [99]) == 12  # all three full blocks are found
+
+
+def test_a_request_recomputed_after_its_blocks_were_evicted_caches_them_again() -> None:
+    kv, a = manager(num_blocks=5), list(range(12))
+    run(kv, "A", a)
+    kv.free("A")  # preempted: its 3 full blocks stay cached, free
+    run(kv, "C", list(range(100, 116)))  # takes all 4 usable blocks: A's are evicted
+    kv.free("C")
+    assert run(kv, "A", a) == 0  # A resumes and computes everything again...
+    kv.free("A")
+    assert run(kv, "B", a + [50]) == 12  # ...and its blocks are in the cache once more
