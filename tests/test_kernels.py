@@ -259,6 +259,20 @@ def test_reshape_and_cache_scatters_by_slot(
     assert torch.equal(kv_cache.reshape(2, -1, num_kv_heads, head_size), expected)
 
 
+def test_reshape_and_cache_addresses_v_through_its_own_strides() -> None:
+    """K and V caches of the same shape but different layouts: each is written through its own strides."""
+    gen = torch.Generator().manual_seed(5)
+    num_blocks, block_size, heads, head_size = 4, 8, 2, 16
+    k_cache = torch.zeros(num_blocks, block_size, heads, head_size)
+    v_cache = torch.zeros(num_blocks, heads, block_size, head_size).transpose(1, 2)  # heads before slots
+    key, value = torch.randn(2, 5, heads, head_size, generator=gen)
+    slots = torch.tensor([3, 9, -1, 20, 31])
+    reshape_and_cache(key, value, k_cache, v_cache, slots)
+    written = slots >= 0
+    assert torch.equal(k_cache.reshape(-1, heads, head_size)[slots[written]], key[written])
+    assert torch.equal(v_cache.reshape(-1, heads, head_size)[slots[written]], value[written])
+
+
 @pytest.mark.parametrize("backend", ["TRITON_ATTN", "FLASH_ATTN"])
 def test_impl_cache_write_scatters_by_slot(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each impl's `do_kv_cache_update` writes exactly the slots (FLASH_ATTN reuses TRITON_ATTN's
@@ -333,6 +347,24 @@ def run_backend_in_the_engine(backend: str = "TRITON_ATTN") -> None:
 
 def test_triton_backend_in_the_engine_matches_reference() -> None:
     run_backend_in_the_engine("TRITON_ATTN")
+
+
+def test_triton_backend_refuses_non_causal_metadata() -> None:
+    """Its kernel masks causally: metadata that asks for non-causal attention must be an error,
+    not a causal answer to another question."""
+    import dataclasses
+
+    from pagedkv import LLM, SamplingParams
+
+    llm = LLM(model="tiny", device="cpu", attention_backend="TRITON_ATTN", num_kv_blocks=16)
+    events = []
+    llm.add_step_listener(events.append)
+    llm.generate(ENGINE_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=1))
+    name, layer = next(iter(llm.runner.attn_layers.items()))
+    metadata = dataclasses.replace(events[0].result.attn_metadata[name], causal=False)
+    q = torch.zeros(metadata.num_actual_tokens, layer.num_heads, layer.head_size)
+    with pytest.raises(NotImplementedError, match="causal"):
+        layer.impl.forward(layer, q, q, q, layer.kv_cache, metadata, torch.empty_like(q))
 
 
 def test_backend_reasons_on_the_cpu() -> None:

@@ -178,6 +178,21 @@ def test_forward_mqa_and_forward_mha_agree_on_the_same_tokens() -> None:
     torch.testing.assert_close(absorbed, as_prefills, atol=1e-5, rtol=0)
 
 
+def test_padding_rows_after_the_steps_tokens_are_zero() -> None:
+    """Under a CUDA graph the output has rows past num_actual_tokens (padding): they must be
+    zeros, not whatever the buffer held, since the next layer reads them."""
+    batch = make_batch([5, 3], [1, 4])
+    impl = make_impl(kv_b_weight())
+    spec = MLAAttentionSpec(BLOCK_SIZE, 1, DIMS.latent_size, torch.float32)
+    metadata = TorchRefMLAMetadataBuilder(spec, ["layer"], None, torch.device("cpu")).build(batch.common)  # type: ignore[arg-type]
+    impl.do_kv_cache_update(None, batch.kv_c, batch.k_pe, batch.kv_cache, batch.common.slot_mapping)  # type: ignore[arg-type]
+    num_tokens = batch.q.shape[0]
+    out = torch.full((num_tokens + 3, HEADS, DIMS.v_head_dim), float("nan"))
+    impl.forward(None, batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, metadata, out)  # type: ignore[arg-type]
+    assert torch.equal(out[num_tokens:], torch.zeros(3, HEADS, DIMS.v_head_dim))
+    torch.testing.assert_close(out[:num_tokens].double(), reference(batch, kv_b_weight()), atol=1e-4, rtol=0)
+
+
 def test_a_cache_never_written_fails_the_comparison() -> None:
     """The comparison can fail: decodes reading a cache whose rows were never written."""
     batch = make_batch([5, 9], [1, 1])
@@ -218,31 +233,41 @@ def test_triton_mla_matches_torch_ref_mla_and_the_reference(splits: int) -> None
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)  # TRITON_MLA against TORCH_REF_MLA
 
 
+# The paged kernel takes V heads of a multiple of 8 from 16 up; DIMS' 10 sends prefills to the shared loop.
+PAGED_DIMS = MLADims(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+
+
 @needs_interpreter
-@pytest.mark.parametrize("tokens_per_pass", [32768, 12])
-def test_triton_mla_prefill_passes_match_the_reference(tokens_per_pass: int) -> None:
+@pytest.mark.parametrize("tokens_per_pass, scale_factor", [(32768, 1.0), (12, 1.59)])
+def test_triton_mla_prefill_passes_match_the_reference(tokens_per_pass: int, scale_factor: float) -> None:
     """TRITON_MLA's forward_mha: prefills (a whole prompt, and continuations of 7 and 25 cached
     tokens) gathered, up-projected and attended by the paged kernel. Budget 32768: one pass;
-    budget 12: passes of 6 and 10 tokens, and the 30-token request alone on the chunked path."""
+    budget 12: passes of 6 and 10 tokens, and the 30-token request alone on the chunked path.
+    The second case's softmax scale is not 1/sqrt(qk_head_dim): YaRN's mscale multiplies it (1.59
+    for DeepSeek-V2-Lite), and every pass must use the impl's scale."""
     pytest.importorskip("triton")
     from pagedkv.attention.mla.triton_mla import TritonMLAImpl, TritonMLAPrefillMetadata, group_prefill_passes
 
-    batch = make_batch([5, 1, 12, 0, 7, 25], [1, 1, 1, 6, 3, 5])
-    weight = kv_b_weight()
-    spec = MLAAttentionSpec(BLOCK_SIZE, 1, DIMS.latent_size, torch.float32)
+    batch = make_batch([5, 1, 12, 0, 7, 25], [1, 1, 1, 6, 3, 5], dims=PAGED_DIMS)
+    weight = kv_b_weight(dims=PAGED_DIMS)
+    spec = MLAAttentionSpec(BLOCK_SIZE, 1, PAGED_DIMS.latent_size, torch.float32)
     metadata = TorchRefMLAMetadataBuilder(spec, ["layer"], None, torch.device("cpu")).build(batch.common)  # type: ignore[arg-type]
     metadata.prefill = group_prefill_passes(metadata.prefill, BLOCK_SIZE, tokens_per_pass, torch.device("cpu"))
     assert isinstance(metadata.prefill, TritonMLAPrefillMetadata)
     expected_passes = {32768: ([slice(0, 14)], []), 12: ([slice(0, 6), slice(6, 9)], [slice(9, 14)])}[tokens_per_pass]
     assert [p.tokens for p in metadata.prefill.passes] == expected_passes[0]
     assert [rows for rows, _ in metadata.prefill.long_requests] == expected_passes[1]
-    impl = TritonMLAImpl(HEADS, DIMS.latent_size, SCALE, 1, None, torch.float32, mla_dims=DIMS)
+    scale = PAGED_DIMS.qk_head_dim**-0.5 * scale_factor
+    impl = TritonMLAImpl(HEADS, PAGED_DIMS.latent_size, scale, 1, None, torch.float32, mla_dims=PAGED_DIMS)
+    assert impl.kernel_takes_heads  # the passes run the paged kernel, not the shared loop
     impl.process_weights_after_loading(weight)
     impl.do_kv_cache_update(None, batch.kv_c, batch.k_pe, batch.kv_cache, batch.common.slot_mapping)  # type: ignore[arg-type]
     nd = metadata.num_decode_tokens
-    out = torch.full((batch.q.shape[0] - nd, HEADS, DIMS.v_head_dim), float("nan"))
+    out = torch.full((batch.q.shape[0] - nd, HEADS, PAGED_DIMS.v_head_dim), float("nan"))
     impl.forward_mha(batch.q[nd:], batch.kv_c[nd:], batch.k_pe[nd:], batch.kv_cache, metadata.prefill, out)
-    torch.testing.assert_close(out.double(), reference(batch, weight)[nd:], atol=1e-4, rtol=0)
+    # The reference scales by 1/sqrt(qk_head_dim): scaling q by the factor gives the impl's scale.
+    expected = reference(dataclasses.replace(batch, q=batch.q * scale_factor), weight)[nd:]
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=0)
 
 
 @needs_interpreter

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedkv.attention.backend import CommonAttentionMetadata
-from pagedkv.attention.backends.torch_ref import TorchRefImpl, TorchRefMetadataBuilder
+from pagedkv.attention.backends.torch_ref import TorchRefImpl, TorchRefMetadataBuilder, paged_attention_reference
 from pagedkv.kv_cache.spec import FullAttentionSpec
 
 
@@ -121,3 +121,35 @@ def test_reference_float64_is_exact() -> None:
     metadata = TorchRefMetadataBuilder(None, [], None, torch.device("cpu")).build(common)  # type: ignore[arg-type]
     out = impl.forward(None, q, q, q, cache, metadata, torch.empty_like(q))  # type: ignore[arg-type]
     torch.testing.assert_close(out, dense_attention_f64(q, ks[0], vs[0], 0.5, None), atol=1e-12, rtol=1e-12)
+
+
+def test_cache_write_fills_slot_0_and_skips_only_minus_one() -> None:
+    """-1 is padding; 0 is a slot like any other (the engine keeps block 0 as the null block, so an
+    engine run never writes it: only this test sees the difference)."""
+    gen = torch.Generator().manual_seed(2)
+    impl = TorchRefImpl(4, 16, 0.25, 2, None, torch.float32)
+    kv_cache = torch.zeros(2, 5, 8, 2, 16)
+    key, value = torch.randn(2, 4, 2, 16, generator=gen)
+    slots = torch.tensor([0, 17, -1, 39])
+    impl.do_kv_cache_update(None, key, value, kv_cache, slots)  # type: ignore[arg-type]
+    flat, written = kv_cache.reshape(2, -1, 2, 16), slots >= 0
+    assert torch.equal(flat[0, slots[written]], key[written]) and torch.equal(flat[1, slots[written]], value[written])
+    assert int((flat.abs().sum((2, 3)) > 0).sum()) == 2 * 3  # nothing else written
+
+
+def test_bfloat16_reference_computes_in_float32() -> None:
+    """The oracle in bf16 rounds only its output (~0.007 here); softmax and sums in bf16 would be
+    about four times worse (0.03), and every bf16 comparison against it would inherit that."""
+    gen = torch.Generator().manual_seed(0)
+    seq_len, query_len, heads, kv_heads, head_size, block_size = 200, 5, 4, 2, 64, 16
+    q = (4 * torch.randn(query_len, heads, head_size, generator=gen)).bfloat16()  # peaked scores
+    k, v = torch.randn(2, seq_len, kv_heads, head_size, generator=gen).bfloat16()
+    num_blocks = -(-seq_len // block_size)
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_size, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache.view(-1, kv_heads, head_size)[:seq_len], v_cache.view(-1, kv_heads, head_size)[:seq_len] = k, v
+    out = torch.empty(query_len, heads, head_size, dtype=torch.bfloat16)
+    table = torch.arange(num_blocks, dtype=torch.int32)[None]
+    paged_attention_reference(q, k_cache, v_cache, out, [0, query_len], [seq_len], table, head_size**-0.5)
+    error = (out.double() - dense_attention_f64(q, k, v, head_size**-0.5, None)).abs().max().item()
+    assert error < 0.015, error
