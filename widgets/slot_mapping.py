@@ -57,6 +57,7 @@ class SlotMappingView(TraceView):
     def render(self, record: StepRecord) -> str:
         rows_by_req = {r.req_id: r.block_ids for r in record.scheduled}
         req_ids = record.token_req_ids()
+        token_rows = [rows_by_req[r] for r in req_ids]  # per token: its request's block table rows
         num_slots = max(len(s) for s in record.slot_mappings)
         first, end, pages = self._page_range(num_slots)
         shown = range(first, end)
@@ -75,7 +76,7 @@ class SlotMappingView(TraceView):
         table = [row("token #", [cell(i, i) for i in shown]), row("request", per_token(req_ids)),
                  row("token id", per_token(record.input_ids)), row("position", per_token(record.positions))]
         for group in self.engine.kv_cache_groups:
-            table += self._group_rows(record, group.group_id, group.spec.block_size, shown, rows_by_req, cell, row)
+            table += self._group_rows(record, group.group_id, group.spec.block_size, shown, token_rows, cell, row)
         where = f"tokens {first}..{end - 1} of {num_slots} (page {self.pager.value} of {pages})"
         return (
             f'<div class="pkv-slot-mapping" data-step="{record.step}" data-first-token="{first}" '
@@ -86,17 +87,16 @@ class SlotMappingView(TraceView):
             f'{"".join(table)}</table></div></div>'
         )
 
-    def _group_rows(self, record: StepRecord, g: int, bs: int, shown: range, rows_by_req: dict[str, Any],
+    def _group_rows(self, record: StepRecord, g: int, bs: int, shown: range, token_rows: list[Any],
                     cell: Callable[..., str], row: Callable[[str, list[str]], str]) -> list[str]:
         """The four rows that turn a position into a slot, for KV cache group `g`."""
-        req_ids = record.token_req_ids()
         suffix = f" (g{g})" if self.engine.num_kv_cache_groups > 1 else ""
         logical, physical, offset, slots = [], [], [], []
         for i in shown:
             slot = record.slot_mappings[g][i]
             pos = record.positions[i]
             logical.append(cell(i, pos // bs))
-            physical.append(cell(i, rows_by_req[req_ids[i]][g][pos // bs]))
+            physical.append(cell(i, token_rows[i][g][pos // bs]))
             offset.append(cell(i, pos % bs))
             slots.append(cell(i, slot, slot))
         return [
