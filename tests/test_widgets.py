@@ -249,8 +249,10 @@ def test_view_index_out_of_range_is_refused_and_the_view_keeps_its_step(hybrid_t
     with pytest.raises(IndexError, match=r"index 1 is out of range for a trace of 0 steps: use 0..0, or -1"):
         BlockTableView(StepTrace(hybrid_trace.engine), index=1)
     for bad in ({"max_blocks": -3}, {"columns": 0}):
-        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be a positive int"):
+        with pytest.raises(ValueError, match=rf"{next(iter(bad))} must be an int >= 1 \(.+\), got"):
             BlockTableView(hybrid_trace, **bad)
+    with pytest.raises(TypeError, match=r"columns must be an int \(blocks per row of the grid\), got"):
+        BlockTableView(hybrid_trace, columns=2.5)
 
 
 def test_step_player_index_reads_minus_one_as_the_newest_step(hybrid_trace: StepTrace) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedkv.engine.checks import check_int
 from pagedkv.trace import BlockPoolRecord, KVCacheGroupInfo, StepRecord, StepTrace
 from pagedkv.widgets.common import (
-    ACCENT, BASE_STYLE, BG, BG_SOLID, BORDER, FG, FG_MUTED, SVG_STYLE, TraceView, check_positive_int, esc,
+    ACCENT, BASE_STYLE, BG, BG_SOLID, BORDER, FG, FG_MUTED, SVG_STYLE, TraceView, esc,
     request_color, short_layer,
 )
 
@@ -44,8 +45,8 @@ class BlockTableView(TraceView):
     """
 
     def __init__(self, trace: StepTrace, *, max_blocks: int = 256, columns: int = 16, **kwargs: Any) -> None:
-        self.max_blocks = check_positive_int("max_blocks", max_blocks, "blocks drawn per KV cache group")
-        self.columns = check_positive_int("columns", columns, "blocks per row of the grid")
+        self.max_blocks = check_int("max_blocks", max_blocks, 1, hint=" (blocks drawn per KV cache group)")
+        self.columns = check_int("columns", columns, 1, hint=" (blocks per row of the grid)")
         super().__init__(trace, **kwargs)
 
     def render(self, record: StepRecord) -> str:

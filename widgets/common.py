@@ -75,13 +75,6 @@ def esc(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
-def check_positive_int(name: str, value: object, what: str) -> int:
-    """`value` if it is an int >= 1, else a ValueError naming the argument and what it is for."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int ({what}), got {value!r}.")
-    return value
-
-
 def short_layer(name: str) -> str:
     """"model.layers.3.self_attn.attn" -> "layers.3" (the part that differs between layers)."""
     parts = name.split(".")

@@ -7,8 +7,9 @@ from typing import Any
 
 import ipywidgets
 
+from pagedkv.engine.checks import check_int
 from pagedkv.trace import StepRecord, StepTrace
-from pagedkv.widgets.common import BASE_STYLE, BORDER_LIGHT, TraceView, check_positive_int, esc, request_color
+from pagedkv.widgets.common import BASE_STYLE, BORDER_LIGHT, TraceView, esc, request_color
 
 _CELL = f"padding:1px 4px; border:1px solid {BORDER_LIGHT}; text-align:center"
 
@@ -26,7 +27,7 @@ class SlotMappingView(TraceView):
     """
 
     def __init__(self, trace: StepTrace, *, tokens_per_page: int = 32, **kwargs: Any) -> None:
-        self.tokens_per_page = check_positive_int("tokens_per_page", tokens_per_page, "tokens drawn per page")
+        self.tokens_per_page = check_int("tokens_per_page", tokens_per_page, 1, hint=" (tokens drawn per page)")
         self.pager = ipywidgets.IntSlider(value=1, min=1, max=1, description="token page", continuous_update=True)
         self.pager.add_class("pkv-token-pager")
         self._clamping = False
