@@ -250,6 +250,26 @@ def test_null_flags_read_as_false(tmp_path: Path) -> None:
     assert error <= ATOL and argmax
 
 
+def test_null_shared_experts_mean_none(tmp_path: Path) -> None:
+    """`"n_shared_experts": null` is "no shared experts" to DeepSeek's own code (`if config.n_shared_experts
+    is not None`); transformers refuses the null, so the reference is its model with n_shared_experts=0."""
+    path = write_hf_deepseek(tmp_path / "v2", n_shared_experts=0)
+    reference = hf_model(path, 2)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"n_shared_experts": None}))
+    assert load_config(str(path)).n_shared_experts == 0
+    error, argmax = logit_errors(engine(path), reference)
+    assert error <= ATOL and argmax
+
+
+def test_null_expert_groups_are_named_as_null() -> None:
+    """A V3 config.json with null groups is refused naming the nulls, not V3's defaults (8, 4) that a
+    key left out would mean: DeepSeek's own router cannot run without groups either."""
+    with pytest.raises(ValueError, match=r"got n_group=None, topk_group=None"):
+        DeepseekV2Config.from_hf_dict(dict(n_routed_experts=4, num_experts_per_tok=1, n_group=None, topk_group=None),
+                                      "deepseek_v3")
+
+
 def test_multi_token_prediction_layers_are_skipped(tmp_path: Path) -> None:
     """DeepSeek-V3's checkpoints store the MTP module after the last layer (hub: model.layers.61.*):
     loaded like transformers, which drops it; a tensor of a layer past it is still an error."""

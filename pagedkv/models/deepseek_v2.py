@@ -184,11 +184,13 @@ class DeepseekV2Config:
                 f"moe_layer_freq={hf['moe_layer_freq']}: every layer from first_k_dense_replace on is a MoE layer "
                 "here (moe_layer_freq 1, as in every released DeepSeek-V2/V3 checkpoint; transformers ignores the key)."
             )
-        # A null q_lora_rank means "no query bottleneck" (V2-Lite) and a null flag means False (as
-        # transformers' `if config.flag:` reads it); other nulls mean the default.
-        flags = {k for k, f in cls.__dataclass_fields__.items() if isinstance(f.default, bool)}
-        present = {k: False if hf[k] is None and k in flags else hf[k] for k in cls.__dataclass_fields__
-                   if k in hf and (hf[k] is not None or k == "q_lora_rank" or k in flags)}
+        # A null means what DeepSeek's own modelling code makes of it: no query bottleneck
+        # (q_lora_rank, V2-Lite), no expert groups, no shared experts (`if n_shared_experts is not
+        # None`), False for a flag (as transformers' `if config.flag:`); other nulls mean the default.
+        null_means: dict[str, Any] = {"q_lora_rank": None, "n_group": None, "topk_group": None, "n_shared_experts": 0}
+        null_means |= {k: False for k, f in cls.__dataclass_fields__.items() if isinstance(f.default, bool)}
+        present = {k: null_means[k] if hf[k] is None else hf[k] for k in cls.__dataclass_fields__
+                   if k in hf and (hf[k] is not None or k in null_means)}
         kwargs = {**(V3_DEFAULTS if model_type == "deepseek_v3" else {}), **present}
         kwargs["rope_theta"], kwargs["rope_scaling"] = hf_rope_parameters(
             hf, cls.rope_theta, kwargs.get("max_position_embeddings", cls.max_position_embeddings))
