@@ -84,6 +84,12 @@ def short_layer(name: str) -> str:
     return name
 
 
+def step_index_error(index: int, num_steps: int) -> IndexError:
+    """The error for a step index outside a trace of `num_steps` steps (views and players)."""
+    return IndexError(f"index {index} is out of range for a trace of {num_steps} steps: use "
+                      f"0..{max(num_steps - 1, 0)}, or -1 for the newest step.")
+
+
 class LiveRedraw:
     """Runs `draw` after a new step: at once in a plain Python process; while a notebook cell
     runs, at most every LIVE_REDRAW_INTERVAL_S (or, `at_cell_end_only`, never), and once more
@@ -176,8 +182,7 @@ class TraceView(ipywidgets.HTML):
     def _check_index(self, proposal: dict[str, Any]) -> int:
         index, n = proposal["value"], len(self.trace)
         if index != -1 and not 0 <= index < max(n, 1):  # 0 on an empty trace: the first step, once it runs
-            raise IndexError(f"index {index} is out of range for a trace of {n} steps: use 0..{max(n - 1, 0)}, "
-                             "or -1 for the newest step.")
+            raise step_index_error(index, n)
         return index
 
     def _on_index(self, _change: dict[str, Any]) -> None:

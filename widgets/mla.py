@@ -15,7 +15,7 @@ import torch
 
 from pagedkv.kv_cache.spec import MLAAttentionSpec
 from pagedkv.models.deepseek_v2 import DeepseekV2Config
-from pagedkv.trace import MLASplitRecord, RequestRecord, StepRecord
+from pagedkv.trace import AttentionGroupInfo, MLASplitRecord, RequestRecord, StepRecord
 from pagedkv.widgets.common import (
     ACCENT,
     BASE_STYLE,
@@ -108,9 +108,8 @@ class MLASplitView(TraceView):
     def render(self, record: StepRecord) -> str:
         split = record.mla_split
         if split is None:
-            has_mla = any(g.spec.kind == "MLAAttentionSpec" for g in self.engine.attention_groups)
             why = ("this trace was recorded before traces kept the split (StepRecord.mla_split): record it again"
-                   if has_mla else f"{esc(self.engine.model)} has no MLA layers, so no decode / prefill split to "
+                   if self._mla_group() is not None else f"{esc(self.engine.model)} has no MLA layers, so no decode / prefill split to "
                                    "draw (try tiny-mla)")
             return (f'<div class="pkv-mla-split" data-step="{record.step}" style="{BASE_STYLE}; color: {FG_MUTED}">'
                     f"step {record.step}: {why}.</div>")
@@ -121,8 +120,12 @@ class MLASplitView(TraceView):
             f"{self._legend()}</div>"
         )
 
+    def _mla_group(self) -> AttentionGroupInfo | None:
+        """The engine's (first) attention group of MLA layers, or None for a model without them."""
+        return next((g for g in self.engine.attention_groups if g.spec.kind == MLAAttentionSpec.__name__), None)
+
     def _caption(self, record: StepRecord, split: MLASplitRecord, groups: list[_Group]) -> str:
-        group = next((g for g in self.engine.attention_groups if g.spec.kind == "MLAAttentionSpec"), None)
+        group = self._mla_group()
         backend = f" &middot; {esc(group.backend)}, latent rows of {group.spec.head_size} values" if group else ""
         text = (f"<b>step {record.step}</b> &middot; {_count(record.num_tokens, 'token')}: "
                 f"{_count(split.num_decodes, 'decode')} ({_count(split.num_decode_tokens, 'token')}) &rarr; "

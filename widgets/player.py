@@ -8,7 +8,7 @@ from typing import Any
 import ipywidgets
 
 from pagedkv.trace import StepRecord, StepTrace
-from pagedkv.widgets.common import LiveRedraw, TraceView
+from pagedkv.widgets.common import LiveRedraw, TraceView, step_index_error
 
 
 class StepPlayer(ipywidgets.VBox):
@@ -63,8 +63,7 @@ class StepPlayer(ipywidgets.VBox):
         """Show step `value` (-1: the newest, as for a view)."""
         n = len(self.trace)
         if not -max(n, 1) <= value < max(n, 1):
-            raise IndexError(f"index {value} is out of range for a trace of {n} steps: use 0..{max(n - 1, 0)}, "
-                             "or -1 for the newest step.")
+            raise step_index_error(value, n)
         self.slider.value = value % max(n, 1)
 
     def close(self) -> None:

@@ -22,8 +22,9 @@ class SlotMappingView(TraceView):
         slot = physical block * block_size + position % block_size
 
     A trace holds the step's own tokens only (padding up to a captured CUDA graph size, slot -1,
-    is cut off when the step is recorded). A step with more than `tokens_per_page` tokens (a prefill) is drawn a page at a time: the
-    "token page" slider above the table (`view.pager`) pages through all of them.
+    is cut off when the step is recorded). A step with more than `tokens_per_page` tokens (a
+    prefill) is drawn a page at a time: the "token page" slider above the table (`view.pager`)
+    pages through all of them.
     """
 
     def __init__(self, trace: StepTrace, *, tokens_per_page: int = 32, **kwargs: Any) -> None:
