@@ -142,9 +142,11 @@ def test_stop_conditions() -> None:
     llm = LLM("tiny", device="cpu", num_kv_blocks=32)
     free = tokens(llm.generate(prompts([4]), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))[0]
     stop_at = free[3]
-    out = llm.generate(prompts([4]), SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at]))[0]
-    assert out.outputs[0].token_ids == free[: free.index(stop_at) + 1]
-    assert out.outputs[0].finish_reason == "stop"
+    for ignore_eos in (False, True):  # ignore_eos concerns the model's EOS ids only, not stop_token_ids
+        params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at], ignore_eos=ignore_eos)
+        out = llm.generate(prompts([4]), params)[0]
+        assert out.outputs[0].token_ids == free[: free.index(stop_at) + 1]
+        assert out.outputs[0].finish_reason == "stop"
     eos = LLM("tiny", device="cpu", num_kv_blocks=32)
     eos.eos_token_ids = [free[1]]
     eos_out = eos.generate(prompts([4]), SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
@@ -193,6 +195,9 @@ def test_sampler_temperature_divides_the_logits() -> None:
 def test_sampler_top_k_and_top_p_together_and_a_tie_at_top_p() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert set(_draws(logits, 200, temperature=1.0, top_k=3, top_p=0.7)) == {0, 1}
+    # top_k=2 alone keeps {0, 1}, top_p=0.6 alone too; together (top_p over the two kept: 0.625,
+    # 0.375) only token 0: both filters must act.
+    assert set(_draws(logits, 200, temperature=1.0, top_k=2, top_p=0.6)) == {0}
     # Two equal tokens, top_p 0.5: the first alone reaches it, so one token is ever drawn.
     assert len(set(_draws(torch.zeros(1, 2), 100, temperature=1.0, top_p=0.5))) == 1
 

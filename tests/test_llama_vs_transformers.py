@@ -165,8 +165,14 @@ WINDOW_CASES = {
     "mistral": ("Mistral", dict(sliding_window=8), None, [8] * 4),
     "mistral-layer_types": ("Mistral", dict(sliding_window=8), _setting(layer_types=[FULL, SLIDING] * 2),
                             [None, 8, None, 8]),
-    # Llama has no window at all.
+    # Qwen2 with use_sliding_window but neither layer_types nor max_window_layers: transformers'
+    # default max_window_layers is 28, so a 4-layer model has no windowed layer.
+    "qwen2-default-max_window_layers": ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+                                        _without("max_window_layers", "layer_types"), [None] * 4),
+    # Llama has no window at all, whatever its config.json says (Qwen2's keys included).
     "llama-window-ignored": ("Llama", {}, _setting(sliding_window=8, layer_types=[SLIDING] * 4), [None] * 4),
+    "llama-use_sliding_window-ignored": ("Llama", {}, _setting(use_sliding_window=True, sliding_window=8,
+                                                               max_window_layers=0), [None] * 4),
 }
 
 

@@ -117,13 +117,16 @@ def make_impl(weight: torch.Tensor) -> TorchRefMLAImpl:
     return impl
 
 
-def run(impl: TorchRefMLAImpl, batch: Batch, builder: MLACommonMetadataBuilder | None = None) -> torch.Tensor:
-    """One step as the layer runs it: write the new rows, then attend."""
+def run(
+    impl: TorchRefMLAImpl, batch: Batch, builder: MLACommonMetadataBuilder | None = None, padding: int = 0,
+) -> torch.Tensor:
+    """One step as the layer runs it: write the new rows, then attend. The output buffer starts as
+    NaN and has `padding` rows past the step's tokens (as under a CUDA graph)."""
     spec = MLAAttentionSpec(BLOCK_SIZE, 1, DIMS.latent_size, batch.kv_cache.dtype)
     builder = builder or TorchRefMLAMetadataBuilder(spec, ["layer"], None, torch.device("cpu"))  # type: ignore[arg-type]
     metadata = builder.build(batch.common)
     impl.do_kv_cache_update(None, batch.kv_c, batch.k_pe, batch.kv_cache, batch.common.slot_mapping)  # type: ignore[arg-type]
-    output = torch.empty(batch.q.shape[0], HEADS, DIMS.v_head_dim, dtype=batch.q.dtype)
+    output = torch.full((batch.q.shape[0] + padding, HEADS, DIMS.v_head_dim), float("nan"), dtype=batch.q.dtype)
     return impl.forward(None, batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, metadata, output)  # type: ignore[arg-type]
 
 
@@ -182,13 +185,8 @@ def test_padding_rows_after_the_steps_tokens_are_zero() -> None:
     """Under a CUDA graph the output has rows past num_actual_tokens (padding): they must be
     zeros, not whatever the buffer held, since the next layer reads them."""
     batch = make_batch([5, 3], [1, 4])
-    impl = make_impl(kv_b_weight())
-    spec = MLAAttentionSpec(BLOCK_SIZE, 1, DIMS.latent_size, torch.float32)
-    metadata = TorchRefMLAMetadataBuilder(spec, ["layer"], None, torch.device("cpu")).build(batch.common)  # type: ignore[arg-type]
-    impl.do_kv_cache_update(None, batch.kv_c, batch.k_pe, batch.kv_cache, batch.common.slot_mapping)  # type: ignore[arg-type]
     num_tokens = batch.q.shape[0]
-    out = torch.full((num_tokens + 3, HEADS, DIMS.v_head_dim), float("nan"))
-    impl.forward(None, batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, metadata, out)  # type: ignore[arg-type]
+    out = run(make_impl(kv_b_weight()), batch, padding=3)
     assert torch.equal(out[num_tokens:], torch.zeros(3, HEADS, DIMS.v_head_dim))
     torch.testing.assert_close(out[:num_tokens].double(), reference(batch, kv_b_weight()), atol=1e-4, rtol=0)
 

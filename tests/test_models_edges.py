@@ -1,5 +1,4 @@
-"""Model loading and request edges the other tests miss: non-zero biases under tensor parallelism
-(transformers initialises them to zero), older checkpoints, config.json keys left to their
+"""Model loading and request edges the other tests miss: older checkpoints, config.json keys left to their
 defaults, stop ids with ignore_eos, the greedy threshold, and the detokeniser's bounded window."""
 
 from __future__ import annotations
@@ -11,62 +10,21 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from tests.conftest import write_hf_llama
-from tests.reference import reference_logits
 
 transformers = pytest.importorskip("transformers")
 
 
-# ---- parallel_layers: biases under tensor parallelism ---------------------------------------
-
-def with_random_biases(model_dir: Path, std: float = 0.3) -> Path:
-    """transformers initialises every bias to 0, which hides a bias added tp times: draw them."""
-    from safetensors.torch import load_file, save_file
-
-    path = model_dir / "model.safetensors"
-    tensors = load_file(str(path))
-    generator = torch.Generator().manual_seed(1)
-    for name, tensor in tensors.items():
-        if name.endswith(".bias"):
-            tensors[name] = torch.randn(tensor.shape, generator=generator) * std
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return model_dir
-
-
-def test_tp2_with_all_biases_matches_tp1_and_transformers(tmp_path: Path) -> None:
-    """RowParallelLinear's bias must be added once, after the all-reduce (added
-    on every rank before it, it is counted tp times). No tensor-parallel test had a bias."""
-    from tests.test_tensor_parallel import assert_no_workers_left, serve
-
-    model_dir = with_random_biases(write_hf_llama(tmp_path / "biases", attention_bias=True, mlp_bias=True,
-                                                  num_attention_heads=4, num_key_value_heads=2))
-    tokens_1, logits_1 = serve(str(model_dir), 1)
-    tokens_2, logits_2 = serve(str(model_dir), 2)
-    assert_no_workers_left()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    from tests.test_tensor_parallel import PROMPTS
-    for prompt, generated, ours in zip(PROMPTS, tokens_2, logits_2):
-        torch.testing.assert_close(ours, reference_logits(hf, prompt, generated).double(), atol=1e-4, rtol=0)
-    assert tokens_2 == tokens_1
-    for a, b in zip(logits_2, logits_1):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
-
-
-def _last_logits(model_dir: Path, prompt: list[int]) -> torch.Tensor:
-    llm = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=32)
-    rows: list[torch.Tensor] = []
-    llm.add_step_listener(lambda e: rows.append(e.result.logits[0].clone()))
-    llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))
-    return rows[0]
-
+# ---- loader: older checkpoints ----------------------------------------------------------
 
 def test_old_checkpoint_with_rotary_inv_freq_buffers_loads(tmp_path: Path) -> None:
     """checkpoints converted by older transformers store each layer's RoPE buffer
     `self_attn.rotary_emb.inv_freq`; it is derived from config.json, so it is skipped, not an error."""
     from safetensors.torch import load_file, save_file
 
+    from tests.test_llama_vs_transformers import assert_last_logits_match
+
     model_dir = write_hf_llama(tmp_path / "old")
-    prompt = [5, 9, 17, 3, 44, 101, 7]
-    expected = _last_logits(model_dir, prompt)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     path = model_dir / "model.safetensors"
     tensors = load_file(str(path))
     head_dim = 64 // 4
@@ -74,57 +32,23 @@ def test_old_checkpoint_with_rotary_inv_freq_buffers_loads(tmp_path: Path) -> No
         tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = \
             10000.0 ** -(torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     save_file(tensors, str(path), metadata={"format": "pt"})
-    torch.testing.assert_close(_last_logits(model_dir, prompt), expected, atol=0, rtol=0)
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=32)
+    assert_last_logits_match(llm, reference, [5, 9, 17, 3, 44, 101, 7])
 
 
 # ---- llama: family defaults for keys a config.json leaves out --------------------------------
 
-def _windows(llm: LLM, n: int) -> list[int | None]:
-    return [llm.runner.attn_layers[f"model.layers.{i}.self_attn.attn"].sliding_window for i in range(n)]
-
-
 def test_mistral_without_sliding_window_key_has_transformers_default_window(tmp_path: Path) -> None:
     """a Mistral config.json without `sliding_window` has transformers' default 4096 on
     every layer (MistralConfig's default), not no window."""
-    from tests.test_llama_vs_transformers import _family_dir
+    from tests.test_llama_vs_transformers import _family_dir, _without
 
-    def edit(hf: dict) -> None:
-        hf.pop("sliding_window", None)
-        hf.pop("layer_types", None)
-
-    path = _family_dir(tmp_path / "mistral", "Mistral", dict(sliding_window=8), edit)
+    path = _family_dir(tmp_path / "mistral", "Mistral", dict(sliding_window=8), _without("sliding_window"))
     reference = transformers.AutoConfig.from_pretrained(path)
     assert reference.sliding_window == 4096
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
-    assert _windows(llm, 4) == [reference.sliding_window] * 4
-
-
-def test_qwen2_without_max_window_layers_uses_the_default_28(tmp_path: Path) -> None:
-    """Qwen2 with use_sliding_window but neither layer_types nor max_window_layers:
-    transformers' default max_window_layers is 28, so a 4-layer model has no windowed layer.
-    Logits against transformers on a prompt (48) longer than the window (8)."""
-    from tests.test_llama_vs_transformers import PROMPTS, _family_dir, _logits_match_auto_model
-
-    def edit(hf: dict) -> None:
-        del hf["max_window_layers"], hf["layer_types"]
-
-    path = _family_dir(tmp_path / "qwen2", "Qwen2", dict(use_sliding_window=True, sliding_window=8,
-                                                         max_window_layers=1), edit)
-    reference = transformers.AutoConfig.from_pretrained(path)
-    assert reference.layer_types == ["full_attention"] * 4
-    llm = _logits_match_auto_model(path, PROMPTS[5])
-    assert _windows(llm, 4) == [None] * 4
-
-
-def test_llama_ignores_use_sliding_window(tmp_path: Path) -> None:
-    """Llama has no window whatever its config.json says, `use_sliding_window` (a Qwen2
-    key a converted or hand-edited file may carry) included; transformers' Llama ignores it."""
-    from tests.test_llama_vs_transformers import PROMPTS, _family_dir, _logits_match_auto_model
-
-    path = _family_dir(tmp_path / "llama", "Llama", {},
-                       lambda hf: hf.update(use_sliding_window=True, sliding_window=8, max_window_layers=0))
-    llm = _logits_match_auto_model(path, PROMPTS[5])
-    assert _windows(llm, 4) == [None] * 4
+    assert [llm.runner.attn_layers[f"model.layers.{i}.self_attn.attn"].sliding_window for i in range(4)] == [
+        reference.sliding_window] * 4
 
 
 # ---- loader: the tiny presets' embedding scale ---------------------------------------------
@@ -159,18 +83,6 @@ def test_stop_token_ids_stop_even_with_ignore_eos() -> None:
     assert not req.check_stop(max_model_len=100)
     req.append_output_token_id(7)
     assert req.check_stop(max_model_len=100) and req.finish_reason == "stop"
-
-
-def test_stop_token_ids_stop_the_engine_with_ignore_eos() -> None:
-    """The same through the engine: the greedy continuation is cut at the stop token."""
-    llm = LLM("tiny", device="cpu", dtype="float32", num_kv_blocks=32)
-    prompt = {"prompt_token_ids": [256, *b"Hello"]}
-    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
-    stop_at = free.token_ids[2]
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                              stop_token_ids=[stop_at]))[0].outputs[0]
-    assert out.token_ids == free.token_ids[: free.token_ids.index(stop_at) + 1]
-    assert out.finish_reason == "stop"
 
 
 def test_greedy_threshold_is_strictly_below_sampling_eps() -> None:

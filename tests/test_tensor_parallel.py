@@ -41,6 +41,20 @@ def serve(model: str, tp: int, **engine: object) -> tuple[list[list[int]], list[
                 [torch.stack(recorder.rows[o.request_id]) for o in outs])
 
 
+def with_random_biases(model_dir: Path, std: float = 0.3) -> Path:
+    """transformers initialises every bias to 0, which hides a bias added tp times: draw them."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    generator = torch.Generator().manual_seed(1)
+    for name, tensor in tensors.items():
+        if name.endswith(".bias"):
+            tensors[name] = torch.randn(tensor.shape, generator=generator) * std
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return model_dir
+
+
 def assert_no_workers_left() -> None:
     deadline = time.monotonic() + 10
     while multiprocessing.active_children() and time.monotonic() < deadline:
@@ -56,10 +70,16 @@ def assert_no_workers_left() -> None:
         ("gqa_replicated_tp4", 4, dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=64)),
         ("mha_tied_odd_vocab", 2, dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
                                        vocab_size=131)),
+        # RowParallelLinear's bias must be added once, after the all-reduce (added on every rank
+        # before it, it counts tp times); transformers initialises biases to 0: they are drawn.
+        ("gqa_random_biases", 2, dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                                      mlp_bias=True)),
     ],
 )
 def test_tp_matches_tp1_and_transformers(tmp_path: Path, name: str, tp: int, shape: dict) -> None:
     model_dir = write_hf_llama(tmp_path / name, **shape)
+    if shape.get("attention_bias"):
+        with_random_biases(model_dir)
     tokens_1, logits_1 = serve(str(model_dir), 1)
     tokens_tp, logits_tp = serve(str(model_dir), tp)
     assert_no_workers_left()

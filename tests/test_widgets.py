@@ -64,17 +64,27 @@ def test_live_view_follows_every_step() -> None:
     assert repr(view) == f"BlockTableView(step {view.trace[-1].step}, {len(view.trace)} recorded)"
 
 
-def test_live_view_in_a_notebook_redraws_at_most_every_interval_and_at_the_cell_end(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.fixture
+def notebook_shell(monkeypatch: pytest.MonkeyPatch) -> type:
+    """What widgets use of a kernel's IPython shell (its events), in place of a running kernel:
+    `notebook_shell.events.trigger("post_run_cell", None)` ends the 'cell'."""
     from IPython.core.events import EventManager, available_events
 
     from pagedkv.widgets import common
 
-    class Shell:  # what the view uses of a kernel's IPython shell
+    class Shell:
         events = EventManager(None, available_events)
 
     monkeypatch.setattr(common, "_ipython", lambda: Shell)
+    return Shell
+
+
+def test_live_view_in_a_notebook_redraws_at_most_every_interval_and_at_the_cell_end(
+    monkeypatch: pytest.MonkeyPatch, notebook_shell: type,
+) -> None:
+    from pagedkv.widgets import common
+
+    Shell = notebook_shell
     monkeypatch.setattr(common, "LIVE_REDRAW_INTERVAL_S", 3600.0)
     llm = engine()
     view = BlockTableView.attach(llm)  # nothing drawn live yet: the first step draws
@@ -280,18 +290,13 @@ def test_timeline_of_a_trace_attached_mid_run_shows_a_request_only_preempted() -
     assert "req 1" in [label.get_text() for label in ax.get_yticklabels()]
 
 
-def test_a_player_left_on_an_earlier_step_draws_nothing_per_step_in_a_notebook(monkeypatch) -> None:  # noqa: ANN001
+def test_a_player_left_on_an_earlier_step_draws_nothing_per_step_in_a_notebook(
+    monkeypatch: pytest.MonkeyPatch, notebook_shell: type,
+) -> None:
     """Re-running a player's cell leaves the old player alive (ipywidgets keeps it): while a cell
     runs it must not draw its views for each new step; its plot of the whole run catches up when
     the cell ends. close() stops it following the trace at all."""
-    from IPython.core.events import EventManager, available_events
-
-    from pagedkv.widgets import common
-
-    class Shell:
-        events = EventManager(None, available_events)
-
-    monkeypatch.setattr(common, "_ipython", lambda: Shell)
+    Shell = notebook_shell
     llm = engine()
     trace = StepTrace.attach(llm)
     llm.generate(PROMPTS[:1], PARAMS)
@@ -312,9 +317,10 @@ def test_a_player_left_on_an_earlier_step_draws_nothing_per_step_in_a_notebook(m
     player.close()
     plot.close()
     renders.clear()
+    label = player.label.value
     llm.generate(PROMPTS[:1], PARAMS)
     Shell.events.trigger("post_run_cell", None)
-    assert renders == [] and "of" in player.label.value
+    assert renders == [] and player.label.value == label  # closed: not even the count moves
 
 
 # ---- theme: colours come from JupyterLab's variables ----------------------------------------

@@ -76,10 +76,13 @@ def test_tooltip_of_a_recomputed_request_counts_its_generated_tokens() -> None:
     recomputes = 0
     for i, record in enumerate(trace):
         prompt_lens = {r.req_id: r.num_prompt_tokens for r in record.scheduled}
+        computed = {r.req_id: (r.num_computed_tokens, r.num_new_tokens) for r in record.scheduled}
         for req_id, tip in re.findall(r"<title>request (\w+): ([^;]*);", MLASplitView(trace, index=i).value):
             span = re.fullmatch(r"(prefill of prompt|recompute of) positions (\d+)-(\d+)\b.*", tip)
             if span is None:
                 continue
+            first, count = computed[req_id]  # the scheduler's record, not the tooltip's own numbers
+            assert (int(span[2]), int(span[3])) == (first, first + count - 1), tip
             beyond_prompt = int(span[3]) >= prompt_lens[req_id]
             assert (span[1] == "recompute of") == beyond_prompt, tip
             if beyond_prompt:
