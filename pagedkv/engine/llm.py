@@ -37,6 +37,7 @@ from pagedkv.engine.events import EngineStats, StepEvent, StepListener
 from pagedkv.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
+from pagedkv.interrupts import deferred_interrupts
 from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.kv_cache.spec import SlidingWindowSpec
 from pagedkv.models.loader import PRESETS
@@ -166,8 +167,9 @@ class LLM:
         request = self._requests.get(request_id)
         if request is None:
             return False
-        self._end(request, "abort")
-        self._forget(request)
+        with deferred_interrupts():
+            self._end(request, "abort")
+            self._forget(request)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -182,8 +184,8 @@ class LLM:
         # may change them again while the request runs.
         params = replace(params)
         if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError(f"A dict prompt needs 'prompt_token_ids', got keys {sorted(prompt)}.")
+            if set(prompt) != {"prompt_token_ids"}:
+                raise ValueError(f"A dict prompt has the one key 'prompt_token_ids', got keys {sorted(map(str, prompt))}.")
             token_ids = check_token_ids("prompt_token_ids", prompt["prompt_token_ids"])
         elif isinstance(prompt, str):
             if self.tokenizer is None:
@@ -209,8 +211,9 @@ class LLM:
         detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         request = Request(str(next(self._ids)), token_ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
                           detokenizer=detokenizer)
-        self.scheduler.add_request(request)
-        self._requests[request.request_id] = request
+        with deferred_interrupts():  # in both books or in neither
+            self.scheduler.add_request(request)
+            self._requests[request.request_id] = request
         return request.request_id
 
     def _end(self, request: Request, reason: str, error: BaseException | None = None) -> None:
@@ -232,66 +235,86 @@ class LLM:
         Outputs are cumulative (all tokens and text so far) with `finished` set on a request's
         last one, after which the engine forgets the request. With nothing to do, returns [].
 
+        Interrupts: a step interrupted before its tokens are sampled (Ctrl-C, any
+        `BaseException`, at any point of the forward or the sampler) did not happen: its plan is
+        undone (`Scheduler.undo`), and the next call runs the same step again. Once sampled, the
+        step's bookkeeping runs to its end (a Ctrl-C then arrives right after it, see
+        pagedkv/interrupts.py) and its outputs wait in the engine until the next call returns them.
+
         Failures: a request whose sampling raises is finished with finish_reason "error" (the
         reason in `RequestOutput.error`) while the others go on. When the model forward itself
-        raises, no single request can be blamed (they share the batch), and retrying would most
-        likely raise again; vLLM's engine core shuts down in that case. Here the step's requests
-        are finished with an error and their blocks freed, then the exception is re-raised with
-        a note naming them: the error is not hidden, and the engine serves later requests. A step
-        listener that raises does so after its step has run: the next call returns that step's outputs.
+        raises an `Exception`, no single request can be blamed (they share the batch), and
+        retrying would most likely raise again; vLLM's engine core shuts down in that case. Here
+        the step's requests are finished with an error and their blocks freed, then the exception
+        is re-raised with a note naming them: the error is not hidden, and the engine serves later
+        requests. A step listener that raises does so after its step has run: the next call returns
+        that step's outputs.
         """
-        undelivered, self._undelivered = self._undelivered, []
         if not self.scheduler.has_unfinished_requests():
-            return undelivered
-        sched = self.scheduler.schedule()
-        self.stats.num_preemptions += len(sched.preempted_req_ids)
-        if not sched.scheduled:
-            raise RuntimeError("Nothing could be scheduled although requests are unfinished (an engine bug).")
-        block_ids = {s.request.request_id: self.kv_cache_manager.get_block_ids(s.request.request_id)
-                     for s in sched.scheduled}
-        start = time.perf_counter()
+            outputs, self._undelivered = self._undelivered, []
+            return outputs
+        sched: SchedulerOutput | None = None
+        booked = False  # the step's results are in the books: from here on it has happened
         try:
+            with deferred_interrupts():
+                sched = self.scheduler.schedule()
+                self.stats.num_preemptions += len(sched.preempted_req_ids)
+            if not sched.scheduled:
+                raise RuntimeError("Nothing could be scheduled although requests are unfinished (an engine bug).")
+            block_ids = {s.request.request_id: self.kv_cache_manager.get_block_ids(s.request.request_id)
+                         for s in sched.scheduled}
+            start = time.perf_counter()
             result = (self._executor or self.runner).execute_model(sched.runner_input(), block_ids)
-        except Exception as error:  # not KeyboardInterrupt: a step interrupted that way can simply run again
-            self._fail_step(sched, error)
-            self._undelivered = undelivered
+            requests = [self._requests[r] for r in result.batch.sampling_req_ids]
+            sampled = self.sampler(
+                result.logits, [r.request_id for r in requests], [r.sampling_params for r in requests]
+            ) if requests else []
+            with deferred_interrupts():
+                self.stats.model_time_s += time.perf_counter() - start
+                outputs = self._finish_step(sched, requests, sampled)
+                self._undelivered += outputs
+                booked = True
+        except BaseException as error:
+            if sched is not None and not booked:
+                with deferred_interrupts():
+                    self.scheduler.undo(sched)
+                    if isinstance(error, Exception):
+                        self._fail_step(sched, error)
             raise
-        requests = [self._requests[r] for r in result.batch.sampling_req_ids]
-        sampled = self.sampler(
-            result.logits, [r.request_id for r in requests], [r.sampling_params for r in requests]
-        ) if requests else []
-        self.stats.model_time_s += time.perf_counter() - start
+        if self._listeners:
+            event = StepEvent(
+                step=self.stats.num_steps, scheduler_output=sched, result=result, block_ids=block_ids,
+                num_free_blocks=[p.num_free_blocks for p in self.kv_cache_manager.block_pools],
+                finished_req_ids=[r.request_id for r in outputs if r.finished], runner=self.runner,
+            )
+            try:
+                for listener in list(self._listeners):
+                    listener(event)
+            except BaseException as error:
+                error.add_note("pagedkv: a step listener raised after its step had run; the step's outputs are kept "
+                               "and the next step() returns them first.")
+                raise
+        outputs, self._undelivered = self._undelivered, []
+        return outputs
+
+    def _finish_step(self, sched: SchedulerOutput, requests: list[Request],
+                     sampled: list[int | Exception]) -> list[RequestOutput]:
+        """Book a step that ran: tokens appended, stops checked, failed samples finished; its outputs."""
         tokens = {r.request_id: t for r, t in zip(requests, sampled) if not isinstance(t, Exception)}
         finished = self.scheduler.update(sched, tokens)
         for request, token in zip(requests, sampled):
             if isinstance(token, Exception):  # this request's failure alone: the others go on
                 self._end(request, "error", token)
                 finished.append(request)
-        outputs = undelivered + [self._output(r) for r in requests]
+        outputs = [self._output(r) for r in requests]
         for request in finished:
             self._forget(request)
         self._count(sched, finished)
-        if self._listeners:
-            event = StepEvent(
-                step=self.stats.num_steps, scheduler_output=sched, result=result, block_ids=block_ids,
-                num_free_blocks=[p.num_free_blocks for p in self.kv_cache_manager.block_pools],
-                finished_req_ids=[r.request_id for r in finished], runner=self.runner,
-            )
-            try:
-                for listener in list(self._listeners):
-                    listener(event)
-            except Exception as error:
-                self._undelivered = outputs
-                error.add_note("pagedkv: a step listener raised after its step had run; the step's outputs are kept "
-                               "and the next step() returns them first.")
-                raise
         return outputs
 
     def _fail_step(self, sched: SchedulerOutput, error: Exception) -> None:
         req_ids = [s.request.request_id for s in sched.scheduled]
         for s in sched.scheduled:
-            # Blocks cached when this step was planned were never written: nobody may hit them.
-            self.kv_cache_manager.uncache(s.request.request_id)
             self._end(s.request, "error", error)
             self._forget(s.request)
         error.add_note(
@@ -343,6 +366,9 @@ class LLM:
         if not isinstance(sampling_params, (list, tuple)):  # its items are checked with their prompts
             raise TypeError("sampling_params must be a SamplingParams, a list of them (one per prompt) or None, "
                             f"got {sampling_params!r}.")
+        if use_tqdm is not None and not isinstance(use_tqdm, bool):
+            raise TypeError(f"use_tqdm must be True, False or None (a bar from 8 prompts on), got {use_tqdm!r}.")
+        show_progress = use_tqdm if use_tqdm is not None else len(prompts) >= 8
         if len(sampling_params) != len(prompts):
             raise ValueError(f"Got {len(prompts)} prompts but {len(sampling_params)} sampling params.")
         if self.has_unfinished_requests():
@@ -358,16 +384,18 @@ class LLM:
             except (TypeError, ValueError) as e:  # re-raised as the base type: a subclass may need other arguments
                 raise (TypeError if isinstance(e, TypeError) else ValueError)(
                     f"prompt {i}: {e} (nothing was queued)") from None
-        requests = [self._requests[self._add(*p)] for p in prepared]
-        show_progress = use_tqdm if use_tqdm is not None else len(requests) >= 8
+        requests = []
         try:
+            for p in prepared:
+                requests.append(self._requests[self._add(*p)])
             with tqdm(total=len(requests), desc="generate", unit="req", disable=not show_progress) as bar:
                 while self.has_unfinished_requests():
                     bar.update(sum(out.finished for out in self.step()))
         except BaseException:
-            for request in requests:
-                self.abort_request(request.request_id)
-            self._undelivered.clear()  # this call's (the engine was idle): it returns none of them
+            with deferred_interrupts():  # a second Ctrl-C must not stop the clean-up half way
+                for request in requests:
+                    self.abort_request(request.request_id)
+                self._undelivered.clear()  # this call's (the engine was idle): it returns none of them
             raise
         # The Request objects hold the final state, also of one aborted meanwhile (by a listener, say).
         return [self._output(request) for request in requests]

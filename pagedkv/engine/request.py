@@ -97,9 +97,13 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
     """Turns output_token_ids into text (None: the model has no tokenizer, the text stays "")."""
     _token_ids: list[int] = field(init=False, repr=False)
+    num_prompt_tokens: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        # The engine reads its own list and count only: `prompt_token_ids` is handed out in every
+        # RequestOutput, and a caller who changes it must not change the request.
         self._token_ids = self.prompt_token_ids + self.output_token_ids
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -116,11 +120,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self._token_ids)
 
     def output_text(self) -> str:
         """The text of the output so far. Each call decodes the tokens added since the last one

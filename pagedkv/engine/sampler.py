@@ -24,13 +24,28 @@ class Sampler:
         """
         logits = logits.float()
         tokens: list[int | Exception] = logits.argmax(dim=-1).tolist()
-        for row, (req_id, p) in enumerate(zip(req_ids, params)):
-            if p.greedy:
-                continue
-            try:
-                tokens[row] = int(self._sample(logits[row], p, self._generator(req_id, p, logits.device)))
-            except Exception as error:  # noqa: BLE001 -- attributed to this request by the caller
-                tokens[row] = error
+        # argmax of a row with a NaN is the NaN's index, of an all -inf row index 0: no real token.
+        broken = (logits.isnan().any(-1) | (logits == float("-inf")).all(-1)).tolist()
+        # A seeded request's generator state before this call: a step interrupted here (Ctrl-C)
+        # is run again, and must draw the same tokens as if it had run once.
+        states = {r: g.get_state() for r, g in self._generators.items() if r in req_ids}
+        try:
+            for row, (req_id, p) in enumerate(zip(req_ids, params)):
+                if p.greedy:
+                    if broken[row]:
+                        tokens[row] = ValueError(f"request {req_id}: its logits hold NaN (or are all -inf), so "
+                                                 "greedy decoding has no token to choose")
+                    continue
+                try:
+                    tokens[row] = int(self._sample(logits[row], p, self._generator(req_id, p, logits.device)))
+                except Exception as error:  # noqa: BLE001 -- attributed to this request by the caller
+                    tokens[row] = error
+        except BaseException:
+            for req_id, state in states.items():
+                self._generators[req_id].set_state(state)
+            for req_id in set(req_ids) - states.keys():  # made in this call: made again, freshly seeded
+                self._generators.pop(req_id, None)
+            raise
         return tokens
 
     def _generator(self, req_id: str, params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -14,6 +14,11 @@ with `num_computed_tokens = 0`, to be recomputed later. Nothing is ever dropped.
 With prefix caching, a request admitted from the waiting queue (new, or resumed after
 preemption) first takes the longest cached prefix of its tokens: it starts with
 num_computed_tokens at that length, and the budget pays only for the rest.
+
+A plan is not a fact until its step has run. `update` makes it one (tokens computed, blocks'
+hashes kept); `undo` takes it back when the forward raised or was interrupted (Ctrl-C): the
+requests it admitted return to the front of the waiting queue holding no blocks, and the next
+`schedule` plans the same step again.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class ScheduledRequest:
     num_lookup_tokens: int = 0
     """Tokens looked up in the prefix cache: all of them when admitted in this step holding no
     blocks (new or resumed; with caching off the lookup finds nothing), else 0."""
+    admitted_from: RequestStatus | None = None
+    """The status it was admitted from in this step (WAITING or PREEMPTED); None if it was running."""
 
     def __post_init__(self) -> None:
         self.num_computed_tokens = self.request.num_computed_tokens
@@ -171,12 +178,11 @@ class Scheduler:
                 break
             self.waiting.popleft()
             looked_up = request.num_tokens if request.num_computed_tokens == 0 else 0
-            if looked_up:
-                request.num_cached_tokens = num_hit
             request.num_computed_tokens += num_hit
+            scheduled.append(ScheduledRequest(request, n, num_cached_tokens=num_hit, num_lookup_tokens=looked_up,
+                                              admitted_from=request.status))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(ScheduledRequest(request, n, num_cached_tokens=num_hit, num_lookup_tokens=looked_up))
             budget -= n
 
         # Decodes first: kernels (and MLA) split the batch at num_decode_tokens.
@@ -191,12 +197,29 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def undo(self, output: SchedulerOutput) -> None:
+        """Take back the plan of a step that did not run: the hashes it gave blocks, and its
+        admissions (in reverse, so the waiting queue is as it was). Running requests keep the
+        blocks it added, which the same step planned again needs; preemptions stay done."""
+        self.kv_cache_manager.rollback()
+        for s in reversed(output.scheduled):
+            if s.admitted_from is None:
+                continue
+            self.running.remove(s.request)
+            self.kv_cache_manager.free(s.request.request_id)
+            s.request.num_computed_tokens = 0
+            s.request.status = s.admitted_from
+            self.waiting.appendleft(s.request)
+
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish and free what stopped."""
+        self.kv_cache_manager.commit()
         finished = []
         for s in output.scheduled:
             request = s.request
             request.num_computed_tokens += s.num_new_tokens
+            if s.num_lookup_tokens:
+                request.num_cached_tokens = s.num_cached_tokens
             if request.request_id not in sampled:
                 continue
             request.append_output_token_id(sampled[request.request_id])

@@ -110,15 +110,19 @@ class BlockPool:
                 del self.free_queue[block.block_id]
             block.ref_cnt += 1
 
-    def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]) -> None:
+    def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]) -> list[KVCacheBlock]:
         """Give each full block its hash and make it findable; a block whose prefix is cached
-        in another block already (two requests computed it side by side) stays uncached."""
+        in another block already (two requests computed it side by side) stays uncached.
+        Returns the blocks that got a hash."""
+        cached = []
         for block, block_hash in zip(blocks, block_hashes):
             if block.block_hash is not None or block is self.null_block:
                 continue
             if block_hash not in self.cached_block_hash_to_block:
                 block.block_hash = block_hash
                 self.cached_block_hash_to_block[block_hash] = block
+                cached.append(block)
+        return cached
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; a block reaching 0 goes to the tail of the free

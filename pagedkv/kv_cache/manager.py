@@ -17,6 +17,15 @@ and a new request starts with the blocks whose hashes are cached already:
     hashes:     h0 = H(None, t0:16)     h1 = H(h0, t16:32)  h2 (a miss)
     blocks:     A's block 7 (ref 2)     A's block 2 (ref 2) new block 11
                 |---- num_computed_tokens = 32: not run again ----|
+
+A block is hashed when the step that fills it is planned, as vLLM's `allocate_slots` does
+(vllm/v1/core/kv_cache_manager.py), so a request admitted later in the same step can already
+share it: every layer writes the step's K/V before any of its tokens attends. The hash is then
+a promise that the step will write the block. vLLM's engine core dies with a failed step, so it
+never meets a broken promise; this engine lives on after an exception or a Ctrl-C in the middle
+of a forward. So the hashes a plan adds stay pending until the step has run: `commit()` keeps
+them, `rollback()` takes them back, and no later step can find a block whose K/V were never
+written.
 """
 
 from __future__ import annotations
@@ -45,6 +54,10 @@ class KVCacheManager:
         """The hashes of each request's full blocks so far (the same in every group: one block size)."""
         self.num_cached_blocks: dict[str, int] = {}
         """How many of each request's leading blocks have been offered to the cache already."""
+        self._pending: list[tuple[BlockPool, KVCacheBlock, BlockHash]] = []
+        """Blocks hashed since the last commit (the step that writes them has not finished)."""
+        self._pending_num_cached: dict[str, int] = {}
+        """`num_cached_blocks` of each request as it was at the last commit, for a rollback."""
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks one request of `num_tokens` tokens holds at most, in its hungriest group."""
@@ -131,8 +144,26 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request_id, token_ids, num_tokens)
         for pool, row in zip(self.block_pools, self.req_to_blocks[request_id]):
-            pool.cache_full_blocks(row[done:num_full], hashes[done:num_full])
+            cached = pool.cache_full_blocks(row[done:num_full], hashes[done:num_full])
+            self._pending += [(pool, block, block.block_hash) for block in cached]
+        self._pending_num_cached.setdefault(request_id, done)
         self.num_cached_blocks[request_id] = num_full
+
+    def commit(self) -> None:
+        """The step has run: the blocks hashed when it was planned hold their K/V now."""
+        self._pending.clear()
+        self._pending_num_cached.clear()
+
+    def rollback(self) -> None:
+        """The step did not run (it raised or was interrupted): forget the hashes its plan gave
+        blocks, whose K/V may be unwritten, so that the step can be planned again."""
+        for pool, block, block_hash in self._pending:
+            if block.block_hash == block_hash:
+                pool.uncache_block(block)
+        for request_id, done in self._pending_num_cached.items():
+            if request_id in self.num_cached_blocks:
+                self.num_cached_blocks[request_id] = done
+        self.commit()
 
     def _block_hashes(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> list[BlockHash]:
         """The request's full-block hashes over its first `num_tokens` tokens (extended, never recomputed)."""
@@ -141,12 +172,6 @@ class KVCacheManager:
             known = hash_request_blocks(token_ids[:num_tokens], self.specs[0].block_size, known)
             self.req_to_block_hashes[request_id] = known
         return known
-
-    def uncache(self, request_id: str) -> None:
-        """Forget the cached prefixes of a request's blocks (a step that was to write them failed)."""
-        for pool, row in zip(self.block_pools, self.req_to_blocks.get(request_id, [])):
-            for block in row:
-                pool.uncache_block(block)
 
     def free(self, request_id: str) -> None:
         """Give back every block of a finished or preempted request, last block first: its cached
