@@ -116,23 +116,40 @@ def _backends(args: argparse.Namespace) -> None:
         print(f"  {name:<{width}}  {'ok' if not reasons else '; '.join(reasons)}")
 
 
-def _workbook(args: argparse.Namespace) -> None:
+def _workbook(args: argparse.Namespace) -> int:
     from pagedkv import workbook
 
     if args.list:
         for nb in workbook.list_notebooks():
             print(f"{nb.name:<42} {'needs a GPU' if nb.requires_gpu else 'CPU or GPU':<12} {nb.title}")
-        return
+        return 0
     dest = Path(args.dir)
     report = workbook.copy_workbook(dest, force=args.force)
     print(f"workbook in {dest.resolve()}: {len(report.copied)} files copied, {len(report.unchanged)} already there")
     for rel in report.kept:
         print(f"  kept your copy of {rel} (it differs from the shipped one; --force replaces it)")
+    for rel in report.links:
+        print(f"  left the symbolic link {rel} alone (never written through; --force replaces the link itself)")
     if args.lab or (workbook.has_display() and not args.execute):
         workbook.open_lab(dest)
-    for name, seconds in workbook.execute_workbook(dest, cuda=_cuda()):
-        print(f"skip {name} (needs a GPU)" if seconds is None else f"ran  {name} in {seconds:.1f} s")
+    for rel in [*report.kept, *report.links]:
+        if rel.suffix == ".ipynb":
+            print(f"skip {rel.name} (your copy: its saved outputs are kept; --force replaces and runs it)")
+    runnable = [rel for rel in [*report.copied, *report.unchanged] if rel.suffix == ".ipynb"]
+    failed = []
+    for run in workbook.execute_workbook(dest, sorted(runnable), cuda=_cuda()):
+        if run.error is not None:
+            failed.append(run.name)
+            print(f"pagedkv: error: notebook {run.name} failed: {run.error} (not saved)", file=sys.stderr, flush=True)
+        elif run.seconds is None:
+            print(f"skip {run.name} (needs a GPU)", flush=True)
+        else:
+            print(f"ran  {run.name} in {run.seconds:.1f} s", flush=True)
     print(f"The executed notebooks are in {dest / 'notebooks'}; open them with: pagedkv workbook {args.dir} --lab")
+    if failed:
+        print(f"pagedkv: error: {len(failed)} notebook(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _cuda() -> bool:
@@ -198,11 +215,13 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parser.parse_args(argv)
     try:
-        args.func(args)
+        code = args.func(args)
     except (ValueError, TypeError) as error:  # bad input: one line, no traceback, argparse's exit code
         message = " ".join(str(error).split())
         print(f"pagedkv: error: {message}", file=sys.stderr)
         sys.exit(2)
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":
