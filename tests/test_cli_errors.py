@@ -196,6 +196,21 @@ def test_generation_config_eos_ids_are_added(pydoc_dir: Path) -> None:
     assert LLM(str(pydoc_dir), device="cpu", num_kv_blocks=16).eos_token_ids == [7, 257]
 
 
+@pytest.mark.parametrize(("rope", "message"), [
+    # Before: `KeyError: 'factor'` from the model build, or transformers' own KeyError from the tokenizer load.
+    ({"rope_type": "linear", "rope_theta": 10000.0}, r"RoPE scaling \{.*'rope_type': 'linear'.*\} has no 'factor', "
+                                                     r"which its type needs"),
+    ({"rope_type": "bogus", "rope_theta": 10000.0}, r"RoPE scaling type 'bogus' is not supported"),  # named no file
+])
+def test_config_json_rope_scaling_is_checked_before_the_tokenizer_loads(
+    capsys: pytest.CaptureFixture[str], pydoc_dir: Path, rope: dict, message: str
+) -> None:
+    edit_config_json(pydoc_dir, rope_parameters=rope)
+    code, line = error_line(capsys, [*GENERATE, "--model", str(pydoc_dir)])
+    assert code == 2
+    assert re.fullmatch("pagedkv: error: " + re.escape(f"{pydoc_dir / 'config.json'}: ") + message + ".*", line), line
+
+
 def test_config_json_eos_ids_are_checked(tmp_path: Path) -> None:
     """(Its other fields' errors name the file too: test_config_json_numbers_are_checked_by_name.)"""
     model_dir = write_hf_llama(tmp_path / "model")

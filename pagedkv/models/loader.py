@@ -18,6 +18,7 @@ import torch
 from pagedkv.config import CompilationConfig, get_current_engine_config, set_current_engine_config
 from pagedkv.distributed import get_tp_size, single_rank
 from pagedkv.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from pagedkv.models.layers import rope_inv_freq
 from pagedkv.models.llama import LlamaConfig, LlamaForCausalLM
 
 logger = logging.getLogger("pagedkv")
@@ -132,6 +133,13 @@ def load_config(model: str) -> HFConfig:
         config = config_cls.from_hf_dict(hf, model_type=model_type)
     except (ValueError, TypeError, NotImplementedError) as exc:  # the model file's checks know no path
         raise type(exc)(f"{config_file}: {str(exc).removeprefix('config.json: ')}") from exc
+    try:  # the frequencies of a tiny head: a scaling without a key it needs fails here, not in the model build
+        rope_inv_freq(8, config.rope_theta, config.rope_scaling)
+    except KeyError as exc:
+        raise ValueError(f"{config_file}: RoPE scaling {config.rope_scaling} has no {exc}, which its type needs "
+                         "(transformers refuses it too).") from None
+    except NotImplementedError as exc:
+        raise NotImplementedError(f"{config_file}: {exc}") from None
     _eos_ids(hf.get("eos_token_id"), config_file, config.vocab_size)
     return config
 

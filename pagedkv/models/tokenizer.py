@@ -78,5 +78,6 @@ def get_tokenizer(model: str, is_preset: bool) -> Tokenizer | None:
         message = " ".join(str(exc).split()).rstrip(".")
         raise ValueError(
             f"{path}: transformers' AutoTokenizer could not load the tokenizer from {', '.join(files)} (and "
-            f"config.json): {type(exc).__name__}: {message}. Save it again with the tokenizer's save_pretrained."
+            f"config.json): {type(exc).__name__}: {message}. Fix the file at fault, or save the tokenizer again with "
+            "its save_pretrained."
         ) from exc
