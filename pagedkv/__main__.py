@@ -160,10 +160,11 @@ def _cuda() -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (or PAGEDKV_DEBUG=1)")
+    debug_help = "show the traceback of an error instead of one line (or set PAGEDKV_DEBUG=1)"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
     # Also after the command (`pagedkv generate ... --debug`); SUPPRESS keeps the top-level value when absent.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", parents=[common],
