@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -97,42 +98,58 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _backends(args: argparse.Namespace) -> None:
     from pagedkv.attention.selector import backend_report
-    from pagedkv.config import parse_dtype
-    from pagedkv.models.loader import load_config
-    from pagedkv.platforms import default_device
+    from pagedkv.engine.checks import check_device, check_dtype, check_int, check_model
+    from pagedkv.models.loader import PRESETS, TRAINED_PRESETS, load_config
 
-    import torch
-
-    device = torch.device(args.device) if args.device else default_device()
-    cfg = load_config(args.model)
-    dtype = parse_dtype(args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
-    layer = dict(head_size=cfg.head_dim, dtype=dtype, kv_cache_dtype=dtype, block_size=args.block_size,
+    # The engine's own checks: a device that is not here, or a block size below 1, is refused as LLM() refuses it.
+    device = check_device(args.device)
+    block_size = check_int("--block-size", args.block_size, 1, hint=" (tokens per KV cache block)")
+    cfg = load_config(check_model(args.model, sorted([*PRESETS, *TRAINED_PRESETS])))
+    dtype = check_dtype(args.dtype, device)
+    layer = dict(head_size=cfg.head_dim, dtype=dtype, kv_cache_dtype=dtype, block_size=block_size,
                  sliding_window=cfg.sliding_window, use_mla=cfg.use_mla)
     print(f"model {args.model}: {'MLA, latent row' if cfg.use_mla else 'head'} size {cfg.head_dim}, dtype {dtype}, "
-          f"block size {args.block_size}, sliding window {cfg.sliding_window}, device {device.type}")
+          f"block size {block_size}, sliding window {cfg.sliding_window}, device {device.type}")
     report = backend_report(device, **layer)
     width = max(map(len, report))
     for name, reasons in report.items():
         print(f"  {name:<{width}}  {'ok' if not reasons else '; '.join(reasons)}")
 
 
-def _workbook(args: argparse.Namespace) -> None:
+def _workbook(args: argparse.Namespace) -> int:
     from pagedkv import workbook
 
     if args.list:
         for nb in workbook.list_notebooks():
             print(f"{nb.name:<42} {'needs a GPU' if nb.requires_gpu else 'CPU or GPU':<12} {nb.title}")
-        return
+        return 0
     dest = Path(args.dir)
     report = workbook.copy_workbook(dest, force=args.force)
     print(f"workbook in {dest.resolve()}: {len(report.copied)} files copied, {len(report.unchanged)} already there")
     for rel in report.kept:
         print(f"  kept your copy of {rel} (it differs from the shipped one; --force replaces it)")
+    for rel in report.links:
+        print(f"  left the symbolic link {rel} alone (never written through; --force replaces the link itself)")
     if args.lab or (workbook.has_display() and not args.execute):
         workbook.open_lab(dest)
-    for name, seconds in workbook.execute_workbook(dest, cuda=_cuda()):
-        print(f"skip {name} (needs a GPU)" if seconds is None else f"ran  {name} in {seconds:.1f} s")
+    for rel in [*report.kept, *report.links]:
+        if rel.suffix == ".ipynb":
+            print(f"skip {rel.name} (your copy: its saved outputs are kept; --force replaces and runs it)")
+    runnable = [rel for rel in [*report.copied, *report.unchanged] if rel.suffix == ".ipynb"]
+    failed = []
+    for run in workbook.execute_workbook(dest, sorted(runnable), cuda=_cuda()):
+        if run.error is not None:
+            failed.append(run.name)
+            print(f"pagedkv: error: notebook {run.name} failed: {run.error} (not saved)", file=sys.stderr, flush=True)
+        elif run.seconds is None:
+            print(f"skip {run.name} (needs a GPU)", flush=True)
+        else:
+            print(f"ran  {run.name} in {run.seconds:.1f} s", flush=True)
     print(f"The executed notebooks are in {dest / 'notebooks'}; open them with: pagedkv workbook {args.dir} --lab")
+    if failed:
+        print(f"pagedkv: error: {len(failed)} notebook(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _cuda() -> bool:
@@ -143,9 +160,15 @@ def _cuda() -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
+    debug_help = "show the traceback of an error instead of one line (or set PAGEDKV_DEBUG=1)"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
+    # Also after the command (`pagedkv generate ... --debug`); SUPPRESS keeps the top-level value when absent.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text, optionally streaming tokens or showing every engine step")
+    gen = sub.add_parser("generate", parents=[common],
+                         help="generate text, optionally streaming tokens or showing every engine step")
     gen.add_argument("--model", default="tiny", help="preset name or Hugging Face model directory")
     gen.add_argument("--prompt", dest="prompts", action="append", type=lambda text: ("text", text), default=[],
                      metavar="TEXT", help="a text prompt; may be given several times")
@@ -179,15 +202,16 @@ def main(argv: list[str] | None = None) -> None:
                      help="print every token as its step produces it: [request id] token_id 'text'")
     gen.set_defaults(func=_generate)
 
-    be = sub.add_parser("backends", help="which attention backends can serve this model here, and why not")
+    be = sub.add_parser("backends", parents=[common],
+                        help="which attention backends can serve this model here, and why not")
     be.add_argument("--model", default="tiny")
     be.add_argument("--device", default=None)
     be.add_argument("--dtype", default=None)
     be.add_argument("--block-size", type=int, default=16)
     be.set_defaults(func=_backends)
 
-    wb = sub.add_parser("workbook", help="copy the workbook into DIR, then open it in JupyterLab (no display: "
-                        "execute every notebook)")
+    wb = sub.add_parser("workbook", parents=[common], help="copy the workbook into DIR, then open it in JupyterLab "
+                        "(no display: execute every notebook)")
     wb.add_argument("dir", nargs="?", default=str(DEFAULT_WORKBOOK_DIR),
                     help=f"where the notebooks go (default ./{DEFAULT_WORKBOOK_DIR})")
     wb.add_argument("--list", action="store_true", help="list the notebooks and which need a GPU, then stop")
@@ -198,11 +222,23 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parser.parse_args(argv)
     try:
-        args.func(args)
-    except (ValueError, TypeError) as error:  # bad input: one line, no traceback, argparse's exit code
-        message = " ".join(str(error).split())
+        code = args.func(args)
+    except KeyboardInterrupt:
+        print("pagedkv: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as error:
+        if args.debug or os.environ.get("PAGEDKV_DEBUG") == "1":
+            raise
+        # Bad input (a value, a file, what this machine or model cannot do) exits 2 as argparse's usage
+        # errors do; anything else is a failure (1), also one line: --debug shows where it came from.
+        bad_input = isinstance(error, (ValueError, TypeError, NotImplementedError, OSError))
+        message = " ".join(str(error).split()) or type(error).__name__
+        if not bad_input:
+            message = f"{type(error).__name__}: {message} (--debug or PAGEDKV_DEBUG=1 shows the traceback)"
         print(f"pagedkv: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(2 if bad_input else 1)
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ DIR gets the repository's layout, so the notebooks' relative paths work as they 
 Where the files come from: an installed wheel holds them as package data (`pagedkv/notebooks/`,
 `pagedkv/benchmark_results/`, mapped in pyproject.toml); a clone has them at its top level.
 A file already in DIR that differs from the shipped one (a student's edits, saved outputs) is
-kept unless `force` is set.
+kept unless `force` is set, and is not executed again; nothing is written through a symbolic link.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ from __future__ import annotations
 import filecmp
 import json
 import os
-import shutil
+import re
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 DEFAULT_DIR = Path("pagedkv-workbook")
 
@@ -78,22 +80,48 @@ class CopyReport:
     """Already in DIR, equal to the shipped file."""
     kept: list[Path] = field(default_factory=list)
     """Already in DIR and different (edited or run): left as they are."""
+    links: list[Path] = field(default_factory=list)
+    """Symbolic links where a shipped file goes: left alone (`force` replaces the link itself)."""
 
 
 def copy_workbook(dest_dir: Path, *, force: bool = False) -> CopyReport:
-    """Copy the shipped files into `dest_dir`, never over a file that differs unless `force`."""
+    """Copy the shipped files into `dest_dir`, never over a file that differs unless `force`, and
+    never through a symbolic link: a file is written beside its place, then renamed onto it."""
+    if dest_dir.exists() and not dest_dir.is_dir():
+        raise ValueError(f"{dest_dir} is a file, not a folder: give the folder to copy the workbook into "
+                         "(it is made if missing).")
     report = CopyReport()
     for rel, src in shipped_files().items():
         dest = dest_dir / rel
-        if dest.exists() and filecmp.cmp(src, dest, shallow=False):
+        for folder in reversed(rel.parents[:-1]):  # notebooks/, notebooks/traces/, ...
+            if (dest_dir / folder).is_symlink():
+                raise ValueError(f"{dest_dir / folder} is a symbolic link: the workbook writes only into real "
+                                 f"folders of {dest_dir}; remove the link or choose another folder.")
+        link = dest.is_symlink()
+        if link and not force:
+            report.links.append(rel)
+        elif not link and dest.is_file() and filecmp.cmp(src, dest, shallow=False):
             report.unchanged.append(rel)
-        elif dest.exists() and not force:
+        elif not link and dest.exists() and not force:
             report.kept.append(rel)
         else:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dest)
+            replace_file(dest, src.read_bytes())
             report.copied.append(rel)
     return report
+
+
+def replace_file(dest: Path, data: bytes) -> None:
+    """Write `data` to a new file beside `dest`, then rename it onto `dest`: a symbolic link at
+    `dest` is replaced, not written through, and a reader never sees half a file."""
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("xb") as f:  # O_EXCL: fails on an existing file or link, never follows one
+            f.write(data)
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def has_display() -> bool:
@@ -104,30 +132,57 @@ def open_lab(dest_dir: Path) -> None:
     """JupyterLab in `dest_dir`, on the first notebook (does not return)."""
     from jupyterlab.labapp import main as lab
 
+    argv = [str(Path("notebooks") / "00_start_here.ipynb")]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # Jupyter refuses to run as root without it (containers)
+        argv.append("--allow-root")
     os.chdir(dest_dir)
-    sys.exit(lab([str(Path("notebooks") / "00_start_here.ipynb")]))
+    sys.exit(lab(argv))
 
 
-def execute_workbook(dest_dir: Path, *, cuda: bool) -> list[tuple[str, float | None]]:
-    """Run every notebook in `dest_dir/notebooks` top to bottom and save it with its outputs.
+@dataclass(frozen=True)
+class NotebookRun:
+    """What executing one notebook of the workbook did."""
 
-    Returns (name, seconds), seconds None for a notebook skipped because it needs a GPU.
-    """
+    name: str
+    seconds: float | None
+    """How long it ran; None: skipped, as it needs a GPU and none is visible."""
+    error: str | None = None
+    """The failing cell and its error, on one line; the notebook is then not saved."""
+
+
+def execute_workbook(dest_dir: Path, notebooks: list[Path], *, cuda: bool) -> Iterator[NotebookRun]:
+    """Run each of `notebooks` (paths relative to `dest_dir`) top to bottom and save it with its
+    outputs; one that fails is reported and left as it was, and the others still run."""
     import nbformat
     from nbclient import NotebookClient
 
-    notebooks = dest_dir / "notebooks"
     # Without a GPU, notebook 06's Triton kernels need Triton's interpreter: set it for the kernels.
     kernel_env = {} if cuda else {"env": {**os.environ, "TRITON_INTERPRET": "1"}}
-    ran: list[tuple[str, float | None]] = []
-    for path in sorted(notebooks.glob("[0-9][0-9]_*.ipynb")):
+    for rel in notebooks:
+        path = dest_dir / rel
         nb = nbformat.read(path, as_version=4)
         if nb.metadata.get("pagedkv", {}).get("requires_gpu") and not cuda:
-            ran.append((path.name, None))
+            yield NotebookRun(path.name, None)
             continue
         start = time.perf_counter()
-        NotebookClient(nb, timeout=1200, resources={"metadata": {"path": str(notebooks)}},
-                       store_widget_state=True).execute(**kernel_env)
-        nbformat.write(nb, path)
-        ran.append((path.name, time.perf_counter() - start))
-    return ran
+        try:
+            NotebookClient(nb, timeout=1200, resources={"metadata": {"path": str(path.parent)}},
+                           store_widget_state=True).execute(**kernel_env)
+        except Exception as exc:  # CellExecutionError, a dead or missing kernel, a timeout: this notebook only
+            yield NotebookRun(path.name, time.perf_counter() - start, _failure(nb, exc))
+            continue
+        replace_file(path, nbformat.writes(nb).encode("utf-8"))
+        yield NotebookRun(path.name, time.perf_counter() - start)
+
+
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _failure(nb: Any, exc: Exception) -> str:
+    """One line: the cell whose output is an error, and that error, without IPython's ANSI colour codes."""
+    for index, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                text = f"cell {index} raised {out.get('ename')}: {out.get('evalue')}"
+                return " ".join(ANSI_ESCAPE.sub("", text).split())
+    return " ".join(ANSI_ESCAPE.sub("", f"{type(exc).__name__}: {exc}").split())

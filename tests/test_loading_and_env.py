@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -182,9 +183,10 @@ def test_unsupported_or_contradictory_model_is_rejected(tmp_path: Path, changes:
     (dict(rms_norm_eps="x"), r"rms_norm_eps must be a number > 0, got 'x'"),  # was accepted
 ])
 def test_config_json_numbers_are_checked_by_name(tmp_path: Path, changes: dict, message: str) -> None:
+    """Named with the file's path (the model file's own checks say only "config.json")."""
     model_dir = write_hf_llama(tmp_path / "model")
     edit_config_json(model_dir, **changes)
-    with pytest.raises(ValueError, match=r"^config\.json: " + message):
+    with pytest.raises(ValueError, match="^" + re.escape(f"{model_dir / 'config.json'}: ") + message):
         LLM(str(model_dir), device="cpu", num_kv_blocks=16)
 
 

@@ -44,7 +44,8 @@ class EngineArgs:
     """The arguments of `LLM`, as the user gives them (see `create_engine_config` for the checks)."""
 
     model: str = "tiny"
-    """A preset name (`pagedkv.models.loader.PRESETS`, `TRAINED_PRESETS`) or a local Hugging Face directory."""
+    """A preset name (`pagedkv.models.loader.PRESETS`, `TRAINED_PRESETS`) or a local Hugging Face directory;
+    a directory named like a preset (with a config.json) wins over it, as transformers reads a local path first."""
     device: str | torch.device | None = None
     """Where the model runs; None: the GPU if there is one, else the CPU."""
     dtype: str | torch.dtype | None = None

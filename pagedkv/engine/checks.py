@@ -18,7 +18,7 @@ import torch
 
 from pagedkv.config import CompilationConfig, CUDAGraphMode, parse_dtype
 from pagedkv.models.layers import head_layout
-from pagedkv.models.loader import HFConfig
+from pagedkv.models.loader import HFConfig, resolve_model
 from pagedkv.platforms import default_device
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -98,7 +98,8 @@ def check_token_ids(name: str, value: object) -> list[int]:
 
 
 def check_model(model: object, presets: list[str]) -> str:
-    """A preset name or a directory path (str or os.PathLike) as a str."""
+    """A preset name or a directory path (str or os.PathLike) as a str; a model directory named
+    like a preset wins over it (`resolve_model`)."""
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
     if not isinstance(model, str):
@@ -106,7 +107,7 @@ def check_model(model: object, presets: list[str]) -> str:
             f"model must be a preset name ({', '.join(presets)}) or the path of a Hugging Face "
             f"model directory, got {model!r} ({type(model).__name__})."
         )
-    return model
+    return resolve_model(model)
 
 
 def check_device(device: object) -> torch.device:
@@ -120,7 +121,9 @@ def check_device(device: object) -> torch.device:
     except RuntimeError:
         raise ValueError(f"device={device!r} is not a device torch knows; use 'cpu', 'cuda' or 'cuda:N'.") from None
     if device.type == "cpu":
-        return device
+        if device.index not in (None, 0):  # torch accepts any index, but the CPU is one device
+            raise ValueError(f"device={str(device)!r}: there is one CPU device; use device=\"cpu\".")
+        return torch.device("cpu")
     if device.type != "cuda":  # the kernels and backends here are written for these two
         raise ValueError(f"device={str(device)!r}: pagedkv runs on 'cpu' or 'cuda' devices; "
                          "leave device=None to pick one.")

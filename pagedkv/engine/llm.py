@@ -19,12 +19,10 @@ Speed on a GPU: `LLM(..., cudagraph_mode="FULL_AND_PIECEWISE", compile=True)` (p
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +38,7 @@ from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.interrupts import deferred_interrupts
 from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.kv_cache.spec import SlidingWindowSpec
-from pagedkv.models.loader import PRESETS
+from pagedkv.models.loader import PRESETS, generation_eos_token_ids
 from pagedkv.models.tokenizer import get_tokenizer
 from pagedkv.worker.model_runner import ModelRunner
 from pagedkv.worker.tp_executor import TensorParallelExecutor
@@ -115,12 +113,7 @@ class LLM:
         return False
 
     def _eos_token_ids(self, model: str) -> list[int]:
-        ids = list(self.model_config.eos_token_id)
-        gen = Path(model) / "generation_config.json"
-        if model not in PRESETS and gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids += [eos] if isinstance(eos, int) else list(eos or [])
-        return sorted(set(ids))
+        return sorted({*self.model_config.eos_token_id, *generation_eos_token_ids(model, self.model_config.vocab_size)})
 
     @property
     def model(self) -> torch.nn.Module:

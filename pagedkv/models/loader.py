@@ -3,15 +3,25 @@ Hugging Face directory of a Llama-family or DeepSeek-V2 / V3 model."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import itertools
 import json
+import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pagedkv.config import CompilationConfig, get_current_engine_config, set_current_engine_config
 from pagedkv.distributed import get_tp_size, single_rank
 from pagedkv.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from pagedkv.models.layers import rope_inv_freq
 from pagedkv.models.llama import LlamaConfig, LlamaForCausalLM
+
+logger = logging.getLogger("pagedkv")
 
 HFConfig = LlamaConfig | DeepseekV2Config
 """The architecture config of any model pagedkv serves (the fields it reads off `config.json`)."""
@@ -80,6 +90,25 @@ SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCaus
 SUPPORTED_ARCHITECTURES = tuple(SUPPORTED_MODEL_TYPES.values())
 
 
+def resolve_model(model: str) -> str:
+    """`model`, or `./model` where a preset's name is also a local model directory (with a config.json).
+
+    The directory wins, as transformers reads a local path before the Hub: the name means what
+    is on disk. A warning (once per name) says so; rename the directory to get the preset.
+    """
+    if (model in PRESETS or model in TRAINED_PRESETS) and (Path(model) / "config.json").is_file():
+        local = os.path.join(os.curdir, model)
+        _warn_shadowed_preset(model, local, Path(model).resolve())
+        return local
+    return model
+
+
+@functools.cache
+def _warn_shadowed_preset(model: str, local: str, resolved: Path) -> None:
+    logger.warning("Model %r: reading the local directory %s (%s), not the preset of that name; rename the "
+                   "directory to use the preset.", model, local, resolved)
+
+
 def load_config(model: str) -> HFConfig:
     """A random-init preset by name, or the `config.json` of a trained preset or a local directory."""
     if model in PRESETS:
@@ -100,7 +129,19 @@ def load_config(model: str) -> HFConfig:
             f"{method!r}); pagedkv loads fp32/fp16/bf16 weights. Save a dequantized copy (e.g. bf16) first."
         )
     config_cls, _ = MODEL_REGISTRY[SUPPORTED_MODEL_TYPES[model_type]]
-    return config_cls.from_hf_dict(hf, model_type=model_type)
+    try:
+        config = config_cls.from_hf_dict(hf, model_type=model_type)
+    except (ValueError, TypeError, NotImplementedError) as exc:  # the model file's checks know no path
+        raise type(exc)(f"{config_file}: {str(exc).removeprefix('config.json: ')}") from exc
+    try:  # the frequencies of a tiny head: a scaling without a key it needs fails here, not in the model build
+        rope_inv_freq(8, config.rope_theta, config.rope_scaling)
+    except KeyError as exc:
+        raise ValueError(f"{config_file}: RoPE scaling {config.rope_scaling} has no {exc}, which its type needs "
+                         "(transformers refuses it too).") from None
+    except NotImplementedError as exc:
+        raise NotImplementedError(f"{config_file}: {exc}") from None
+    _eos_ids(hf.get("eos_token_id"), config_file, config.vocab_size)
+    return config
 
 
 def checkpoint_dir(model: str) -> Path:
@@ -163,6 +204,13 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         weight_map = _read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no weight_map (tensor name -> shard file).")
+        for tensor, name in weight_map.items():
+            # Lexical, not resolved: a Hugging Face cache snapshot's files are links into ../../blobs.
+            if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+                raise ValueError(
+                    f"{index}: weight_map[{tensor!r}] = {name!r} is not a file name inside {model_dir} (shards "
+                    "are named relative to the model directory, such as 'model-00001-of-00002.safetensors')."
+                )
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -177,6 +225,46 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
             + ". Save the model with transformers' save_pretrained."
         )
     return files
+
+
+def checkpoint_tensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every safetensors file, on `device`; a file that cannot be read, or a
+    tensor that is not floating point (int64 or bool weights are no model's), names the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    for file in files:
+        try:
+            tensors = load_file(file, device=str(device))
+        except SafetensorError as exc:  # a truncated or corrupt file
+            raise ValueError(f"{file} is not a readable safetensors file ({exc}); download or save it again.") from exc
+        for name, tensor in tensors.items():
+            if not tensor.is_floating_point():
+                raise ValueError(
+                    f"{file}: tensor {name!r} is {tensor.dtype}; weights must be floating point (float32, float16, "
+                    "bfloat16), as save_pretrained writes them."
+                )
+            yield name, tensor
+
+
+def generation_eos_token_ids(model: str, vocab_size: int) -> list[int]:
+    """The `eos_token_id` of a model directory's `generation_config.json`; [] without the file or
+    the key, and for random-init presets."""
+    gen = checkpoint_dir(model) / "generation_config.json"
+    if model in PRESETS or not gen.is_file():
+        return []
+    return _eos_ids(_read_json_object(gen).get("eos_token_id"), gen, vocab_size)
+
+
+def _eos_ids(eos: object, file: Path, vocab_size: int) -> list[int]:
+    """An `eos_token_id` entry (None, an id or a list of ids) as a list; ids are ints in [0, vocab_size)."""
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(
+            f"{file}: eos_token_id {eos!r} must be a token id or a list of them, ints in [0, {vocab_size}) "
+            "(the model's vocab_size)."
+        )
+    return ids
 
 
 # Presets drawn on the CPU with weights scaled so that attention decides the output.
@@ -221,6 +309,18 @@ def init_preset_weights(net: CausalLM, model: str, seed: int) -> None:
         param.data.copy_(torch.empty(param.shape).normal_(0.0, std, generator=generator))
 
 
+def weight_bytes(config: HFConfig) -> tuple[int, int]:
+    """(bytes, parameters) of what `load_model` builds before casting to the engine's dtype: this
+    rank's parameters and buffers, counted on the meta device (nothing allocated). The layers
+    register in a scratch registry, so that the real build can take their names."""
+    _, model_cls = MODEL_REGISTRY[config.architecture]
+    scratch = dataclasses.replace(get_current_engine_config(), compilation_config=CompilationConfig())
+    with set_current_engine_config(scratch), torch.device("meta"):
+        net = model_cls(config)
+    tensors = itertools.chain(net.parameters(), net.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors), sum(p.numel() for p in net.parameters())
+
+
 def load_model(model: str, config: HFConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
     """Build the model on `device` and fill it: checkpoint tensors, or seeded random weights.
 
@@ -240,10 +340,7 @@ def load_model(model: str, config: HFConfig, dtype: torch.dtype, device: torch.d
     elif model in PRESETS:  # the big benchmark presets: each rank draws its own shard
         init_preset_weights(net, model, seed)
     else:
-        from safetensors.torch import load_file
-
-        files = checkpoint_files(checkpoint_dir(model))
-        net.load_weights(item for f in files for item in load_file(f, device=str(device)).items())
+        net.load_weights(checkpoint_tensors(checkpoint_files(checkpoint_dir(model)), device))
     keep = {name: p.detach().float() for name, p in net.named_parameters() if name.endswith(net.keep_in_float32)}
     net = net.to(dtype=dtype).eval()
     for name, param in net.named_parameters():

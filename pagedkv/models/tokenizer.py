@@ -57,15 +57,27 @@ class HFTokenizer:
         return self._tok.decode(token_ids, skip_special_tokens=True)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+"""A directory with any of these has a tokenizer of its own."""
+
+
 def get_tokenizer(model: str, is_preset: bool) -> Tokenizer | None:
     """ByteTokenizer for presets, trained ones included; the directory's tokenizer if it has one
     (and transformers is installed)."""
     if is_preset or model in TRAINED_PRESETS:
         return ByteTokenizer()
     path = Path(model)
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+    files = [f for f in TOKENIZER_FILES if (path / f).is_file()]
+    if not files:
         return None
     try:
         return HFTokenizer(model)
     except ImportError:
         return None
+    except Exception as exc:  # transformers and tokenizers raise many types (Exception itself for bad JSON)
+        message = " ".join(str(exc).split()).rstrip(".")
+        raise ValueError(
+            f"{path}: transformers' AutoTokenizer could not load the tokenizer from {', '.join(files)} (and "
+            f"config.json): {type(exc).__name__}: {message}. Fix the file at fault, or save the tokenizer again with "
+            "its save_pretrained."
+        ) from exc

@@ -144,7 +144,14 @@ class StepTrace:
 
     @classmethod
     def load(cls, path: str | Path) -> StepTrace:
-        return cls.from_json(Path(path).read_text())
+        """The trace saved in `path`; a file that is not one is a ValueError naming it."""
+        path = Path(path)
+        try:
+            return cls.from_json(path.read_text(encoding="utf-8"))
+        # Bad JSON or UTF-8 (ValueErrors), or JSON of another shape: a missing key, a list for a dict, ...
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{path} is not a readable {TRACE_FORMAT} v{TRACE_VERSION} file: "
+                             f"{type(exc).__name__}: {exc}") from exc
 
 
 def _from_plain(tp: Any, value: Any) -> Any:

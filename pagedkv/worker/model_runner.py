@@ -17,6 +17,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from pagedkv.compilation.wrapper import CompiledForward, compile_model
 from pagedkv.config import EngineConfig, set_current_engine_config
 from pagedkv.forward_context import BatchDescriptor, set_forward_context
 from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, get_kv_cache_config
-from pagedkv.models.loader import CausalLM, HFConfig, load_model
+from pagedkv.models.loader import CausalLM, HFConfig, load_model, weight_bytes
 from pagedkv.worker import cudagraph
 from pagedkv.worker.attn_utils import AttentionGroup, build_attn_metadata, init_attn_groups
 from pagedkv.worker.input_batch import BlockTable, InputBatch, ScheduledTokens, compute_slot_mapping
@@ -36,6 +37,29 @@ from pagedkv.worker.input_batch import BlockTable, InputBatch, ScheduledTokens, 
 logger = logging.getLogger("pagedkv")
 
 CPU_DEFAULT_KV_CACHE_BYTES = 64 * 2**20
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on `device`: the GPU's free memory plus what torch's
+    caching allocator holds unused; on the CPU Linux's MemAvailable; None where unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    kib = next((line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:")), None)
+    return None if kib is None else int(kib) * 1024
+
+
+def check_fits(what: str, nbytes: int, device: torch.device, hint: str) -> None:
+    """Refuse, before allocating, `nbytes` that `device` does not have (the allocator's own error is
+    a page long, and Linux may grant a CPU allocation that it later kills the process for touching)."""
+    available = available_memory(device)
+    if available is not None and nbytes > available:
+        raise ValueError(f"{what} needs {nbytes / 2**30:.2f} GiB on {device}, but only {available / 2**30:.2f} GiB "
+                         f"is available: {hint}")
 
 
 @dataclass
@@ -60,6 +84,12 @@ class ModelRunner:
         self.device = config.device
         self.block_size = config.cache_config.block_size
         with set_current_engine_config(config):
+            nbytes, num_params = weight_bytes(model_config)
+            check_fits(
+                f"Model {config.model_config.model!r} ({num_params / 1e9:.2f}B parameters, float32 while loading)",
+                nbytes, self.device,
+                "use a smaller model" + (", or a GPU." if self.device.type == "cpu" else " or a bigger GPU."),
+            )
             self.model: CausalLM = load_model(
                 config.model_config.model, model_config, config.model_config.dtype, self.device,
                 config.model_config.seed,
@@ -171,17 +201,14 @@ class ModelRunner:
             for name in group_spec.layer_names
         ]
         per_layer = math.prod(shapes[0])
-        try:
-            buffer = torch.zeros(per_layer * len(shapes), dtype=spec.dtype, device=self.device)
-        except RuntimeError as error:  # torch.OutOfMemoryError on a GPU; the CPU allocator's own message
-            cache = self.config.cache_config
-            error.add_note(
-                f"pagedkv: the KV cache ({self.kv_cache_config.num_blocks} blocks of {spec.block_size} tokens for "
-                f"{len(shapes)} layers, {per_layer * len(shapes) * spec.dtype.itemsize / 2**30:.2f} GiB) does not fit "
-                f"on {self.device}; it was sized by num_kv_blocks={cache.num_kv_blocks}, "
-                f"kv_cache_memory={cache.kv_cache_memory}: lower them, or leave both None to size it from free memory."
-            )
-            raise
+        cache = self.config.cache_config
+        check_fits(
+            f"The KV cache ({self.kv_cache_config.num_blocks} blocks of {spec.block_size} tokens for {len(shapes)} "
+            "layers)", per_layer * len(shapes) * spec.dtype.itemsize, self.device,
+            f"it was sized by num_kv_blocks={cache.num_kv_blocks}, kv_cache_memory={cache.kv_cache_memory}; lower "
+            "them, or leave both None to size it from free memory.",
+        )
+        buffer = torch.zeros(per_layer * len(shapes), dtype=spec.dtype, device=self.device)
         return {
             name: buffer[i * per_layer : (i + 1) * per_layer].view(shape)
             for i, (name, shape) in enumerate(zip(group_spec.layer_names, shapes))
