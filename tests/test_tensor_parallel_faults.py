@@ -1,5 +1,5 @@
 """Tensor-parallel engines beside each other and under faults: other engines, Ctrl-C, a stopped
-worker, notebook 10 run twice.
+worker, an attention backend only the driver has, notebook 10 run twice.
 
 Each test is bounded by `time_bound`: a hang (the old failure mode: a collective waiting 120 s
 for a rank that will never join) kills the workers, which unblocks the driver, and fails.
@@ -21,6 +21,8 @@ import pytest
 from nbclient import NotebookClient
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.attention.backends.torch_ref import TorchRefBackend
+from pagedkv.attention.selector import register_backend, unregister_backend
 from pagedkv.worker.tp_executor import EngineDeadError
 from tests.test_tensor_parallel import assert_no_workers_left
 
@@ -130,6 +132,42 @@ def test_bad_step_timeout_is_refused_before_any_process_starts(monkeypatch: pyte
     with pytest.raises(ValueError, match=r"PAGEDKV_TP_STEP_TIMEOUT_S must be a number of seconds > 0, got 'soon'"):
         LLM("tiny", tensor_parallel_size=2, **ENGINE)
     assert multiprocessing.active_children() == []
+
+
+class RenamedTorchRef(TorchRefBackend):
+    """A user backend in an importable module: the workers register it too. A worker takes a
+    second longer than the driver to build its layers with it: the driver waits for it."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "TEST_RENAMED_TORCH_REF"
+
+    @classmethod
+    def validate_configuration(cls, **layer: object) -> list[str]:
+        if multiprocessing.parent_process() is not None and not getattr(cls, "slowed", False):
+            cls.slowed = True
+            time.sleep(1)
+        return super().validate_configuration(**layer)
+
+
+def test_user_backend_reaches_the_workers_or_is_refused_at_once(reference: list[list[int]]) -> None:
+    driver_only = type("NotebookBackend", (RenamedTorchRef,), {
+        "__module__": "__main__", "get_name": staticmethod(lambda: "TEST_NOTEBOOK_BACKEND")})
+    register_backend(RenamedTorchRef)
+    register_backend(driver_only)
+    try:
+        with time_bound(60):
+            with LLM("tiny", tensor_parallel_size=2, attention_backend="TEST_RENAMED_TORCH_REF", **ENGINE) as llm:
+                assert tokens(llm) == reference
+            with pytest.raises(ValueError, match=r"^Attention backend 'TEST_NOTEBOOK_BACKEND' \(__main__\."
+                                                 r"NotebookBackend\) is registered only in this process: [^\n]*"
+                                                 r"Define the class in a module they can import[^\n]*$"):
+                LLM("tiny", tensor_parallel_size=2, attention_backend="TEST_NOTEBOOK_BACKEND", **ENGINE)
+            assert multiprocessing.active_children() == []  # refused before any worker started
+    finally:
+        unregister_backend("TEST_RENAMED_TORCH_REF")
+        unregister_backend("TEST_NOTEBOOK_BACKEND")
+    assert_no_workers_left()
 
 
 def test_notebook_10_engine_cells_run_twice() -> None:

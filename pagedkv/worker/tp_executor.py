@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import os
 import signal
 import tempfile
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pagedkv.attention.selector import ENV_VAR, register_backend, user_backends
 from pagedkv.config import EngineConfig
 from pagedkv.distributed import (
     TensorParallelGroup,
@@ -115,12 +117,13 @@ def _exchange_at_start(group: TensorParallelGroup, key: str, value: int, check_p
     while True:
         try:
             group.store.wait(keys, timedelta(seconds=0.1))
-            return [int(group.store.get(k)) for k in keys]
-        except dist.DistStoreError:
+            break
+        except RuntimeError:  # the wait timed out (FileStore raises a plain RuntimeError for that)
             check_peers()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Tensor-parallel start-up: not every rank got to {key!r} within "
                                    f"{STARTUP_TIMEOUT_S:.0f} s.") from None
+    return [int(group.store.get(k)) for k in keys]
 
 
 def _start_rank(config: EngineConfig, model_config: HFConfig, group: TensorParallelGroup,
@@ -146,7 +149,7 @@ def _heartbeat(beats: Any, index: int) -> None:
 
 
 def _worker_main(config: EngineConfig, model_config: HFConfig, rank: int, rendezvous: str, timeout_s: float,
-                 started: Any, beats: Any) -> None:
+                 backends: list[tuple[str, str, bool]], started: Any, beats: Any) -> None:
     """A worker process: run every step the driver broadcasts until it broadcasts None."""
     threading.Thread(target=_heartbeat, args=(beats, rank - 1), daemon=True).start()
     driver = os.getppid()
@@ -157,6 +160,8 @@ def _worker_main(config: EngineConfig, model_config: HFConfig, rank: int, rendez
 
     started.set()  # the process came up (see `TensorParallelExecutor._wait_for_workers`)
     try:
+        for module, qualname, prefer in backends:  # the driver's registry (see `_workers_backends`)
+            register_backend(_import_class(module, qualname), prefer=prefer)
         config, group = _join(config, rank, rendezvous, timeout_s)
         with tensor_parallel(group):  # for this process's whole life
             runner = _start_rank(config, model_config, group, check_driver)
@@ -166,6 +171,38 @@ def _worker_main(config: EngineConfig, model_config: HFConfig, rank: int, rendez
     except BaseException:  # noqa: BLE001 -- reported by the driver as this rank's death
         traceback.print_exc()
         os._exit(1)  # at once: no exit handler may wait on a collective the driver will never join
+
+
+def _import_class(module: str, qualname: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _workers_backends(config: EngineConfig) -> list[tuple[str, str, bool]]:
+    """The attention backends registered in this process that the engine may pick (named by it
+    or preferred), as (module, class, prefer), for the workers to register too. A class the
+    workers cannot import by name is refused here, at once."""
+    named = {config.attention_backend, os.environ.get(ENV_VAR), *config.layer_attention_backends.values()}
+    backends = []
+    for cls, prefer in user_backends():
+        if not prefer and cls.get_name() not in named:
+            continue
+        module, qualname = cls.__module__, cls.__qualname__
+        try:
+            importable = module not in ("__main__", "__mp_main__") and _import_class(module, qualname) is cls
+        except (ImportError, AttributeError):
+            importable = False
+        if not importable:
+            raise ValueError(
+                f"Attention backend {cls.get_name()!r} ({module}.{qualname}) is registered only in this process: "
+                "tensor-parallel workers are separate processes and do not have it. Define the class in a module "
+                "they can import (e.g. my_backends.py beside the notebook, `from my_backends import MyBackend`) "
+                "and register it from there; each worker then registers it by that module path."
+            )
+        backends.append((module, qualname, prefer))
+    return backends
 
 
 @contextlib.contextmanager
@@ -186,6 +223,7 @@ class TensorParallelExecutor:
 
     def __init__(self, config: EngineConfig, model_config: HFConfig) -> None:
         tp = config.parallel_config.tensor_parallel_size
+        backends = _workers_backends(config)
         timeout_s = step_timeout_s()
         fd, rendezvous = tempfile.mkstemp(prefix="pagedkv-tp-")
         os.close(fd)
@@ -194,7 +232,8 @@ class TensorParallelExecutor:
         self._beats = context.RawArray("d", [time.monotonic()] * (tp - 1))
         self.workers = [
             context.Process(target=_worker_main, name=f"pagedkv-tp-rank{rank}", daemon=True,
-                            args=(config, model_config, rank, rendezvous, timeout_s, started[rank - 1], self._beats))
+                            args=(config, model_config, rank, rendezvous, timeout_s, backends, started[rank - 1],
+                                  self._beats))
             for rank in range(1, tp)
         ]
         # A terminal's Ctrl-C reaches the whole process group; the driver alone decides what it
