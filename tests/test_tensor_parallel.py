@@ -113,7 +113,7 @@ def test_killed_worker_is_an_error_not_a_hang() -> None:
     with pytest.raises(RuntimeError, match="worker rank 1 was killed by signal 9"):
         llm.step()
     assert time.monotonic() - start < 10
-    with pytest.raises(RuntimeError, match="shut down"):  # the engine says it cannot go on
+    with pytest.raises(RuntimeError, match="cannot continue"):  # the engine says it cannot go on
         llm._executor.execute_model(None, {})  # type: ignore[arg-type]
     assert_no_workers_left()
 

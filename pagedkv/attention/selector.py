@@ -61,6 +61,15 @@ def registered_backends() -> list[str]:
     return list(_REGISTRY)
 
 
+def user_backends() -> list[tuple[type[AttentionBackend], bool]]:
+    """The registrations made in this process over the built-in ones, as (class, prefer): calling
+    `register_backend(cls, prefer=prefer)` in this order rebuilds the same registry in another
+    process (a tensor-parallel worker)."""
+    added = [entry for name, entry in _REGISTRY.items() if name not in _PREFERRED and not isinstance(entry, str)
+             and f"{entry.__module__}:{entry.__qualname__}" != _BUILTIN.get(name)]
+    return [(cls, False) for cls in added] + [(load_backend(name), True) for name in reversed(_PREFERRED)]
+
+
 def load_backend(name: str) -> type[AttentionBackend]:
     """The backend class registered under `name` (imports a built-in lazily)."""
     if name not in _REGISTRY:

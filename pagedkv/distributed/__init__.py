@@ -1,21 +1,27 @@
-"""Tensor parallelism: this process's rank in the group, and the collectives the parallel layers use."""
+"""Tensor parallelism: an engine's group of ranks, the active one, and the collectives the parallel layers use."""
 
 from pagedkv.distributed.parallel_state import (
-    destroy_tensor_parallel,
+    TensorParallelGroup,
+    broadcast_object,
+    close_tensor_parallel_group,
     get_tp_rank,
     get_tp_size,
-    init_tensor_parallel,
+    new_tensor_parallel_group,
     single_rank,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
+    tensor_parallel,
 )
 
 __all__ = [
-    "destroy_tensor_parallel",
+    "TensorParallelGroup",
+    "broadcast_object",
+    "close_tensor_parallel_group",
     "get_tp_rank",
     "get_tp_size",
-    "init_tensor_parallel",
+    "new_tensor_parallel_group",
     "single_rank",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
+    "tensor_parallel",
 ]

@@ -139,6 +139,8 @@ class _ParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        # For the repr: the rank is the active group's only while the engine builds or runs.
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
@@ -152,7 +154,7 @@ class _ParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"tp_rank={get_tp_rank()}/{get_tp_size()}")
+                f"tp_rank={self.tp_rank}/{self.tp_size}")
 
 
 class ReplicatedLinear(_ParallelLinear):
