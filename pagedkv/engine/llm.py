@@ -41,7 +41,7 @@ from pagedkv.kv_cache.spec import SlidingWindowSpec
 from pagedkv.models.loader import PRESETS, generation_eos_token_ids
 from pagedkv.models.tokenizer import get_tokenizer
 from pagedkv.worker.model_runner import ModelRunner
-from pagedkv.worker.tp_executor import TensorParallelExecutor
+from pagedkv.worker.tp_executor import EngineDeadError, TensorParallelExecutor
 
 logger = logging.getLogger("pagedkv")
 
@@ -310,10 +310,11 @@ class LLM:
         for s in sched.scheduled:
             self._end(s.request, "error", error)
             self._forget(s.request)
-        error.add_note(
-            f"pagedkv: the model step failed, so its requests {req_ids} were finished with an error and "
-            "their KV cache blocks freed; the engine can serve other requests."
-        )
+        # One story per failure: a dead tensor-parallel group says itself that nothing can run any more.
+        later = ("" if isinstance(error, EngineDeadError)
+                 else "; the engine can serve other requests")
+        error.add_note(f"pagedkv: the model step failed, so its requests {req_ids} were finished with an error "
+                       f"and their KV cache blocks freed{later}.")
 
     def _count(self, sched: SchedulerOutput, finished: list[Request]) -> None:
         self.stats.num_steps += 1
