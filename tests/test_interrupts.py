@@ -6,6 +6,7 @@ step (an attention layer, the cache write, the sampler) or, in a subprocess, a r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -239,3 +240,48 @@ def test_real_sigint_at_random_moments_never_changes_the_tokens(tmp_path: Path) 
         child.wait(timeout=60)
     assert all(r["same"] for r in results), results
     assert sum(r["interrupted"] for r in results) >= 5, f"too few rounds were interrupted to tell: {results}"
+
+
+# ---- issue 30's smaller ones -------------------------------------------------------------------
+
+def test_greedy_on_nan_logits_finishes_the_request_with_an_error_and_the_others_go_on() -> None:
+    llm = engine()
+    reference = tokens(engine().generate(PROMPTS[1:], GREEDY))
+    real = llm.runner.execute_model
+
+    def nan_for_the_first_row(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        logits = result.logits.clone()
+        rows = result.batch.sampling_req_ids
+        if first_id in rows:
+            logits[rows.index(first_id)] = float("nan")
+        return dataclasses.replace(result, logits=logits)
+
+    llm.runner.execute_model = nan_for_the_first_row
+    first_id = "0"  # a new engine's first request
+    first, *others = llm.generate(PROMPTS, GREEDY)
+    assert first.outputs[0].finish_reason == "error" and "NaN" in first.error and first.outputs[0].token_ids == []
+    assert tokens(others) == reference
+
+
+def test_changing_a_streamed_prompt_token_ids_does_not_change_the_request() -> None:
+    llm = engine()
+    reference = tokens(engine().generate(PROMPTS[:1], GREEDY))
+    llm.add_request(PROMPTS[0], GREEDY)
+    final = None
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            out.prompt_token_ids.append(3)  # the caller's list now
+            final = out
+    assert [final.outputs[0].token_ids] == reference
+
+
+@pytest.mark.parametrize(("call", "error", "match"), [
+    (lambda llm: llm.generate(PROMPTS[:1], GREEDY, use_tqdm="yes"), TypeError, "use_tqdm"),
+    (lambda llm: llm.generate({"prompt_token_ids": [1, 2], "prompt": "x"}, GREEDY), ValueError, "'prompt'"),
+])
+def test_bad_generate_arguments_are_refused(call: Callable[[LLM], Any], error: type, match: str) -> None:
+    llm = engine()
+    with pytest.raises(error, match=match):
+        call(llm)
+    assert_idle(llm)
