@@ -51,6 +51,7 @@ from pagedkv.distributed import (
     new_tensor_parallel_group,
     tensor_parallel,
 )
+from pagedkv.interrupts import deferred_interrupts
 from pagedkv.worker.input_batch import ScheduledTokens
 from pagedkv.worker.model_runner import ModelRunner, StepResult
 
@@ -293,18 +294,15 @@ class TensorParallelExecutor:
     def execute_model(self, scheduled: list[ScheduledTokens], block_ids: dict[str, list[list[int]]]) -> StepResult:
         if self._dead is not None:
             raise EngineDeadError(f"This tensor-parallel engine cannot continue ({self._dead}); create a new LLM.")
-        interrupted: list[int] = []
         # A SIGINT now would leave the other ranks inside this step's collectives, waiting for
-        # ones rank 0 never joins: hold it until the step is done everywhere.
-        with _sigint(lambda signum, frame: interrupted.append(signum)), tensor_parallel(self.group):
+        # ones rank 0 never joins: hold it until the step is done everywhere (it is raised then,
+        # and the engine runs the step again).
+        with deferred_interrupts(), tensor_parallel(self.group):
             try:
                 broadcast_object(self.group, (scheduled, block_ids))
-                result = self.runner.execute_model(scheduled, block_ids)
+                return self.runner.execute_model(scheduled, block_ids)
             except Exception as error:
                 self._fail(error)
-        if interrupted:
-            raise KeyboardInterrupt("interrupted during a tensor-parallel step, which every rank finished first")
-        return result
 
     def _fail(self, error: Exception) -> NoReturn:
         """A collective failed: name the ranks lost (if any), end the workers, raise."""
