@@ -56,6 +56,9 @@ class SchedulerConfig:
     """Token budget of one step (prefill chunks + decodes)."""
     enable_chunked_prefill: bool = True
     """Split a long prompt over several steps when it does not fit the token budget."""
+    async_scheduling: bool = False
+    """Plan and launch the next step before the host has read this step's tokens
+    (pagedkv/engine/scheduler.py); `EngineArgs` turns it on with CUDA."""
 
 
 @dataclass

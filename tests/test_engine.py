@@ -113,8 +113,10 @@ def test_a_request_fits_when_its_tokens_up_to_max_model_len_do() -> None:
 
 
 def test_without_chunking_a_prompt_of_exactly_the_remaining_budget_runs_now() -> None:
+    # The plan of the step after an add_request: async scheduling would have planned that step
+    # already, in the call before the add (tests/test_async_scheduling.py).
     llm = LLM("tiny", device="cpu", num_kv_blocks=64, max_num_batched_tokens=16, max_model_len=16,
-              enable_chunked_prefill=False)
+              enable_chunked_prefill=False, async_scheduling=False)
     llm.add_request(prompts([4])[0], GREEDY)
     llm.step()  # request 0 prefilled; from now on it decodes, 1 token a step
     llm.add_request(prompts([1, 15])[1], GREEDY)  # 15 tokens: exactly what the decode leaves

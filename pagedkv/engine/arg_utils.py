@@ -12,6 +12,7 @@ each naming the argument and saying what would work.
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -37,6 +38,9 @@ from pagedkv.engine.checks import (
 )
 from pagedkv.engine.request import SEED_RANGE
 from pagedkv.models.loader import PRESETS, TRAINED_PRESETS, HFConfig, load_config
+
+ASYNC_SCHEDULING_ENV = "PAGEDKV_ASYNC_SCHEDULING"
+"""Overrides the device default of `async_scheduling` (the CPU test suite runs once with it on)."""
 
 
 @dataclass
@@ -89,6 +93,10 @@ class EngineArgs:
     """Processes, each holding a shard of the model (tensor parallelism)."""
     enable_prefix_caching: bool | None = None
     """Share the KV cache blocks of equal prompt prefixes; None: on where the model allows it."""
+    async_scheduling: bool | None = None
+    """Plan and launch step N+1 while the GPU runs step N (vLLM's async_scheduling); None: on with
+    CUDA, off on the CPU (where the model runs on the host thread, so nothing could overlap), unless
+    $PAGEDKV_ASYNC_SCHEDULING is "1" or "0"."""
 
     def create_engine_config(self) -> tuple[EngineConfig, HFConfig]:
         """Check every argument and resolve the defaults; returns the engine config and the model's config."""
@@ -130,6 +138,7 @@ class EngineArgs:
                                          hint=" (processes, each holding a shard of the model)")
         if self.enable_prefix_caching is not None:
             check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        async_scheduling = resolve_async_scheduling(self.async_scheduling, device)
 
         model_cfg = load_config(model)
         check_tensor_parallel(tensor_parallel_size, model_cfg, device, compilation)
@@ -153,7 +162,7 @@ class EngineArgs:
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill,
+                enable_chunked_prefill=enable_chunked_prefill, async_scheduling=async_scheduling,
             ),
             compilation_config=compilation,
             parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
@@ -162,6 +171,16 @@ class EngineArgs:
             layer_attention_backends=dict(layers or {}),
         )
         return config, model_cfg
+
+
+def resolve_async_scheduling(value: bool | None, device: torch.device) -> bool:
+    """The `async_scheduling` argument, or the device's default ($PAGEDKV_ASYNC_SCHEDULING overrides it)."""
+    if value is not None:
+        return check_bool("async_scheduling", value)
+    env = os.environ.get(ASYNC_SCHEDULING_ENV, "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"${ASYNC_SCHEDULING_ENV}={env!r}: use 1 (on), 0 (off) or leave it unset (on with CUDA).")
+    return env == "1" if env else device.type == "cuda"
 
 
 def engine_args(model: str, kwargs: dict[str, object]) -> EngineArgs:

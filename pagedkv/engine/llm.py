@@ -21,8 +21,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,21 +33,38 @@ from pagedkv.engine.arg_utils import engine_args, engine_args_signature
 from pagedkv.engine.checks import check_token_ids
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.events import EngineStats, StepEvent, StepListener
-from pagedkv.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
-from pagedkv.engine.sampler import Sampler
+from pagedkv.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
+from pagedkv.engine.sampler import Sampler, SamplerOutput
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.interrupts import deferred_interrupts
 from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.kv_cache.spec import SlidingWindowSpec
 from pagedkv.models.loader import PRESETS, generation_eos_token_ids
 from pagedkv.models.tokenizer import get_tokenizer
-from pagedkv.worker.model_runner import ModelRunner
+from pagedkv.worker.input_batch import SampledTokens
+from pagedkv.worker.model_runner import ModelRunner, StepResult
 from pagedkv.worker.tp_executor import EngineDeadError, TensorParallelExecutor
 
 logger = logging.getLogger("pagedkv")
 
 Prompt = str | dict[str, Any]
 """Text, or {"prompt_token_ids": [...]}."""
+
+
+@dataclass
+class _LaunchedStep:
+    """A step whose forward and sampling are launched; its samples are booked by a later `_book`."""
+
+    sched: SchedulerOutput
+    result: StepResult
+    block_ids: dict[str, list[list[int]]]
+    requests: list[Request]
+    """The requests that sample, in the order of the sampler's rows."""
+    sampled: SamplerOutput
+    """Its copy on the host (on its way: `rows()` waits for it)."""
+    sampled_tokens: SampledTokens
+    """The sampled ids on the device, which the next step's placeholder tokens read."""
+    start: float
 
 
 class LLM:
@@ -95,6 +113,10 @@ class LLM:
         # Outputs of a step whose listener raised: the step had run, so they are kept, and the
         # next step() returns them first (else a request finishing in that step would be lost).
         self._undelivered: list[RequestOutput] = []
+        self.async_scheduling = self.config.scheduler_config.async_scheduling
+        """Plan and launch step N+1 while the GPU runs step N (pagedkv/engine/scheduler.py)."""
+        self._launched: deque[_LaunchedStep] = deque()
+        """Steps launched whose samples are not booked yet, oldest first (at most 2, under async scheduling)."""
 
     def _prefix_caching(self, requested: bool | None) -> bool:
         """On unless turned off or the model cannot: a sliding-window layer gives blocks back as
@@ -228,6 +250,12 @@ class LLM:
         Outputs are cumulative (all tokens and text so far) with `finished` set on a request's
         last one, after which the engine forgets the request. With nothing to do, returns [].
 
+        Async scheduling (`async_scheduling`, on by default on CUDA): before this call waits for
+        its step's tokens, it plans and launches the next step, so that the GPU never waits for
+        the host (see pagedkv/engine/scheduler.py). Each call still returns one step's outputs,
+        the same as without it; only a request that stops on an end-of-sequence token gets one
+        wasted decode, whose token is dropped.
+
         Interrupts: a step interrupted before its tokens are sampled (Ctrl-C, any
         `BaseException`, at any point of the forward or the sampler) did not happen: its plan is
         undone (`Scheduler.undo`), and the next call runs the same step again. Once sampled, the
@@ -240,43 +268,36 @@ class LLM:
         retrying would most likely raise again; vLLM's engine core shuts down in that case. Here
         the step's requests are finished with an error and their blocks freed, then the exception
         is re-raised with a note naming them: the error is not hidden, and the engine serves later
-        requests. A step listener that raises does so after its step has run: the next call returns
+        requests. A step listener that raises does so after its step had run: the next call returns
         that step's outputs.
         """
+        return self._step(stream=True)
+
+    def _step(self, stream: bool) -> list[RequestOutput]:
+        """One step booked; `stream`: outputs of every request in it (else of the finished only,
+        which is all `generate()` reads: text is made only for outputs a caller sees)."""
+        # Steps launched for requests that all finished meanwhile: nothing in them to book.
+        while self._launched and all(r.status is RequestStatus.FINISHED for r in self._launched[0].requests):
+            self._launched.popleft()
         if not self.scheduler.has_unfinished_requests():
             outputs, self._undelivered = self._undelivered, []
             return outputs
-        sched: SchedulerOutput | None = None
-        booked = False  # the step's results are in the books: from here on it has happened
-        try:
-            with deferred_interrupts():
-                sched = self.scheduler.schedule()
-                self.stats.num_preemptions += len(sched.preempted_req_ids)
-            if not sched.scheduled:
-                raise RuntimeError("Nothing could be scheduled although requests are unfinished (an engine bug).")
-            block_ids = {s.request.request_id: self.kv_cache_manager.get_block_ids(s.request.request_id)
-                         for s in sched.scheduled}
-            start = time.perf_counter()
-            result = (self._executor or self.runner).execute_model(sched.runner_input(), block_ids)
-            requests = [self._requests[r] for r in result.batch.sampling_req_ids]
-            sampled = self.sampler(
-                result.logits, [r.request_id for r in requests], [r.sampling_params for r in requests]
-            ) if requests else []
-            with deferred_interrupts():
-                self.stats.model_time_s += time.perf_counter() - start
-                outputs = self._finish_step(sched, requests, sampled)
-                self._undelivered += outputs
-                booked = True
-        except BaseException as error:
-            if sched is not None and not booked:
-                with deferred_interrupts():
-                    self.scheduler.undo(sched)
-                    if isinstance(error, Exception):
-                        self._fail_step(sched, error)
-            raise
+        # Listeners read the runner's state as their step left it: with any, one step at a time.
+        depth = 2 if self.async_scheduling and not self._listeners else 1
+        while len(self._launched) < depth and self._launch():
+            pass
+        if not self._launched:
+            raise RuntimeError("Nothing could be scheduled although requests are unfinished (an engine bug).")
+        step = self._launched[0]
+        # Waits for the GPU (if it is still at it); an interrupt here leaves the step for the next call.
+        rows = step.sampled.rows([r.request_id for r in step.requests], [r.sampling_params for r in step.requests])
+        with deferred_interrupts():
+            self._launched.popleft()
+            outputs = self._book(step, rows, stream)
+            self._undelivered += outputs
         if self._listeners:
             event = StepEvent(
-                step=self.stats.num_steps, scheduler_output=sched, result=result, block_ids=block_ids,
+                step=self.stats.num_steps, scheduler_output=step.sched, result=step.result, block_ids=step.block_ids,
                 num_free_blocks=[p.num_free_blocks for p in self.kv_cache_manager.block_pools],
                 finished_req_ids=[r.request_id for r in outputs if r.finished], runner=self.runner,
             )
@@ -290,19 +311,57 @@ class LLM:
         outputs, self._undelivered = self._undelivered, []
         return outputs
 
-    def _finish_step(self, sched: SchedulerOutput, requests: list[Request],
-                     sampled: list[int | Exception]) -> list[RequestOutput]:
-        """Book a step that ran: tokens appended, stops checked, failed samples finished; its outputs."""
-        tokens = {r.request_id: t for r, t in zip(requests, sampled) if not isinstance(t, Exception)}
-        finished = self.scheduler.update(sched, tokens)
-        for request, token in zip(requests, sampled):
+    def _launch(self) -> bool:
+        """Plan a step and launch its forward and sampling (on a GPU they run on while the host
+        goes on); False when there is nothing to plan. Undone if it raises or is interrupted."""
+        sched: SchedulerOutput | None = None
+        try:
+            with deferred_interrupts():
+                sched = self.scheduler.schedule()
+                self.stats.num_preemptions += len(sched.preempted_req_ids)
+            if not sched.scheduled:
+                return False
+            block_ids = {s.request.request_id: self.kv_cache_manager.get_block_ids(s.request.request_id)
+                         for s in sched.scheduled}
+            start = time.perf_counter()
+            previous = self._launched[-1].sampled_tokens if self._launched else None
+            result = (self._executor or self.runner).execute_model(sched.runner_input(), block_ids, previous)
+            requests = [self._requests[r] for r in result.batch.sampling_req_ids]
+            sampled = self.sampler(result.logits, [r.request_id for r in requests],
+                                   [r.sampling_params for r in requests])
+            with deferred_interrupts():
+                self.scheduler.commit(sched)
+                self._launched.append(_LaunchedStep(sched, result, block_ids, requests, sampled.to_host(),
+                                                    SampledTokens([r.request_id for r in requests], sampled.token_ids),
+                                                    start))
+                sched = None  # launched: from here on it has happened
+            return True
+        except BaseException as error:
+            if sched is not None:
+                with deferred_interrupts():
+                    self.scheduler.undo(sched)
+                    if isinstance(error, Exception):
+                        self._fail_step(sched, error)
+            raise
+
+    def _book(self, step: _LaunchedStep, rows: list[tuple[int | Exception, dict[int, float] | None]],
+              stream: bool) -> list[RequestOutput]:
+        """Book a launched step's samples: tokens appended, stops checked, failed samples finished;
+        its outputs. Requests finished meanwhile (aborted, or stopped a step before) are skipped."""
+        live = [(r, row) for r, row in zip(step.requests, rows) if r.status is not RequestStatus.FINISHED]
+        finished = self.scheduler.update(step.sched, {r.request_id: t for r, (t, _) in live
+                                                      if not isinstance(t, Exception)})
+        for request, (token, logprobs) in live:
             if isinstance(token, Exception):  # this request's failure alone: the others go on
                 self._end(request, "error", token)
                 finished.append(request)
-        outputs = [self._output(r) for r in requests]
+            elif logprobs is not None:
+                request.output_logprobs.append(logprobs)
+        outputs = self._outputs([r for r, _ in live] if stream else finished)
         for request in finished:
             self._forget(request)
-        self._count(sched, finished)
+        self.stats.model_time_s += time.perf_counter() - step.start
+        self._count(step.sched, finished)
         return outputs
 
     def _fail_step(self, sched: SchedulerOutput, error: Exception) -> None:
@@ -324,15 +383,20 @@ class LLM:
         self.stats.num_cached_tokens += sum(s.num_cached_tokens for s in sched.scheduled)
         self.stats.num_lookup_tokens += sum(s.num_lookup_tokens for s in sched.scheduled)
 
-    def _output(self, request: Request) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[CompletionOutput(0, request.output_text(), list(request.output_token_ids), request.finish_reason)],
-            finished=request.finish_reason is not None,
-            error=request.error,
-        )
+    def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
+        """The requests' outputs, their text brought up to date."""
+        return [
+            RequestOutput(
+                request_id=request.request_id,
+                prompt=request.prompt,
+                prompt_token_ids=request.prompt_token_ids,
+                outputs=[CompletionOutput(0, request.output_text(), list(request.output_token_ids),
+                                          request.finish_reason)],
+                finished=request.finish_reason is not None,
+                error=request.error,
+            )
+            for request in requests
+        ]
 
     # ---- offline batch ---------------------------------------------------------------
 
@@ -384,7 +448,7 @@ class LLM:
                 requests.append(self._requests[self._add(*p)])
             with tqdm(total=len(requests), desc="generate", unit="req", disable=not show_progress) as bar:
                 while self.has_unfinished_requests():
-                    bar.update(sum(out.finished for out in self.step()))
+                    bar.update(len(self._step(stream=False)))
         except BaseException:
             with deferred_interrupts():  # a second Ctrl-C must not stop the clean-up half way
                 for request in requests:
@@ -392,7 +456,7 @@ class LLM:
                 self._undelivered.clear()  # this call's (the engine was idle): it returns none of them
             raise
         # The Request objects hold the final state, also of one aborted meanwhile (by a listener, say).
-        return [self._output(request) for request in requests]
+        return self._outputs(requests)
 
 
 LLM.__init__.__signature__ = engine_args_signature()  # type: ignore[attr-defined]  # help(LLM) lists the arguments

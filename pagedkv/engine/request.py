@@ -86,6 +86,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     """Sampled so far; grows through `append_output_token_id` (which keeps `all_token_ids` too)."""
     num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
+    """Tokens sampled in a step that ran but whose ids the host has not read yet (async scheduling:
+    at most one). The next step computes them all the same: their ids come from the device."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     """"stop", "length", "abort" or "error" once finished."""
@@ -94,6 +97,8 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when it was (last) admitted: not computed then."""
+    output_logprobs: list[dict[int, float]] = field(default_factory=list, repr=False)
+    """Per output token, the log-probabilities asked for with SamplingParams.logprobs."""
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
     """Turns output_token_ids into text (None: the model has no tokenizer, the text stays "")."""
     _token_ids: list[int] = field(init=False, repr=False)
@@ -121,6 +126,17 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Tokens the request will have once the host reads what the steps in flight sampled."""
+        return len(self._token_ids) + self.num_output_placeholders
+
+    def surely_finished(self, max_model_len: int) -> bool:
+        """Whether the tokens in flight end the request whatever their ids (its length limits)."""
+        n = self.num_output_placeholders
+        return (len(self.output_token_ids) + n >= self.sampling_params.max_tokens
+                or self.num_tokens + n >= max_model_len)
 
     def output_text(self) -> str:
         """The text of the output so far. Each call decodes the tokens added since the last one

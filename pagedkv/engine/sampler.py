@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from pagedkv.engine.request import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    """The tokens of one step's sampling rows (interim: the row-by-row sampler's results)."""
+
+    token_ids: torch.Tensor
+    error_rows: torch.Tensor
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    _results: list[int | Exception] = field(default_factory=list, repr=False)
+
+    def to_host(self) -> SamplerOutput:
+        return self
+
+    def rows(self, req_ids: list[str], params: list[SamplingParams]) -> list[tuple[int | Exception, dict[int, float] | None]]:
+        return [(t, None) for t in self._results]
 
 
 class Sampler:
@@ -16,7 +35,13 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]) -> list[int | Exception]:
+    def __call__(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]) -> SamplerOutput:
+        results = self._sample_rows(logits, req_ids, params)
+        ids = torch.tensor([0 if isinstance(t, Exception) else t for t in results], device=logits.device)
+        errors = torch.tensor([isinstance(t, Exception) for t in results], device=logits.device)
+        return SamplerOutput(ids, errors, _results=results)
+
+    def _sample_rows(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]) -> list[int | Exception]:
         """logits [num_reqs, vocab] -> per row, the next token id, or the exception sampling it raised.
 
         Rows are sampled one request at a time, so one request's failure (logits that are all NaN,

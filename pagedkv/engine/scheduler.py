@@ -15,10 +15,20 @@ With prefix caching, a request admitted from the waiting queue (new, or resumed 
 preemption) first takes the longest cached prefix of its tokens: it starts with
 num_computed_tokens at that length, and the budget pays only for the rest.
 
-A plan is not a fact until its step has run. `update` makes it one (tokens computed, blocks'
-hashes kept); `undo` takes it back when the forward raised or was interrupted (Ctrl-C): the
-requests it admitted return to the front of the waiting queue holding no blocks, and the next
-`schedule` plans the same step again.
+A plan is not a fact until its step has run. `commit` makes it one once the step's forward and
+sampling are launched (tokens computed, blocks' hashes kept); `undo` takes it back when they raised
+or were interrupted (Ctrl-C): the requests it admitted return to the front of the waiting queue
+holding no blocks, and the next `schedule` plans the same step again. `update` then books the
+sampled tokens (stop checks, finished requests freed).
+
+Async scheduling (vLLM's `async_scheduling`) plans step N+1 before the host has read the tokens
+step N sampled. Those tokens are placeholders (`Request.num_output_placeholders`): step N+1
+computes them all the same (the runner takes their ids from the device), and the stop checks see
+them a step late. A request whose length limits end it in step N is not planned again; one that
+stops on an end-of-sequence token gets one wasted decode, whose token is dropped:
+
+    host:  plan 1 | plan 2 | book 1 | plan 3 | book 2 | plan 4 | book 3 ...
+    GPU:          | step 1 ......... | step 2 ......... | step 3 .........
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from dataclasses import dataclass, field
 from pagedkv.config import SchedulerConfig
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.kv_cache.manager import KVCacheManager
-from pagedkv.worker.input_batch import ScheduledTokens
+from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, ScheduledTokens
 
 
 @dataclass
@@ -56,8 +66,10 @@ class ScheduledRequest:
 
     def __post_init__(self) -> None:
         self.num_computed_tokens = self.request.num_computed_tokens
-        self.samples = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-        self.is_decode = self.num_new_tokens == 1 and self.samples and bool(self.request.output_token_ids)
+        self.samples = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens_with_placeholders
+        # Its one query token is an output token (its id may still be a placeholder).
+        self.is_decode = (self.num_new_tokens == 1 and self.samples
+                          and self.num_computed_tokens >= self.request.num_prompt_tokens)
 
 
 @dataclass
@@ -80,13 +92,15 @@ class SchedulerOutput:
         return self.num_scheduled_tokens - self.num_decode_tokens
 
     def runner_input(self) -> list[ScheduledTokens]:
-        """The plan as the model runner takes it: per request, the new token ids after the cached ones."""
-        return [
-            ScheduledTokens(s.request.request_id,
-                            s.request.token_ids_between(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens),
-                            s.num_computed_tokens, s.samples)
-            for s in self.scheduled
-        ]
+        """The plan as the model runner takes it: per request, the new token ids after the cached
+        ones; a token the host has not read yet is PLACEHOLDER_TOKEN_ID (the runner fills it in)."""
+        scheduled = []
+        for s in self.scheduled:
+            end = s.num_computed_tokens + s.num_new_tokens
+            token_ids = s.request.token_ids_between(s.num_computed_tokens, end)
+            token_ids += [PLACEHOLDER_TOKEN_ID] * (s.num_new_tokens - len(token_ids))
+            scheduled.append(ScheduledTokens(s.request.request_id, token_ids, s.num_computed_tokens, s.samples))
+        return scheduled
 
 
 class Scheduler:
@@ -125,7 +139,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_request(self, request: Request, reason: str) -> None:
-        """End a waiting or running request early ("abort", "error"): out of the queues, blocks freed."""
+        """End a waiting or running request ("stop", "length", "abort", "error"): out of the queues, blocks freed."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -147,7 +161,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request: Request | None = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+            if request.num_output_placeholders and request.surely_finished(self.max_model_len):
+                i += 1  # its step in flight is its last
+                continue
             while not kv.allocate_slots(request.request_id, request.num_computed_tokens, n,
                                         token_ids=request.all_token_ids):
                 victim = self.running.pop()
@@ -165,6 +182,8 @@ class Scheduler:
         # 2. Waiting requests, front first -- but not in a step that had to preempt.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:  # preempted with a token in flight: admitted once it is read
+                break
             hits, num_hit = [], 0
             if request.num_computed_tokens == 0:  # new or preempted: holds no blocks
                 hits, num_hit = kv.get_computed_blocks(request.request_id, request.all_token_ids)
@@ -197,8 +216,18 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def commit(self, output: SchedulerOutput) -> None:
+        """The step is launched (its forward and sampling): its tokens count as computed, the
+        hashes its plan gave blocks are kept, and each sampled token is a placeholder until `update`."""
+        self.kv_cache_manager.commit()
+        for s in output.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            if s.num_lookup_tokens:
+                s.request.num_cached_tokens = s.num_cached_tokens
+            s.request.num_output_placeholders += s.samples
+
     def undo(self, output: SchedulerOutput) -> None:
-        """Take back the plan of a step that did not run: the hashes it gave blocks, and its
+        """Take back the plan of a step that was not launched: the hashes it gave blocks, and its
         admissions (in reverse, so the waiting queue is as it was). Running requests keep the
         blocks it added, which the same step planned again needs; preemptions stay done."""
         self.kv_cache_manager.rollback()
@@ -212,20 +241,20 @@ class Scheduler:
             self.waiting.appendleft(s.request)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish and free what stopped."""
-        self.kv_cache_manager.commit()
+        """Book a committed step's sampled tokens: append them, finish and free what stopped.
+
+        A request finished meanwhile (a step late, or aborted) drops its token; a request
+        preempted meanwhile keeps it (the step computed it from the request's blocks of then)."""
         finished = []
         for s in output.scheduled:
             request = s.request
-            request.num_computed_tokens += s.num_new_tokens
-            if s.num_lookup_tokens:
-                request.num_cached_tokens = s.num_cached_tokens
-            if request.request_id not in sampled:
+            if not s.samples or request.status is RequestStatus.FINISHED:
+                continue
+            request.num_output_placeholders -= 1
+            if request.request_id not in sampled:  # its sampling failed: the engine ends it
                 continue
             request.append_output_token_id(sampled[request.request_id])
             if request.check_stop(self.max_model_len):
-                request.status = RequestStatus.FINISHED
-                self.running.remove(request)
-                self.kv_cache_manager.free(request.request_id)
+                self.finish_request(request, request.finish_reason)
                 finished.append(request)
         return finished

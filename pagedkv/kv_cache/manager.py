@@ -133,7 +133,9 @@ class KVCacheManager:
             if n > 0:
                 row.extend(pool.get_new_blocks(n))
         if self.enable_caching and token_ids is not None:
-            self._cache_full_blocks(request_id, token_ids, total)
+            # Only blocks of known tokens: under async scheduling the step's last token may be
+            # one the host has not read yet (its block is hashed by a later call).
+            self._cache_full_blocks(request_id, token_ids, min(total, len(token_ids)))
         return True
 
     def _cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:

@@ -69,6 +69,11 @@ class BlockTable:
         return self.cpu[: self.num_reqs]
 
 
+PLACEHOLDER_TOKEN_ID = -1
+"""A scheduled token whose id the host does not know yet (async scheduling): the previous step
+sampled it on the device, and the runner copies it from there into the step's input ids."""
+
+
 @dataclass(frozen=True)
 class ScheduledTokens:
     """One request's part of a step, as the runner needs it: which new tokens, after how many cached.
@@ -79,11 +84,22 @@ class ScheduledTokens:
 
     req_id: str
     token_ids: list[int]
-    """The tokens to run: positions `num_computed_tokens` ... `num_computed_tokens + len - 1`."""
+    """The tokens to run: positions `num_computed_tokens` ... `num_computed_tokens + len - 1`
+    (the last may be PLACEHOLDER_TOKEN_ID)."""
     num_computed_tokens: int
     """Tokens already in the KV cache (the request's context_len this step)."""
     samples: bool
     """The last of these tokens is the request's newest: the step samples its next one."""
+
+
+@dataclass
+class SampledTokens:
+    """The token ids one step sampled, still on the device: the next step's placeholders read them."""
+
+    req_ids: list[str]
+    """The requests of the rows, in order."""
+    token_ids: torch.Tensor
+    """[len(req_ids)] int64 on the device."""
 
 
 @dataclass

@@ -32,7 +32,14 @@ from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, 
 from pagedkv.models.loader import CausalLM, HFConfig, load_model, weight_bytes
 from pagedkv.worker import cudagraph
 from pagedkv.worker.attn_utils import AttentionGroup, build_attn_metadata, init_attn_groups
-from pagedkv.worker.input_batch import BlockTable, InputBatch, ScheduledTokens, compute_slot_mapping
+from pagedkv.worker.input_batch import (
+    PLACEHOLDER_TOKEN_ID,
+    BlockTable,
+    InputBatch,
+    SampledTokens,
+    ScheduledTokens,
+    compute_slot_mapping,
+)
 
 logger = logging.getLogger("pagedkv")
 
@@ -280,9 +287,11 @@ class ModelRunner:
         block_ids: dict[str, list[list[int]]],
         num_padded_tokens: int | None = None,
         num_padded_reqs: int | None = None,
+        previous: SampledTokens | None = None,
     ) -> InputBatch:
         """Pack the scheduled tokens of all requests into flat tensors (see input_batch.py),
-        padded to `num_padded_tokens` tokens and `num_padded_reqs` requests for a graph."""
+        padded to `num_padded_tokens` tokens and `num_padded_reqs` requests for a graph.
+        Placeholder tokens take their ids from `previous` (the last step's samples) on the device."""
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -300,10 +309,30 @@ class ModelRunner:
                 sampling_req_ids.append(s.req_id)
         req_ids = [s.req_id for s in scheduled]
         block_rows = [[block_ids[r][g] for r in req_ids] for g in range(len(self.block_tables))]
-        return self._stage_batch(
+        batch = self._stage_batch(
             req_ids, token_ids, positions, query_lens, seq_lens, block_rows, logits_indices, sampling_req_ids,
             num_padded_tokens=num_padded_tokens, num_padded_reqs=num_padded_reqs,
         )
+        placeholders = [(i, s.req_id) for s, i in zip(scheduled, itertools.accumulate(len(s.token_ids) for s in scheduled))
+                        if s.token_ids[-1] == PLACEHOLDER_TOKEN_ID]
+        if placeholders:
+            self._fill_placeholders(batch.input_ids, placeholders, previous)
+        return batch
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, placeholders: list[tuple[int, str]],
+                           previous: SampledTokens | None) -> None:
+        """Copy the ids the previous step sampled into the placeholders (each a request's last
+        token, at packed index end - 1), device to device: the host never waits for them."""
+        if previous is None:
+            raise ValueError(f"{len(placeholders)} scheduled token(s) are placeholders, but no previous step's "
+                             "samples were given (execute_model's `previous`).")
+        row = {req_id: i for i, req_id in enumerate(previous.req_ids)}
+        missing = [r for _, r in placeholders if r not in row]
+        if missing:
+            raise ValueError(f"Requests {missing} have a placeholder token, but the previous step sampled none for them.")
+        index = torch.tensor([end - 1 for end, _ in placeholders], dtype=torch.long)
+        rows = torch.tensor([row[r] for _, r in placeholders], dtype=torch.long)
+        input_ids[index.to(self.device, non_blocking=True)] = previous.token_ids[rows.to(self.device, non_blocking=True)]
 
     def _stage_batch(
         self,
@@ -394,8 +423,10 @@ class ModelRunner:
         return attn_metadata, slot_mapping
 
     @torch.inference_mode()
-    def execute_model(self, scheduled: list[ScheduledTokens], block_ids: dict[str, list[list[int]]]) -> StepResult:
-        """Run the model on the scheduled tokens; return logits of the requests that sample."""
+    def execute_model(self, scheduled: list[ScheduledTokens], block_ids: dict[str, list[list[int]]],
+                      previous: SampledTokens | None = None) -> StepResult:
+        """Run the model on the scheduled tokens; return logits of the requests that sample.
+        Placeholder tokens (async scheduling) take their ids from `previous`, on the device."""
         num_tokens = sum(len(s.token_ids) for s in scheduled)
         uniform_decode = max(len(s.token_ids) for s in scheduled) == 1
         mode, descriptor = CUDAGraphMode.NONE, BatchDescriptor(num_tokens, uniform_decode)
@@ -403,7 +434,7 @@ class ModelRunner:
             mode, descriptor = self.dispatcher.dispatch(num_tokens, uniform_decode)
         full = mode is CUDAGraphMode.FULL
         num_reqs = cudagraph.capture_num_reqs(descriptor, self.config.scheduler_config.max_num_seqs) if full else None
-        batch = self.prepare_inputs(scheduled, block_ids, descriptor.num_tokens, num_reqs)
+        batch = self.prepare_inputs(scheduled, block_ids, descriptor.num_tokens, num_reqs, previous)
         # Built in FULL steps too: builders rewrite their persistent buffers (graphs read those).
         attn_metadata, slot_mapping = self._build_metadata(batch, descriptor.num_tokens if full else num_tokens)
         if full:

@@ -52,7 +52,7 @@ from pagedkv.distributed import (
     tensor_parallel,
 )
 from pagedkv.interrupts import deferred_interrupts
-from pagedkv.worker.input_batch import ScheduledTokens
+from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, SampledTokens, ScheduledTokens
 from pagedkv.worker.model_runner import ModelRunner, StepResult
 
 if TYPE_CHECKING:
@@ -291,7 +291,16 @@ class TensorParallelExecutor:
         if lost:
             raise EngineDeadError(f"Tensor-parallel start-up failed: {lost}.")
 
-    def execute_model(self, scheduled: list[ScheduledTokens], block_ids: dict[str, list[list[int]]]) -> StepResult:
+    def execute_model(self, scheduled: list[ScheduledTokens], block_ids: dict[str, list[list[int]]],
+                      previous: SampledTokens | None = None) -> StepResult:
+        """Run one step on every rank. The ranks get plain values from the driver, so placeholder
+        tokens (async scheduling) are filled in here on the host: the driver waits for the last
+        step's samples, and async scheduling overlaps nothing under tensor parallelism (vLLM
+        broadcasts the sampled ids between ranks on the device instead)."""
+        if previous is not None and any(s.token_ids[-1] == PLACEHOLDER_TOKEN_ID for s in scheduled):
+            ids = dict(zip(previous.req_ids, previous.token_ids.tolist()))
+            scheduled = [dataclasses.replace(s, token_ids=[*s.token_ids[:-1], ids[s.req_id]])
+                         if s.token_ids[-1] == PLACEHOLDER_TOKEN_ID else s for s in scheduled]
         if self._dead is not None:
             raise EngineDeadError(f"This tensor-parallel engine cannot continue ({self._dead}); create a new LLM.")
         # A SIGINT now would leave the other ranks inside this step's collectives, waiting for
