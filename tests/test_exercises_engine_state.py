@@ -2,6 +2,8 @@
 
 The right answers are worked out by hand from the rules (block pool order, slot = block *
 block_size + offset, running requests first, chunked prefill), not read from the checkers.
+The engines run one step at a time (async_scheduling=False, as in the notebooks): the exercises
+read the engine's state between two steps, which async scheduling has moved on already.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 @pytest.fixture
 def paged() -> LLM:
     """Notebook 02's exercise engine: blocks of 4, three prompts prefilled in one step."""
-    llm = LLM("tiny", device="cpu", num_kv_blocks=16, block_size=4)
+    llm = LLM("tiny", device="cpu", num_kv_blocks=16, block_size=4, async_scheduling=False)
     for prompt in ["blocks!", "slot", "paging"]:  # 8, 5 and 7 tokens with the begin-of-sequence token
         llm.add_request(prompt, GREEDY)
     llm.step()
@@ -50,7 +52,7 @@ def test_next_slot_mapping(paged: LLM) -> None:
 
 def test_next_schedule() -> None:
     # Notebook 09's engine: blocks of 4, 7 usable blocks, 12 tokens per step.
-    llm = LLM("tiny", device="cpu", num_kv_blocks=8, block_size=4, max_num_batched_tokens=12)
+    llm = LLM("tiny", device="cpu", num_kv_blocks=8, block_size=4, max_num_batched_tokens=12, async_scheduling=False)
     for prompt in ["abc", "defgh", "a much longer prompt"]:  # 4, 6 and 21 tokens
         llm.add_request(prompt, GREEDY)
     llm.step()  # 4 + 6 tokens, then the last 2 of the budget go to request 2's first chunk
