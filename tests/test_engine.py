@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from pagedkv import LLM, SamplingParams, StepEvent
 from pagedkv.engine.request import RequestOutput
@@ -170,46 +169,6 @@ def test_sampling_seed_top_k_top_p() -> None:
     top1 = tokens(llm.generate(prompts([3]), SamplingParams(temperature=5.0, top_k=1, max_tokens=12, seed=1, ignore_eos=True)))
     tiny_p = tokens(llm.generate(prompts([3]), SamplingParams(temperature=5.0, top_p=1e-6, max_tokens=12, seed=1, ignore_eos=True)))
     assert top1 == greedy == tiny_p
-
-
-def test_sampler_top_p_keeps_the_nucleus() -> None:
-    from pagedkv.engine.sampler import Sampler
-
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    seen = {Sampler()(logits, [str(i)], [SamplingParams(temperature=1.0, top_p=0.7, seed=i)])[0] for i in range(200)}
-    assert seen == {0, 1}, "top_p=0.7 keeps exactly the two tokens that reach 0.8"
-
-
-def _draws(logits: torch.Tensor, n: int, **params: float) -> list[int]:
-    """The token the sampler picks for `logits` with seeds 0 .. n - 1."""
-    from pagedkv.engine.sampler import Sampler
-
-    return [Sampler()(logits, [str(i)], [SamplingParams(seed=i, **params)])[0] for i in range(n)]
-
-
-def test_sampler_temperature_divides_the_logits() -> None:
-    p = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
-    expected = (p**2 / (p**2).sum())[0].item()  # softmax(log p / 0.5) = p^2 / sum p^2: 0.685 for token 0
-    picks = _draws(torch.log(p).float()[None], 2000, temperature=0.5)
-    assert abs(picks.count(0) / 2000 - expected) < 0.05  # T * logits would give about 0.38
-
-
-def test_sampler_top_k_and_top_p_together_and_a_tie_at_top_p() -> None:
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    assert set(_draws(logits, 200, temperature=1.0, top_k=3, top_p=0.7)) == {0, 1}
-    # top_k=2 alone keeps {0, 1}, top_p=0.6 alone too; together (top_p over the two kept: 0.625,
-    # 0.375) only token 0: both filters must act.
-    assert set(_draws(logits, 200, temperature=1.0, top_k=2, top_p=0.6)) == {0}
-    # Two equal tokens, top_p 0.5: the first alone reaches it, so one token is ever drawn.
-    assert len(set(_draws(torch.zeros(1, 2), 100, temperature=1.0, top_p=0.5))) == 1
-
-
-def test_a_seeded_request_draws_new_numbers_every_step() -> None:
-    from pagedkv.engine.sampler import Sampler
-
-    sampler, params = Sampler(), SamplingParams(temperature=1.0, seed=3)
-    picks = [sampler(torch.zeros(1, 1000), ["r"], [params])[0] for _ in range(20)]
-    assert len(set(picks)) > 10  # a generator seeded again each step would draw the same token 20 times
 
 
 def test_uniform_decode_steps_are_the_steps_of_one_token_per_request() -> None:

@@ -15,7 +15,6 @@ import torch
 from pagedkv import LLM, SamplingParams
 from pagedkv.__main__ import main as cli
 from pagedkv.engine.arg_utils import EngineArgs
-from pagedkv.engine.sampler import Sampler
 from tests.reference import generate_checked
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -148,36 +147,45 @@ def test_misused_generate_and_listener_arguments_are_named() -> None:
     assert_idle(llm)
 
 
-def _sample_failing_for_seed_666(logits, params, generator):
-    if params.seed == 666:
-        raise RuntimeError("sampler exploded for this request")
-    return _ORIGINAL_SAMPLE(logits, params, generator)
+def nan_logits_for(llm: LLM, request_id: str) -> None:
+    """Make the model's logits NaN in `request_id`'s row of every step (a broken model, for one request)."""
+    real = llm.runner.execute_model
+
+    def patched(*args, **kwargs):
+        result = real(*args, **kwargs)
+        rows = result.batch.sampling_req_ids
+        if request_id not in rows:
+            return result
+        logits = result.logits.clone()
+        logits[rows.index(request_id)] = float("nan")
+        return dataclasses.replace(result, logits=logits)
+
+    llm.runner.execute_model = patched
 
 
-_ORIGINAL_SAMPLE = Sampler._sample
-
-
-def test_a_request_that_fails_in_a_step_is_finished_with_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_request_that_fails_in_a_step_is_finished_with_an_error() -> None:
+    """A sampled (not greedy) request whose logits are NaN fails alone; the batch's others go on."""
     good = SamplingParams(temperature=0.8, seed=1, max_tokens=5, ignore_eos=True)
     bad = SamplingParams(temperature=0.8, seed=666, max_tokens=5, ignore_eos=True)
     expected = small_llm().generate(ids(6), good)[0].outputs[0].token_ids
 
-    monkeypatch.setattr(Sampler, "_sample", staticmethod(_sample_failing_for_seed_666))
     llm = small_llm()
     good_id, bad_id = llm.add_request(ids(6), good), llm.add_request(ids(9, start=3), bad)
+    nan_logits_for(llm, bad_id)
     seen = run_steps(llm)
     (failed,) = seen[bad_id]  # reported once, when it failed, with no token
     assert failed.finished and failed.outputs[0].finish_reason == "error"
-    assert "sampler exploded" in failed.error and failed.outputs[0].token_ids == []
+    assert "no token can be sampled" in failed.error and failed.outputs[0].token_ids == []
     assert seen[good_id][-1].outputs[0].token_ids == expected, "the other request goes on untouched"
     assert seen[good_id][-1].error is None
     assert_idle(llm)
     assert llm.sampler._generators == {}
 
     # Through generate: the failure is an output, the batch's other prompts complete.
+    nan_logits_for(llm, "3")  # the second prompt of this call (ids count on from the two above)
     outs = llm.generate([ids(6), ids(9, start=3)], [good, bad])
     assert outs[0].outputs[0].token_ids == expected and outs[0].error is None
-    assert outs[1].outputs[0].finish_reason == "error" and "sampler exploded" in outs[1].error
+    assert outs[1].outputs[0].finish_reason == "error" and "NaN" in outs[1].error
     assert_idle(llm)
 
 

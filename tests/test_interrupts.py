@@ -79,8 +79,8 @@ def patch_point(llm: LLM, point: str, at: int) -> Interrupt:
     elif point == "cache write":  # the K/V write of the last layer
         impl = layers[-1].impl
         impl.do_kv_cache_update = interrupt.wrap(impl.do_kv_cache_update)
-    elif point == "sampler":
-        llm.sampler._sample = interrupt.wrap(llm.sampler._sample)
+    elif point == "sampler":  # a seeded row's draw: one call per seeded request of the step
+        llm.sampler._seeded_noise = interrupt.wrap(llm.sampler._seeded_noise)
     elif point == "step":  # between steps' bookkeeping: the whole model call
         llm.runner.execute_model = interrupt.wrap(llm.runner.execute_model)
     return interrupt

@@ -13,7 +13,7 @@ Or drive it yourself and stream (what a server does):
 
 One `step()` = schedule -> run the model -> sample -> update; step listeners see each one.
 
-Speed on a GPU: `LLM(..., cudagraph_mode="FULL_AND_PIECEWISE", compile=True)` (pagedkv.worker.cudagraph).
+Speed on a GPU is the default (compiled, CUDA graphs: pagedkv.worker.cudagraph); `enforce_eager=True` runs eagerly.
 """
 
 from __future__ import annotations
@@ -391,7 +391,7 @@ class LLM:
                 prompt=request.prompt,
                 prompt_token_ids=request.prompt_token_ids,
                 outputs=[CompletionOutput(0, request.output_text(), list(request.output_token_ids),
-                                          request.finish_reason)],
+                                          request.finish_reason, request.logprobs_so_far())],
                 finished=request.finish_reason is not None,
                 error=request.error,
             )

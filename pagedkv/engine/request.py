@@ -13,6 +13,9 @@ SAMPLING_EPS = 1e-5
 """A temperature below this samples greedily, as in vLLM: logits divided by a temperature of 1e-38
 overflow to inf, and their softmax is NaN."""
 
+MAX_LOGPROBS = 20
+"""Most `logprobs` a request may ask for (vLLM's default `max_logprobs`)."""
+
 SEED_RANGE = (-(2**63), 2**64 - 1)
 """What `torch.Generator.manual_seed` takes; a negative seed wraps modulo 2**64."""
 
@@ -33,6 +36,8 @@ class SamplingParams:
     """Keep only the k most likely tokens; 0 keeps all (vLLM also spells that -1; here it is 0)."""
     top_p: float = 1.0
     """Keep the smallest set of tokens whose probability adds up to top_p, in (0, 1]."""
+    min_p: float = 0.0
+    """Keep only tokens at least min_p times as likely as the most likely one, in [0, 1]; 0 keeps all."""
     seed: int | None = None
     """Per-request random seed: the same seed gives the same tokens. None: the global generator."""
     max_tokens: int = 16
@@ -41,6 +46,10 @@ class SamplingParams:
     """Keep going past the model's end-of-sequence tokens."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Stop after any of these token ids (it is kept in the output); None means none."""
+    logprobs: int | None = None
+    """Return, with each output token, its log-probability and those of the `logprobs` most likely
+    tokens (of the model's distribution, before temperature and filters, as vLLM's default); at most
+    MAX_LOGPROBS. None: none."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -50,11 +59,14 @@ class SamplingParams:
         self.temperature = check_float("temperature", self.temperature, 0, hint=" (0 = greedy)")
         self.top_k = check_int("top_k", self.top_k, 0, hint=" (0 keeps all tokens)")
         self.top_p = check_float("top_p", self.top_p, 0, 1, low_open=True, hint=" (1 keeps all tokens)")
+        self.min_p = check_float("min_p", self.min_p, 0, 1, hint=" (0 keeps all tokens)")
         self.seed = check_optional_int("seed", self.seed, *SEED_RANGE, hint=" or None (what torch.Generator takes)")
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
         self.ignore_eos = check_bool("ignore_eos", self.ignore_eos)
         stop = [] if self.stop_token_ids is None else self.stop_token_ids
         self.stop_token_ids = check_token_ids("stop_token_ids", stop)
+        self.logprobs = check_optional_int("logprobs", self.logprobs, 0, MAX_LOGPROBS,
+                                           hint=" or None (how many of the most likely tokens to return)")
 
     @property
     def greedy(self) -> bool:
@@ -98,7 +110,7 @@ class Request:
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when it was (last) admitted: not computed then."""
     output_logprobs: list[dict[int, float]] = field(default_factory=list, repr=False)
-    """Per output token, the log-probabilities asked for with SamplingParams.logprobs."""
+    """Per output token, the log-probabilities asked for with SamplingParams.logprobs (token id -> logprob)."""
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
     """Turns output_token_ids into text (None: the model has no tokenizer, the text stays "")."""
     _token_ids: list[int] = field(init=False, repr=False)
@@ -138,6 +150,10 @@ class Request:
         return (len(self.output_token_ids) + n >= self.sampling_params.max_tokens
                 or self.num_tokens + n >= max_model_len)
 
+    def logprobs_so_far(self) -> list[dict[int, float]] | None:
+        """A copy of `output_logprobs` for an output, or None when the request asked for none."""
+        return None if self.sampling_params.logprobs is None else list(self.output_logprobs)
+
     def output_text(self) -> str:
         """The text of the output so far. Each call decodes the tokens added since the last one
         (a method, not a property: it does that work and moves the detokenizer on)."""
@@ -164,6 +180,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None
+    """With SamplingParams.logprobs: per token, {token id: log-probability} of the sampled token and
+    the most likely ones."""
 
 
 @dataclass
