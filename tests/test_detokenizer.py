@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.engine.detokenizer import IncrementalDetokenizer
+from pagedkv.engine.detokenizer import IncrementalDetokenizer, detokenize_batch
 from pagedkv.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TEXTS = ["the lazy fox says hello world", "naïve café, déjà vu: 東京 タワー 😀!", "print('hi')  # two  spaces"]
@@ -80,6 +80,40 @@ def test_hugging_face_tokenizers(tmp_path: Path, kind: str) -> None:
     # Why the window starts before the new tokens: decoded alone, "▁lazy" loses its space
     # (Metaspace), and a byte-level token loses the bytes of a character begun before it.
     assert naive_texts != TEXTS
+
+
+class CountingTokenizer(ByteTokenizer):
+    """The presets' tokenizer, counting the ids and the calls it decodes."""
+
+    def __init__(self) -> None:
+        self.ids_decoded, self.calls = 0, 0
+
+    def decode_batch(self, batch: list[list[int]]) -> list[str]:
+        self.calls += 1
+        self.ids_decoded += sum(map(len, batch))
+        return super().decode_batch(batch)
+
+
+def test_a_random_models_replacement_characters_do_not_grow_the_window() -> None:
+    """Ids past the bytes (what a random model mostly emits) decode to a final U+FFFD: the work per
+    new token stays bounded instead of growing with the output (it grew to the whole output)."""
+    tokenizer = CountingTokenizer()
+    ids = [65] + [1000 + i for i in range(399)]
+    texts = incremental_texts(tokenizer, ids)
+    assert texts[-1] == ByteTokenizer().decode(ids)
+    assert tokenizer.ids_decoded < 20 * len(ids)
+
+
+def test_one_batched_decode_per_step_gives_each_requests_text() -> None:
+    tokenizer = CountingTokenizer()
+    rng = random.Random(1)
+    streams = [random_bytes_ids(rng) + random_bytes_ids(rng) for _ in range(6)]
+    detokenizers = [IncrementalDetokenizer(tokenizer) for _ in streams]
+    for n in range(1, max(map(len, streams)) + 1):
+        live = [(d, s[:n]) for d, s in zip(detokenizers, streams) if len(s) >= n]
+        calls = tokenizer.calls
+        assert detokenize_batch(tokenizer, live) == [ByteTokenizer().decode(ids) for _, ids in live]
+        assert tokenizer.calls == calls + 1
 
 
 def test_a_shrinking_sequence_is_refused() -> None:

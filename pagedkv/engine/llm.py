@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from pagedkv.engine.arg_utils import engine_args, engine_args_signature
 from pagedkv.engine.checks import check_token_ids
-from pagedkv.engine.detokenizer import IncrementalDetokenizer
+from pagedkv.engine.detokenizer import IncrementalDetokenizer, detokenize_batch
 from pagedkv.engine.events import EngineStats, StepEvent, StepListener
 from pagedkv.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from pagedkv.engine.sampler import Sampler, SamplerOutput
@@ -384,18 +384,22 @@ class LLM:
         self.stats.num_lookup_tokens += sum(s.num_lookup_tokens for s in sched.scheduled)
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
-        """The requests' outputs, their text brought up to date."""
+        """The requests' outputs, their text brought up to date by one batched decode (only the
+        outputs a caller reads are made: streamed ones, or generate()'s finished ones)."""
+        texts = [""] * len(requests)
+        if self.tokenizer is not None:
+            texts = detokenize_batch(self.tokenizer, [(r.detokenizer, r.output_token_ids) for r in requests])
         return [
             RequestOutput(
                 request_id=request.request_id,
                 prompt=request.prompt,
                 prompt_token_ids=request.prompt_token_ids,
-                outputs=[CompletionOutput(0, request.output_text(), list(request.output_token_ids),
-                                          request.finish_reason, request.logprobs_so_far())],
+                outputs=[CompletionOutput(0, text, list(request.output_token_ids), request.finish_reason,
+                                          request.logprobs_so_far())],
                 finished=request.finish_reason is not None,
                 error=request.error,
             )
-            for request in requests
+            for request, text in zip(requests, texts)
         ]
 
     # ---- offline batch ---------------------------------------------------------------

@@ -128,7 +128,7 @@ class Sampler:
             logits [rows, vocab] --topk(max k)--> values [rows, K] (sorted), their token ids
             column j of a row with k <= j: -inf (so each row keeps its own k)
         """
-        k = torch.tensor([p.top_k for p in params], device=logits.device)
+        k = _to_device([p.top_k for p in params], logits.device)
         values, token_ids = logits.topk(int(max(p.top_k for p in params)), dim=-1)
         values = values.masked_fill(torch.arange(values.shape[1], device=logits.device) >= k[:, None], float("-inf"))
         values = _filter(values, params, sorted_descending=True)
@@ -158,9 +158,15 @@ class Sampler:
         row.exponential_(generator=generator)
 
 
+def _to_device(values: list[int] | list[float], device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor, copied without waiting: `torch.tensor(values, device=...)`
+    would wait for everything queued on the GPU (the forward just launched) before copying."""
+    return torch.tensor(values).to(device, non_blocking=True)
+
+
 def _index(rows: list[int], num_rows: int, device: torch.device) -> torch.Tensor | None:
     """`rows` as an index tensor; None when they are every row in order (no gather needed)."""
-    return None if rows == list(range(num_rows)) else torch.tensor(rows, device=device)
+    return None if rows == list(range(num_rows)) else _to_device(rows, device)
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams], sorted_descending: bool) -> torch.Tensor:
@@ -172,15 +178,15 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams], sorted_descendin
     it (in descending order) already reach it, so the most likely one always stays.
     """
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
+    temperature = _to_device([p.temperature for p in params], device)
     logits = logits / temperature[:, None]
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device)
+        min_p = _to_device([p.min_p for p in params], device)
         low = logits.amax(dim=-1, keepdim=True) + min_p.log()[:, None]  # log(0) = -inf keeps all
         logits = logits.masked_fill(logits < low, float("-inf"))
     if all(p.top_p >= 1.0 for p in params):
         return logits
-    top_p = torch.tensor([p.top_p for p in params], device=device)
+    top_p = _to_device([p.top_p for p in params], device)
     if sorted_descending:
         values, order = logits, None
     else:  # stable: of equal logits, the lower token id counts as the more likely

@@ -15,6 +15,8 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
+    def decode_batch(self, batch: list[list[int]]) -> list[str]: ...
+
 
 class ByteTokenizer:
     """One token per UTF-8 byte (ids 0-255), plus BOS 256 and EOS 257."""
@@ -40,6 +42,9 @@ class ByteTokenizer:
         data = bytes(t if 0 <= t < 256 else 0xFF for t in token_ids if t not in special)
         return data.decode("utf-8", errors="replace")
 
+    def decode_batch(self, batch: list[list[int]]) -> list[str]:
+        return [self.decode(token_ids) for token_ids in batch]
+
 
 class HFTokenizer:
     """Wraps `transformers.AutoTokenizer` loaded from a local directory."""
@@ -55,6 +60,9 @@ class HFTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    def decode_batch(self, batch: list[list[int]]) -> list[str]:
+        return self._tok.batch_decode(batch, skip_special_tokens=True)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
