@@ -154,11 +154,6 @@ class Request:
         """A copy of `output_logprobs` for an output, or None when the request asked for none."""
         return None if self.sampling_params.logprobs is None else list(self.output_logprobs)
 
-    def output_text(self) -> str:
-        """The text of the output so far. Each call decodes the tokens added since the last one
-        (a method, not a property: it does that work and moves the detokenizer on)."""
-        return self.detokenizer.text(self.output_token_ids) if self.detokenizer is not None else ""
-
     def check_stop(self, max_model_len: int) -> bool:
         """Set the finish reason after a new token; True when the request is done."""
         last = self.output_token_ids[-1]
