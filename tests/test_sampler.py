@@ -150,3 +150,25 @@ def test_a_row_of_nan_fails_alone() -> None:
     out = draw(Sampler(), logits, list("abcd"), params)
     assert isinstance(out[1], ValueError) and "request b" in str(out[1]) and isinstance(out[3], ValueError)
     assert isinstance(out[0], int) and out[2] == logits[2].argmax().item()
+
+
+def test_the_engines_logprobs_are_transformers_float64_log_softmax() -> None:
+    """Through `generate`, sampled with a temperature (logprobs are of the model's own distribution,
+    before it): each token's entry, and the 2 most likely, against transformers in float64."""
+    from pagedkv import LLM
+    from pagedkv.models.hf_export import to_transformers
+    from tests.reference import reference_logits
+
+    llm = LLM("tiny", device="cpu", dtype="float32", num_kv_blocks=32)
+    prompts = [{"prompt_token_ids": [1, 5, 9, 200, 7]}, {"prompt_token_ids": [3, 3, 8]}]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.8, seed=2, max_tokens=6, ignore_eos=True, logprobs=2))
+    hf = to_transformers(llm.model)
+    for prompt, out in zip(prompts, outs):
+        completion = out.outputs[0]
+        reference = reference_logits(hf, prompt["prompt_token_ids"], completion.token_ids).log_softmax(-1)
+        assert completion.logprobs is not None and len(completion.logprobs) == len(completion.token_ids)
+        for k, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            assert set(entry) == {token, *reference[k].topk(2).indices.tolist()}
+            for t, lp in entry.items():
+                assert abs(lp - reference[k, t].item()) < 1e-4
+    assert llm.generate(prompts[:1], SamplingParams(max_tokens=2))[0].outputs[0].logprobs is None
