@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny Hugging Face Llama / DeepSeek directories written by `transformers` itself.
+"""Shared fixtures: tiny Hugging Face Llama / Qwen3 / DeepSeek directories written by `transformers` itself.
 
 Without a GPU the Triton kernels are tested in Triton's interpreter, which Triton picks only if
 TRITON_INTERPRET=1 is set when it is first imported: set it here, before any test module imports
@@ -43,8 +43,12 @@ def edit_config_json(model_dir: Path, **changes: object) -> None:
     path.write_text(json.dumps(hf))
 
 
-def write_hf_llama(path: Path, *, seed: int = 0, **overrides: object) -> Path:
-    """Save a randomly initialised `transformers.LlamaForCausalLM` with `save_pretrained`."""
+def write_hf_llama(path: Path, *, family: str = "Llama", seed: int = 0, **overrides: object) -> Path:
+    """Save a randomly initialised `transformers.{family}ForCausalLM` (Llama, Qwen3) with `save_pretrained`.
+
+    Qwen3's per-head `q_norm` / `k_norm` weights are drawn around 1 (transformers sets them to 1):
+    with ones, a model that swapped the two norms, or gave k the q norm, would compute the same.
+    """
     transformers = pytest.importorskip("transformers")
     fields = dict(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -54,7 +58,12 @@ def write_hf_llama(path: Path, *, seed: int = 0, **overrides: object) -> Path:
     )
     fields.update(overrides)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
+    config = getattr(transformers, f"{family}Config")(**fields)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.copy_(1 + 0.5 * torch.randn(param.shape))
     model.save_pretrained(path)
     return path
 

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.models.hf_export import to_transformers
+from tests.conftest import write_hf_llama
 
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
-def test_export_shares_weights_and_computes_the_same_logits(model: str) -> None:
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid", "qwen3-directory"])
+def test_export_shares_weights_and_computes_the_same_logits(model: str, tmp_path: Path) -> None:
+    if model == "qwen3-directory":  # q_norm / k_norm must reach transformers' Qwen3ForCausalLM
+        model = str(write_hf_llama(tmp_path / "qwen3", family="Qwen3", vocab_size=320, head_dim=24))
     llm = LLM(model, device="cpu", dtype="float32", attention_backend="TORCH_REF", num_kv_blocks=64)
     hf = to_transformers(llm.model, dtype=torch.float32, attn_implementation="sdpa")
     tensors = [*hf.parameters(), *hf.buffers()]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.models.loader import PRESETS, weight_bytes
 from tests.conftest import write_hf_llama
 
 transformers = pytest.importorskip("transformers")
@@ -25,11 +26,13 @@ CONFIGS = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
     ),
+    # Qwen3: per-head q_norm / k_norm (drawn by write_hf_llama) before RoPE; head_dim 24 != 64 / 4.
+    "qwen3-gqa-head_dim-24": dict(family="Qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=24),
 }
 
 
 def hf_model(path: Path) -> torch.nn.Module:
-    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -64,7 +67,7 @@ def _hf_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[li
 PROMPTS = [[(7 * i + 3 * j) % 120 + 3 for j in range(n)] for i, n in enumerate([1, 5, 12, 17, 33, 48, 64, 90])]
 
 
-@pytest.mark.parametrize("name", ["gqa", "mqa"])
+@pytest.mark.parametrize("name", ["gqa", "mqa", "qwen3-gqa-head_dim-24"])
 def test_greedy_generate_matches_transformers(tmp_path: Path, name: str) -> None:
     path = write_hf_llama(tmp_path / name, **CONFIGS[name])
     expected = _hf_greedy(path, PROMPTS, max_tokens=12)
@@ -173,6 +176,13 @@ WINDOW_CASES = {
     "llama-window-ignored": ("Llama", {}, _setting(sliding_window=8, layer_types=[SLIDING] * 4), [None] * 4),
     "llama-use_sliding_window-ignored": ("Llama", {}, _setting(use_sliding_window=True, sliding_window=8,
                                                                max_window_layers=0), [None] * 4),
+    # Qwen3 reads its windows as Qwen2 does.
+    "qwen3-no-layer_types": ("Qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2),
+                             _without("layer_types"), [None, None, 8, 8]),
+    "qwen3-layer_types": ("Qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=3,
+                                        layer_types=[FULL, SLIDING, SLIDING, FULL]), None, [None, 8, 8, None]),
+    "qwen3-no-use_sliding_window": ("Qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0),
+                                    _without("use_sliding_window", "layer_types"), [None] * 4),
 }
 
 
@@ -226,6 +236,13 @@ FAMILY_KEY_CASES = {
     "qwen2-bias-keys": ("Qwen2", {}, _setting(attention_bias=True, mlp_bias=True)),
     "llama-qkv_bias-key": ("Llama", {}, _setting(qkv_bias=True)),  # not a Llama key
     "llama-swish": ("Llama", {}, _setting(hidden_act="swish")),  # another name of SiLU
+    # Qwen3's defaults: max_position_embeddings 32768, head_dim 128 (not 64 / 4), 32 KV heads.
+    "qwen3-default-context": ("Qwen3", dict(rope_parameters=LLAMA3), _no_context_lengths),
+    "qwen3-default-head_dim": ("Qwen3", {}, _without("head_dim")),
+    "qwen3-default-num_key_value_heads": ("Qwen3", dict(num_attention_heads=32, num_key_value_heads=32, head_dim=8),
+                                          _without("num_key_value_heads")),
+    # attention_bias puts biases on q/k/v and o_proj (as Llama's); the MLP has none, whatever mlp_bias says.
+    "qwen3-bias-keys": ("Qwen3", dict(attention_bias=True), _setting(mlp_bias=True)),
 }
 
 
@@ -233,3 +250,14 @@ FAMILY_KEY_CASES = {
 def test_family_keys_are_read_as_transformers_reads_them(tmp_path: Path, name: str) -> None:
     family, fields, edit = FAMILY_KEY_CASES[name]
     _logits_match_auto_model(_family_dir(tmp_path / name, family, fields, edit), PROMPTS[5])
+
+
+@pytest.mark.parametrize(("preset", "billions", "non_embedding"), [("qwen3-0.6b", 0.6, 0.44), ("qwen3-8b", 8.2, 6.95)])
+def test_qwen3_presets_have_the_model_cards_parameter_counts(preset: str, billions: float, non_embedding: float) -> None:
+    """The benchmark presets are the real models' shapes: counted on the meta device, the parameters
+    (tied embeddings once) are what Qwen3-0.6B's and Qwen3-8B's model cards say, total and without
+    the embeddings."""
+    config = PRESETS[preset]
+    _, params = weight_bytes(config)
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    assert (round(params / 1e9, 1), round((params - embeddings) / 1e9, 2)) == (billions, non_embedding)

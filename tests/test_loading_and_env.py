@@ -160,7 +160,8 @@ def test_config_json_that_is_not_an_object(tmp_path: Path) -> None:
     "changes,message",
     [
         (dict(model_type="gpt2", architectures=None), r"model_type 'gpt2' is not supported; supported model types: "
-                                                      r"\['llama', 'mistral', 'qwen2', 'deepseek_v2', 'deepseek_v3'\]"),
+                                                      r"\['llama', 'mistral', 'qwen2', 'qwen3', 'deepseek_v2', "
+                                                      r"'deepseek_v3'\]"),
         (dict(model_type="gpt2"), r"model_type 'gpt2' is not supported"),
         (dict(model_type=None, architectures=["GPT2LMHeadModel"]), r"architectures \['GPT2LMHeadModel'\] is not "
                                                                    r"supported; supported: \['LlamaForCausalLM'"),
@@ -181,6 +182,9 @@ def test_unsupported_or_contradictory_model_is_rejected(tmp_path: Path, changes:
     (dict(max_position_embeddings="1024"), r"max_position_embeddings must be an int >= 1, got '1024'"),
     (dict(hidden_size=-64), r"hidden_size must be an int >= 1, got -64"),  # was torch's "Dimension size"
     (dict(rms_norm_eps="x"), r"rms_norm_eps must be a number > 0, got 'x'"),  # was accepted
+    # Was the attention layer's message without the file (a Qwen3 config without num_key_value_heads has 32).
+    (dict(num_key_value_heads=3), r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+    (dict(attention_bias="yes"), r"attention_bias must be true or false, got 'yes'"),  # was "missing 8 tensors"
 ])
 def test_config_json_numbers_are_checked_by_name(tmp_path: Path, changes: dict, message: str) -> None:
     """Named with the file's path (the model file's own checks say only "config.json")."""

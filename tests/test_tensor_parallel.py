@@ -74,6 +74,10 @@ def assert_no_workers_left() -> None:
         # before it, it counts tp times); transformers initialises biases to 0: they are drawn.
         ("gqa_random_biases", 2, dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
                                       mlp_bias=True)),
+        # Qwen3: each rank normalises its own heads with the whole q_norm / k_norm (replicated, not
+        # split); head_dim 24 is not hidden_size / heads; attention_bias puts the biases on q/k/v and o_proj.
+        ("qwen3_gqa_split_random_biases", 2, dict(family="Qwen3", num_attention_heads=8, num_key_value_heads=4,
+                                                  head_dim=24, attention_bias=True)),
     ],
 )
 def test_tp_matches_tp1_and_transformers(tmp_path: Path, name: str, tp: int, shape: dict) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.qwen3 import Qwen3Config
 
 
 def to_transformers(
@@ -29,11 +30,11 @@ def to_transformers(
 ) -> torch.nn.Module:
     """A `transformers` model computing what `model` computes, in `dtype` on `device`, eval mode.
 
-    Full-attention models become `LlamaForCausalLM`; models with sliding-window layers become
-    `Qwen2ForCausalLM` (Llama plus per-layer `layer_types`) with zero q/k/v biases. Weights
-    already in `dtype` on `device` are shared with `model`. In float64 every floating buffer
-    (RoPE's inverse frequencies) is float64 too; otherwise they stay float32, as transformers
-    keeps them.
+    Qwen3 models become `Qwen3ForCausalLM`; other full-attention models `LlamaForCausalLM`; other
+    models with sliding-window layers `Qwen2ForCausalLM` (Llama plus per-layer `layer_types`) with
+    zero q/k/v biases. Weights already in `dtype` on `device` are shared with `model`. In float64
+    every floating buffer (RoPE's inverse frequencies) is float64 too; otherwise they stay float32,
+    as transformers keeps them.
     """
     import transformers  # optional: only the tests and the benchmark need it
 
@@ -67,13 +68,19 @@ def _transformers_config(model: LlamaForCausalLM, attn_implementation: str) -> t
         max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
         rope_parameters=rope, attn_implementation=attn_implementation,
     )
+    layer_types = ["full_attention" if c.layer_sliding_window(i) is None else "sliding_attention"
+                   for i in range(c.num_hidden_layers)]
+    if len(windows) > 1:
+        raise NotImplementedError("the export maps one window size onto transformers' layer_types")
+    if isinstance(c, Qwen3Config):  # q_norm / k_norm: only transformers' Qwen3 has them
+        config = transformers.Qwen3Config(**fields, attention_bias=c.attention_bias, use_sliding_window=bool(windows),
+                                          sliding_window=next(iter(windows), None), layer_types=layer_types)
+        return config, transformers.Qwen3ForCausalLM
     if not windows:
         config = transformers.LlamaConfig(**fields, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
         return config, transformers.LlamaForCausalLM
-    if len(windows) > 1 or c.attention_bias or c.mlp_bias:
-        raise NotImplementedError("the export maps one window size and no o_proj/MLP biases onto Qwen2")
-    layer_types = ["full_attention" if c.layer_sliding_window(i) is None else "sliding_attention"
-                   for i in range(c.num_hidden_layers)]
+    if c.attention_bias or c.mlp_bias:
+        raise NotImplementedError("the export maps no o_proj/MLP biases onto Qwen2")
     config = transformers.Qwen2Config(**fields, sliding_window=windows.pop(), use_sliding_window=True,
                                       layer_types=layer_types)
     return config, transformers.Qwen2ForCausalLM

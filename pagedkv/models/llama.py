@@ -39,7 +39,7 @@ class LlamaConfig:
     """The architecture fields of a Hugging Face Llama `config.json` that this model reads."""
 
     architecture: ClassVar[str] = "LlamaForCausalLM"
-    """The model class that serves it (`loader.MODEL_REGISTRY`), for Mistral and Qwen2 too."""
+    """The model class that serves it (`loader.MODEL_REGISTRY`), for Mistral and Qwen2 too (Qwen3: its own)."""
     supports_tensor_parallel: ClassVar[bool] = True
     use_mla: ClassVar[bool] = False
     """Attention layers are MHA / GQA / MQA (`Attention`), not MLA: MHA backends serve them."""
@@ -76,8 +76,14 @@ class LlamaConfig:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:  # e.g. Qwen3's default of 32 KV heads
+            raise ValueError(f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads}).")
         if self.qkv_bias is None:
             self.qkv_bias = self.attention_bias
+        for name in ("attention_bias", "qkv_bias", "mlp_bias", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):  # "yes" would build biases the checkpoint lacks
+                raise ValueError(f"config.json: {name} must be true or false, got {getattr(self, name)!r}.")
         if self.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act={self.hidden_act!r} is not supported; Llama-family models use 'silu'.")
         self._check_windows()
@@ -107,8 +113,8 @@ class LlamaConfig:
     def from_hf_dict(cls, hf: dict[str, Any], model_type: str = "llama") -> LlamaConfig:
         """Read a `config.json` of transformers 4 (rope_theta + rope_scaling) or 5 (rope_parameters).
 
-        `model_type` is the family ("llama", "mistral" or "qwen2"): it decides the biases and how
-        the per-layer windows are read (see `_hf_windows`).
+        `model_type` is the family ("llama", "mistral", "qwen2" or "qwen3"): it decides the biases
+        and how the per-layer windows are read (see `_hf_windows`).
         """
         present = {k: hf[k] for k in cls.__dataclass_fields__ if k in hf and hf[k] is not None and k != "qkv_bias"}
         kwargs = {**FAMILY_DEFAULTS.get(model_type, {}), **present}
@@ -118,11 +124,14 @@ class LlamaConfig:
         kwargs["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if kwargs.get("hidden_act") == "swish":  # another name of SiLU (transformers' ACT2FN has both)
             kwargs["hidden_act"] = "silu"
-        # Mistral has no biases and Qwen2 biases on q/k/v only, whatever bias keys the file has.
+        # Mistral has no biases and Qwen2 biases on q/k/v only, whatever bias keys the file has;
+        # Qwen3 reads attention_bias (q/k/v and o_proj, as Llama) but never has MLP biases.
         if model_type == "mistral":
             kwargs.update(attention_bias=False, mlp_bias=False)
         elif model_type == "qwen2":
             kwargs.update(qkv_bias=True, attention_bias=False, mlp_bias=False)
+        elif model_type == "qwen3":
+            kwargs.update(mlp_bias=False)
         kwargs["sliding_window"], kwargs["layer_types"] = _hf_windows(hf, model_type)
         return cls(**kwargs)
 
@@ -144,7 +153,7 @@ def _hf_windows(hf: dict[str, Any], model_type: str) -> tuple[int | None, list[s
     llama:   no window, whatever the file says.
     mistral: `sliding_window` (4096 when the key is absent, none when null) on every layer; with
              `layer_types` (AutoModel then loads it as Ministral) only on the "sliding_attention" ones.
-    qwen2:   windows only when `use_sliding_window` is true (default false); `layer_types` when
+    qwen2, qwen3: windows only when `use_sliding_window` is true (default false); `layer_types` when
              present, else full attention on layers below `max_window_layers` (default 28) and
              the window from there on (what transformers 4 wrote had no layer_types).
     """
@@ -209,10 +218,11 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, config: LlamaConfig, prefix: str, sliding_window: int | None) -> None:
+    def __init__(self, config: LlamaConfig, prefix: str, sliding_window: int | None,
+                 attention_type: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", sliding_window)
+        self.self_attn = attention_type(config, f"{prefix}.self_attn", sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
@@ -224,12 +234,13 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm."""
 
-    def __init__(self, config: LlamaConfig, prefix: str = "model") -> None:
+    def __init__(self, config: LlamaConfig, prefix: str = "model",
+                 attention_type: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         with share_rotary_embeddings():  # one cos/sin table for all layers
             self.layers = nn.ModuleList(
-                LlamaDecoderLayer(config, f"{prefix}.layers.{i}", config.layer_sliding_window(i))
+                LlamaDecoderLayer(config, f"{prefix}.layers.{i}", config.layer_sliding_window(i), attention_type)
                 for i in range(config.num_hidden_layers)
             )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -254,11 +265,13 @@ class LlamaForCausalLM(nn.Module):
 
     keep_in_float32: ClassVar[tuple[str, ...]] = ()
     """Parameters (name endings) that stay float32 in a bf16/fp16 engine: none here (DeepSeek: its router)."""
+    attention_type: ClassVar[type[LlamaAttention]] = LlamaAttention
+    """The attention module of every layer: a family that only changes attention (Qwen3) swaps it."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, attention_type=self.attention_type)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:  # both split by vocabulary rows the same way
             self.lm_head.weight = self.model.embed_tokens.weight

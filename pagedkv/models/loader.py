@@ -1,5 +1,5 @@
 """Getting a model: random-init presets, trained presets shipped with the package, or a local
-Hugging Face directory of a Llama-family or DeepSeek-V2 / V3 model."""
+Hugging Face directory of a Llama-family (Llama, Mistral, Qwen2, Qwen3) or DeepSeek-V2 / V3 model."""
 
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ from pagedkv.distributed import get_tp_size, single_rank
 from pagedkv.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedkv.models.layers import rope_inv_freq
 from pagedkv.models.llama import LlamaConfig, LlamaForCausalLM
+from pagedkv.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 logger = logging.getLogger("pagedkv")
 
-HFConfig = LlamaConfig | DeepseekV2Config
+HFConfig = LlamaConfig | DeepseekV2Config  # Qwen3Config is a LlamaConfig
 """The architecture config of any model pagedkv serves (the fields it reads off `config.json`)."""
 CausalLM = LlamaForCausalLM | DeepseekV2ForCausalLM
 """Any model pagedkv serves: forward(input_ids, positions), compute_logits, load_weights."""
@@ -49,6 +50,19 @@ PRESETS: dict[str, HFConfig] = {
         max_position_embeddings=131072, bos_token_id=128000, eos_token_id=[128001, 128009],
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+    # Qwen3-0.6B's and Qwen3-8B's shapes (their config.json; eos ids of generation_config.json), random
+    # weights: for GPU benchmarks.
+    # head_dim 128 is not hidden_size / num_attention_heads for the 0.6B (1024 / 16 = 64).
+    "qwen3-0.6b": Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, bos_token_id=151643, eos_token_id=[151645, 151643], tie_word_embeddings=True,
+    ),
+    "qwen3-8b": Qwen3Config(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, bos_token_id=151643, eos_token_id=[151645, 151643], tie_word_embeddings=False,
     ),
     # Multi-head latent attention and a mixture of experts, as small as "tiny": 3 layers, the
     # first dense, then 4 routed experts (top 2) and 1 shared; the cache holds 32 + 8 values per token.
@@ -81,12 +95,14 @@ MODEL_REGISTRY: dict[str, tuple[type[HFConfig], type[CausalLM]]] = {
     "LlamaForCausalLM": (LlamaConfig, LlamaForCausalLM),
     "MistralForCausalLM": (LlamaConfig, LlamaForCausalLM),
     "Qwen2ForCausalLM": (LlamaConfig, LlamaForCausalLM),
+    "Qwen3ForCausalLM": (Qwen3Config, Qwen3ForCausalLM),
     "DeepseekV2ForCausalLM": (DeepseekV2Config, DeepseekV2ForCausalLM),
     "DeepseekV3ForCausalLM": (DeepseekV2Config, DeepseekV3ForCausalLM),
 }
 # model_type -> architecture, as transformers names them.
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                         "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                         "qwen3": "Qwen3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                         "deepseek_v3": "DeepseekV3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(SUPPORTED_MODEL_TYPES.values())
 
 
