@@ -5,6 +5,7 @@
     split.py     split_graph: cut a Dynamo graph at the attention custom ops
     backend.py   PiecewiseBackend: the torch.compile backend; PieceWrapper, the CUDA graph hook
     wrapper.py   compile_model: trace the whole forward once, token dimension dynamic
+    cache.py     the on-disk compile cache ($PAGEDKV_CACHE_DIR), and whether a compile found it warm
 
 Layering: worker > compilation > attention > config. `pagedkv.config` imports
 `CUDAGraphMode` from the leaf `modes.py`; the other modules import `pagedkv.config` or

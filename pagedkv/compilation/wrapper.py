@@ -16,14 +16,18 @@ guard on each layer's name and compile one graph per layer.
 
 from __future__ import annotations
 
+import logging
+import time
 import types
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagedkv.compilation.backend import PIECE_COMPILERS, PiecewiseBackend, PieceWrapper
+from pagedkv.compilation.cache import CacheReport, cache_report, enable_compile_cache
 from pagedkv.compilation.split import resolve_splitting_ops
 from pagedkv.config import CompilationConfig, EngineConfig
 
@@ -32,6 +36,8 @@ ATTENTION_OPS = (
     "pagedkv::unified_mla_attention_with_output", "pagedkv::unified_mla_kv_cache_update",
 )
 """The ops that must be split out for attention to run eagerly between piecewise graphs."""
+
+logger = logging.getLogger("pagedkv")
 
 
 def attention_compiled_piecewise(config: CompilationConfig) -> bool:
@@ -46,8 +52,10 @@ def attention_compiled_piecewise(config: CompilationConfig) -> bool:
 class CompiledForward:
     """Stands in for `model.forward`: the compiled forward, traced on first use."""
 
-    def __init__(self, model: nn.Module, backend: PiecewiseBackend) -> None:
+    def __init__(self, model: nn.Module, backend: PiecewiseBackend, cache_dir: Path | None = None) -> None:
         self.backend = backend
+        self.cache_dir = cache_dir
+        """Inductor's cache directory (None: the pieces are not compiled by Inductor)."""
         forward = type(model).forward
         self.eager_forward = types.MethodType(forward, model)
         # Dynamo keeps compiled code on the function's code object, shared by every instance
@@ -63,6 +71,10 @@ class CompiledForward:
             options={"guard_filter_fn": _drop_shape_guards},
         )
         self.traced = False
+        self.compile_seconds: float | None = None
+        """Wall time of the trace and the pieces' compilation (the first call that traced)."""
+        self.cache: CacheReport | None = None
+        """How that compilation used the on-disk compile cache (`pagedkv.compilation.cache`)."""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if not self.traced:
@@ -71,8 +83,12 @@ class CompiledForward:
                 return self.eager_forward(input_ids, positions)
             torch._dynamo.mark_dynamic(input_ids, 0)
             torch._dynamo.mark_dynamic(positions, 0)
-            hidden = self.compiled(input_ids, positions)
+            start = time.perf_counter()
+            with cache_report(self.cache_dir) as self.cache:
+                hidden = self.compiled(input_ids, positions)
+            self.compile_seconds = time.perf_counter() - start
             self.traced = True
+            logger.info("torch.compile: traced and compiled in %.1f s, %s.", self.compile_seconds, self.cache.describe())
             return hidden
         return self.compiled(input_ids, positions)
 
@@ -96,7 +112,8 @@ def compile_model(
 
     `model.forward` is replaced on this instance only (the runner keeps calling `model(...)`).
     Tracing happens on the first call with at least 2 tokens, inside a forward context.
-    `wrap_piece` receives every compiled piece (the hook for piecewise CUDA graphs).
+    `wrap_piece` receives every compiled piece (the hook for piecewise CUDA graphs). Inductor's
+    pieces are cached on disk (`pagedkv.compilation.cache`), so another process starts warm.
     """
     compilation = config.compilation_config
     piece_compiler = compilation.piece_compiler
@@ -108,6 +125,7 @@ def compile_model(
             f"(inductor on CUDA, eager elsewhere), got {piece_compiler!r}."
         )
     backend = PiecewiseBackend(resolve_splitting_ops(compilation.splitting_ops), piece_compiler, wrap_piece)
-    compiled = CompiledForward(model, backend)
+    cache_dir = enable_compile_cache() if piece_compiler == "inductor" else None
+    compiled = CompiledForward(model, backend, cache_dir)
     model.forward = compiled  # an instance attribute: nn.Module.__call__ finds it first
     return compiled

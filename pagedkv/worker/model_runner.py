@@ -233,6 +233,7 @@ class ModelRunner:
         """
         self.cudagraph_mode = mode = cudagraph.resolve_engine_mode(self.config, self.device, self.attn_groups)
         if mode is CUDAGraphMode.NONE:
+            self._log_startup("no CUDA graphs")
             return mode
         sched = self.config.scheduler_config
         dispatcher = cudagraph.CudagraphDispatcher(mode, cudagraph.capture_sizes(self.config), sched.max_num_seqs)
@@ -248,8 +249,19 @@ class ModelRunner:
                 self._capture(runtime_mode, descriptor)
         self.dispatcher = dispatcher
         elapsed = time.perf_counter() - start
-        logger.info("Captured %d CUDA graph keys (%s) in %.1f s.", len(captures), mode.name, elapsed)
+        self._log_startup(f"{len(captures)} CUDA graph keys ({mode.name}) captured in {elapsed:.1f} s")
         return mode
+
+    def _log_startup(self, graphs: str) -> None:
+        """One line on what start-up spent on torch.compile (and whether its cache was warm) and on graphs."""
+        compiled = self.compiled_forward
+        if compiled is None:
+            compile_part = "not compiled"
+        elif compiled.traced:
+            compile_part = f"torch.compile {compiled.compile_seconds:.1f} s, {compiled.cache.describe()}"
+        else:  # no profile run (num_kv_blocks given) and no capture: the first step of >= 2 tokens traces
+            compile_part = "torch.compile at the first step of 2 tokens or more"
+        logger.info("Start-up: %s; %s.", compile_part, graphs)
 
     def _capture(self, runtime_mode: CUDAGraphMode, descriptor: BatchDescriptor) -> None:
         """Warm up, then capture, the graphs of one key, on a dummy batch of its shape.
