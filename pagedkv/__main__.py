@@ -185,12 +185,17 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--num-kv-blocks", type=int, default=None)
     gen.add_argument("--max-num-batched-tokens", type=int, default=2048)
     gen.add_argument("--attention-backend", default=None)
-    gen.add_argument("--cudagraph-mode", default="NONE", metavar="MODE",
+    gen.add_argument("--cudagraph-mode", default=None, metavar="MODE",
                      help="CUDA graphs: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE (lowered at "
-                          "start-up to what the device and the attention backend allow; CUDA only)")
-    gen.add_argument("--enforce-eager", action="store_true", help="run every step eagerly, whatever the mode")
-    gen.add_argument("--compile", action="store_true",
-                     help="torch.compile the model, split at the attention ops (PIECEWISE graphs need it)")
+                          "start-up to what the device and the attention backend allow; CUDA only). Default: "
+                          "FULL_AND_PIECEWISE on CUDA, NONE on the CPU or with --enforce-eager")
+    gen.add_argument("--enforce-eager", action="store_true",
+                     help="run every step eagerly, whatever the mode; without --compile, no torch.compile either")
+    # None (neither flag) is LLM's device default: compiled on CUDA, not on the CPU.
+    gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                     help="torch.compile the model, split at the attention ops (PIECEWISE graphs need it). "
+                          "Default: on with CUDA (unless --enforce-eager or --tensor-parallel-size > 1), off on the "
+                          "CPU; compiled pieces are cached in $PAGEDKV_CACHE_DIR (~/.cache/pagedkv/compile)")
     gen.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                      help="split the model over N processes (gloo on CPU, NCCL with one GPU each)")
     gen.add_argument("--no-prefix-caching", action="store_true",

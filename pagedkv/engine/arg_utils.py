@@ -79,13 +79,18 @@ class EngineArgs:
     """Share in (0, 1] of the GPU's memory the engine may use in all (vLLM's gpu_memory_utilization)."""
     seed: int = 0
     """Seed of a preset's random weights (sampling seeds are per request: SamplingParams.seed)."""
-    cudagraph_mode: CUDAGraphMode | str = CUDAGraphMode.NONE
-    """CUDA graph mode (pagedkv.worker.cudagraph). Opt-in: a replay runs none of the model's Python
-    (hooks, the forward context) that the workbook inspects."""
+    cudagraph_mode: CUDAGraphMode | str | None = None
+    """CUDA graph mode (pagedkv.worker.cudagraph), lowered at start-up to what the attention backends
+    allow; None: FULL_AND_PIECEWISE on CUDA (FULL_DECODE_ONLY where compile is off, e.g. with
+    tensor_parallel_size > 1), NONE on the CPU or with enforce_eager. A replayed graph runs none
+    of the model's Python (hooks, the forward context): pass enforce_eager=True to inspect it."""
     enforce_eager: bool = False
-    """Run every step eagerly, whatever cudagraph_mode says (no graph is captured)."""
-    compile: bool = False
-    """Trace the forward with torch.compile, split at the attention ops (piecewise graphs need it)."""
+    """Run every step eagerly, whatever cudagraph_mode says (no graph is captured); with
+    compile=None it also leaves the model uncompiled."""
+    compile: bool | None = None
+    """Trace the forward with torch.compile, split at the attention ops (piecewise graphs need it);
+    None: on with CUDA (unless enforce_eager, or tensor_parallel_size > 1, which refuses it), off
+    on the CPU. Compiled pieces are cached in $PAGEDKV_CACHE_DIR (pagedkv.compilation.cache)."""
     max_cudagraph_capture_size: int | None = None
     """Largest batch (tokens) that gets a graph; None: min(2 x max_num_seqs, 512), never more than
     max_num_batched_tokens."""
@@ -131,11 +136,12 @@ class EngineArgs:
         kv_cache_memory = check_optional_int("kv_cache_memory", self.kv_cache_memory, 1, hint=" (bytes) or None")
         memory_utilization = check_float("memory_utilization", self.memory_utilization, 0, 1, low_open=True)
         seed = check_int("seed", self.seed, *SEED_RANGE)
-        compilation = check_compilation(
-            self.cudagraph_mode, self.enforce_eager, self.compile, self.max_cudagraph_capture_size
-        )
         tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size, 1,
                                          hint=" (processes, each holding a shard of the model)")
+        compilation = check_compilation(
+            self.cudagraph_mode, self.enforce_eager, self.compile, self.max_cudagraph_capture_size,
+            device, tensor_parallel_size,
+        )
         if self.enable_prefix_caching is not None:
             check_bool("enable_prefix_caching", self.enable_prefix_caching)
         async_scheduling = resolve_async_scheduling(self.async_scheduling, device)

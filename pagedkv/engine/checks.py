@@ -161,14 +161,37 @@ def check_cudagraph_mode(value: object) -> CUDAGraphMode:
     return CUDAGraphMode.parse(value)
 
 
+DEFAULT_CUDA_CUDAGRAPH_MODE = CUDAGraphMode.FULL_AND_PIECEWISE
+"""The mode a CUDA engine runs when none is given (with compile on), as in vLLM."""
+
+
 def check_compilation(
-    cudagraph_mode: object, enforce_eager: object, compile: object, max_cudagraph_capture_size: object
+    cudagraph_mode: object, enforce_eager: object, compile: object, max_cudagraph_capture_size: object,
+    device: torch.device, tensor_parallel_size: int,
 ) -> CompilationConfig:
-    """`LLM`'s CUDA graph and torch.compile arguments, checked, as a `CompilationConfig`."""
+    """`LLM`'s CUDA graph and torch.compile arguments, checked, as a `CompilationConfig`.
+
+    None picks the device's default, as vllm/config/vllm.py (VllmConfig.__post_init__) does: on
+    CUDA without `enforce_eager`, compile on and FULL_AND_PIECEWISE; otherwise eager (NONE, no
+    compile). Explicit values are kept (and checked against tensor parallelism later).
+    """
+    enforce_eager = check_bool("enforce_eager", enforce_eager)
+    fast = device.type == "cuda" and not enforce_eager
+    if compile is None:
+        # With tensor_parallel_size > 1 the ranks capture whole-model graphs only
+        # (check_tensor_parallel), so the default leaves the compile out there.
+        compile = fast and tensor_parallel_size == 1
+    compile = check_bool("compile", compile)
+    if cudagraph_mode is None:
+        # Without the compile there are no piecewise graphs: mixed batches run eagerly and decodes
+        # keep their full graphs (FULL_DECODE_ONLY), the lowering resolve_cudagraph_mode would
+        # apply at start-up, applied here so that a default never warns or is refused.
+        default = DEFAULT_CUDA_CUDAGRAPH_MODE if fast else CUDAGraphMode.NONE
+        cudagraph_mode = default if compile else default.without_piecewise()
     return CompilationConfig(
         cudagraph_mode=check_cudagraph_mode(cudagraph_mode),
-        enforce_eager=check_bool("enforce_eager", enforce_eager),
-        compile=check_bool("compile", compile),
+        enforce_eager=enforce_eager,
+        compile=compile,
         max_cudagraph_capture_size=check_optional_int(
             "max_cudagraph_capture_size", max_cudagraph_capture_size, 1, hint=" (tokens) or None"
         ),
@@ -198,6 +221,7 @@ def check_tensor_parallel(tp_size: int, model: HFConfig, device: torch.device, c
     if compilation.compile or compilation.cudagraph_mode.requires_piecewise_compilation():
         raise NotImplementedError(
             f"tensor_parallel_size={tp_size} captures whole-model CUDA graphs only (the all-reduces are "
-            f"captured with the rest): pass cudagraph_mode 'FULL', 'FULL_DECODE_ONLY' or 'NONE' and compile=False "
+            f"captured with the rest): pass cudagraph_mode 'FULL', 'FULL_DECODE_ONLY' or 'NONE' and compile=False, "
+            f"or leave both None "
             f"(got cudagraph_mode={compilation.cudagraph_mode.name}, compile={compilation.compile})."
         )
