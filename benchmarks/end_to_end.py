@@ -1,374 +1,246 @@
-"""The whole engine through `LLM` on a GPU: workload W1 against its peers, and decode step latency.
+"""The whole engine through `LLM` on a GPU: workloads W1 and W2 in every mode, against their peers.
 
-    python benchmarks/end_to_end.py [--hf] [--profile] [--json out.json]      # W1 + decode table
-    python benchmarks/end_to_end.py --skip-decode --num-requests 48 --max-tokens 32 --profile  # quick
+    python benchmarks/end_to_end.py --tables w1 --hf --json w1.json                 # W1 + transformers
+    python benchmarks/end_to_end.py --tables w2 --w2-models qwen3-0.6b --json w2.json
+    python benchmarks/end_to_end.py --tables w2 --w2-models qwen3-8b --modes default --startup --json s.json
+    python benchmarks/end_to_end.py --device cpu --tables w1 w2 --w1-model tiny --w2-models tiny \\
+        --w1-kv-cache-gib 0.25 --w2-kv-cache-gib 0.25 --num-requests 4 --max-tokens 8 --backends TORCH_REF \
+        --modes default eager --startup   # smoke test
+    python benchmarks/readme_figures.py w1.json w2.json s.json       # the README's markdown tables
 
-**W1** (issue 9): `llama3-8b` shapes with random bf16 weights, 128 requests with prompt lengths
-uniform in [100, 1024] (`random.Random(0)`, see `w1_prompts`), 128 new tokens each, greedy, EOS
-ignored. Rows: pagedkv with each backend (`--backends`; FLASH_ATTN needs `flash_attn.cute`) in
-each mode (`--w1-modes`), then with `--hf` transformers' `generate_batch` and padded `generate`
-on the same weights (`hf_peers.py`), all in this process on this GPU. Each pagedkv engine runs
-once to warm up, on other prompts of W1's lengths (Triton / torch.compile compilation lands there:
-its time is reported as the first run; prefix caching then finds nothing of W1's prompts), and
-is timed on W1. The roofline beside them: every decode step streams
-the weights and the KV cache at `--hbm-tbps`, prefill runs its FLOPs at `--tflops` (`roofline`).
+Workloads (`workloads.py`): **W1** (issue 9: `llama3-8b`, 128 requests, prompts of 100-1024
+tokens, 128 new tokens each, greedy, EOS ignored, 128 sequences and 4,096 tokens a step, 16 GiB
+of KV cache) and **W2** (nano-vllm's bench.py, call for call: 256 sequences, prompts and outputs
+of 100-1024 tokens, temperature 0.6, EOS ignored, 512 sequences and 16,384 tokens a step; KV
+cache `--w2-kv-cache-gib`) on each model of `--w2-models`. Random weights (the presets).
 
-**Decode step latency**: per model (`--decode-models`), batch size (`--decode-batches`) and mode
-(`--modes`: eager, PIECEWISE, FULL, FULL_AND_PIECEWISE), the median wall time of `llm.step()`
-over steps whose batch is a pure decode of every request. A mode the engine in this checkout
-does not take (no `cudagraph_mode` / `compile` argument in `LLM`) is skipped with the reason.
+One row per engine and mode (`--modes`; `engine_bench.mode_kwargs`: `default` gives `LLM` only
+the model, the KV cache size and the batch limits; `all` is default, eager, FULL_DECODE_ONLY and
+FULL_AND_PIECEWISE with async scheduling on and off). Each row, in this process unless said:
 
-`--profile` runs cProfile over the first and second W1 run of each engine and prints where the
-time goes (top entries) and how much of it is compilation: Triton's `compile`, Dynamo's frame
-compilation, Python's `compile` builtin (code generation) and the number of SHA-256 hashings
-(compile cache keys). The timed run is then a third, unprofiled one.
+* start-up (`--startup`): cold and warm, each `LLM(...)` in a fresh subprocess (`startup.py`;
+  cold: empty compile caches), printed as each finishes; `init_s`: this process's own `LLM(...)`.
+* warm-up: one `generate` of the workload drawn from seed 1 (same distribution, other prompts;
+  outputs capped at `--warmup-max-tokens`); compilation lands there.
+* timed `generate` on the workload's own prompts (text made once, at the end), and timed
+  streaming: the same lengths and sampling parameters with other token ids, all requests added,
+  then `llm.step()` until done, reading each output's new text every step as a server would
+  stream it. Prefix caching stays on (the default) and neither run finds anything of its prompts
+  cached (`cached_prompt_tokens`, 0). Output tok/s = output tokens / wall time of the run.
+* decode-step breakdown (`step_timing.decode_breakdown`): the workload's batch in pure decode;
+  median wall ms of `llm.step()`, GPU-busy ms per step (summed kernel time, torch.profiler,
+  after the timed runs) and the host's share of the step.
+
+Beside the rows: the roofline of each workload (`workloads.roofline`: prefill at `--tflops`,
+decode steps at `--hbm-tbps`); with `--hf`, transformers' `generate_batch` and padded `generate`
+on W1 with the same weights (`hf_peers.py`); on W2 nano-vllm if `import nanovllm` works
+(`nano_peer.py`), and nano-vllm's figure recorded for the issue (not this run) as a ratio.
+
+`--tables decode`: the older decode latency table (median `llm.step()` by model, batch and mode).
+`--profile` cProfiles each warm-up run (compile counters); `--kernel-profile` prints the top GPU
+kernels of one more run. `--json PATH` writes everything with the date, command line, versions and
+GPU, again after every row (a run cut short keeps its rows); `readme_figures.py` turns that JSON
+into the README's markdown tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import gc
 import importlib.util
-import inspect
 import json
-import pstats
-import random
-import statistics
 import sys
+import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # PYTHONPATH first: lets an older checkout be timed
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pagedkv import LLM, SamplingParams  # noqa: E402
-from pagedkv.models.fused_moe import FusedMoE  # noqa: E402
+import engine_bench  # noqa: E402  (beside this file, as are the next ones)
+import nano_peer  # noqa: E402
+import readme_figures  # noqa: E402
+import startup  # noqa: E402
+import workloads  # noqa: E402
+from engine_bench import describe, engine_kwargs, error_text, generate_s, release, sync  # noqa: E402
+from profiling import kernel_profile, profiled  # noqa: E402
+from step_timing import decode_breakdown, decode_latency  # noqa: E402
+from workloads import Workload  # noqa: E402
+
+from pagedkv import LLM  # noqa: E402
 from pagedkv.models.loader import load_config  # noqa: E402
 
-MODES = ("eager", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE")
+
+def counters(llm: LLM) -> tuple[int, int, int]:
+    return llm.stats.num_steps, llm.stats.num_prefill_tokens, llm.stats.num_cached_tokens
 
 
-def w1_prompts(num_requests: int = 128) -> list[list[int]]:
-    """W1's prompts, exactly as issue 9 defines them (fewer requests: the first ones)."""
-    rng = random.Random(0)
-    return [[rng.randrange(3, 128000) for _ in range(rng.randint(100, 1024))] for _ in range(128)][:num_requests]
+def timed_generate(llm: LLM, workload: Workload) -> dict[str, object]:
+    steps, _, cached = counters(llm)
+    seconds, outs = generate_s(llm, workload.prompts, workload.params)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
+            "steps": llm.stats.num_steps - steps, "cached_prompt_tokens": llm.stats.num_cached_tokens - cached,
+            "first_tokens": outs[0].outputs[0].token_ids[:8]}
 
 
-def mode_kwargs(mode: str) -> tuple[dict[str, object], str | None]:
-    """`LLM` keyword arguments for a mode, or the reason this checkout cannot run it."""
-    params = inspect.signature(LLM.__init__).parameters  # older checkouts lack some arguments
-    if mode == "eager":
-        return ({"enforce_eager": True} if "enforce_eager" in params else {}), None
-    if "cudagraph_mode" not in params:
-        return {}, "LLM takes no cudagraph_mode here (CUDA graphs not wired in this checkout)"
-    piecewise = "PIECEWISE" in mode
-    if piecewise and "compile" not in params:
-        return {}, "LLM takes no compile argument here (no piecewise compilation)"
-    try:
-        from pagedkv.compilation import CUDAGraphMode
+def timed_stream(llm: LLM, workload: Workload) -> dict[str, object]:
+    """All requests added, then `llm.step()` until done; every output's new text read each step.
 
-        value: object = CUDAGraphMode[mode]
-    except (ImportError, KeyError):
-        value = mode
-    return {"cudagraph_mode": value, "enforce_eager": False, "compile": piecewise}, None
-
-
-DEVICE = "cuda"
-"""`--device cpu` smoke-tests this script on the tiny preset (TORCH_REF, float32)."""
-
-
-def make_llm(model: str, backend: str, mode: str, **engine: object) -> LLM:
-    kwargs, reason = mode_kwargs(mode)
-    if reason:
-        raise NotImplementedError(reason)
-    dtype = "bfloat16" if DEVICE == "cuda" else "float32"
-    return LLM(model, device=DEVICE, dtype=dtype, attention_backend=backend, **engine, **kwargs)
-
-
-def resolved_mode(llm: LLM) -> str:
-    """The mode the engine runs after start-up (the runner's; the config's request if it has none)."""
-    mode = getattr(llm.runner, "cudagraph_mode", llm.config.compilation_config.cudagraph_mode)
-    return getattr(mode, "name", str(mode))
-
-
-def sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def release() -> None:
-    """Give back the memory of engines nothing refers to any more (callers drop theirs first)."""
-    gc.collect()  # the model and its layers reference each other through the forward-context dict
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
-
-
-# --- profiling ------------------------------------------------------------------------------
-
-
-def profiled(fn: Callable[[], object], top: int, title: str) -> dict[str, float]:
-    """Run `fn` under cProfile; print its top entries; return compile counters and the wall time."""
-    profiler = cProfile.Profile()
-    start = time.perf_counter()
-    profiler.runcall(fn)
-    sync()
-    wall = time.perf_counter() - start
-    stats = pstats.Stats(profiler)
-    found = compile_counters(stats)
-    found["wall_s"] = wall
-    compiling = found["triton_compile_s"] + found["dynamo_compile_s"] + found["builtins_compile_s"]
-    found["compile_share_upper"] = compiling / wall  # an upper bound: nested compile calls count twice
-    print(f"\n--- {title}: {wall:.2f} s under cProfile; " + ", ".join(f"{k} {v:.3g}" for k, v in found.items()))
-    stats.sort_stats("tottime").print_stats(top)
-    if found["builtins_compile_calls"]:
-        stats.print_callers("builtins.compile")
-    return found
-
-
-def compile_counters(stats: pstats.Stats) -> dict[str, float]:
-    """Calls and seconds of the compilation entry points, from cProfile's table."""
-    out = dict.fromkeys(("triton_compile_calls", "triton_compile_s", "dynamo_compile_calls", "dynamo_compile_s",
-                         "builtins_compile_calls", "builtins_compile_s", "sha256_calls"), 0.0)
-    for (file, _, func), (_, calls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
-        if file.endswith("triton/compiler/compiler.py") and func == "compile":
-            out["triton_compile_calls"] += calls
-            out["triton_compile_s"] += cumtime
-        elif file.endswith("torch/_dynamo/convert_frame.py") and func == "_compile":
-            out["dynamo_compile_calls"] += calls
-            out["dynamo_compile_s"] += cumtime
-        elif func == "<built-in method builtins.compile>":
-            out["builtins_compile_calls"] += calls
-            out["builtins_compile_s"] += tottime
-        elif "sha256" in func:
-            out["sha256_calls"] += calls
-    return out
-
-
-# --- W1 -------------------------------------------------------------------------------------
-
-
-def generate_s(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    sync()
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    sync()
-    return time.perf_counter() - start, outs
-
-
-def run_w1(llm: LLM, prompts: list[list[int]], args: argparse.Namespace, label: str) -> dict[str, object]:
-    """Warm-up run, then the timed run (with --profile: two profiled runs, then the timed one).
-
-    Every run before the timed one gets fresh prompts of W1's lengths: prefix caching (on by
-    default) then finds nothing of W1's prompts, and the timed run prefills all their tokens.
+    Also the wall time per kind of step (stats counters read between steps: no step listener,
+    which would make the engine run one step at a time).
     """
-    rng = random.Random(1)
-    id_limit = max(max(p) for p in prompts) + 1  # W1's ids already fit the model's vocabulary
+    steps0, _, cached = counters(llm)
+    sent: dict[str, int] = {}  # characters of text streamed per request
+    tokens = chars = 0
+    kinds: dict[str, dict[str, float]] = {}
+    sync()
+    start = last = time.perf_counter()
+    for prompt, params in zip(workload.prompts, workload.params, strict=True):
+        sent[llm.add_request({"prompt_token_ids": prompt}, params)] = 0
+    while llm.has_unfinished_requests():
+        _, prefill, _ = counters(llm)
+        for out in llm.step():
+            text = out.outputs[0].text
+            chars += len(text[sent[out.request_id]:])  # the delta a server would send
+            sent[out.request_id] = len(text)
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+        now = time.perf_counter()
+        kind = kinds.setdefault("prefill" if llm.stats.num_prefill_tokens > prefill else "decode",
+                                {"steps": 0, "seconds": 0.0})
+        kind["steps"] += 1
+        kind["seconds"] += now - last
+        last = now
+    sync()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
+            "steps": llm.stats.num_steps - steps0, "cached_prompt_tokens": llm.stats.num_cached_tokens - cached,
+            "text_chars_streamed": chars, "step_kinds": kinds}
 
-    def other_prompts() -> list[list[int]]:
-        return [[rng.randrange(3, id_limit) for _ in p] for p in prompts]
 
-    row: dict[str, object] = {}
+def run_row(workload: Workload, backend: str | None, mode: str, row: dict[str, object],
+            args: argparse.Namespace) -> LLM:
+    """Fill `row` with one engine's figures on `workload` (see the module docstring); returns the engine."""
+    kwargs = engine_kwargs(mode, backend, workload.engine)
+    row["kwargs"] = kwargs
+    if args.startup:
+        row["startup"] = startup.measure(workload.model, kwargs)
+    start = time.perf_counter()
+    llm = LLM(workload.model, **kwargs)
+    row["init_s"] = time.perf_counter() - start
+    row["resolved"] = describe(llm)
+    warm = workload.resampled(1, args.warmup_max_tokens)
+    label = f"{workload.name} {workload.model} {mode}"
     if args.profile:
-        for run in ("first", "second"):
-            row[f"{run}_run_profile"] = profiled(lambda: generate_s(llm, other_prompts(), args.max_tokens), args.top,
-                                                 f"{label}, {run} run")
-        row["first_run_s"] = row["first_run_profile"]["wall_s"]  # type: ignore[index]
+        row["warmup_profile"] = profiled(lambda: generate_s(llm, warm.prompts, warm.params), args.top, label)
+        row["warmup_s"] = row["warmup_profile"]["wall_s"]  # type: ignore[index]
     else:
-        row["first_run_s"], _ = generate_s(llm, other_prompts(), args.max_tokens)
-    if args.kernel_profile:
-        row["kernels"] = kernel_profile(lambda: generate_s(llm, other_prompts(), args.max_tokens), args.top, label)
-    steps_before = llm.stats.num_steps
-    steps: list[tuple[float, int, str]] = []
-    detach = llm.add_step_listener(lambda ev: steps.append(
-        (time.perf_counter(), ev.scheduler_output.num_prefill_tokens, getattr(ev.result.cudagraph_mode, "name", "?"))))
-    try:
-        start = time.perf_counter()
-        seconds, outs = generate_s(llm, prompts, args.max_tokens)
-    finally:
-        detach()
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    row.update(seconds=seconds, output_tokens=generated, output_tokens_per_s=generated / seconds,
-               steps=llm.stats.num_steps - steps_before, first_tokens=outs[0].outputs[0].token_ids[:8],
-               step_breakdown=step_breakdown(start, steps))
-    return row
+        row["warmup_s"], _ = generate_s(llm, warm.prompts, warm.params)
+    row["generate"] = timed_generate(llm, workload)
+    row["stream"] = timed_stream(llm, workload.with_other_ids(2))
+    if args.breakdown_steps:
+        row["decode_breakdown"] = decode_breakdown(llm, workload.with_other_ids(3), args.breakdown_steps)
+    if args.kernel_profile and engine_bench.DEVICE == "cuda":
+        extra = workload.with_other_ids(4)
+        row["kernels"] = kernel_profile(lambda: generate_s(llm, extra.prompts, extra.params), args.top, label)
+    return llm
 
 
-def step_breakdown(start: float, steps: list[tuple[float, int, str]]) -> dict[str, dict[str, float]]:
-    """Wall time per kind of step: those that prefill (possibly with decodes mixed in) and pure decodes.
-
-    A step's time runs from the previous step's end (the listener call) to its own: the model,
-    sampling (which waits for the GPU) and the engine's bookkeeping.
-    """
-    out: dict[str, dict[str, float]] = {}
-    for (end, prefill_tokens, mode), before in zip(steps, [start] + [t for t, _, _ in steps]):
-        kind = f"{'prefill' if prefill_tokens else 'decode'} ({mode})"
-        entry = out.setdefault(kind, {"steps": 0, "seconds": 0.0, "prefill_tokens": 0})
-        entry["steps"] += 1
-        entry["seconds"] += end - before
-        entry["prefill_tokens"] += prefill_tokens
-    return out
-
-
-def kernel_profile(fn: Callable[[], object], top: int, title: str) -> dict[str, float]:
-    """Run `fn` under torch.profiler; print the GPU kernels that take the most time.
-
-    Returns the GPU time summed over kernels and the wall time: a sum well below the wall time
-    means the GPU waited for the host.
-    """
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        start = time.perf_counter()
-        fn()
-        sync()
-        wall = time.perf_counter() - start
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    gpu_s = sum(e.self_device_time_total for e in events) / 1e6
-    print(f"\n--- {title}, kernels: {gpu_s:.2f} s of GPU time in {wall:.2f} s of wall time (under the profiler)")
-    for e in events[:top]:
-        print(f"  {e.self_device_time_total / 1e3:10.1f} ms {e.count:7d}x  {e.key[:110]}")
-    return {"gpu_s": gpu_s, "wall_s": wall}
-
-
-def roofline(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, hbm_tbps: float, tflops: float) -> dict:
-    """Lower bound on W1's time: prefill at peak FLOP/s, then one decode step per further token.
-
-    Prefill: 2 FLOPs per weight and prompt token (embedding gather and LM head excluded; the
-    head runs once per request; a MoE counts the experts its FusedMoE layers run per token: the
-    top_k routed ones in the grouped way, every one in the dense way) plus causal attention, 2 * L(L+1)/2 * heads * (q.k width + p.v width) per layer. Decode: max_tokens - 1 steps of all requests, each streaming every weight once
-    (the issue's "16 GB") and every request's KV cache at `hbm_tbps`.
-    """
-    c = model.config
-    weights = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed, head = model.model.embed_tokens.weight.numel(), model.lm_head.weight.numel()
-    body = weights - embed - (0 if c.tie_word_embeddings else head)
-    for moe in (m for m in model.modules() if isinstance(m, FusedMoE) and m.use_grouped_mm):
-        body -= (moe.w13_weight.numel() + moe.w2_weight.numel()) * (1 - c.num_experts_per_tok / moe.num_experts)
-    lens = [len(p) for p in prompts]
-    item = model.lm_head.weight.element_size()
-    if c.use_mla:  # per head: q.k over qk_head_dim, p.v over v_head_dim; one latent row cached per token
-        attn_width, kv_per_token = c.qk_head_dim + c.v_head_dim, c.num_hidden_layers * c.head_dim * item
-    else:
-        attn_width, kv_per_token = 2 * c.head_dim, 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * item
-    attn = sum(2 * n * (n + 1) / 2 for n in lens) * c.num_attention_heads * attn_width * c.num_hidden_layers
-    prefill_flops = 2 * body * sum(lens) + 2 * head * len(lens) + attn
-    decode_bytes = sum(weight_bytes + kv_per_token * sum(n + j for n in lens) for j in range(1, max_tokens))
-    seconds = prefill_flops / (tflops * 1e12) + decode_bytes / (hbm_tbps * 1e12)
-    return {"weight_gb": weight_bytes / 1e9, "prefill_tflop": prefill_flops / 1e12, "decode_gb": decode_bytes / 1e9,
-            "seconds": seconds, "output_tokens_per_s": len(lens) * max_tokens / seconds}
-
-
-def w1(args: argparse.Namespace) -> dict[str, object]:
-    prompts = w1_prompts(args.num_requests)
-    vocab = load_config(args.w1_model).vocab_size
-    prompts = [[t % vocab for t in p] for p in prompts]  # a no-op for llama3-8b (ids < 128000)
-    engine = dict(max_num_seqs=len(prompts), max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048,
-                  kv_cache_memory=args.kv_cache_gib * 2**30)
+def run_workload(workload: Workload, args: argparse.Namespace, record: dict[str, object],
+                 save: Callable[[], None]) -> None:
+    """Every backend x mode row, then the roofline and the peers on the last engine's weights, into
+    `record` (`save` after each row: a run cut short keeps what it measured)."""
     rows: list[dict[str, object]] = []
-    kept = None  # the last engine's model serves the transformers peers (same weights)
+    record.update(name=workload.name, model=workload.model, num_requests=len(workload.prompts),
+                  prompt_tokens=sum(map(len, workload.prompts)), output_tokens=workload.output_tokens,
+                  full_size=workload.name == "W2" and len(workload.prompts) == 256 and args.max_tokens is None,
+                  temperature=workload.params[0].temperature, engine_args=workload.engine, roofline=None, rows=rows)
+    kept: LLM | None = None  # the last engine: its model gives the roofline and the peers' weights
     for backend in args.backends:
-        for mode in args.w1_modes:
-            row: dict[str, object] = {"engine": f"pagedkv {backend}", "mode": mode}
+        for mode in args.modes:
+            row: dict[str, object] = {"engine": f"pagedkv {backend or ''}".strip(), "mode": mode}
             rows.append(row)
-            reason = mode_kwargs(mode)[1]
             if backend == "FLASH_ATTN" and importlib.util.find_spec("flash_attn") is None:
-                reason = "flash_attn (flash-attn 4, flash_attn.cute) is not installed here"
-            if reason:
-                row["skipped"] = reason
+                row["skipped"] = "flash_attn (flash-attn 4, flash_attn.cute) is not installed here"
                 continue
-            kept = llm = None  # one engine at a time on the GPU
+            kept = None  # one engine at a time on the GPU
             release()
             try:
-                llm = make_llm(args.w1_model, backend, mode, **engine)
-                row["resolved_mode"] = resolved_mode(llm)
-                row.update(run_w1(llm, prompts, args, f"{backend} {mode}"))
-                kept, llm = llm, None
+                kept = run_row(workload, backend, mode, row, args)
             except Exception as exc:  # a row that fails says why in the table (traceback on stderr)
-                traceback.print_exc()
-                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            llm = None
+                row["error"] = error_text(exc)
             release()
-            print(json.dumps(row, default=str)[:600], flush=True)
-    roof = None
+            print(json.dumps(row, default=str)[:800], flush=True)
+            save()
     if kept is not None:
-        roof = roofline(kept.model, prompts, args.max_tokens, args.hbm_tbps, args.tflops)
-        if args.hf_batch or args.hf_padded:
-            rows += hf_rows(kept.model, prompts, args)
-    kept = None
-    release()
-    return {"model": args.w1_model, "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
-            "max_tokens": args.max_tokens,
-            "engine_args": engine, "roofline": roof, "rows": rows}
+        try:
+            record["roofline"] = workloads.roofline(kept.model, workload, args.hbm_tbps, args.tflops)
+        except Exception as exc:
+            record["roofline"] = {"error": error_text(exc)}
+        if workload.name == "W1" and (args.hf_batch or args.hf_padded):
+            rows += hf_rows(kept.model, workload, args)
+            save()
+    with tempfile.TemporaryDirectory(prefix="pagedkv-nano-") as nano_dir:
+        reason = None
+        if workload.name == "W2":
+            reason = nano_peer.unavailable() or ("no pagedkv engine ran (no weights)" if kept is None else None)
+            try:
+                reason = reason or nano_peer.export(kept.model, Path(nano_dir))  # type: ignore[union-attr]
+            except Exception as exc:
+                reason = error_text(exc)
+        kept = None  # before nano-vllm starts: it sizes its KV cache from the free memory
+        release()
+        if workload.name == "W2":
+            rows.append(nano_row(reason, Path(nano_dir), workload))
+            save()
 
 
-def hf_rows(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace) -> list[dict[str, object]]:
+def hf_rows(model: torch.nn.Module, workload: Workload, args: argparse.Namespace) -> list[dict[str, object]]:
     import hf_peers  # beside this file; needs transformers
 
     hf = hf_peers.export(model)
+    prompts, max_tokens = workload.prompts, workload.params[0].max_tokens  # W1: greedy, one length
     runs = []
     if args.hf_batch:
         runs.append(("transformers generate_batch", "paged sdpa",
-                     lambda: hf_peers.generate_batch(hf, prompts, args.max_tokens)))
+                     lambda: hf_peers.generate_batch(hf, prompts, max_tokens)))
     if args.hf_padded:
         runs.append((f"transformers generate (padded, batch {args.hf_batch_size})", "sdpa",
-                     lambda: hf_peers.generate_padded(hf, prompts, args.max_tokens, args.hf_batch_size)))
+                     lambda: hf_peers.generate_padded(hf, prompts, max_tokens, args.hf_batch_size)))
     rows = []
     for name, mode, run in runs:
         row: dict[str, object] = {"engine": name, "mode": mode}
         try:
-            row.update(run())
-            row["output_tokens_per_s"] = row["output_tokens"] / row["seconds"]
+            timed = run()
+            row["generate"] = {**timed, "output_tokens_per_s": timed["output_tokens"] / timed["seconds"]}
         except Exception as exc:
-            traceback.print_exc()
-            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        print(json.dumps(row, default=str)[:600], flush=True)
+            row["error"] = error_text(exc)
+        print(json.dumps(row, default=str)[:800], flush=True)
         rows.append(row)
         release()
     return rows
 
 
-# --- decode step latency --------------------------------------------------------------------
-
-
-def decode_latency(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, float]:
-    """Median wall time of `llm.step()` over `steps` steps that decode all `batch` requests."""
-    seen: list[tuple[int, int]] = []
-    detach = llm.add_step_listener(lambda ev: seen.append((ev.result.batch.num_tokens, ev.result.batch.max_query_len)))
-    rng = random.Random(batch)
-    # Requests whose prompts finish early decode while later prompts are prefilled: room for that.
-    budget = steps + 16 + batch * prompt_len // 1024
-    params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
-    ids = [llm.add_request({"prompt_token_ids": [rng.randrange(3, 250) for _ in range(prompt_len)]}, params)
-           for _ in range(batch)]
-    times: list[float] = []
-    try:
-        warm = 0
-        while len(times) < steps:
-            if len(seen) > budget:
-                raise RuntimeError(f"batch {batch}: no {steps} pure decode steps in {budget} steps")
-            start = time.perf_counter()
-            llm.step()
-            elapsed = time.perf_counter() - start
-            if seen[-1] == (batch, 1):
-                warm += 1
-                if warm > 3:  # the first decode steps may still compile or capture
-                    times.append(elapsed)
-            elif warm:
-                raise RuntimeError(f"batch {batch}: a step after decoding began was {seen[-1]}")
-    finally:
-        for req_id in ids:
-            llm.abort_request(req_id)
-        detach()
-    return {"batch": batch, "step_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3}
+def nano_row(reason: str | None, path: Path, workload: Workload) -> dict[str, object]:
+    """nano-vllm on the weights exported to `path`, or the reason it was skipped (printed either way)."""
+    row: dict[str, object] = {"engine": "nano-vllm", "mode": "its defaults"}
+    if reason is None:
+        try:
+            row["generate"] = nano_peer.run(path, workload)
+        except Exception as exc:
+            reason = error_text(exc)
+    if reason:
+        row["skipped"] = reason
+        print(f"nano-vllm: skipped ({reason})", flush=True)
+    else:
+        print(json.dumps(row, default=str), flush=True)
+    return row
 
 
 def decode_table(args: argparse.Namespace) -> list[dict[str, object]]:
+    """Median `llm.step()` of pure decode steps per model, mode and batch (512-token prompts)."""
     rows = []
     for model in args.decode_models:
         for mode in args.modes:
@@ -376,106 +248,88 @@ def decode_table(args: argparse.Namespace) -> list[dict[str, object]]:
                           max_model_len=args.decode_prompt_len + 1024, kv_cache_memory=8 * 2**30)
             llm = None
             try:
-                llm = make_llm(model, args.decode_backend, mode, **engine)
+                llm = LLM(model, **engine_kwargs(mode, args.backends[0], engine))
                 for batch in args.decode_batches:
-                    rows.append({"model": model, "mode": mode, "resolved_mode": resolved_mode(llm),
+                    rows.append({"model": model, "mode": mode, "resolved_mode": describe(llm)["cudagraph_mode"],
                                  **decode_latency(llm, batch, args.decode_prompt_len, args.decode_steps)})
                     print(json.dumps(rows[-1]), flush=True)
-            except NotImplementedError as exc:
-                rows.append({"model": model, "mode": mode, "skipped": str(exc)})
             except Exception as exc:
-                traceback.print_exc()
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-                rows.append({"model": model, "mode": mode, "error": error})
+                rows.append({"model": model, "mode": mode, "error": error_text(exc)})
             llm = None
             release()
     return rows
 
 
-# --- tables ---------------------------------------------------------------------------------
-
-
-def print_w1(result: dict) -> None:
-    rows, roof = result["rows"], result["roofline"]
-    hf = next((r["output_tokens_per_s"] for r in rows if "generate_batch" in r["engine"] and "seconds" in r), None)
-    print(f"\nW1: {result['model']}, {result['num_requests']} requests, {result['prompt_tokens']} prompt tokens, "
-          f"{result['max_tokens']} new tokens each")
-    print(f"{'engine':<44}{'mode':<20}{'1st run s':>10}{'s':>8}{'out tok/s':>11}{'x HF batch':>11}{'% roof':>8}")
-    for r in rows:
-        if "seconds" not in r:
-            print(f"{r['engine']:<44}{r['mode']:<20}  {r.get('skipped') or r.get('error')}")
-            continue
-        first = f"{r['first_run_s']:10.2f}" if "first_run_s" in r else f"{'':>10}"
-        ratio = f"{r['output_tokens_per_s'] / hf:11.2f}" if hf else f"{'':>11}"
-        pct = f"{100 * r['output_tokens_per_s'] / roof['output_tokens_per_s']:7.0f}%" if roof else ""
-        print(f"{r['engine']:<44}{r['mode']:<20}{first}{r['seconds']:8.2f}{r['output_tokens_per_s']:11.0f}{ratio}{pct}")
-        for kind, b in r.get("step_breakdown", {}).items():
-            print(f"{'':<6}{kind:<38}{b['steps']:5d} steps {b['seconds']:7.2f} s  ({1e3 * b['seconds'] / b['steps']:.1f} ms/step, "
-                  f"{b['prefill_tokens']} prefill tokens)")
-    if roof:
-        print(f"{'roofline':<44}{'':<20}{'':>10}{roof['seconds']:8.2f}{roof['output_tokens_per_s']:11.0f}"
-              f"   ({roof['weight_gb']:.1f} GB weights + KV per decode step, {roof['prefill_tflop']:.0f} TFLOP prefill)")
-
-
-def print_decode(rows: list[dict]) -> None:
-    print("\ndecode step latency, ms (median wall time of llm.step())")
-    for r in rows:
-        if "step_ms" in r:
-            print(f"  {r['model']:<10}{r['mode']:<20}batch {r['batch']:<4}{r['step_ms']:9.2f} ms"
-                  f"   (resolved: {r['resolved_mode']})")
-        else:
-            print(f"  {r['model']:<10}{r['mode']:<20}{r.get('skipped') or r.get('error')}")
+def mode_arg(value: str) -> list[str]:
+    if value == "all":
+        return list(engine_bench.ALL_MODES)
+    engine_bench.mode_kwargs(value)  # a typo fails here, before any engine starts
+    return [value]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (tiny models, TORCH_REF)")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (tiny models)")
+    p.add_argument("--tables", nargs="+", default=["w1", "w2"], choices=["w1", "w2", "decode"])
+    p.add_argument("--modes", nargs="+", type=mode_arg, default=[["default"]],
+                   help="default, eager, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE, each optionally "
+                        "+async / +sync; 'all' = " + " ".join(engine_bench.ALL_MODES))
+    p.add_argument("--backends", nargs="+", default=["default"],
+                   help="attention backends (TRITON_ATTN, FLASH_ATTN, ...); 'default': the engine's choice")
     p.add_argument("--w1-model", default="llama3-8b")
-    p.add_argument("--backends", nargs="+", default=["TRITON_ATTN", "FLASH_ATTN"])
-    p.add_argument("--w1-modes", nargs="+", default=["eager", "FULL", "FULL_AND_PIECEWISE"], choices=MODES)
-    p.add_argument("--num-requests", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--kv-cache-gib", type=int, default=16)
-    p.add_argument("--hf", action="store_true", help="both transformers peers")
-    p.add_argument("--hf-batch", action="store_true", help="transformers generate_batch")
-    p.add_argument("--hf-padded", action="store_true", help="transformers padded generate")
+    p.add_argument("--w1-kv-cache-gib", type=float, default=16.0, help="KV cache of W1's engines")
+    p.add_argument("--w2-models", nargs="+", default=["qwen3-0.6b"], help="any preset or model directory")
+    p.add_argument("--w2-kv-cache-gib", type=float, default=48.0, help="KV cache of W2's engines")
+    p.add_argument("--num-requests", type=int, help="fewer requests (the first ones): smoke tests")
+    p.add_argument("--max-tokens", type=int, help="cap every request's new tokens: smoke tests")
+    p.add_argument("--warmup-max-tokens", type=int, default=128, help="cap of the warm-up run's new tokens")
+    p.add_argument("--breakdown-steps", type=int, default=20, help="decode steps timed per window; 0: no breakdown")
+    p.add_argument("--startup", action="store_true", help="cold and warm start-up of every row in subprocesses")
+    p.add_argument("--hf", action="store_true", help="both transformers peers on W1")
+    p.add_argument("--hf-batch", action="store_true", help="transformers generate_batch on W1")
+    p.add_argument("--hf-padded", action="store_true", help="transformers padded generate on W1")
     p.add_argument("--hf-batch-size", type=int, default=128)
     p.add_argument("--hbm-tbps", type=float, default=4.3)
     p.add_argument("--tflops", type=float, default=790.0)
-    p.add_argument("--skip-w1", action="store_true")
-    p.add_argument("--skip-decode", action="store_true")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--decode-models", nargs="+", default=["tiny", "llama3-8b"])
     p.add_argument("--decode-batches", nargs="+", type=int, default=[1, 8, 64])
-    p.add_argument("--decode-backend", default="TRITON_ATTN")
     p.add_argument("--decode-prompt-len", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=20)
-    p.add_argument("--profile", action="store_true", help="cProfile the first and second W1 run of each engine")
-    p.add_argument("--kernel-profile", action="store_true",
-                   help="torch.profiler over one more W1 run of each engine: the GPU kernels taking the most time")
+    p.add_argument("--profile", action="store_true", help="cProfile each warm-up run (compile counters)")
+    p.add_argument("--kernel-profile", action="store_true", help="torch.profiler over one more run: top GPU kernels")
     p.add_argument("--top", type=int, default=25, help="profile entries printed")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    args.modes = list(dict.fromkeys(m for group in args.modes for m in group))
+    args.backends = [None if b == "default" else b for b in args.backends]
     args.hf_batch |= args.hf
     args.hf_padded |= args.hf
-    global DEVICE
-    DEVICE = args.device
-    if DEVICE == "cuda" and not torch.cuda.is_available():
+    engine_bench.DEVICE = args.device
+    if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/end_to_end.py needs a CUDA GPU (or --device cpu for a smoke test)")
-    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-    result: dict[str, object] = {"device": name, "torch": torch.__version__,
-                                 "args": {k: str(v) for k, v in vars(args).items()}}
-    if not args.skip_decode:
+    result: dict[str, object] = {"meta": engine_bench.run_metadata(), "args": vars(args), "workloads": []}
+    print(json.dumps(result["meta"]), flush=True)
+    todo: list[Workload] = []
+    if "w1" in args.tables:
+        todo.append(workloads.w1(args.w1_model, load_config(args.w1_model).vocab_size, args.num_requests or 128,
+                                 args.max_tokens or 128, int(args.w1_kv_cache_gib * 2**30)))
+    for model in args.w2_models if "w2" in args.tables else []:
+        todo.append(workloads.w2(model, load_config(model).vocab_size, int(args.w2_kv_cache_gib * 2**30),
+                                 args.num_requests or 256, args.max_tokens))
+
+    def save() -> None:
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1, default=str))
+
+    for workload in todo:
+        record: dict[str, object] = {}
+        result["workloads"].append(record)  # type: ignore[attr-defined]
+        run_workload(workload, args, record, save)
+    if "decode" in args.tables:
         result["decode"] = decode_table(args)
-    if not args.skip_w1:
-        result["w1"] = w1(args)
-    if "decode" in result:
-        print_decode(result["decode"])  # type: ignore[arg-type]
-    if "w1" in result:
-        print_w1(result["w1"])  # type: ignore[arg-type]
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1, default=str))
+    save()
+    print()
+    print(readme_figures.render(result, markdown=False))
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-import end_to_end  # noqa: E402  (beside this file: sync, release)
-from end_to_end import release, sync  # noqa: E402
+import engine_bench  # noqa: E402  (beside this file: the device, sync, release)
+from engine_bench import release, sync  # noqa: E402
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 
@@ -106,7 +106,7 @@ def main() -> None:
     p.add_argument("--kv-cache-gib", type=int, default=16)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    end_to_end.DEVICE = args.device
+    engine_bench.DEVICE = args.device
     if args.device != "cuda":
         args.cudagraph_mode = "NONE"
     result: dict[str, object] = {

@@ -5,7 +5,7 @@
 
 First a check: the tiny preset in float32, tp = 2 against tp = 1, every step's logits. Then per
 tp: decode step latency (median wall time of `llm.step()` while every request decodes) at
-batch 1 and 64, and workload W1 (`end_to_end.py`: 128 requests, prompts of 100-1024 tokens,
+batch 1 and 64, and workload W1 (`workloads.py`: 128 requests, prompts of 100-1024 tokens,
 128 new tokens) in output tokens per second, timed on a second run. Both tp run the same
 `--cudagraph-mode` (FULL by default: whole-model graphs, the all-reduces captured inside; tp > 1
 does not compile piecewise graphs yet).
@@ -23,7 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-import end_to_end  # noqa: E402  (beside this file: W1 and the decode-step timer)
+import engine_bench  # noqa: E402  (beside this file, as are the next two)
+from step_timing import decode_latency  # noqa: E402
+from workloads import w1_prompts  # noqa: E402
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 
@@ -42,7 +44,7 @@ def logits_check(device: str) -> float:
 def measure(model: str, device: str, tp: int, args: argparse.Namespace) -> dict[str, object]:
     dtype = "bfloat16" if device == "cuda" else "float32"
     row: dict[str, object] = {"tp": tp}
-    prompts = end_to_end.w1_prompts(args.num_requests)
+    prompts = w1_prompts(args.num_requests)
     engine = dict(device=device, dtype=dtype, tensor_parallel_size=tp, cudagraph_mode=args.cudagraph_mode,
                   max_num_seqs=max(args.num_requests, 64),
                   max_num_batched_tokens=4096, max_model_len=2048, kv_cache_memory=args.kv_cache_gib * 2**30)
@@ -50,9 +52,10 @@ def measure(model: str, device: str, tp: int, args: argparse.Namespace) -> dict[
         vocab = llm.model_config.vocab_size
         prompts = [[t % vocab for t in p] for p in prompts]
         for batch in args.batches:
-            row[f"decode_ms_batch{batch}"] = end_to_end.decode_latency(llm, batch, 512, args.decode_steps)["step_ms"]
-        end_to_end.generate_s(llm, prompts, args.max_tokens)  # warm-up
-        seconds, outs = end_to_end.generate_s(llm, prompts, args.max_tokens)
+            row[f"decode_ms_batch{batch}"] = decode_latency(llm, batch, 512, args.decode_steps)["step_ms"]
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        engine_bench.generate_s(llm, prompts, params)  # warm-up
+        seconds, outs = engine_bench.generate_s(llm, prompts, params)
         row["w1_seconds"] = seconds
         row["w1_output_tokens_per_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / seconds
         row["first_tokens"] = outs[0].outputs[0].token_ids[:8]
@@ -72,7 +75,7 @@ def main() -> None:
     p.add_argument("--cudagraph-mode", default="FULL", help="NONE, FULL or FULL_DECODE_ONLY (same for both tp)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    end_to_end.DEVICE = args.device
+    engine_bench.DEVICE = args.device
     result: dict[str, object] = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                                  "torch": torch.__version__, "model": args.model,
                                  "cudagraph_mode": args.cudagraph_mode}
