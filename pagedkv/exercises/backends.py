@@ -49,6 +49,9 @@ _PROMPTS: list[list[int]] = [
 ]
 _ENGINE_KWARGS: dict[str, Any] = {
     "block_size": 4, "num_kv_blocks": 64, "max_num_batched_tokens": 16, "dtype": torch.float32,
+    # Eager: the hooks and the wrapped impl.forward below must run in every step, and a replayed
+    # CUDA graph runs no Python (notebook 08).
+    "enforce_eager": True,
 }
 _MAX_TOKENS = 5
 _ATOL = 1e-4

@@ -2,6 +2,8 @@
 
 Every token's logits are compared with the same weights run densely in float64 by
 `transformers` on the CPU (tests/reference.py), teacher-forced on the tokens the engine chose.
+The engines run with the CUDA defaults (compiled, FULL_AND_PIECEWISE lowered to what each
+backend allows), so this checks the default path too.
 """
 
 from __future__ import annotations

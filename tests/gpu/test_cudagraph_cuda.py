@@ -330,7 +330,7 @@ SCHEDULES = {
 
 @pytest.fixture(scope="module")
 def triton_eager() -> list[Step]:
-    return run(attention_backend="TRITON_ATTN", dtype="float32")[1]
+    return run(attention_backend="TRITON_ATTN", dtype="float32", enforce_eager=True)[1]
 
 
 @pytest.mark.parametrize(
@@ -348,7 +348,7 @@ def test_triton_graphs_give_eager_logits(mode: CUDAGraphMode, compile: bool, tri
 
 
 def test_torch_ref_runs_piecewise_and_refuses_full() -> None:
-    _, eager, _, _ = run(attention_backend="TORCH_REF", dtype="float32")
+    _, eager, _, _ = run(attention_backend="TORCH_REF", dtype="float32", enforce_eager=True)
     llm, steps, recorder, outputs = run(attention_backend="TORCH_REF", dtype="float32",
                                         cudagraph_mode="FULL_AND_PIECEWISE", compile=True)
     assert llm.runner.cudagraph_mode is CUDAGraphMode.PIECEWISE
@@ -371,7 +371,7 @@ read another batch's inputs moves them by ~20."""
     ids=["FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE-compiled"],
 )
 def test_flash_attn_graphs_give_eager_logits(mode: CUDAGraphMode, compile: bool) -> None:
-    _, eager, _, _ = run(attention_backend="FLASH_ATTN", dtype="bfloat16")
+    _, eager, _, _ = run(attention_backend="FLASH_ATTN", dtype="bfloat16", enforce_eager=True)
     llm, steps, recorder, outputs = run(attention_backend="FLASH_ATTN", dtype="bfloat16", cudagraph_mode=mode,
                                         compile=compile)
     assert llm.runner.cudagraph_mode is mode

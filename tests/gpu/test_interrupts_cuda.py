@@ -21,7 +21,7 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
 
 def engine() -> LLM:
     return LLM("tiny", device="cuda", attention_backend="TRITON_ATTN", block_size=16, num_kv_blocks=64, dtype="float32",
-               cudagraph_mode="FULL_DECODE_ONLY")
+               cudagraph_mode="FULL_DECODE_ONLY", compile=False)
 
 
 @pytest.fixture(scope="module")

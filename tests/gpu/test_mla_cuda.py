@@ -39,7 +39,7 @@ def run(path: Path, dtype: str = "float32", **engine: object) -> tuple[list[list
 @pytest.mark.parametrize("mode", ["NONE", "FULL_DECODE_ONLY"])
 def test_triton_mla_engine_matches_transformers(tmp_path: Path, mode: str) -> None:
     path = write_hf_deepseek(tmp_path / "v3", version=3, **V3_GROUPS)
-    tokens, logits, llm = run(path, cudagraph_mode=mode, max_num_batched_tokens=32)
+    tokens, logits, llm = run(path, cudagraph_mode=mode, compile=False, max_num_batched_tokens=32)
     assert llm.runner.cudagraph_mode is CUDAGraphMode[mode]
     hf = hf_model(path, 3)
     for prompt, generated, rows in zip(PROMPTS, tokens, logits.values()):
@@ -48,9 +48,9 @@ def test_triton_mla_engine_matches_transformers(tmp_path: Path, mode: str) -> No
 
 def test_full_decode_graphs_replay_the_eager_logits(tmp_path: Path) -> None:
     path = write_hf_deepseek(tmp_path / "v2", version=2)
-    eager_tokens, eager, _ = run(path)
+    eager_tokens, eager, _ = run(path, enforce_eager=True)
     modes: list[CUDAGraphMode] = []
-    graph_tokens, graphed, llm = run(path, cudagraph_mode="FULL_DECODE_ONLY")
+    graph_tokens, graphed, llm = run(path, cudagraph_mode="FULL_DECODE_ONLY", compile=False)
     assert graph_tokens == eager_tokens
     for a, b in zip(graphed.values(), eager.values()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
@@ -65,10 +65,10 @@ def test_grouped_moe_in_bf16_graphs_replay_the_eager_logits(tmp_path: Path) -> N
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._grouped_mm's device-offset kernel needs Hopper or newer")
     path = write_hf_deepseek(tmp_path / "v2", version=2)
-    eager_tokens, eager, eager_llm = run(path, dtype="bfloat16")
+    eager_tokens, eager, eager_llm = run(path, dtype="bfloat16", enforce_eager=True)
     experts = [m for m in eager_llm.runner.model.modules() if isinstance(m, FusedMoE)]
     assert experts and all(m.use_grouped_mm for m in experts)
-    graph_tokens, graphed, _ = run(path, dtype="bfloat16", cudagraph_mode="FULL_DECODE_ONLY")
+    graph_tokens, graphed, _ = run(path, dtype="bfloat16", cudagraph_mode="FULL_DECODE_ONLY", compile=False)
     assert graph_tokens == eager_tokens
     for a, b in zip(graphed.values(), eager.values()):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=0)  # bf16: graphs and eager differ by rounding only
