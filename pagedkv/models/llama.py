@@ -78,7 +78,8 @@ class LlamaConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:  # e.g. Qwen3's default of 32 KV heads
             raise ValueError(f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads}).")
+                             f"num_key_value_heads ({self.num_key_value_heads}): each KV head serves the same "
+                             "number of query heads.")
         if self.qkv_bias is None:
             self.qkv_bias = self.attention_bias
         for name in ("attention_bias", "qkv_bias", "mlp_bias", "tie_word_embeddings"):
