@@ -15,6 +15,8 @@ Three requests, decodes first, block_size 4:
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 
 import torch
@@ -49,18 +51,28 @@ class BlockTable:
         self.cpu = torch.zeros(max_num_reqs, max_num_blocks_per_req, dtype=torch.int32)
         self.device_tensor = torch.zeros_like(self.cpu, device=device)
         self.num_reqs = 0
+        self._written = 0
+        """Columns [0, _written) have been written by some step; the rest are 0 everywhere."""
 
     def set_rows(self, rows: list[list[int]]) -> None:
-        """Write this step's rows (one per scheduled request, in batch order) and copy them over."""
+        """Write this step's rows (one per scheduled request, in batch order) and copy them over.
+
+        Only the columns some step has written are touched (past them every row is 0 on both
+        sides): with a long max_model_len the table is thousands of blocks wide, while a step's
+        requests hold a few dozen each.
+        """
         width = max(map(len, rows), default=0)
         if width > self.max_num_blocks_per_req:
             raise ValueError(f"A request holds {width} blocks; the block table has room for {self.max_num_blocks_per_req}.")
         n = len(rows)
-        self.cpu[:n].zero_()
-        if width:  # one tensor for all rows: a tensor per row cost ~10 us each, per step
-            self.cpu[:n, :width] = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.int32)
+        self._written = max(self._written, width)
+        self.cpu[:n, :self._written].zero_()
+        if width:  # one flat tensor for all rows: a tensor per row, or a padded nested list, costs more
+            lengths = torch.tensor([len(row) for row in rows])
+            filled = torch.arange(width) < lengths[:, None]
+            self.cpu[:n, :width][filled] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int32)
         self.num_reqs = n
-        self.device_tensor[:n].copy_(self.cpu[:n], non_blocking=True)
+        self.device_tensor[:n, :self._written].copy_(self.cpu[:n, :self._written], non_blocking=True)
 
     def get_device_tensor(self) -> torch.Tensor:
         return self.device_tensor[: self.num_reqs]
