@@ -48,6 +48,8 @@ class KVCacheManager:
                 "turn it off (enable_prefix_caching=False)."
             )
         self.enable_caching = enable_caching
+        self._windowed = any(isinstance(spec, SlidingWindowSpec) for spec in self.specs)
+        """Some group gives back blocks behind its window (so no step may skip that check)."""
         self.block_pools = [BlockPool(kv_cache_config.num_blocks) for _ in self.specs]
         self.req_to_blocks: dict[str, list[list[KVCacheBlock]]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
@@ -118,10 +120,25 @@ class KVCacheManager:
         fills up be cached.
         """
         rows = self.req_to_blocks.setdefault(request_id, [[] for _ in self.specs])
+        total = num_computed_tokens + num_new_tokens
+        # Most steps are decodes whose token fits the blocks the request holds: nothing to allocate.
+        fits = not new_computed_blocks and not self._windowed and all(
+            len(row) * spec.block_size >= total for spec, row in zip(self.specs, rows))
+        if not fits and not self._allocate(rows, num_computed_tokens, total, new_computed_blocks):
+            return False
+        if self.enable_caching and token_ids is not None:
+            # Only blocks of known tokens: under async scheduling the step's last token may be
+            # one the host has not read yet (its block is hashed by a later call).
+            self._cache_full_blocks(request_id, token_ids, min(total, len(token_ids)))
+        return True
+
+    def _allocate(self, rows: list[list[KVCacheBlock]], num_computed_tokens: int, total: int,
+                  new_computed_blocks: list[list[KVCacheBlock]] | None) -> bool:
+        """Per group: drop blocks behind the window, then share the hits and take new blocks up to
+        `total` tokens; False (and nothing changed but the dropped blocks) if they do not fit."""
         hits = new_computed_blocks or [[] for _ in self.specs]
         for spec, pool, row in zip(self.specs, self.block_pools, rows):
             self._free_out_of_window(spec, pool, row, num_computed_tokens)
-        total = num_computed_tokens + num_new_tokens
         needed = [spec.blocks_needed(total) - len(row) - len(hit) for spec, row, hit in zip(self.specs, rows, hits)]
         # A hit on a free (cached) block takes it out of the free queue too.
         taken = [n + sum(b.ref_cnt == 0 for b in hit) for n, hit in zip(needed, hits)]
@@ -132,10 +149,6 @@ class KVCacheManager:
             row.extend(hit)
             if n > 0:
                 row.extend(pool.get_new_blocks(n))
-        if self.enable_caching and token_ids is not None:
-            # Only blocks of known tokens: under async scheduling the step's last token may be
-            # one the host has not read yet (its block is hashed by a later call).
-            self._cache_full_blocks(request_id, token_ids, min(total, len(token_ids)))
         return True
 
     def _cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
