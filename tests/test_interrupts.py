@@ -6,7 +6,6 @@ step (an attention layer, the cache write, the sampler) or, in a subprocess, a r
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -22,7 +21,7 @@ from typing import Any
 import pytest
 
 from pagedkv import LLM, SamplingParams
-from tests.test_engine_api import assert_idle
+from tests.test_engine_api import assert_idle, nan_logits_for
 
 # Prompts sharing a 12-token prefix (3 blocks of 4): a rerun looks them up in the prefix cache.
 SHARED = [(5 + 11 * j) % 250 + 1 for j in range(12)]
@@ -247,18 +246,7 @@ def test_real_sigint_at_random_moments_never_changes_the_tokens(tmp_path: Path) 
 def test_greedy_on_nan_logits_finishes_the_request_with_an_error_and_the_others_go_on() -> None:
     llm = engine()
     reference = tokens(engine().generate(PROMPTS[1:], GREEDY))
-    real = llm.runner.execute_model
-
-    def nan_for_the_first_row(*args: Any, **kwargs: Any) -> Any:
-        result = real(*args, **kwargs)
-        logits = result.logits.clone()
-        rows = result.batch.sampling_req_ids
-        if first_id in rows:
-            logits[rows.index(first_id)] = float("nan")
-        return dataclasses.replace(result, logits=logits)
-
-    llm.runner.execute_model = nan_for_the_first_row
-    first_id = "0"  # a new engine's first request
+    nan_logits_for(llm, "0")  # a new engine's first request
     first, *others = llm.generate(PROMPTS, GREEDY)
     assert first.outputs[0].finish_reason == "error" and "NaN" in first.error and first.outputs[0].token_ids == []
     assert tokens(others) == reference
