@@ -121,7 +121,8 @@ def _workbook(args: argparse.Namespace) -> int:
 
     if args.list:
         for nb in workbook.list_notebooks():
-            print(f"{nb.name:<42} {'needs a GPU' if nb.requires_gpu else 'CPU or GPU':<12} {nb.title}")
+            needs = "needs a GPU" if nb.requires_gpu else {"cpu": "CPU or GPU", "triton": "Triton"}.get(nb.needs, nb.needs)
+            print(f"{nb.name:<34} {needs:<12} {nb.topic}")
         return 0
     dest = Path(args.dir)
     report = workbook.copy_workbook(dest, force=args.force)

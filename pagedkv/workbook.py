@@ -54,18 +54,30 @@ def shipped_files() -> dict[Path, Path]:
 
 @dataclass(frozen=True)
 class NotebookInfo:
+    """One notebook of the workbook, from its metadata: {"pagedkv": {"needs": ..., "topic": ...}}.
+
+    This is the one list of notebooks: `pagedkv workbook --list` prints it, and notebook 00's map
+    is drawn from it.
+    """
+
     name: str
     title: str
     """The notebook's first heading."""
+    topic: str
+    """What it covers, in a line."""
+    needs: str
+    """"cpu" (runs anywhere) or "triton" (Triton kernels: compiled on a GPU, interpreted on a CPU)."""
     requires_gpu: bool
     """Its metadata says {"pagedkv": {"requires_gpu": true}}: skipped where no GPU is visible."""
 
 
 def notebook_info(path: Path) -> NotebookInfo:
     nb = json.loads(path.read_text(encoding="utf-8"))
+    meta = nb.get("metadata", {}).get("pagedkv", {})
     title = next((line.lstrip("# ").strip() for cell in nb["cells"] if cell["cell_type"] == "markdown"
                   for line in "".join(cell["source"]).splitlines() if line.startswith("#")), path.stem)
-    return NotebookInfo(path.name, title, bool(nb.get("metadata", {}).get("pagedkv", {}).get("requires_gpu")))
+    return NotebookInfo(path.stem, title, meta.get("topic", title), meta.get("needs", "cpu"),
+                        bool(meta.get("requires_gpu")))
 
 
 def list_notebooks() -> list[NotebookInfo]:

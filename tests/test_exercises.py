@@ -29,7 +29,8 @@ from pagedkv.exercises.attention_groups import (
     step_lengths,
 )
 from pagedkv.exercises.backends import check_backend
-from pagedkv.exercises.environment import WORKBOOK, check_choose_backend, environment_report, runs_here
+from pagedkv.exercises.environment import check_choose_backend, environment_report, runs_here
+from pagedkv.workbook import list_notebooks
 from pagedkv.exercises.forward_context import check_attention_context
 from pagedkv.exercises.flash_attention import check_kernel_block_rows
 from pagedkv.exercises.model_file import MODEL_HEADS, TP_SIZES, build_attention, check_head_layout, check_qkv_width
@@ -58,7 +59,7 @@ def test_environment_report_and_workbook_map() -> None:
     report = environment_report()
     assert report["torch"] == torch.__version__
     assert report["default device"] in ("cpu", "cuda")
-    assert [nb.name[:2] for nb in WORKBOOK] == [f"{i:02d}" for i in range(13)]
+    assert [nb.name[:2] for nb in list_notebooks()] == [f"{i:02d}" for i in range(13)]
     assert runs_here("cpu").startswith("yes")
     with pytest.raises(ValueError):
         runs_here("tpu")

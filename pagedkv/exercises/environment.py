@@ -13,7 +13,6 @@ import platform
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -65,41 +64,8 @@ def _flash_attn_flavour() -> int | None:
     return flash_attn_version()
 
 
-@dataclass(frozen=True)
-class NotebookInfo:
-    """One notebook of the workbook and what it needs to run."""
-
-    name: str
-    topic: str
-    needs: str
-    """"cpu" (runs anywhere), "triton", "cuda" or "flash-attn" (a CUDA GPU with flash-attn)."""
-    later: bool = False
-    """Planned, not written yet."""
-
-
-WORKBOOK: list[NotebookInfo] = [
-    NotebookInfo("00_start_here", "this notebook: the machine, the map, a first engine", "cpu"),
-    NotebookInfo("01_the_model_file", "LlamaAttention: qkv, RoPE, attn, o_proj; MHA / GQA / MQA; TP heads", "cpu"),
-    NotebookInfo("02_paged_kv_cache", "block pool, block tables, slot mapping, the null block", "cpu"),
-    NotebookInfo("03_the_forward_context", "layers find per-step data by name; the torch.ops.pagedkv ops", "cpu"),
-    NotebookInfo("04_attention_backends", "backend / builder / impl; the selector; write your own backend", "cpu"),
-    NotebookInfo("05_attention_groups_and_metadata", "KV cache groups, attention groups, common metadata", "cpu"),
-    NotebookInfo("06_triton_kernels", "paged attention and cache writes as Triton kernels", "triton"),
-    NotebookInfo("07_flash_attention", "the FLASH_ATTN backend on a GPU", "flash-attn"),
-    NotebookInfo("08_cuda_graphs_and_torch_compile",
-                 "CUDA graph modes and their lowering, the torch.compile split (graphs timed on a GPU)", "cpu"),
-    NotebookInfo("09_serving_end_to_end", "continuous batching, chunked prefill, preemption, throughput", "cpu"),
-    NotebookInfo("10_tensor_parallelism", "one model over several processes: sharded layers, head layout, all-reduces",
-                 "cpu"),
-    NotebookInfo("11_mla", "multi-head latent attention: the latent cache, the decode / prefill split, W_UK absorbed",
-                 "cpu"),
-    NotebookInfo("12_prefix_caching", "shared prompt prefixes: the hash chain, shared and evictable blocks, eviction order",
-                 "cpu"),
-]
-
-
 def runs_here(needs: str) -> str:
-    """How a notebook with requirement `needs` runs on this machine, in a few words."""
+    """How a notebook with requirement `needs` (`pagedkv.workbook.NotebookInfo.needs`) runs here, in a few words."""
     cuda = torch.cuda.is_available()
     if needs == "cpu":
         return "yes" + (" (on the GPU)" if cuda else " (on the CPU)")
