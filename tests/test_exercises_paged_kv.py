@@ -1,9 +1,8 @@
-"""Checkers of notebooks 02 (paged KV cache) and 09 (serving) on the notebooks' own engines.
+"""Checkers of notebook 02 (paged KV cache) on the notebook's own engine; the right answers are worked
+out by hand from the rules (block pool order, slot = block * block_size + offset), not read from the checkers.
 
-The right answers are worked out by hand from the rules (block pool order, slot = block *
-block_size + offset, running requests first, chunked prefill), not read from the checkers.
-The engines run one step at a time (async_scheduling=False, as in the notebooks): the exercises
-read the engine's state between two steps, which async scheduling has moved on already.
+The engine runs one step at a time (async_scheduling=False, as in the notebook): the exercises read
+the engine's state between two steps, which async scheduling has moved on already.
 """
 
 from __future__ import annotations
@@ -12,8 +11,7 @@ import pytest
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.exercises.paged_kv import check_blocks_held, check_next_slot_mapping
-from pagedkv.exercises.serving import check_next_schedule
-from tests.test_exercises import assert_rejected
+from tests.exercise_checks import assert_rejected
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -48,18 +46,3 @@ def test_next_slot_mapping(paged: LLM) -> None:
     assert_rejected(check_next_slot_mapping(paged, [28, 17]), "3 token(s)")
     assert_rejected(check_next_slot_mapping(paged, ...), "Replace `...`")
     assert paged.stats.num_steps == 1  # checking does not advance the engine
-
-
-def test_next_schedule() -> None:
-    # Notebook 09's engine: blocks of 4, 7 usable blocks, 12 tokens per step.
-    llm = LLM("tiny", device="cpu", num_kv_blocks=8, block_size=4, max_num_batched_tokens=12, async_scheduling=False)
-    for prompt in ["abc", "defgh", "a much longer prompt"]:  # 4, 6 and 21 tokens
-        llm.add_request(prompt, GREEDY)
-    llm.step()  # 4 + 6 tokens, then the last 2 of the budget go to request 2's first chunk
-    # Next: two decodes (1 + 1), request 2 gets the 10 tokens left of the budget (19 remain).
-    assert check_next_schedule(llm, {"0": 1, "1": 1, "2": 10}, [])
-    assert_rejected(check_next_schedule(llm, {"0": 1, "1": 1, "2": 19}, []), "request 2", "chunked")
-    assert_rejected(check_next_schedule(llm, {"0": 4, "1": 1, "2": 10}, []), "request 0", "decoding")
-    assert_rejected(check_next_schedule(llm, {"0": 1, "1": 1, "2": 10}, ["2"]), "preempted", "found the blocks")
-    assert_rejected(check_next_schedule(llm, ...), "Replace `...`")
-    assert llm.stats.num_steps == 1
