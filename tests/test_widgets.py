@@ -171,8 +171,12 @@ def test_step_player_follows_a_live_trace() -> None:
 def test_plots(hybrid_trace: StepTrace, plot) -> None:  # noqa: ANN001
     ax = plot(hybrid_trace)
     assert ax.get_title() and (ax.lines or ax.patches)
+    ax.figure.canvas.draw()
+    legend, axes_box = ax.get_legend(), ax.get_window_extent()
+    assert legend.get_window_extent().x0 >= axes_box.x1, "the legend covers the data"
     html = PlotView(hybrid_trace, plot, index=1).value
-    assert html.startswith('<img class="pkv-plot" data-step="2" src="data:image/png;base64,')
+    assert html.startswith('<div class="pkv-plot" data-step="2"><div class="pkv-figure">')
+    assert html.count('src="data:image/png;base64,') == 2  # the light and the dark rendering
 
 
 # ---- paging, the player's label, ForwardContextView in a player -----------------------------

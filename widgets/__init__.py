@@ -39,9 +39,23 @@ Views (all `TraceView`s: an `ipywidgets.HTML` with an `index` trait, -1 = newest
 StepPlayer(trace, views)   Play + IntSlider; renders every view at the chosen step, then updates the
                            views and the step label together (they always name the same step).
 Colours: JupyterLab theme variables (`--jp-ui-font-color1`, `--jp-layout-color1`, ...) and request
-colours of mid luminance, so every view reads in the light and the dark theme; plots bring their
-own light background.
-Plots: plot_kv_cache_usage, plot_batch_composition, plot_request_timeline, plot_throughput.
+colours of mid luminance, so every view reads in the light and the dark theme.
+Plots: plot_kv_cache_usage, plot_batch_composition, plot_request_timeline, plot_throughput (each
+returns its matplotlib Axes; legends sit outside the data).
+
+Figures that follow the theme:
+    show_figure(fig)     display a matplotlib Figure (or an Axes' figure) instead of plt.show():
+                         a `ThemedFigure` widget holding a light and a dark rendering (greys
+                         swapped, colours lightened to >= 3:1, text to >= 4.5:1 on the dark
+                         background); CSS on `body[data-jp-theme-light]` shows the one of the
+                         JupyterLab theme, with no kernel round trip. Saved with the notebook's
+                         widget state, so a notebook that is just opened shows it too; its repr
+                         is stable text for nbval. The figure is closed (no second, white copy).
+
+        fig, ax = plt.subplots(figsize=(6, 3), layout="constrained")
+        ax.plot(x, y, label="y")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))   # outside the data
+        show_figure(fig)
 
 Not tied to a trace:
     CudaGraphModeExplorer  CUDA graph mode, backend support, compile, decode query length,
@@ -66,6 +80,7 @@ from pagedkv.widgets.attention_groups import AttentionGroupsView
 from pagedkv.widgets.block_table import BlockTableView
 from pagedkv.widgets.common import TraceView, request_color
 from pagedkv.widgets.cudagraph import CudaGraphModeExplorer, PiecewiseSplitView
+from pagedkv.widgets.figure import ThemedFigure, show_figure
 from pagedkv.widgets.forward_context import ForwardContextView
 from pagedkv.widgets.mla import MLASplitView, cache_bytes, latent_cache_table
 from pagedkv.widgets.player import StepPlayer
@@ -90,6 +105,7 @@ __all__ = [
     "SlotMappingView",
     "StepPlayer",
     "TensorParallelLayoutView",
+    "ThemedFigure",
     "TraceView",
     "cache_bytes",
     "latent_cache_table",
@@ -98,4 +114,5 @@ __all__ = [
     "plot_request_timeline",
     "plot_throughput",
     "request_color",
+    "show_figure",
 ]

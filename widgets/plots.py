@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-import base64
-import io
 from collections.abc import Callable
 from typing import Any
 
@@ -22,13 +20,15 @@ from matplotlib.patches import Rectangle
 
 from pagedkv.trace import StepRecord, StepTrace
 from pagedkv.widgets.common import TraceView, request_color
+from pagedkv.widgets.figure import LIGHT_BACKGROUND, themed_figure_html
 
 PHASE_COLORS = {"prefill": "#0072B2", "decode": "#009E73", "unscheduled": "#cccccc"}
 PlotFn = Callable[[StepTrace, Axes], Axes]
-FACECOLOR = "#ffffff"
-"""A plot is a picture with matplotlib's dark text: it brings its own opaque light background, so it
-reads the same in JupyterLab's light and dark themes (the inline backend's default is transparent,
-which leaves black labels on a dark page)."""
+FACECOLOR = LIGHT_BACKGROUND
+"""A plot brings its own opaque light background (the inline backend's default is transparent, which
+leaves black labels on a dark page); `show_figure` / `PlotView` add a dark rendering for the dark theme."""
+LEGEND_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0, "fontsize": 8}
+"""Every legend sits right of its axes, never on the data (constrained layout makes room for it)."""
 
 
 def _axes(ax: Axes | None) -> Axes:
@@ -50,7 +50,7 @@ def plot_kv_cache_usage(trace: StepTrace, ax: Axes | None = None) -> Axes:
         ax.scatter(preempting, [usable] * len(preempting), marker="v", color="#D55E00", zorder=3, label="preemption")
     ax.set(xlabel="step", ylabel="blocks", title="KV cache usage")
     ax.set_ylim(0, usable * 1.15)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(**LEGEND_OUTSIDE)
     return ax
 
 
@@ -65,7 +65,7 @@ def plot_batch_composition(trace: StepTrace, ax: Axes | None = None) -> Axes:
     budget = trace.engine.max_num_batched_tokens
     ax.axhline(budget, color="#888", linestyle="--", label=f"token budget ({budget})")
     ax.set(xlabel="step", ylabel="tokens", title="Batch composition")
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(**LEGEND_OUTSIDE)
     return ax
 
 
@@ -104,8 +104,7 @@ def plot_request_timeline(trace: StepTrace, ax: Axes | None = None) -> Axes:
         Line2D([], [], marker="x", color="#D55E00", linestyle="", mew=2),
         Line2D([], [], marker="|", color="#000", linestyle="", mew=2),
     ]
-    ax.legend(handles, [*PHASE_COLORS, "preempted", "finished"], fontsize=8, loc="upper left",
-              bbox_to_anchor=(1.0, 1.0))
+    ax.legend(handles, [*PHASE_COLORS, "preempted", "finished"], **LEGEND_OUTSIDE)
     ax.set(xlabel="step", title="Requests over time")
     return ax
 
@@ -121,16 +120,17 @@ def plot_throughput(trace: StepTrace, ax: Axes | None = None) -> Axes:
     if total_time:
         mean = sum(r.num_tokens for r in records) / total_time
         ax.axhline(mean, color="#000", linestyle=":", label=f"overall {mean:,.0f} tok/s")
-        ax.legend(loc="upper right", fontsize=8)
+        ax.legend(**LEGEND_OUTSIDE)
     ax.set(xlabel="step (blue: has prefill, green: decode only)", ylabel="tokens / s", title="Throughput")
     return ax
 
 
 class PlotView(TraceView):
-    """A plot of the whole trace with a vertical cursor at the step on display.
+    """A plot of the whole trace with a vertical cursor at the step on display, in the light and the
+    dark rendering of `show_figure` (the page's theme picks one).
 
     Put it in a `StepPlayer` to see where in the run the other views are; attached to a
-    live engine it grows with every step (rendering a PNG costs ~0.1 s per step).
+    live engine it grows with every step (rendering its two PNGs costs ~0.2 s per step).
     """
 
     draws_whole_run = True
@@ -144,10 +144,9 @@ class PlotView(TraceView):
         fig = Figure(figsize=(8, 2.8), layout="constrained", facecolor=FACECOLOR)
         ax = self.plot(self.trace, fig.add_subplot())
         ax.axvline(record.step, color="#D55E00", linewidth=1.5)
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=80)
-        data = base64.b64encode(buffer.getvalue()).decode()
-        return f'<img class="pkv-plot" data-step="{record.step}" src="data:image/png;base64,{data}"/>'
+        title = f"{ax.get_title()}, cursor at step {record.step}"
+        # Two renderings (light and dark theme), as show_figure draws them.
+        return f'<div class="pkv-plot" data-step="{record.step}">{themed_figure_html(fig, alt=title)}</div>'
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f", {self.plot.__name__})"
