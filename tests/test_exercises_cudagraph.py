@@ -1,69 +1,110 @@
-"""Notebook 08's checkers accept the right mode and explain a wrong one.
+"""Notebook 08's checkers accept the right mode and tell a wrong one which rule it missed.
 
 The right answers are worked out by hand from the rules (issue 9 point 1), independently
-of the resolver the checkers call.
+of the resolver the checkers call. A wrong answer's message never names the resolved mode
+(the second edition's "the resolver says X" let a student copy it, issue 32); `reveal()` does,
+after three wrong tries of that exercise.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import re
 
 import pytest
 
+import pagedkv.exercises as exercises
+import pagedkv.exercises.cudagraph as cudagraph
 from pagedkv.attention.backend import AttentionCGSupport
 from pagedkv.compilation import CUDAGraphMode
-from pagedkv.exercises.cudagraph import (
-    LOWERING_EXERCISES,
-    RULES,
-    check_lowering,
-    check_raising,
-    raising_configurations,
-    resolve_explained,
-)
+from pagedkv.exercises import reveal
+from pagedkv.exercises.cudagraph import LOWERING_EXERCISES, check_lowering, check_raising, resolve_explained
+from tests.exercise_checks import assert_rejected
 
 M, S = CUDAGraphMode, AttentionCGSupport
 
-# exercise -> (right answer, a tempting wrong one, a phrase the explanation of that wrong one must contain)
-ANSWERS = {
-    1: (M.NONE, ValueError, "you said it raises, but it resolves to NONE"),
-    2: (M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE, "the model is not compiled piecewise"),
-    3: (M.PIECEWISE, M.NONE, "the resolver says PIECEWISE (decode PIECEWISE, mixed PIECEWISE)"),
-    4: (M.PIECEWISE, M.FULL_DECODE_ONLY, "you kept the configured mode FULL_DECODE_ONLY"),
-    5: (M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE, "the model is not compiled piecewise"),
-}
+RIGHT = {1: M.NONE, 2: M.FULL_DECODE_ONLY, 3: M.PIECEWISE, 4: M.PIECEWISE, 5: M.FULL_DECODE_ONLY}
+"""Exercise -> its answer, worked out by hand from the rules of notebook 08's section 4."""
+
+# (exercise, a tempting wrong answer, the rule and hint its message must name)
+WRONG = [
+    (1, ValueError, "rule 1 comes before every rule that raises"),
+    (1, M.PIECEWISE, "breaks rule 1"),
+    (2, M.FULL, "you kept FULL, but rule 2 applies: the backend (support UNIFORM_BATCH) cannot capture a mixed "
+                "batch in one graph (only ALWAYS can), so FULL cannot stay FULL"),
+    (2, M.FULL_AND_PIECEWISE, "breaks rule 5"),
+    (2, M.NONE, "Your answer runs decode batches eagerly"),
+    (3, M.NONE, "rule 3 applies"),
+    (3, ValueError, "lowered by rule 3 before the last guard (rule 6)"),
+    (3, M.FULL_DECODE_ONLY, "breaks rule 3"),
+    (4, M.FULL_DECODE_ONLY, "you kept FULL_DECODE_ONLY, but rule 4 applies"),
+    (4, M.FULL_AND_PIECEWISE, "breaks rule 4"),
+    (5, M.FULL, "the rules only take full graphs away, they never add one"),
+    (5, M.PIECEWISE, "breaks rule 5"),
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_tries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(exercises, "_TRIES", exercises._Tries())
+
+
+def names(text: str, mode: CUDAGraphMode) -> bool:
+    """`text` names `mode` as a word of its own (FULL_AND_PIECEWISE does not name PIECEWISE)."""
+    return re.search(rf"(?<![A-Z_]){mode.name}(?![A-Z_])", text) is not None
 
 
 def test_there_is_one_exercise_per_lowering_rule() -> None:
     assert sorted(e.rule for e in LOWERING_EXERCISES.values()) == [1, 2, 3, 4, 5]
-    assert set(ANSWERS) == set(LOWERING_EXERCISES)
+    assert set(RIGHT) == set(LOWERING_EXERCISES)
 
 
-@pytest.mark.parametrize("number", sorted(ANSWERS))
+@pytest.mark.parametrize("number", sorted(RIGHT))
 def test_each_exercise_triggers_only_its_rule(number: int) -> None:
     result = LOWERING_EXERCISES[number].resolve()
     assert result.error is None and len(result.warnings) == 1  # one rule fired, one change
 
 
-@pytest.mark.parametrize("number", sorted(ANSWERS))
+@pytest.mark.parametrize("number", sorted(RIGHT))
 def test_right_answer_in_any_spelling(number: int) -> None:
-    right = ANSWERS[number][0]
+    right = RIGHT[number]
     for answer in (right, right.name, right.name.lower(), f" {right.name} "):
         result = check_lowering(number, answer)
         assert result.ok, result.message
         assert f"resolves to {right.name}" in result.message and "log: cudagraph_mode" in result.message
 
 
-@pytest.mark.parametrize("number", sorted(ANSWERS))
-def test_wrong_answer_is_explained(number: int) -> None:
-    right, wrong, phrase = ANSWERS[number]
-    result = check_lowering(number, wrong)
-    assert not result.ok
-    rule = LOWERING_EXERCISES[number].rule
-    assert phrase in result.message
-    assert f"Rule {rule}: {RULES[rule]}" in result.message
-    assert f"resolves to {right.name}" in result.message  # the resolver's own verdict and log
-    assert "log: cudagraph_mode" in result.message
+@pytest.mark.parametrize(("number", "wrong", "phrase"), WRONG)
+def test_wrong_answer_names_the_rule_it_missed(number: int, wrong: object, phrase: str) -> None:
+    assert_rejected(check_lowering(number, wrong), f"Exercise {number}: ", phrase)
+
+
+@pytest.mark.parametrize("number", sorted(RIGHT))
+def test_no_wrong_answer_is_told_the_resolved_mode(number: int) -> None:
+    # The second edition ended every wrong answer with "The resolver: X resolves to Y": copy Y, pass.
+    for wrong in [*(m for m in M if m is not RIGHT[number]), ValueError, "raises"]:
+        result = check_lowering(number, wrong)
+        assert_rejected(result, "rule")
+        assert not names(result.message, RIGHT[number]), result.message
+        assert "resolves to" not in result.message and "log:" not in result.message
+        assert result.reveal is not None
+
+
+def test_each_exercise_counts_its_own_tries_and_reveal_works_it_out(capsys: pytest.CaptureFixture[str]) -> None:
+    check_lowering(1, "FULL")
+    check_lowering(1, "FULL")
+    assert "reveal()" not in check_lowering(2, "FULL").message  # two tries of exercise 1 do not count for 2
+    reveal()
+    assert "1 wrong try so far" in capsys.readouterr().out
+    check_lowering(2, "NONE")
+    third = check_lowering(2, ValueError)
+    assert "Try 3" in third.message and "reveal()" in third.message
+    reveal()
+    worked = capsys.readouterr().out
+    assert "rule 2: FULL -> FULL_DECODE_ONLY (full graphs of mixed batches need support ALWAYS" in worked
+    assert "= FULL_DECODE_ONLY (decode FULL, mixed NONE)" in worked
+    assert check_lowering(2, "FULL_DECODE_ONLY")
 
 
 def test_unreadable_answers() -> None:
@@ -91,8 +132,7 @@ def test_resolve_explained_keeps_warnings_without_printing(
                           uniform_decode_query_len=0)
 
 
-def test_raising_configurations_are_full_with_never() -> None:
-    assert raising_configurations() == {("FULL", "NEVER")}
+def test_only_full_with_never_raises() -> None:
     # ... whatever the compile setting and decode length, and only without enforce_eager.
     for mode, support in itertools.product(M, S):
         for pw, q, eager in itertools.product((True, False), (1, 2), (True, False)):
@@ -101,16 +141,26 @@ def test_raising_configurations_are_full_with_never() -> None:
             assert (error is not None) == (mode is M.FULL and support is S.NEVER and not eager)
 
 
-def test_check_raising() -> None:
-    assert check_raising({("FULL", "NEVER")}).ok
-    assert check_raising([(M.FULL, S.NEVER)]).ok
-    assert check_raising({("full", "never")}).ok  # any case, as check_lowering reads mode names (was "could not read")
+def test_the_raising_set_is_no_importable_helper() -> None:
+    # The second edition shipped the answer of exercise 6 as `raising_configurations()`.
+    assert not hasattr(cudagraph, "raising_configurations")
+    assert not any(callable(v) and "raising" in name and name != "check_raising" for name, v in vars(cudagraph).items())
+
+
+def test_check_raising(capsys: pytest.CaptureFixture[str]) -> None:
+    assert check_raising({("FULL", "NEVER")})
+    assert check_raising([(M.FULL, S.NEVER)])
+    assert check_raising({("full", "never")})  # any case, as check_lowering reads mode names
     extra = check_raising({("FULL", "NEVER"), ("FULL_DECODE_ONLY", "NEVER")})
-    assert not extra.ok
-    assert "('FULL_DECODE_ONLY', 'NEVER') does not raise" in extra.message
-    assert "FULL_DECODE_ONLY resolves to PIECEWISE" in extra.message
+    assert_rejected(extra, "('FULL_DECODE_ONLY', 'NEVER') does not raise", "lowered by rule 3")
+    assert_rejected(check_raising({("FULL", "NEVER"), ("PIECEWISE", "NEVER")}), "no full graph at all")
+    assert_rejected(check_raising({("FULL", "UNIFORM_BATCH")}), "only support NEVER can make the resolver raise")
     missing = check_raising(set())
-    assert not missing.ok and "('FULL', 'NEVER') raises too" in missing.message
-    assert "please try cudagraph_mode=PIECEWISE" in missing.message
+    assert_rejected(missing, "misses pairs that raise", "rule 2")
+    assert not names(missing.message, M.FULL) and "NEVER" not in missing.message  # was "('FULL', 'NEVER') raises too"
+    assert "Try 4" in missing.message
+    reveal()
+    worked = capsys.readouterr().out
+    assert "FULL: raises (rule 2" in worked and "The set: [('FULL', 'NEVER')]" in worked
     assert "could not read" in check_raising({("FULL", "SOMETIMES")}).message
     assert "Replace `...`" in check_raising(...).message

@@ -1,8 +1,12 @@
 """Checkers for notebook 08 (CUDA graphs and torch.compile): one exercise per lowering rule.
 
-Every answer is checked against `resolve_cudagraph_mode` itself, run on the exercise's
-configuration while its log warnings are captured (`resolve_explained`), so a wrong answer
-is shown the resolver's own path through the rules next to the rule the exercise is about.
+    check_lowering(number, answer)   what `resolve_cudagraph_mode` makes of LOWERING_EXERCISES[number]
+    check_raising(pairs)             which (mode, support) pairs make it raise
+
+The answers are values, not functions: each is checked against `resolve_cudagraph_mode` itself,
+run on the exercise's configuration after the answer is in, while its log warnings are captured
+(`resolve_explained`). A wrong answer is told which rule it missed, worded from the configuration
+and the answer (never the resolved mode); `reveal()` walks the resolver's path rule by rule.
 The notebook's `CudaGraphModeExplorer` widget uses the same `resolve_explained`.
 """
 
@@ -10,14 +14,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.attention.backend import AttentionCGSupport
 from pagedkv.compilation import CUDAGraphMode, resolve_cudagraph_mode
-from pagedkv.exercises import CheckResult
+from pagedkv.exercises import CheckResult, exercise
 
 RAISES = "ValueError"
 """How an answer says "the resolver raises" (the class `ValueError` is accepted too)."""
@@ -169,21 +174,128 @@ def _parse_answer(answer: Any) -> CUDAGraphMode | str | None:
         return None
 
 
-def _outcome(answer: CUDAGraphMode | str) -> str:
-    return "raises" if answer == RAISES else f"resolves to {answer.name}"
+_STEP = re.compile(r"cudagraph_mode (\w+) -> (\w+) with .*?\): (.*)\.$")
+_RULE_OF_REASON = (("enforce_eager", 1), ("full graphs of mixed", 2), ("no full graphs at all", 3),
+                   ("decode steps of", 4), ("piecewise graphs need", 5))
+"""The start of each rule's reason in the resolver's warning, and the rule's number."""
 
 
-def _routines(mode: CUDAGraphMode) -> str:
-    return f"(decode {mode.decode_mode().name}, mixed {mode.mixed_mode().name})"
+@dataclass(frozen=True)
+class _Step:
+    """One change of mode the resolver logged, and the rule that made it."""
+
+    rule: int
+    before: CUDAGraphMode
+    after: CUDAGraphMode
+    reason: str
 
 
-def check_lowering(number: int, answer: Any) -> CheckResult:
-    """Is `answer` what `resolve_cudagraph_mode` makes of `LOWERING_EXERCISES[number]`?
+def _steps(result: Resolution) -> list[_Step]:
+    """The resolver's path through the rules, read from its warnings (one per change)."""
+    steps = []
+    for message in result.warnings:
+        before, after, reason = _STEP.match(message).groups()  # type: ignore[union-attr]
+        rule = next(number for start, number in _RULE_OF_REASON if reason.startswith(start))
+        steps.append(_Step(rule, CUDAGraphMode[before], CUDAGraphMode[after], reason))
+    return steps
 
-    `answer`: a `CUDAGraphMode`, its name, or `ValueError` / "ValueError" when you think it raises.
-    """
-    if number not in LOWERING_EXERCISES:
-        return CheckResult(False, f"There is no lowering exercise {number!r}; they are {list(LOWERING_EXERCISES)}.")
+
+def _why(rule: int, exercise: LoweringExercise, mode: CUDAGraphMode) -> str:
+    """Why `rule` applies to `mode` in this configuration, without the mode it leads to."""
+    support, q = exercise.support.name, exercise.uniform_decode_query_len
+    return {
+        1: "enforce_eager=True runs every step eagerly, whatever mode is asked for",
+        2: (f"the backend (support {support}) cannot capture a mixed batch in one graph (only ALWAYS can), "
+            f"so {mode.name} cannot stay {mode.name}"),
+        3: f"support NEVER captures no graph of attention at all, so the FULL decode routine of {mode.name} goes too",
+        4: (f"a decode step has {q} query tokens per request: a uniform batch, not a single-token one, and "
+            f"support {support} captures no FULL graph of it (that takes UNIFORM_BATCH)"),
+        5: (f"{mode.name} has a piecewise routine, and piecewise graphs need the model compiled with attention "
+            "split out (compile=True), which it is not"),
+    }[rule]
+
+
+def _broken_rule(answer: CUDAGraphMode, exercise: LoweringExercise) -> tuple[int, str] | None:
+    """The first rule a resolved mode cannot break and `answer` breaks, with why; None if it breaks none."""
+    support = exercise.support
+    if exercise.enforce_eager and answer is not CUDAGraphMode.NONE:
+        return 1, f"{_why(1, exercise, answer)}, so no graph of any kind is left"
+    if answer.mixed_mode() is CUDAGraphMode.FULL and support is not AttentionCGSupport.ALWAYS:
+        return 2, _why(2, exercise, answer)
+    if answer.decode_mode() is CUDAGraphMode.FULL and support is AttentionCGSupport.NEVER:
+        return 3, f"support NEVER captures no graph of attention at all, so the FULL decode routine of {answer.name} cannot be"
+    if (answer.decode_mode() is CUDAGraphMode.FULL and exercise.uniform_decode_query_len > 1
+            and support.value < AttentionCGSupport.UNIFORM_BATCH.value):
+        return 4, _why(4, exercise, answer)
+    if answer.requires_piecewise_compilation() and not exercise.attention_compiled_piecewise:
+        return 5, _why(5, exercise, answer)
+    return None
+
+
+def _missed(answer: CUDAGraphMode | str, result: Resolution, exercise: LoweringExercise) -> str:
+    """Which rule a wrong answer missed, and a hint; never the resolved mode."""
+    configured, steps = exercise.mode, _steps(result)
+    if answer == RAISES:
+        if exercise.enforce_eager:
+            return "nothing is refused here: rule 1 comes before every rule that raises, and enforce_eager=True."
+        if exercise.support is not AttentionCGSupport.NEVER:
+            return (f"only support NEVER can make the resolver raise (rules 2 and 6); here the support is "
+                    f"{exercise.support.name}, so the rules lower the mode instead.")
+        return (f"rule 2 raises only when the mixed routine is FULL, and {configured.name}'s is not; a FULL decode "
+                "routine is lowered by rule 3 before the last guard (rule 6) looks.")
+    if result.error is not None:
+        return (f"{answer.name} is not what happens. Rule 2: the mixed routine of {configured.name} is FULL, and "
+                "support NEVER captures no full graph at all, not even of decodes: there is no graph to keep, so "
+                "the resolver refuses the configuration instead of lowering it.")
+    if answer is configured and steps:
+        return f"you kept {configured.name}, but rule {steps[0].rule} applies: {_why(steps[0].rule, exercise, configured)}."
+    later = [i for i, step in enumerate(steps[:-1]) if step.after is answer]
+    if later:
+        i = later[0]
+        return (f"{answer.name} is what rule {steps[i].rule} makes of {configured.name}, but the rules go on in order, "
+                f"each on the result of the ones before: rule {steps[i + 1].rule} applies to {answer.name} too: "
+                f"{_why(steps[i + 1].rule, exercise, answer)}.")
+    broken = _broken_rule(answer, exercise)
+    if broken is not None:
+        return f"{answer.name} breaks rule {broken[0]}: {broken[1]}."
+    for kind, routine in (("decode", CUDAGraphMode.decode_mode), ("mixed", CUDAGraphMode.mixed_mode)):
+        if routine(answer) is CUDAGraphMode.FULL and routine(configured) is not CUDAGraphMode.FULL:
+            return (f"{answer.name} captures {kind} batches in FULL graphs, but {configured.name} asks for none: "
+                    "the rules only take full graphs away, they never add one.")
+    first = steps[0].rule
+    fallback = (
+        "the piecewise routine then runs eagerly, the other routine stays as it is" if first == 5 else
+        "where it lowers to depends on whether attention is compiled piecewise "
+        f"(here it is{'' if exercise.attention_compiled_piecewise else ' not'})"
+    )
+    rank = {CUDAGraphMode.NONE: 0, CUDAGraphMode.PIECEWISE: 1, CUDAGraphMode.FULL: 2}
+    assert result.resolved is not None
+    lower = [f" Your answer runs {kind} batches {'eagerly' if routine(answer) is CUDAGraphMode.NONE else 'piecewise'}: "
+             "more than the rules take away."
+             for kind, routine in (("decode", CUDAGraphMode.decode_mode), ("mixed", CUDAGraphMode.mixed_mode))
+             if rank[routine(answer)] < rank[routine(result.resolved)]]
+    return (f"{answer.name} breaks no rule, but it is not what the rules make of {configured.name}. Start from "
+            f"{configured.name}: rule {first} applies ({_why(first, exercise, configured)}); {fallback}. Then apply "
+            f"the later rules to the result.{''.join(lower[:1])}")
+
+
+def _worked(result: Resolution, exercise: LoweringExercise) -> str:
+    """The resolver's path through the rules for this configuration, step by step."""
+    lines = [f"{exercise}:"]
+    lines += [f"  rule {step.rule}: {step.before.name} -> {step.after.name} ({step.reason})" for step in _steps(result)]
+    if result.error is not None:
+        lines.append(f"  rule 2: {exercise.mode.name} raises ValueError ({result.error})")
+    elif not result.warnings:
+        lines.append("  no rule applies: the mode stays as configured")
+    else:
+        lines.append("  no later rule applies")
+    if result.resolved is not None:
+        mode = result.resolved
+        lines.append(f"= {mode.name} (decode {mode.decode_mode().name}, mixed {mode.mixed_mode().name})")
+    return "\n".join(lines)
+
+
+def _check_lowering(number: int, answer: Any) -> CheckResult:
     exercise = LOWERING_EXERCISES[number]
     if answer is ...:
         return CheckResult(False, "Replace `...` with a CUDAGraphMode (or its name), or ValueError if it raises.")
@@ -192,38 +304,35 @@ def check_lowering(number: int, answer: Any) -> CheckResult:
         return CheckResult(
             False, f"{answer!r} is neither a mode ({[m.name for m in CUDAGraphMode]}) nor ValueError."
         )
-    result = exercise.resolve()
-    expected = RAISES if result.error else result.resolved
-    if parsed == expected:
+    result = exercise.resolve()  # only now, with the answer in
+    if parsed == (RAISES if result.error else result.resolved):
         return CheckResult(True, f"Exercise {number}: {result.describe()}")
-    return CheckResult(False, f"Exercise {number}: {_explain(parsed, expected, exercise)} Rule {exercise.rule}: "
-                              f"{RULES[exercise.rule]} The resolver: {result.describe()}")
+    return CheckResult(False, f"Exercise {number}: {_missed(parsed, result, exercise)}",
+                       reveal=lambda: _worked(result, exercise))
 
 
-def _explain(answer: CUDAGraphMode | str, expected: CUDAGraphMode | str, exercise: LoweringExercise) -> str:
-    """One sentence on how the answer differs from the resolver's result."""
-    if RAISES in (answer, expected):
-        return f"you said it {_outcome(answer)}, but it {_outcome(expected)}."
-    if answer.requires_piecewise_compilation() and not exercise.attention_compiled_piecewise:
-        return f"you said {answer.name}, which needs piecewise graphs, but the model is not compiled piecewise."
-    if answer is exercise.mode:
-        return f"you kept the configured mode {answer.name}, but the resolver lowers it."
-    return f"you said {answer.name} {_routines(answer)}, the resolver says {expected.name} {_routines(expected)}."
+def _counted(number: int) -> Callable[[Any], CheckResult]:
+    """Exercise `number`'s check, with its own count of wrong tries."""
+
+    @exercise(f"08: lowering exercise {number} (rule {LOWERING_EXERCISES[number].rule})")
+    def check(answer: Any) -> CheckResult:
+        return _check_lowering(number, answer)
+
+    return check
 
 
-def raising_configurations() -> set[tuple[str, str]]:
-    """(mode, support) names for which the resolver raises with enforce_eager=False, whatever the
-    compile setting and decode query length (1 or 2)."""
-    raising = set()
-    for mode, support in itertools.product(CUDAGraphMode, AttentionCGSupport):
-        outcomes = {
-            resolve_explained(mode, support, backend_name="MY_BACKEND", attention_compiled_piecewise=pw,
-                              uniform_decode_query_len=q).error is not None
-            for pw, q in itertools.product((True, False), (1, 2))
-        }
-        if outcomes == {True}:
-            raising.add((mode.name, support.name))
-    return raising
+_LOWERING_CHECKS = {number: _counted(number) for number in LOWERING_EXERCISES}
+
+
+def check_lowering(number: int, answer: Any) -> CheckResult:
+    """Is `answer` what `resolve_cudagraph_mode` makes of `LOWERING_EXERCISES[number]`?
+
+    `answer`: a `CUDAGraphMode`, its name, or `ValueError` / "ValueError" when you think it raises.
+    Each exercise counts its wrong tries apart (`reveal()` after three).
+    """
+    if number not in _LOWERING_CHECKS:
+        return CheckResult(False, f"There is no lowering exercise {number!r}; they are {list(LOWERING_EXERCISES)}.")
+    return _LOWERING_CHECKS[number](answer)
 
 
 def _support(name: Any) -> AttentionCGSupport:
@@ -231,22 +340,56 @@ def _support(name: Any) -> AttentionCGSupport:
     return name if isinstance(name, AttentionCGSupport) else AttentionCGSupport[name.strip().upper()]
 
 
+@exercise("08: which configurations raise (rule 6)")
 def check_raising(answer: Iterable[tuple[Any, Any]]) -> CheckResult:
-    """Exercise 6: the set of (mode, support) pairs that raise (enforce_eager=False).
+    """Exercise 6: the set of (mode, support) pairs that raise (enforce_eager=False), whatever the
+    compile setting and the decode query length (1 or 2).
 
     Pairs may use enums or names: {("FULL_DECODE_ONLY", "NEVER"), ...}.
     """
     if answer is ...:
         return CheckResult(False, "Replace `...` with a set of (mode, support) pairs, e.g. {(\"NONE\", \"ALWAYS\")}.")
     try:
-        given = {(CUDAGraphMode.parse(m).name, _support(s).name) for m, s in answer}
+        given = {(CUDAGraphMode.parse(m), _support(s)) for m, s in answer}
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         return CheckResult(False, f"Give (mode, support) pairs of names or enums; could not read {answer!r} ({exc}).")
-    expected = raising_configurations()
+
+    # Only now, with the answer in: every pair, under every compile setting and decode length.
+    def raises(mode: CUDAGraphMode, support: AttentionCGSupport) -> bool:
+        return all(
+            resolve_explained(mode, support, backend_name="MY_BACKEND", attention_compiled_piecewise=compiled,
+                              uniform_decode_query_len=q).error is not None
+            for compiled, q in itertools.product((True, False), (1, 2))
+        )
+
+    expected = {pair for pair in itertools.product(CUDAGraphMode, AttentionCGSupport) if raises(*pair)}
+
+    def worked() -> str:
+        never = AttentionCGSupport.NEVER
+        lines = ["Only support NEVER can raise (rules 2 and 6). With NEVER, compile=True, 1 query token:"]
+        for mode in CUDAGraphMode:
+            result = resolve_explained(mode, never, backend_name="MY_BACKEND", attention_compiled_piecewise=True)
+            lines.append(f"  {mode.name}: " + ("raises (rule 2: its mixed routine is FULL)" if result.error else
+                                               f"resolves to {result.resolved.name}"))
+        lines.append(f"The set: {sorted((m.name, s.name) for m, s in expected)}")
+        return "\n".join(lines)
+
     if given == expected:
-        return CheckResult(True, f"Only {sorted(expected)} raise(s), and rule 2 is what raises. {RULES[6]}")
-    extra, missing = sorted(given - expected), sorted(expected - given)
-    (mode, support), says = (extra[0], "does not raise") if extra else (missing[0], "raises too")
-    how = resolve_explained(mode, AttentionCGSupport[support], backend_name="MY_BACKEND",
-                            attention_compiled_piecewise=True).describe()
-    return CheckResult(False, f"{(mode, support)} {says}. With compile=True: {how}")
+        return CheckResult(True, f"Only {sorted((m.name, s.name) for m, s in expected)} raise(s), and rule 2 is what "
+                                 f"raises. {RULES[6]}")
+    extra = sorted(given - expected, key=lambda pair: (pair[0].value, pair[1].value))
+    if extra:
+        mode, support = extra[0]
+        if support is not AttentionCGSupport.NEVER:
+            why = (f"only support NEVER can make the resolver raise (rules 2 and 6); with {support.name} the rules "
+                   "lower the mode instead")
+        elif mode.decode_mode() is CUDAGraphMode.FULL:
+            why = ("rule 2 raises only when the mixed routine is FULL; this FULL decode routine is lowered by rule 3 "
+                   "before the last guard (rule 6) looks")
+        else:
+            why = "it asks for no full graph at all, so there is nothing to refuse"
+        return CheckResult(False, f"({mode.name!r}, {support.name!r}) does not raise: {why}.", reveal=worked)
+    return CheckResult(False, (
+        "Your set misses pairs that raise. Hint: rule 2 refuses, rather than lowers, one kind "
+        "of routine with one support level: which, and which modes have such a routine?"
+    ), reveal=worked)
