@@ -111,10 +111,8 @@ def test_a_row_never_written_is_flagged() -> None:
     assert partly == ["dst: 4 of 12 rows never written (dst[1, 0], dst[1, 1], dst[1, 2], dst[1, 3]): "
                       "no program stored to them"]
     assert log.problems(writes=["dst"], rows_written={"dst": 0}) == [
-        "copy_skipping_row_1 program 0: loaded 4 elements of src (first src[0, 0]), which it may not read "
-        "(it may read nothing)",
-        "copy_skipping_row_1 program 2: loaded 4 elements of src (first src[2, 0]), which it may not read "
-        "(it may read nothing)",
+        "copy_skipping_row_1 program 0 (and 1 more program: 2): loaded 4 elements of src (first src[0, 0]), "
+        "which it may not read (it may read no tensor)",
         "dst: 1 of 1 rows only partly written (first unwritten element dst[1, 0])",
     ]
 
@@ -146,7 +144,7 @@ def test_a_strided_view_and_its_gaps() -> None:
     first = log.launches[0].accesses[0]
     assert (first.tensor, first.inside, first.offsets.tolist()) == ("src", True, [0, 1])
     assert log.problems(reads=["src"], writes=["dst"])[0] == (
-        "copy_rows program 0: loaded 2 elements outside every tensor it was given: "
+        "copy_rows program 0 (and 3 more programs: 1, 2, 3): loaded 2 elements outside every tensor it was given: "
         "2 elements between the elements of src (it is a strided view)")
 
 

@@ -173,10 +173,13 @@ class KernelLaunch:
     def of(self, program: Program) -> list[Access]:
         return [a for a in self.accesses if a.program == program]
 
-    def program_text(self, program: Program) -> str:
-        """'program 3' on a 1-D grid, 'program (3, 1)' on a 2-D one: as the kernel's tl.program_id sees it."""
+    def program_id(self, program: Program) -> str:
+        """'3' on a 1-D grid, '(3, 1)' on a 2-D one: the id as the kernel's tl.program_id calls see it."""
         dims = max((i + 1 for i, n in enumerate(self.grid) if n > 1), default=1)
-        return f"program {program[0]}" if dims == 1 else f"program {tuple(program[:dims])}"
+        return str(program[0]) if dims == 1 else str(tuple(program[:dims]))
+
+    def program_text(self, program: Program) -> str:
+        return f"program {self.program_id(program)}"
 
     def __repr__(self) -> str:
         return f"KernelLaunch({self.kernel}, grid {self.grid}, {len(self.accesses)} accesses)"
@@ -241,8 +244,18 @@ class AccessLog:
                                f"known tensors are {', '.join(self.tensors)}")
         found: list[str] = []
         for run in self.launches:
+            # one line per broken rule and tensor: the first program that broke it, and how many more did
+            broken: dict[tuple[str, ...], list[tuple[Program, str]]] = {}
             for program in run.programs():
-                found += self._program_problems(run, program, reads, writes, allowed, reasons)
+                for key, detail in self._program_problems(run, program, reads, writes, allowed, reasons):
+                    broken.setdefault(key, []).append((program, detail))
+            for cases in broken.values():
+                (program, detail), others = cases[0], [p for p, _ in cases[1:]]
+                more = ""
+                if others:
+                    listed = ", ".join(run.program_id(p) for p in others[:4]) + (", ..." if len(others) > 4 else "")
+                    more = f" (and {len(others)} more program{'s' if len(others) > 1 else ''}: {listed})"
+                found.append(f"{run.kernel} {run.program_text(program)}{more}: {detail}")
             if races:
                 found += self._races(run)
         for name, row in (rows_written or {}).items():
@@ -252,9 +265,9 @@ class AccessLog:
     def _program_problems(
         self, run: KernelLaunch, program: Program, reads: set[str], writes: set[str],
         allowed: dict[str, Allowed], reasons: dict[str, str],
-    ) -> list[str]:
+    ) -> list[tuple[tuple[str, ...], str]]:
+        """(rule broken, what this program did) for each rule one program broke."""
         found = []
-        who = f"{run.kernel} {run.program_text(program)}"
         groups: dict[tuple[Kind, str, bool], list[np.ndarray]] = {}
         for a in run.of(program):
             groups.setdefault((a.kind, a.tensor, a.inside), []).append(a.offsets)
@@ -263,22 +276,23 @@ class AccessLog:
             info = self.tensors[name]
             verb = "loaded" if kind == "load" else "stored"
             if not inside:
-                found.append(f"{who}: {verb} {_count(offsets.size)} outside every tensor it was given: "
-                             f"{_outside_where(info, offsets)}")
+                found.append((("outside", kind, name), f"{verb} {_count(offsets.size)} outside every tensor it was "
+                              f"given: {_outside_where(info, offsets)}"))
                 continue
             permitted = reads if kind == "load" else writes
             if name not in permitted:
-                may = ", ".join(sorted(permitted)) or "nothing"
-                found.append(f"{who}: {verb} {_count(offsets.size)} of {name} (first {info.describe(offsets[0])}), "
-                             f"which it may not {'read' if kind == 'load' else 'write'} (it may "
-                             f"{'read' if kind == 'load' else 'write'} {may})")
+                access = "read" if kind == "load" else "write"
+                may = f"it may {access} {', '.join(sorted(permitted))}" if permitted else f"it may {access} no tensor"
+                found.append((("not permitted", kind, name), f"{verb} {_count(offsets.size)} of {name} (first "
+                              f"{info.describe(offsets[0])}), which it may not {access} ({may})"))
                 continue
             if name in allowed:
                 ok = _allowed_mask(allowed[name], program, info)
                 bad = offsets[~ok[offsets]]
                 if bad.size:
                     why = reasons.get(name, "outside the part it may touch")
-                    found.append(f"{who}: {verb} {_count(bad.size)} of {name} {why} (first {info.describe(bad[0])})")
+                    found.append((("not allowed", kind, name),
+                                  f"{verb} {_count(bad.size)} of {name} {why} (first {info.describe(bad[0])})"))
         return found
 
     def _races(self, run: KernelLaunch) -> list[str]:
