@@ -12,15 +12,15 @@ import os
 import platform
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from pagedkv.attention.selector import ENV_VAR, get_attn_backend
+from pagedkv.attention.selector import ENV_VAR, backend_report, get_attn_backend
 from pagedkv.engine.llm import LLM
-from pagedkv.exercises import CheckResult, call_answer, package_answer
-from pagedkv.exercises.backends import selector_report
+from pagedkv.exercises import CheckResult, call_on_cases, exercise, package_answer
 from pagedkv.platforms import default_device, get_platform
+from pagedkv.widgets.common import BG_HEADER, BORDER_LIGHT, FG, esc
 
 
 def _package_version(module: str) -> str:
@@ -85,12 +85,32 @@ def runs_here(needs: str) -> str:
     raise ValueError(f"Unknown requirement {needs!r}.")
 
 
-# Names and refusal reasons the hidden cases of check_choose_backend are drawn from.
+def html_table(header: Sequence[str], rows: Iterable[Sequence[object]], align: str = "") -> str:
+    """Rows as an HTML table that fits a notebook column and follows the JupyterLab theme.
+
+    A printed fixed-width table wraps every row in a narrow window; an HTML table wraps inside its
+    cells. `align` holds one letter per column, "l" or "r" (default: all left).
+    """
+
+    def row(cells: Sequence[object], tag: str, style: str) -> str:
+        sides = ["right" if align[i:i + 1] == "r" else "left" for i in range(len(cells))]
+        return "<tr>" + "".join(f'<{tag} style="{style} text-align:{side}">{esc(cell)}</{tag}>'
+                                for cell, side in zip(cells, sides)) + "</tr>"
+
+    cell = f"padding:2px 8px; border-bottom:1px solid {BORDER_LIGHT}; vertical-align:top;"
+    body = "".join(row(r, "td", cell) for r in rows)
+    return (f'<table style="border-collapse:collapse; max-width:100%; font-size:12px; color:{FG}">'
+            f'<thead>{row(header, "th", f"background:{BG_HEADER}; {cell}")}</thead><tbody>{body}</tbody></table>')
+
+
+# Names and refusal reasons the made-up cases of check_choose_backend are drawn from: "MY_ATTN" is
+# no registered backend, so no selector of the package can answer those cases.
 _NAMES = ("TORCH_REF", "TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "MY_ATTN")
 _REASONS = ("device 'cpu' not supported", "head size 100 not supported", "block size 7 not supported",
             "dtype torch.float32 not supported", "sliding window not supported")
 
 ChooseFn = Callable[[list[str], dict[str, list[str]]], object]
+Case = tuple[list[str], dict[str, list[str]]]
 
 
 def _why_chosen(llm: LLM, layer_name: str, chosen: str, report: dict[str, list[str]]) -> str:
@@ -105,7 +125,7 @@ def _why_chosen(llm: LLM, layer_name: str, chosen: str, report: dict[str, list[s
     return why + ("; rejected before it: " + ", ".join(rejected) if rejected else "")
 
 
-def _random_case(rng: random.Random) -> tuple[list[str], dict[str, list[str]]]:
+def _random_case(rng: random.Random) -> Case:
     """A priority list and a report (in another order) where the answer is rarely the first name."""
     priority = rng.sample(_NAMES, rng.randint(2, 4))
     reasons = {n: rng.sample(_REASONS, rng.randint(0, 2)) if rng.random() < 0.6 else [] for n in _NAMES}
@@ -113,24 +133,7 @@ def _random_case(rng: random.Random) -> tuple[list[str], dict[str, list[str]]]:
     return priority, {n: reasons[n] for n in names}
 
 
-def _expected_choice(priority: list[str], reasons: dict[str, list[str]]) -> str | None:
-    return next((n for n in priority if not reasons.get(n)), None)
-
-
-def _explain_choice(got: object, want: str | None, priority: list[str], reasons: dict[str, list[str]]) -> str:
-    """Why `got` is not the selector's choice, in one sentence."""
-    case = f"For priority {priority} and reasons {reasons}: you returned {got!r}, expected {want!r}"
-    if want is None:
-        return f"{case}: every backend in the priority list refuses the layer, so return None."
-    if got not in reasons:
-        return f"{case}: return the name of a backend (a str) from the priority list."
-    if reasons[got]:
-        return f"{case}: {got} refuses the layer ({'; '.join(reasons[got])})."
-    if got not in priority:
-        return f"{case}: {got} could serve the layer, but only backends in the priority list are tried."
-    return f"{case}: {got} could serve it too, but {want} comes earlier in the priority list."
-
-
+@exercise("00: be the selector")
 def check_choose_backend(llm: LLM, fn: ChooseFn, layer_name: str = "model.layers.0.self_attn.attn",
                          num_hidden: int = 20) -> CheckResult:
     """Does `fn(priority, reasons)` pick a layer's backend the way the selector does?
@@ -138,7 +141,8 @@ def check_choose_backend(llm: LLM, fn: ChooseFn, layer_name: str = "model.layers
     `priority` is the platform's list of backend names, `reasons` maps every registered backend to
     its reasons for refusing the layer (empty: it can serve it). The answer is the first name of
     `priority` with no reasons, or None. Tried on `layer_name` of `llm` (its real priority list and
-    report), then on `num_hidden` random cases drawn afresh on each call.
+    report), on a case where every backend refuses, then on `num_hidden` random cases drawn afresh on
+    each call (with a backend no registry knows). All calls run before any answer is worked out.
     """
     if not callable(fn):
         return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
@@ -147,18 +151,57 @@ def check_choose_backend(llm: LLM, fn: ChooseFn, layer_name: str = "model.layers
         return own
     if layer_name not in llm.runner.attn_layers:
         return CheckResult(False, f"{layer_name!r} is not an attention layer; they are {list(llm.runner.attn_layers)}.")
-    chosen = llm.runner.attn_layers[layer_name].attn_backend.get_name()
-    report = selector_report(llm, layer_name)
-    live = (list(get_platform(llm.config.device).backend_priority), report)
+    report = backend_report(llm.config.device, **llm.runner.attn_layers[layer_name].selector_kwargs())
     rng = random.Random()
-    every_refusing = (_NAMES[:3], {n: [_REASONS[0]] for n in _NAMES})  # always tried: the answer None is rare at random
-    for priority, reasons in [live, every_refusing, *(_random_case(rng) for _ in range(num_hidden))]:
-        got, rejected = call_answer(fn, (list(priority), {n: list(r) for n, r in reasons.items()}),
-                                    [get_attn_backend], "the rule", f"fn({priority}, ...)")
-        if rejected is not None:
-            return rejected
-        want = _expected_choice(priority, reasons)
-        if got != want:
-            return CheckResult(False, _explain_choice(got, want, priority, reasons))
-    return CheckResult(True, f"Your rule agrees with the selector on {num_hidden + 2} cases. On this machine "
+    cases: list[Case] = [
+        (list(get_platform(llm.config.device).backend_priority), report),
+        (list(_NAMES[:3]), {n: [_REASONS[0]] for n in _NAMES}),  # always tried: the answer None is rare at random
+        *(_random_case(rng) for _ in range(num_hidden)),
+    ]
+    # The student's function gets copies, so it cannot change a case before its answer is worked out.
+    answers, rejected = call_on_cases(fn, [(list(p), {n: list(r) for n, r in rs.items()}) for p, rs in cases],
+                                      [get_attn_backend], "the rule", lambda case: f"fn({case[0]}, ...)")
+    if rejected is not None:
+        return rejected
+
+    # The rules, worked out here and only now that the student's code has run: nothing a student
+    # could import or find in a frame while the function runs.
+    def mistake(got: object, priority: list[str], reasons: dict[str, list[str]]) -> str | None:
+        """Which rule of the selector `got` breaks for this case, in one sentence (None: it breaks none).
+
+        Each rule is checked on its own, so the message names the rule without naming the answer.
+        """
+        servable = [n for n in priority if not reasons.get(n)]
+        if got is None:
+            return "you returned None, but a backend in the priority list can serve the layer" if servable else None
+        if not isinstance(got, str) or got not in reasons:
+            return f"you returned {got!r}: return the name of a backend (a str) from the priority list, or None"
+        if reasons[got]:
+            return (f"you returned {got}, which refuses the layer ({'; '.join(reasons[got])}): a backend with "
+                    "reasons is skipped")
+        if got not in priority:
+            return f"you returned {got}: it could serve the layer, but only backends in the priority list are tried"
+        if servable[0] != got:
+            return (f"you returned {got}: it can serve the layer, but so can a backend earlier in the priority list, "
+                    "and the selector takes the first")
+        return None
+
+    def worked_choice(priority: list[str], reasons: dict[str, list[str]]) -> str:
+        """The selector's walk down `priority` for this case, one line per backend tried."""
+        lines = [f"priority {priority}, reasons {reasons}"]
+        for name in priority:
+            if reasons.get(name):
+                lines.append(f"  {name}: refuses ({'; '.join(reasons[name])}) -> skip")
+            else:
+                lines.append(f"  {name}: no reasons -> the selector takes it")
+                return "\n".join([*lines, f"answer: {name!r}"])
+        return "\n".join([*lines, "  every backend in the list refuses -> answer: None"])
+
+    for answer, (priority, reasons) in zip(answers, cases):
+        broken = mistake(answer, priority, reasons)
+        if broken is not None:
+            return CheckResult(False, f"For priority {priority} and reasons {reasons}: {broken}.",
+                               reveal=lambda p=priority, r=reasons: worked_choice(p, r))
+    chosen = llm.runner.attn_layers[layer_name].attn_backend.get_name()
+    return CheckResult(True, f"Your rule agrees with the selector on {len(cases)} cases. On this machine "
                              f"{chosen} serves {layer_name!r}: {_why_chosen(llm, layer_name, chosen, report)}.")

@@ -3,15 +3,17 @@ fused qkv projection width and the tensor-parallel head layout."""
 
 from __future__ import annotations
 
+import operator
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from pagedkv.config import EngineConfig, ModelConfig, ParallelConfig, set_current_engine_config
-from pagedkv.exercises import CheckResult, call_answer, package_answer
+from pagedkv.exercises import CheckResult, call_on_cases, exercise, package_answer
 from pagedkv.models.layers import HeadLayout, head_layout
+from pagedkv.models.parallel_layers import QKVParallelLinear
 from pagedkv.models.llama import LlamaAttention, LlamaConfig
 
 # (total query heads, total KV heads): MHA, GQA as in Llama-3-8B and -70B, an uneven GQA, MQA.
@@ -38,140 +40,208 @@ def build_attention(num_heads: int, num_kv_heads: int, tp_size: int = 1,
 QWEN2_7B_TP4: dict[str, int] = {"hidden_size": 3584, "num_heads": 28, "num_kv_heads": 4, "head_dim": 128, "tp_size": 4}
 
 QkvWidthFn = Callable[[int, int, int, int, int], Any]
+Geometry = tuple[int, int, int]
+"""(total query heads, total KV heads, tp_size)."""
+
+# What builds a rank's module or computes its head counts: an answer that calls one is turned away.
+_PACKAGE = (build_attention, head_layout, LlamaAttention.__init__, QKVParallelLinear.__init__)
 
 
-def _qkv_verdict(answer: Any, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                 hidden_size: int, tp_size: int) -> CheckResult:
-    """Is `answer` the number of output features of one rank's fused qkv_proj for this geometry?
+def _plain(value: Any) -> Any:
+    """`value` as plain Python: ints (numpy's too) as exact ints, a HeadLayout or a sequence as a tuple.
 
-    The expected value is read from a real `LlamaAttention` built for one rank.
+    Run inside the watched call, so an answer object's own methods (__index__, __iter__) are watched
+    too, and the checker then compares only built-in values.
     """
-    if not isinstance(answer, int) or isinstance(answer, bool):
-        return CheckResult(False, f"Give a whole number of features (an int), got {answer!r}.")
-    rank = build_attention(num_heads, num_kv_heads, tp_size, head_dim, hidden_size)
-    expected = rank.qkv_proj.out_features
-    hq, hkv, d = rank.num_heads, rank.num_kv_heads, head_dim
-    if answer == expected:
-        return CheckResult(
-            True, f"One rank's qkv_proj has {expected} output features = ({hq} + 2 x {hkv}) heads x {d}."
-        )
+    if isinstance(value, HeadLayout):
+        return (value.num_heads, value.num_kv_heads, value.kv_head_replicas)
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    if hasattr(value, "__index__") and not isinstance(value, bool):
+        return int(operator.index(value))
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
+def _geometry(rng: random.Random, kind: str) -> Geometry:
+    """A made-up geometry of one `kind`, built to be so (no rule of the exercise decides it):
+
+    "partitioned": at least as many KV heads as ranks, both head counts multiples of tp_size; the
+    query heads are often no multiple of the KV heads, which LlamaAttention refuses (not the rule);
+    "replicated": fewer KV heads than ranks, a divisor of tp_size; "uneven q": the query heads do not
+    split over the ranks; "uneven kv": the KV heads can be neither split over nor copied onto them.
+    """
+    tp = rng.choice([2, 4, 8, 16, 32, 64])
+    if kind == "partitioned":
+        hkv = tp * rng.randint(1, 6)
+        return hkv + tp * rng.randint(0, 8), hkv, tp
+    if kind == "replicated":
+        return tp * rng.randint(1, 8), rng.choice([d for d in range(1, tp) if tp % d == 0]), tp
+    if kind == "uneven q":
+        return tp * rng.randint(1, 8) + rng.randint(1, tp - 1), tp * rng.randint(1, 4), tp
+    if kind == "uneven kv":
+        tp = rng.choice([4, 8, 16, 32, 64])  # each has a KV head count below it that does not divide it
+        hkv = rng.choice([tp * rng.randint(1, 4) + rng.randint(1, tp - 1),
+                          rng.choice([d for d in range(2, tp) if tp % d])])
+        return tp * rng.randint(1, 8), hkv, tp
+    raise ValueError(f"Unknown kind of geometry {kind!r}.")
+
+
+def _qkv_hint(got: int, hidden_size: int, hq: int, hkv: int, d: int, tp: int) -> str:
+    """What a wrong width most likely forgot, from the usual mistakes (never the right width)."""
     hints = {
-        hq * d: "that is only the query part; k and v follow it in the same output",
-        3 * hq * d: f"that gives every query head its own K and V, but each rank holds only {hkv} KV head(s) "
-                    f"for its {hq} query heads",
-        (hq + hkv) * d: "that counts each KV head once, but every KV head has a K part and a V part",
+        hq * d: "that is the whole model's query part alone; k and v follow it in the same output",
+        (hq + 2 * hkv) * d: "that is the whole model's qkv_proj; a rank holds only its share of the heads",
+        3 * (hq // tp) * d: "that gives every query head its own K and V, but GQA shares a KV head among "
+                            "several query heads",
+        (hq // tp) * d: "that is only the query part; k and v follow it in the same output",
+        (hq + hkv) * d // tp: "that counts each KV head once, but every KV head has a K part and a V part",
         hidden_size: "that is the input width (hidden_size), not the output width",
     }
-    if tp_size > 1:
-        hints[(num_heads + 2 * num_kv_heads) * d] = (
-            f"that is the whole model's qkv_proj; with tp_size {tp_size} a rank holds only its share of the heads")
-        hints[(num_heads // tp_size + 2 * (num_kv_heads // tp_size)) * d] = (
-            f"{num_kv_heads} KV heads cannot be split {tp_size} ways without giving some rank less than "
-            "a whole head: each rank keeps one whole KV head (replicated)")
-    hint = hints.get(answer, f"count the q, k and v heads this one rank holds, {d} features each")
-    return CheckResult(False, f"{answer} is not it: {hint}.")
+    if hkv < tp:
+        hints[(hq // tp + 2 * (hkv // tp)) * d] = (
+            f"{hkv} KV head(s) cannot be split {tp} ways without giving some rank less than a whole head: "
+            "each rank keeps one whole KV head (replicated)")
+        hints[(hq + 2 * hkv) * d // tp] = "a KV head is never cut into pieces: with fewer KV heads than ranks, " \
+                                           "each rank keeps one whole KV head"
+    return hints.get(got, f"count the q, k and v heads this one rank holds, {d} features each")
 
 
+@exercise("01: one rank's qkv_proj")
 def check_qkv_width(fn: QkvWidthFn, num_hidden: int = 8) -> CheckResult:
-    """Compare `fn(hidden_size, num_heads, num_kv_heads, head_dim, tp_size)` with the output width
-    of one rank's real qkv_proj: first Qwen2-7B at tp_size 4, then `num_hidden` random geometries
-    drawn afresh on each call. A function that builds the module (build_attention, LlamaAttention)
-    or asks head_layout is turned away.
+    """Does `fn(hidden_size, num_heads, num_kv_heads, head_dim, tp_size)` give the output width of one
+    rank's fused qkv_proj?
+
+    Tried on Qwen2-7B at tp_size 4, two layouts with replicated KV heads, one LlamaAttention refuses
+    to build (query heads no multiple of the KV heads), then `num_hidden` made-up geometries drawn
+    afresh on each call, many of them refused the same way: building the module cannot answer them.
+    A function that builds the module or asks head_layout is turned away.
     """
     if not callable(fn):
         return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
-    own = package_answer(fn, [build_attention, head_layout], "the count")
+    own = package_answer(fn, _PACKAGE[:2], "the count")
     if own is not None:
         return own
     rng = random.Random()
-    hidden = [(hq, hkv, tp) for hq, hkv, tp, _ in _layout_cases(num_hidden, rng)][-num_hidden:]
-    # Then always two layouts with KV heads replicated (more ranks than KV heads), which random
-    # geometries reach only now and then.
-    replicated = [{"hidden_size": 64 * hq, "num_heads": hq, "num_kv_heads": hkv, "head_dim": 128, "tp_size": tp}
-                  for hq, hkv, tp in ((64, 8, 16), (32, 1, 8))]
-    cases = [QWEN2_7B_TP4, *replicated] + [
-        {"hidden_size": 64 * hq, "num_heads": hq, "num_kv_heads": hkv, "head_dim": rng.choice([64, 80, 128]),
-         "tp_size": tp} for hq, hkv, tp in hidden
+    cases = [
+        tuple(QWEN2_7B_TP4[k] for k in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "tp_size")),
+        (4096, 64, 8, 128, 16), (2048, 32, 1, 128, 8),  # KV heads replicated, which random draws reach less often
+        (3072, 48, 32, 128, 16),  # 48 query heads over 32 KV heads: LlamaAttention refuses to build it
     ]
-    first: CheckResult | None = None
-    for case in cases:
-        call = "fn({hidden_size}, {num_heads}, {num_kv_heads}, {head_dim}, {tp_size})".format(**case)
-        args = [case[k] for k in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "tp_size")]
-        got, rejected = call_answer(fn, args, [build_attention, head_layout, LlamaAttention.__init__], "the count", call)
-        if rejected is not None:
-            return rejected
-        verdict = _qkv_verdict(got, **case)
-        if not verdict:
-            return CheckResult(False, f"{call}: {verdict.message}")
-        first = first or verdict
-    return CheckResult(True, f"Qwen2-7B at tp_size 4: {first.message if first else ''} Your function also "
-                             f"matches the real module on 2 replicated-KV layouts and {num_hidden} random geometries.")
+    for hq, hkv, tp in (_geometry(rng, rng.choice(["partitioned", "replicated"])) for _ in range(num_hidden)):
+        cases.append((64 * hq, hq, hkv, rng.choice([64, 80, 96, 128, 256]), tp))
+    answers, rejected = call_on_cases(lambda *case: _plain(fn(*case)), cases, _PACKAGE, "the count",
+                                      lambda case: "fn({}, {}, {}, {}, {})".format(*case))
+    if rejected is not None:
+        return rejected
+
+    # The rule, applied here only now that the student's code has run.
+    def width(hq: int, hkv: int, d: int, tp: int) -> tuple[int, int, int]:
+        """(query heads, KV heads) of one rank, and its qkv_proj width."""
+        kv = hkv // tp if hkv >= tp else 1
+        return hq // tp, kv, (hq // tp + 2 * kv) * d
+
+    def worked(h: int, hq: int, hkv: int, d: int, tp: int) -> str:
+        q, kv, w = width(hq, hkv, d, tp)
+        kv_why = f"{hkv} / {tp} = {kv}" if hkv >= tp else f"{hkv} < {tp} ranks, so each rank keeps {kv} whole head"
+        return (f"fn({h}, {hq}, {hkv}, {d}, {tp}): query heads per rank {hq} / {tp} = {q}; KV heads per rank: "
+                f"{kv_why}; q, k and v: ({q} + 2 x {kv}) heads x {d} features = {w}")
+
+    for got, (h, hq, hkv, d, tp) in zip(answers, cases):
+        call = f"fn({h}, {hq}, {hkv}, {d}, {tp})"
+        if not _is_int(got):
+            return CheckResult(False, f"{call} returned {got!r}; give a whole number of features (an int).")
+        if got != width(hq, hkv, d, tp)[2]:
+            return CheckResult(False, f"{call}: {got} is not it: {_qkv_hint(got, h, hq, hkv, d, tp)}.",
+                               reveal=lambda case=(h, hq, hkv, d, tp): worked(*case))
+    q, kv, w = width(*(QWEN2_7B_TP4[k] for k in ("num_heads", "num_kv_heads", "head_dim", "tp_size")))
+    return CheckResult(True, f"Qwen2-7B at tp_size 4: one rank's qkv_proj has {w} output features = ({q} + 2 x {kv}) "
+                             f"heads x 128. Your function also gets {len(cases) - 1} other geometries right, some of them "
+                             "ones LlamaAttention refuses to build.")
 
 
-def _as_triple(result: Any) -> tuple[int, int, int] | None:
-    if isinstance(result, HeadLayout):
-        return (result.num_heads, result.num_kv_heads, result.kv_head_replicas)
-    if isinstance(result, (tuple, list)) and len(result) == 3 and all(isinstance(x, int) for x in result):
-        return tuple(result)  # type: ignore[return-value]
-    return None
+def _layout_inputs(num_hidden: int, rng: random.Random) -> list[Geometry]:
+    """Every MODEL_HEADS x TP_SIZES geometry (the notebook's table and the ones it skips), then
+    `num_hidden` made-up ones of every kind, at least one each (see `_geometry`)."""
+    kinds = ["partitioned", "replicated", "uneven q", "uneven kv"]
+    drawn = kinds[: min(num_hidden, 4)] + [rng.choice(kinds) for _ in range(num_hidden - 4)]
+    return [(hq, hkv, tp) for hq, hkv in MODEL_HEADS for tp in TP_SIZES] + [_geometry(rng, k) for k in drawn]
 
 
-def _layout_cases(num_hidden: int, rng: random.Random) -> Iterator[tuple[int, int, int, HeadLayout]]:
-    """(query heads, KV heads, tp_size, expected layout): every valid MODEL_HEADS x TP_SIZES case,
-    then `num_hidden` random geometries the notebook never prints."""
-    for hq, hkv in MODEL_HEADS:
-        for tp in TP_SIZES:
-            try:
-                yield hq, hkv, tp, head_layout(hq, hkv, tp)
-            except ValueError:
-                continue  # heads do not split evenly: not a valid deployment
-    found = 0
-    while found < num_hidden:
-        hkv = rng.choice([1, 2, 3, 4, 5, 6, 8, 12, 16, 40])
-        hq, tp = hkv * rng.choice([1, 2, 3, 4, 6, 8]), rng.choice([1, 2, 4, 8, 16, 32, 64])
-        try:
-            layout = head_layout(hq, hkv, tp)
-        except ValueError:
-            continue
-        found += 1
-        yield hq, hkv, tp, layout
-
-
+@exercise("01: the tensor-parallel head layout")
 def check_head_layout(fn: Callable[[int, int, int], Any], num_hidden: int = 12) -> CheckResult:
-    """Compare `fn(total_num_heads, total_num_kv_heads, tp_size)` with the engine's `head_layout`.
+    """Does `fn(total_num_heads, total_num_kv_heads, tp_size)` lay heads out over ranks as the engine does?
 
-    `fn` returns (query heads per rank, KV heads per rank, ranks holding each KV head).
-    Every valid combination of MODEL_HEADS and TP_SIZES is tried, then `num_hidden` random
-    geometries drawn afresh on each call (so a table copied from the notebook does not pass).
-    A function that hands the work to `head_layout` (or builds a LlamaAttention) is turned away.
+    `fn` returns (query heads per rank, KV heads per rank, ranks holding each KV head), or None for a
+    geometry the engine refuses (heads that split over the ranks neither evenly nor by whole copies).
+    Tried on MODEL_HEADS x TP_SIZES, then on `num_hidden` made-up geometries drawn afresh on each call:
+    ones head_layout refuses (it raises where the answer is None) and ones LlamaAttention refuses to
+    build. A function that asks head_layout or builds the module is turned away.
     """
     if not callable(fn):
         return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
-    own = package_answer(fn, [head_layout, build_attention], "the layout rules")
+    own = package_answer(fn, _PACKAGE[:2], "the layout rules")
     if own is not None:
         return own
-    tried = 0
-    for hq, hkv, tp, expected in _layout_cases(num_hidden, random.Random()):
-        tried += 1
-        want = (expected.num_heads, expected.num_kv_heads, expected.kv_head_replicas)
-        got_raw, rejected = call_answer(fn, (hq, hkv, tp), [head_layout], "the layout rules", f"fn({hq}, {hkv}, {tp})")
-        if rejected is not None:
-            return rejected
-        got = _as_triple(got_raw)
-        case = f"{hq} query heads, {hkv} KV heads, tp_size {tp}"
+    cases = _layout_inputs(num_hidden, random.Random())
+    answers, rejected = call_on_cases(lambda *case: _plain(fn(*case)), cases, _PACKAGE, "the layout rules",
+                                      lambda case: "fn({}, {}, {})".format(*case))
+    if rejected is not None:
+        return rejected
+
+    # The rules, applied here only now that the student's code has run.
+    def refusal(hq: int, hkv: int, tp: int) -> str | None:
+        """Why the engine refuses this geometry, or None when the heads split."""
+        if hq % tp:
+            return f"{hq} query heads do not split evenly over {tp} ranks"
+        if (hkv % tp if hkv >= tp else tp % hkv):
+            return f"{hkv} KV heads can be neither split evenly over {tp} ranks nor copied evenly onto them"
+        return None
+
+    def layout(hq: int, hkv: int, tp: int) -> tuple[int, int, int]:
+        return (hq // tp, hkv // tp, 1) if hkv >= tp else (hq // tp, 1, tp // hkv)
+
+    def worked(hq: int, hkv: int, tp: int) -> str:
+        head = f"fn({hq}, {hkv}, {tp}): "
+        if (why := refusal(hq, hkv, tp)) is not None:
+            return head + f"{why}: the engine refuses the model -> None"
+        q, kv, copies = layout(hq, hkv, tp)
+        if hkv >= tp:
+            return head + f"query heads {hq} / {tp} = {q}; {hkv} KV heads >= {tp} ranks: split, {hkv} / {tp} = {kv}, " \
+                          f"no copies -> ({q}, {kv}, 1)"
+        return head + (f"query heads {hq} / {tp} = {q}; {hkv} KV heads < {tp} ranks: each rank keeps 1 whole KV head, "
+                       f"each KV head copied to {tp} / {hkv} = {copies} ranks -> ({q}, 1, {copies})")
+
+    fields = ("query heads per rank", "KV heads per rank", "replicas of each KV head")
+    for got, (hq, hkv, tp) in zip(answers, cases):
+        case = f"For {hq} query heads, {hkv} KV heads, tp_size {tp}"
+        again = {"reveal": lambda c=(hq, hkv, tp): worked(*c)}
+        why = refusal(hq, hkv, tp)
+        if why is not None:
+            if got is not None:
+                return CheckResult(False, f"{case}: the engine refuses this model ({why}); your function returned "
+                                          f"{got!r} instead of refusing it too.", **again)
+            continue
         if got is None:
-            return CheckResult(False, f"For {case} fn returned {got_raw!r}; return a tuple of three ints.")
+            return CheckResult(False, f"{case}: the heads split over the ranks, but your function refused them.",
+                               **again)
+        if not (isinstance(got, tuple) and len(got) == 3 and all(map(_is_int, got))):
+            return CheckResult(False, f"{case} fn returned {got!r}; return a tuple of three ints (or None).")
+        want = layout(hq, hkv, tp)
         if got == want:
             continue
-        fields = ("query heads per rank", "KV heads per rank", "replicas of each KV head")
-        wrong = [f"{f} {g} (expected {w})" for f, g, w in zip(fields, got, want) if g != w]
-        if hkv >= tp:
+        wrong = [f"{f} {g} is not it" for f, g, w in zip(fields, got, want) if g != w]
+        if got[0] != want[0]:
+            hint = "query heads are always split evenly over the ranks"
+        elif hkv >= tp:
             hint = "with at least as many KV heads as ranks, KV heads are split like query heads; nothing is copied"
         else:
-            hint = (
-                "with fewer KV heads than ranks, a rank cannot hold a fraction of a head: each rank keeps "
-                "one whole KV head, and each KV head is copied to tp_size / num_kv_heads ranks"
-            )
-        return CheckResult(False, f"For {case}: " + ", ".join(wrong) + f". Hint: {hint}.")
-    return CheckResult(True, f"Your layout matches head_layout in all {tried} valid cases "
-                             f"({num_hidden} of them random geometries the notebook never printed).")
+            hint = ("with fewer KV heads than ranks, a rank cannot hold a fraction of a head: each rank keeps "
+                    "one whole KV head, and each KV head is copied to as many ranks as it takes for every rank "
+                    "to have one")
+        return CheckResult(False, f"{case}: " + ", ".join(wrong) + f". Hint: {hint}.", **again)
+    return CheckResult(True, f"Your layout matches the engine's in all {len(cases)} cases ({num_hidden} of them "
+                             "made-up geometries the notebook never printed, some the engine refuses).")

@@ -8,10 +8,9 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 from pagedkv.engine.llm import LLM
-from pagedkv.exercises import CheckResult
+from pagedkv.exercises import CheckResult, exercise
 
 
 def show_cache_state(llm: LLM, group: int = 0) -> str:
@@ -28,6 +27,12 @@ def show_cache_state(llm: LLM, group: int = 0) -> str:
     return "\n".join(lines)
 
 
+def _plain_ints(values: tuple[object, ...]) -> bool:
+    """Every value is a built-in int (not a bool, not a look-alike whose == could do anything)."""
+    return all(type(v) is int for v in values)
+
+
+@exercise("02: blocks held and empty slots")
 def check_blocks_held(llm: LLM, req_id: str, num_blocks: object, num_empty_slots: object) -> CheckResult:
     """How many blocks does the request hold now, and how many of their slots are still empty?"""
     req = next((r for r in llm.scheduler.running if r.request_id == req_id), None)
@@ -35,93 +40,96 @@ def check_blocks_held(llm: LLM, req_id: str, num_blocks: object, num_empty_slots
         return CheckResult(False, f"Request {req_id!r} is not running in this engine; see show_cache_state(llm).")
     if num_blocks is ... or num_empty_slots is ...:
         return CheckResult(False, "Replace both `...` with numbers, then run the cell again.")
+    if not _plain_ints((num_blocks, num_empty_slots)):
+        return CheckResult(False, f"Give two whole numbers (ints), got {num_blocks!r} and {num_empty_slots!r}.")
     bs = llm.kv_cache_manager.specs[0].block_size
     held = len(llm.kv_cache_manager.get_block_ids(req_id)[0])
     cached = req.num_computed_tokens
     empty = held * bs - cached
+
+    def worked() -> str:
+        return (f"request {req_id}: {cached} tokens in the cache, blocks of {bs}: ceil({cached} / {bs}) = {held} "
+                f"blocks; they hold {held} x {bs} = {held * bs} slots, {cached} filled, so {empty} empty "
+                "(all in the last block)")
+
     if num_blocks != held:
-        return CheckResult(False, (
-            f"number of blocks: expected {held}, got {num_blocks!r}. The request has {cached} tokens in the "
-            f"cache and a block holds {bs}: it needs ceil({cached} / {bs}) = {held} blocks."
-        ))
+        if num_blocks == cached // bs and cached % bs:
+            hint = "that rounds down, but a partly filled block is held too: round up"
+        elif num_blocks == -(-req.num_tokens // bs):
+            hint = ("that counts the token sampled last, whose K/V are not in the cache yet (the next step "
+                    "computes them): count the tokens in the cache")
+        else:
+            hint = "a request holds ceil(tokens in the cache / block_size) blocks"
+        return CheckResult(False, f"number of blocks: {num_blocks} is not it; {hint}.", reveal=worked)
     if num_empty_slots != empty:
-        return CheckResult(False, (
-            f"empty slots: expected {empty}, got {num_empty_slots!r}. {held} blocks hold {held * bs} slots, "
-            f"{cached} of them are filled; only the last block can have empty slots."
-        ))
+        if num_empty_slots == held * bs - req.num_tokens:
+            hint = "that counts the token sampled last as filled, but its K/V are not in the cache yet"
+        else:
+            hint = ("the blocks hold blocks x block_size slots, and the tokens in the cache fill them in order: "
+                    "only the last block can have empty slots")
+        return CheckResult(False, f"empty slots: {num_empty_slots} is not it; {hint}.", reveal=worked)
     return CheckResult(True, f"request {req_id}: {held} blocks, {empty} empty slot(s), all in its last block. Correct.")
 
 
-@dataclass
-class _Token:
-    """One token of the next step and how its slot comes about."""
+@exercise("02: the next step's slot mapping")
+def check_next_slot_mapping(llm: LLM, answer: object, group: int = 0) -> CheckResult:
+    """The slot mapping (KV cache group `group`) of the step `llm.step()` would run next.
 
-    req_id: str
-    position: int
-    row: list[int]
-    old_row_len: int
-    block_size: int
+    The answer's form is checked first (a list of ints), so the slots are worked out (on a copy of
+    the scheduler: the engine is untouched) only once nothing of the student's can run any more.
+    """
+    if answer is not ... and answer is not None:
+        if type(answer) not in (list, tuple):
+            return CheckResult(False, f"The answer is a list of slot numbers, got {type(answer).__name__}.")
+        if not _plain_ints(tuple(answer)):
+            return CheckResult(False, f"Every slot is a whole number (an int); got {list(answer)!r}.")
 
-    @property
-    def logical(self) -> int:
-        return self.position // self.block_size
-
-    @property
-    def offset(self) -> int:
-        return self.position % self.block_size
-
-    @property
-    def slot(self) -> int:
-        return self.row[self.logical] * self.block_size + self.offset
-
-    def explain(self, got: object) -> str:
-        bs, j, b = self.block_size, self.logical, self.row[self.logical]
-        why = (
-            f"request {self.req_id}, position {self.position}: logical block {self.position} // {bs} = {j}, "
-            f"physical block row[{j}] = {b}, offset {self.position} % {bs} = {self.offset}, "
-            f"so slot {b} * {bs} + {self.offset} = {self.slot}; you wrote {got!r}."
-        )
-        if j >= self.old_row_len:
-            why += (
-                f" Its row had only {self.old_row_len} block(s), so this step first takes a new block "
-                "from the head of the free queue."
-            )
-        if got == self.position:
-            why += " That is the position itself: the cache is not one contiguous array per request."
-        elif got == j * bs + self.offset:
-            why += " You used the logical block number; look the physical one up in the block table."
-        elif got == b:
-            why += " That is the block id; a slot also needs * block_size + offset."
-        return why
-
-
-def _next_step_tokens(llm: LLM, group: int = 0) -> list[_Token]:
-    """Schedule the next step on a copy of the scheduler (and its KV cache manager): the engine is untouched."""
     scheduler = copy.deepcopy(llm.scheduler)
     plan = scheduler.schedule()
     bs = scheduler.kv_cache_manager.specs[group].block_size
-    tokens = []
+    tokens = []  # (request id, position, its block table row after the step, how many blocks it held before)
     for s in plan.scheduled:
         rid = s.request.request_id
-        row = scheduler.kv_cache_manager.get_block_ids(rid)[group]
         old_rows = llm.kv_cache_manager.get_block_ids(rid)  # the engine's own manager: before the step
-        old_len = len(old_rows[group]) if old_rows else 0
+        row, held = scheduler.kv_cache_manager.get_block_ids(rid)[group], len(old_rows[group]) if old_rows else 0
         start = s.request.num_computed_tokens
-        tokens += [_Token(rid, p, row, old_len, bs) for p in range(start, start + s.num_new_tokens)]
-    return tokens
-
-
-def check_next_slot_mapping(llm: LLM, answer: object) -> CheckResult:
-    """The slot mapping (KV cache group 0) of the step `llm.step()` would run next."""
-    tokens = _next_step_tokens(llm)
-    expected = [t.slot for t in tokens]
+        tokens += [(rid, p, row, held) for p in range(start, start + s.num_new_tokens)]
+    slots = [row[p // bs] * bs + p % bs for _, p, row, _ in tokens]
     if answer is ... or answer is None:
-        return CheckResult(False, f"Replace `...` with a list of {len(expected)} slots, one per token of the next step.")
-    if not isinstance(answer, (list, tuple)):
-        return CheckResult(False, f"The answer is a list of slot numbers, got {type(answer).__name__}.")
-    if len(answer) != len(expected):
-        return CheckResult(False, f"The next step computes {len(expected)} token(s); you gave {len(answer)} slot(s).")
-    for token, got in zip(tokens, answer):
-        if got != token.slot:
-            return CheckResult(False, "next step's slot mapping: " + token.explain(got))
-    return CheckResult(True, f"next step's slot mapping {expected}: correct.")
+        return CheckResult(False, f"Replace `...` with a list of {len(tokens)} slots, one per token of the next step.")
+    if len(answer) != len(tokens):
+        return CheckResult(False, f"The next step computes {len(tokens)} token(s); you gave {len(answer)} slot(s).")
+
+    def mistake(got: int, p: int, row: list[int], held: int) -> str:
+        """Which step of the lookup a wrong slot `got` skipped or got wrong (without the right slot)."""
+        j, offset = p // bs, p % bs
+        if got == p:  # = j * block_size + offset: the logical block where the physical one belongs
+            return ("position used directly (that is the logical block, not the physical one): the cache is not "
+                    "one contiguous array per request; look the token's block up in the request's block table row")
+        if got == row[j]:
+            return "that is the physical block id; a slot also needs * block_size + offset"
+        if got == row[j] * bs:
+            return "that is the block's first slot; add the token's offset inside the block"
+        if (p + 1) // bs < len(row) and got == row[(p + 1) // bs] * bs + (p + 1) % bs:
+            return "one position too far: the token's position is the number of tokens already in the cache"
+        if j >= held:
+            return ("this token does not fit the blocks the request held: the step first gives it a new block, "
+                    "from the head of the free queue")
+        if got // bs == row[j]:
+            return "right block, wrong offset: the offset is position % block_size"
+        return "slot = row[position // block_size] * block_size + position % block_size"
+
+    def worked(rid: str, p: int, row: list[int], held: int) -> str:
+        j, b, offset = p // bs, row[p // bs], p % bs
+        new = (f" (its row held {held} block(s), so this step first takes block {b} from the head of the free "
+               "queue)" if j >= held else "")
+        return (f"request {rid}, position {p}: logical block {p} // {bs} = {j}, physical block row[{j}] = {b}{new}, "
+                f"offset {p} % {bs} = {offset}, slot {b} * {bs} + {offset} = {b * bs + offset}")
+
+    for i, (token, got, want) in enumerate(zip(tokens, answer, slots)):
+        if got != want:
+            rid, p = token[0], token[1]
+            return CheckResult(False, f"next step's slot mapping, entry {i} (request {rid}'s token at position {p}): "
+                                      f"{got} is not it; {mistake(got, *token[1:])}.",
+                               reveal=lambda t=token: worked(*t))
+    return CheckResult(True, f"next step's slot mapping {slots}: correct.")
