@@ -3,18 +3,22 @@
     show_queue_state(llm)                       what the student may look at
     check_next_schedule(llm, tokens, preempted) tokens per request of the next step, and who is preempted
 
-The answer is recomputed by running `schedule()` on a deep copy of the engine's scheduler
-(and its KV cache manager), so the engine itself is not advanced by checking.
+The answer is a value about the notebook's engine. Once it is read, the checker works out the
+next step by running `schedule()` on a deep copy of the engine's scheduler (and its KV cache
+manager), so the engine itself is not advanced by checking. A wrong answer is told which rule
+of the scheduler decides the request it got wrong (budget, chunked prefill, decode, preemption),
+with a hint, never the number; `reveal()` walks the step request by request.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.request import Request
 from pagedkv.engine.scheduler import SchedulerOutput
-from pagedkv.exercises import CheckResult
+from pagedkv.exercises import CheckResult, exercise
 
 
 def show_queue_state(llm: LLM) -> str:
@@ -38,44 +42,70 @@ def show_queue_state(llm: LLM) -> str:
     ])
 
 
-def _plan(llm: LLM) -> SchedulerOutput:
-    return copy.deepcopy(llm.scheduler).schedule()
-
-
-def _why(llm: LLM, plan: SchedulerOutput, req_id: str) -> str:
-    """The scheduler's rule that decided `req_id`'s share of the next step."""
+def _turns(llm: LLM, plan: SchedulerOutput) -> list[tuple[Request, int, int]]:
+    """(request, tokens it got, budget left at its turn) in the order `schedule()` visits them:
+    running requests oldest first, then the waiting queue front first."""
     scheduler = llm.scheduler
     given = {s.request.request_id: s.num_new_tokens for s in plan.scheduled}
-    budget = scheduler.config.max_num_batched_tokens  # what is left when the request's turn comes
-    for req in [*scheduler.running, *scheduler.waiting]:  # the order `schedule()` visits them
-        if req.request_id != req_id:
-            budget -= given.get(req.request_id, 0)
-            continue
-        n, left = given.get(req_id, 0), req.num_tokens - req.num_computed_tokens
-        if req_id in plan.preempted_req_ids:
-            return (f"request {req_id} is preempted: a running request needed a new block and none was free, "
-                    "so the newest running request gives all its blocks back.")
-        if n == 0 and plan.preempted_req_ids and req in scheduler.waiting:
-            return f"request {req_id} waits: no new request is admitted in a step that had to preempt."
-        if n == 0 and budget <= 0:
-            return (f"request {req_id} gets nothing: the token budget is used up by the requests before it "
-                    "(running ones first, oldest first).")
-        if n == 0:
-            return (f"request {req_id} is not admitted: the free blocks do not cover its next chunk (or "
-                    "max_num_seqs is reached); the waiting queue stops at the first request that does not fit.")
-        if left == 1 and req.output_token_ids:
-            return f"request {req_id} is decoding: it computes exactly its one newest token."
-        if n == left:
-            return f"request {req_id} has {left} tokens left and {budget} tokens of budget at its turn: all fit."
-        return (f"request {req_id} has {left} tokens left but only {budget} tokens of budget remain at its turn: "
-                f"its prefill is chunked, {n} now and the rest in later steps.")
-    return f"request {req_id} is neither running nor waiting in this engine."
+    budget, turns = scheduler.config.max_num_batched_tokens, []
+    for req in [*scheduler.running, *scheduler.waiting]:
+        n = given.get(req.request_id, 0)
+        turns.append((req, n, budget))
+        budget -= n
+    return turns
 
 
+def _hint(llm: LLM, plan: SchedulerOutput, req: Request, n: int, budget: int, wrote: int) -> str:
+    """The scheduler's rule that decided `req`'s share of the next step, as a hint that does not
+    give the share (`wrote`: the student's number for it)."""
+    left = req.num_tokens - req.num_computed_tokens
+    waiting = req in llm.scheduler.waiting
+    if req.request_id in plan.preempted_req_ids or (n == 0 and plan.preempted_req_ids and not waiting):
+        return ("a running request needs a new block in this step and the pool has none free: which request "
+                "gives its blocks back (rule 4), and what does that request compute in the step?")
+    if n == 0 and plan.preempted_req_ids and waiting:
+        return "it waits in the queue: no new request is admitted in a step that had to preempt."
+    if n == 0 and budget <= 0:
+        return ("the requests before it (running ones first, oldest first) use up the token budget before its "
+                "turn.")
+    if n == 0:
+        return ("the free blocks do not cover its next chunk (or max_num_seqs is reached): the waiting queue stops "
+                "at the first request that does not fit.")
+    if left == 1 and req.output_token_ids:
+        return ("it is decoding: its prompt and earlier outputs are all in the cache, so a step computes only the "
+                "token it sampled last.")
+    if n == left:
+        return ("the budget left at its turn covers everything it has left to compute (show_queue_state: "
+                "'to compute'), so nothing of it waits for a later step.")
+    if wrote >= left:
+        return (f"it has more tokens left to compute than the budget left at its turn: subtract what the requests "
+                f"before it take from the {llm.scheduler.config.max_num_batched_tokens} tokens; its prefill is "
+                "chunked (rule 3).")
+    return ("its prefill is chunked (rule 3): it gets all of the budget the requests before it leave (running ones "
+            "first, oldest first, each one token if decoding).")
+
+
+def _worked(llm: LLM, plan: SchedulerOutput) -> Callable[[], str]:
+    """The next step worked out request by request (for `reveal`), from the engine's state now."""
+    head = (f"token budget {llm.scheduler.config.max_num_batched_tokens}, {llm.kv_cache_manager.num_free_blocks()} "
+            "free block(s); running requests oldest first, then the waiting queue front first:")
+    rows = []
+    for req, n, budget in _turns(llm, plan):
+        left = req.num_tokens - req.num_computed_tokens
+        if req.request_id in plan.preempted_req_ids:
+            what = "preempted (a running request found no free block; the newest running one gives its back)"
+        else:
+            what = f"{n} token(s)" + (", chunked" if 0 < n < left else "")
+        state = "waiting" if req in llm.scheduler.waiting else "running"
+        rows.append(f"  request {req.request_id} ({state}, {left} to compute, budget {max(budget, 0)} at its turn): {what}")
+    tokens = {s.request.request_id: s.num_new_tokens for s in plan.scheduled}
+    result = f"= tokens {tokens}, preempted {sorted(plan.preempted_req_ids)}"
+    return lambda: "\n".join([head, *rows, result])
+
+
+@exercise("09: the scheduler's next step")
 def check_next_schedule(llm: LLM, tokens: object, preempted: object = ()) -> CheckResult:
     """`tokens`: {request id: tokens it computes in the next step}; `preempted`: ids preempted in it."""
-    plan = _plan(llm)
-    expected = {s.request.request_id: s.num_new_tokens for s in plan.scheduled}
     if tokens is ... or tokens is None:
         return CheckResult(False, "Replace `...` with a dict {request id: number of tokens} for the next step.")
     if not isinstance(tokens, dict):
@@ -85,19 +115,32 @@ def check_next_schedule(llm: LLM, tokens: object, preempted: object = ()) -> Che
     if not isinstance(preempted, (list, tuple)):
         return CheckResult(False, f"preempted must be a list such as ['2'] or [], got {type(preempted).__name__}.")
     got = {str(k): v for k, v in tokens.items() if v}  # a request with 0 tokens may be left out
-    for rid in sorted(set(expected) | set(got), key=lambda r: (len(r), r)):
-        if got.get(rid, 0) != expected.get(rid, 0):
-            return CheckResult(False, (
-                f"request {rid}: expected {expected.get(rid, 0)} token(s), you wrote {got.get(rid, 0)}. "
-                + _why(llm, plan, rid)
-            ))
-    want_preempted = sorted(plan.preempted_req_ids)
-    if sorted(str(p) for p in preempted) != want_preempted:
-        victims = ", ".join(want_preempted) or "none"
-        reason = (
-            " " + _why(llm, plan, want_preempted[0]) if want_preempted
-            else " Every running request found the blocks it needs."
-        )
-        return CheckResult(False, f"preempted: expected {victims}, you wrote {sorted(preempted)}.{reason}")
-    total = sum(expected.values())
-    return CheckResult(True, f"next step: {expected} ({total} tokens), preempted: {want_preempted or 'none'}. Correct.")
+    known = {req.request_id for req in [*llm.scheduler.running, *llm.scheduler.waiting]}
+    strangers = sorted(set(got) - known)
+    if strangers:
+        return CheckResult(False, f"request {strangers[0]} is neither running nor waiting in this engine "
+                                  "(show_queue_state lists those that are).")
+
+    # Only now, with the answer read: the next step, planned on a copy of the scheduler.
+    plan = copy.deepcopy(llm.scheduler).schedule()
+    expected = {s.request.request_id: s.num_new_tokens for s in plan.scheduled}
+    work = _worked(llm, plan)
+    for req, n, budget in _turns(llm, plan):
+        rid = req.request_id
+        if got.get(rid, 0) != n:
+            return CheckResult(False, f"request {rid}: you wrote {got.get(rid, 0)} token(s), which is not it: "
+                                      f"{_hint(llm, plan, req, n, budget, got.get(rid, 0))}", reveal=work)
+    wrote = sorted(str(p) for p in preempted)
+    if wrote != sorted(plan.preempted_req_ids):
+        if not plan.preempted_req_ids:
+            hint = ("every running request finds the blocks its tokens need (compare the slots each needs with the "
+                    "blocks it holds and the free ones), so nobody is preempted.")
+        elif not wrote:
+            hint = ("some running request needs a new block and the pool has none free: compare the slots each "
+                    "running request's tokens need with the blocks it holds (rule 4).")
+        else:
+            hint = ("preemption takes the newest running request (the last admitted), until the request that "
+                    "needs a block gets one or is the victim itself.")
+        return CheckResult(False, f"preempted: {wrote} is not it: {hint}", reveal=work)
+    return CheckResult(True, f"next step: {expected} ({sum(expected.values())} tokens), preempted: "
+                             f"{sorted(plan.preempted_req_ids) or 'none'}. Correct.")
