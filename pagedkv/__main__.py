@@ -7,6 +7,9 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
+
+from tqdm import tqdm
 
 from pagedkv import LLM, SamplingParams, StepEvent
 from pagedkv.engine.llm import Prompt
@@ -121,7 +124,8 @@ def _workbook(args: argparse.Namespace) -> int:
 
     if args.list:
         for nb in workbook.list_notebooks():
-            needs = "needs a GPU" if nb.requires_gpu else {"cpu": "CPU or GPU", "triton": "Triton"}.get(nb.needs, nb.needs)
+            labels = {"cpu": "CPU or GPU", "triton": "Triton"}
+            needs = "needs a GPU" if nb.requires_gpu else labels.get(nb.needs, nb.needs)
             print(f"{nb.name:<34} {needs:<12} {nb.topic}")
         return 0
     dest = Path(args.dir)
@@ -138,17 +142,22 @@ def _workbook(args: argparse.Namespace) -> int:
             print(f"skip {rel.name} (your copy: its saved outputs are kept; --force replaces and runs it)")
     runnable = [rel for rel in [*report.copied, *report.unchanged] if rel.suffix == ".ipynb"]
     failed = []
+
+    def say(line: str, file: TextIO = sys.stdout) -> None:
+        tqdm.write(line, file=file)  # above the progress bars, which stay at the bottom of the terminal
+        file.flush()  # now, also into a pipe or a log
+
     for run in workbook.execute_workbook(dest, sorted(runnable), cuda=_cuda()):
         if run.error is not None:
             failed.append(run.name)
-            print(f"pagedkv: error: notebook {run.name} failed: {run.error} (not saved)", file=sys.stderr, flush=True)
-        elif run.seconds is None:
-            print(f"skip {run.name} (needs a GPU)", flush=True)
+            say(f"pagedkv: error: notebook {run.name} failed {run.error} (not saved)", file=sys.stderr)
+        elif run.skipped is not None:
+            say(f"skip {run.name} ({run.skipped})")
         else:
-            print(f"ran  {run.name} in {run.seconds:.1f} s", flush=True)
+            say(f"ran  {run.name} in {run.seconds:.1f} s")
     print(f"The executed notebooks are in {dest / 'notebooks'}; open them with: pagedkv workbook {args.dir} --lab")
     if failed:
-        print(f"pagedkv: error: {len(failed)} notebook(s) failed: {', '.join(failed)}", file=sys.stderr)
+        print(f"pagedkv: error: {len(failed)} of {len(runnable)} notebooks failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 

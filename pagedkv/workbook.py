@@ -19,10 +19,12 @@ kept unless `force` is set, and is not executed again; nothing is written throug
 from __future__ import annotations
 
 import filecmp
+import importlib.util
 import json
 import os
 import re
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -156,45 +158,112 @@ class NotebookRun:
     """What executing one notebook of the workbook did."""
 
     name: str
-    seconds: float | None
-    """How long it ran; None: skipped, as it needs a GPU and none is visible."""
+    seconds: float
+    """How long it ran (0 when skipped)."""
     error: str | None = None
-    """The failing cell and its error, on one line; the notebook is then not saved."""
+    """Where it failed (cell number and first line) and the error, on one line; the notebook is then not saved."""
+    skipped: str | None = None
+    """Why it did not run: it needs a GPU, or triton, that this machine lacks."""
 
 
-def execute_workbook(dest_dir: Path, notebooks: list[Path], *, cuda: bool) -> Iterator[NotebookRun]:
-    """Run each of `notebooks` (paths relative to `dest_dir`) top to bottom and save it with its
-    outputs; one that fails is reported and left as it was, and the others still run."""
+def skip_reason(nb: Any, *, cuda: bool) -> str | None:
+    """Why notebook `nb` cannot run here, from its metadata; None if it can."""
+    meta = nb.metadata.get("pagedkv", {})
+    if meta.get("requires_gpu") and not cuda:
+        return "needs a GPU"
+    if meta.get("needs") == "triton" and importlib.util.find_spec("triton") is None:
+        # pagedkv[notebooks] brings triton wherever PyPI has a wheel of it (Linux on x86_64 or aarch64).
+        return "needs triton, which is not installed (pip install triton, where it has a wheel)"
+    return None
+
+
+def execute_workbook(dest_dir: Path, notebooks: list[Path], *, cuda: bool,
+                     progress: bool | None = None) -> Iterator[NotebookRun]:
+    """Run each of `notebooks` (paths relative to `dest_dir`) top to bottom in a fresh kernel, as Run All
+    does in JupyterLab, and save it with its outputs; one that fails is reported and left as it was, and
+    the others still run.
+
+    Two progress bars on stderr follow the run: the notebooks, and the cells of the running notebook
+    (`progress` None: only on a terminal). Print between the runs with `tqdm.write`, which keeps the
+    bars below the printed lines.
+    """
     import nbformat
     from nbclient import NotebookClient
+    from tqdm import tqdm
 
-    # Without a GPU, notebook 06's Triton kernels need Triton's interpreter: set it for the kernels.
-    kernel_env = {} if cuda else {"env": {**os.environ, "TRITON_INTERPRET": "1"}}
-    for rel in notebooks:
-        path = dest_dir / rel
-        nb = nbformat.read(path, as_version=4)
-        if nb.metadata.get("pagedkv", {}).get("requires_gpu") and not cuda:
-            yield NotebookRun(path.name, None)
-            continue
-        start = time.perf_counter()
-        try:
-            NotebookClient(nb, timeout=1200, resources={"metadata": {"path": str(path.parent)}},
-                           store_widget_state=True).execute(**kernel_env)
-        except Exception as exc:  # CellExecutionError, a dead or missing kernel, a timeout: this notebook only
-            yield NotebookRun(path.name, time.perf_counter() - start, _failure(nb, exc))
-            continue
-        replace_file(path, nbformat.writes(nb).encode("utf-8"))
-        yield NotebookRun(path.name, time.perf_counter() - start)
+    disable = None if progress is None else not progress  # tqdm's None: off unless stderr is a terminal
+    bar_format = "{desc:<9} {n_fmt:>3}/{total_fmt:<3} |{bar:20}| {elapsed}{postfix}"
+    running: list[int] = []  # the index of the cell that runs now, once one has started
+
+    with (tempfile.TemporaryDirectory(prefix="pagedkv-kernels-") as sockets,
+          tqdm(total=len(notebooks), desc="notebooks", disable=disable, bar_format=bar_format,
+               position=0, dynamic_ncols=True) as notebook_bar,
+          tqdm(total=0, desc="cells", disable=disable, bar_format=bar_format, position=1, leave=False,
+               dynamic_ncols=True) as cell_bar):
+
+        def on_cell_start(cell: Any, cell_index: int) -> None:
+            running[:] = [cell_index]
+            cell_bar.update(cell_index - cell_bar.n)  # the cells above it are done
+            cell_bar.set_postfix_str(first_line(cell.source, 40), refresh=True)
+
+        for rel in notebooks:
+            path = dest_dir / rel
+            nb = nbformat.read(path, as_version=4)
+            notebook_bar.set_postfix_str(path.name)
+            if (reason := skip_reason(nb, cuda=cuda)) is not None:
+                notebook_bar.update()
+                yield NotebookRun(path.name, 0.0, skipped=reason)
+                continue
+            running.clear()
+            cell_bar.reset(total=len(nb.cells))
+            cell_bar.set_postfix_str("", refresh=False)
+            client = NotebookClient(nb, timeout=1200, resources={"metadata": {"path": str(path.parent)}},
+                                    store_widget_state=True, on_cell_start=on_cell_start,
+                                    config=kernel_config(Path(sockets)))
+            start = time.perf_counter()
+            try:
+                client.execute()
+            except Exception as exc:  # CellExecutionError, a dead or missing kernel, a timeout: this notebook only
+                notebook_bar.update()
+                yield NotebookRun(path.name, time.perf_counter() - start,
+                                  error=_failure(nb, running[0] if running else None, exc))
+                continue
+            replace_file(path, nbformat.writes(nb).encode("utf-8"))
+            cell_bar.update(cell_bar.total - cell_bar.n)
+            notebook_bar.update()
+            yield NotebookRun(path.name, time.perf_counter() - start)
+
+
+def kernel_config(sockets: Path) -> Any:
+    """Kernel settings for nbclient: talk to the kernel through Unix sockets in `sockets` (a folder only
+    this user can open), not unencrypted TCP on localhost, on which ipykernel >= 7 warns on the terminal
+    for every kernel ("[IPKernelApp] WARNING | Kernel is running over TCP without encryption")."""
+    from traitlets.config import Config
+
+    if os.name != "posix":  # ZeroMQ's ipc transport is Unix sockets
+        return Config()
+    # An absolute path: the kernel runs in the notebook's folder, and a relative one would name another socket.
+    return Config({"KernelManager": {"transport": "ipc", "ip": str(sockets.resolve() / "kernel")}})
+
+
+def first_line(source: str, width: int) -> str:
+    """The first non-blank line of a cell's source, cut to `width` characters."""
+    line = next((line.strip() for line in source.splitlines() if line.strip()), "")
+    return line if len(line) <= width else line[:width - 3] + "..."
 
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
-def _failure(nb: Any, exc: Exception) -> str:
-    """One line: the cell whose output is an error, and that error, without IPython's ANSI colour codes."""
-    for index, cell in enumerate(nb.cells):
-        for out in cell.get("outputs", []):
-            if out.get("output_type") == "error":
-                text = f"cell {index} raised {out.get('ename')}: {out.get('evalue')}"
-                return " ".join(ANSI_ESCAPE.sub("", text).split())
-    return " ".join(ANSI_ESCAPE.sub("", f"{type(exc).__name__}: {exc}").split())
+def _failure(nb: Any, index: int | None, exc: Exception) -> str:
+    """One line: which cell failed (its number, counting every cell from 1, and its first line) and the error,
+    without IPython's ANSI colour codes."""
+    from nbclient.exceptions import CellExecutionError
+
+    if isinstance(exc, CellExecutionError):  # its str() is the whole traceback: the exception's name and value
+        error = f"{exc.ename}: {exc.evalue}"
+    else:  # a timeout, a dead kernel, one that did not start
+        error = f"{type(exc).__name__}: {next(iter(str(exc).strip().splitlines()), '')}"
+    where = ("before its first cell" if index is None else
+             f"at cell {index + 1} of {len(nb.cells)} ({first_line(nb.cells[index].source, 60)!r})")
+    return " ".join(ANSI_ESCAPE.sub("", f"{where}: {error}").split())

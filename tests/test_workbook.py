@@ -1,10 +1,22 @@
 """`pagedkv workbook`: a student's notebooks and their saved outputs are never replaced without
---force, nothing is written through a symbolic link, and a notebook that fails is one line while
-the others still run. The shipped notebooks are stood in for by tiny ones (a real kernel runs them)."""
+--force, nothing is written through a symbolic link, `--execute` shows its progress on a terminal,
+no kernel warnings, and a notebook that fails is one line naming its cell while the others still run.
+The shipped notebooks are stood in for by tiny ones; one run of the command (a real kernel per notebook,
+in a terminal of its own) serves every test that executes them."""
 
 from __future__ import annotations
 
+import fcntl
+import html
+import json
 import os
+import pty
+import re
+import struct
+import subprocess
+import sys
+import termios
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,57 +27,196 @@ from pagedkv.__main__ import main as cli
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("nbclient")
 
+REPO = Path(__file__).resolve().parents[1]
 
-def write_notebook(path: Path, *sources: str) -> Path:
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in sources])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+
+def write_notebook(path: Path, *sources: str, kernel: str = "python3") -> Path:
+    """A notebook of a heading and code cells `sources`, for kernel `kernel`."""
+    cells = [nbformat.v4.new_markdown_cell("# A tiny notebook"), *map(nbformat.v4.new_code_cell, sources)]
+    nb = nbformat.v4.new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"name": kernel, "display_name": kernel, "language": "python"}
     nbformat.write(nb, path)
     return path
 
 
-@pytest.fixture
-def shipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[Path, Path]:
-    """Two notebooks, the second failing in its second cell (IPython colours the traceback), and a trace."""
-    src = tmp_path / "shipped"
+def tiny_workbook(src: Path) -> dict[Path, Path]:
+    """Three notebooks: the first fails in its third cell (after a comment line, with a two-line message),
+    the second runs, the third asks for a kernel that does not exist; and a trace."""
     (src / "traces").mkdir(parents=True)
-    files = {
-        Path("notebooks/00_ok.ipynb"): write_notebook(src / "00_ok.ipynb", "print(6 * 7)"),
-        Path("notebooks/01_fails.ipynb"): write_notebook(src / "01_fails.ipynb", "x = 1",
-                                                         "raise ValueError(f'boom {x}')", "print('never')"),
+    (src / "traces" / "t.json").write_text("{}")
+    return {
+        Path("notebooks/00_fails.ipynb"): write_notebook(
+            src / "00_fails.ipynb", "x = 1", "\n# the answer, checked\nraise ValueError(f'boom {x}\\nline two')",
+            "print('never')"),
+        Path("notebooks/01_ok.ipynb"): write_notebook(src / "01_ok.ipynb", "import sys", "print(6 * 7)",
+                                                      "print('to the cell', file=sys.stderr)"),
+        Path("notebooks/02_no_kernel.ipynb"): write_notebook(src / "02_no_kernel.ipynb", "1", kernel="no-such-kernel"),
         Path("notebooks/traces/t.json"): src / "traces" / "t.json",
     }
-    files[Path("notebooks/traces/t.json")].write_text("{}")
+
+
+@pytest.fixture
+def shipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[Path, Path]:
+    files = tiny_workbook(tmp_path / "shipped")
     monkeypatch.setattr(workbook, "shipped_files", lambda: files)
     return files
 
 
-def test_failing_notebook_is_one_line_and_the_others_run(tmp_path: Path, shipped: dict[Path, Path],
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    """Before: the first failure aborted the run with a raw CellExecutionError full of ANSI codes, and a
-    second run executed the saved notebooks again, replacing their outputs."""
-    dest = tmp_path / "wb"
-    with pytest.raises(SystemExit) as exited:
-        cli(["workbook", str(dest), "--execute"])
-    out, err = capsys.readouterr()
-    assert exited.value.code == 1
-    assert err.splitlines() == [
-        "pagedkv: error: notebook 01_fails.ipynb failed: cell 1 raised ValueError: boom 1 (not saved)",
-        "pagedkv: error: 1 notebook(s) failed: 01_fails.ipynb",
-    ]
-    assert "ran  00_ok.ipynb in " in out
-    ran = nbformat.read(dest / "notebooks/00_ok.ipynb", as_version=4)
-    assert ran.cells[0].outputs[0]["text"] == "42\n"  # saved with its outputs
-    assert (dest / "notebooks/01_fails.ipynb").read_bytes() == shipped[Path("notebooks/01_fails.ipynb")].read_bytes()
+# `pagedkv workbook DIR --execute` with the tiny workbook standing in for the shipped one.
+RUN_CLI = """
+import json, sys
+from pathlib import Path
+from pagedkv import workbook
+from pagedkv.__main__ import main
+files = {Path(k): Path(v) for k, v in json.loads(sys.argv[1]).items()}
+workbook.shipped_files = lambda: files
+main(["workbook", sys.argv[2], "--execute"])
+"""
 
-    # Again: the executed (so now different) notebook keeps its outputs; the unsaved one runs again.
-    saved = (dest / "notebooks/00_ok.ipynb").read_bytes()
-    with pytest.raises(SystemExit):
-        cli(["workbook", str(dest), "--execute"])
-    out, err = capsys.readouterr()
-    assert "skip 00_ok.ipynb (your copy: its saved outputs are kept; --force replaces and runs it)" in out
-    assert "00_ok.ipynb in " not in out
-    assert (dest / "notebooks/00_ok.ipynb").read_bytes() == saved
-    assert "notebook 01_fails.ipynb failed" in err
+
+@dataclass
+class TerminalRun:
+    code: int
+    stdout: str
+    terminal: str
+    """All that reached stderr, a terminal 120 columns wide: the command's, the kernels' and the progress bars'."""
+    lines: list[str]
+    """`terminal` without ANSI codes, split at every carriage return and newline: each state a bar was drawn in."""
+
+
+def run_in_terminal(files: dict[Path, Path], dest: Path) -> TerminalRun:
+    """Run the command in a new process whose stderr is a pseudo-terminal, as a student's terminal is
+    (progress bars are drawn only there). The kernels inherit it: what they print lands there too."""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "PAGEDKV_DEBUG")}
+    env["PYTHONPATH"] = str(REPO)
+    with subprocess.Popen([sys.executable, "-c", RUN_CLI, json.dumps({str(k): str(v) for k, v in files.items()}),
+                           str(dest)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=follower,
+                          env=env) as proc:
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        stdout = proc.stdout.read().decode() if proc.stdout else ""
+        code = proc.wait(timeout=300)
+    os.close(leader)
+    terminal = b"".join(chunks).decode(errors="replace")
+    lines = [line.strip() for line in re.split(r"[\r\n]", workbook.ANSI_ESCAPE.sub("", terminal)) if line.strip()]
+    return TerminalRun(code, stdout, terminal, lines)
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory: pytest.TempPathFactory) -> tuple[TerminalRun, dict[Path, Path], Path]:
+    """One run of `pagedkv workbook DIR --execute` on the tiny workbook, for every test below that reads it."""
+    root = tmp_path_factory.mktemp("executed")
+    files = tiny_workbook(root / "shipped")
+    return run_in_terminal(files, root / "wb"), files, root / "wb"
+
+
+def test_a_failing_notebook_names_its_cell_and_the_others_run(executed: tuple[TerminalRun, dict[Path, Path], Path]
+                                                              ) -> None:
+    """Before: one line naming a 0-based cell index and the error only, no source line to find the cell by."""
+    run, shipped, dest = executed
+    errors = [line for line in run.lines if line.startswith("pagedkv: error:")]
+    assert errors == [
+        ("pagedkv: error: notebook 00_fails.ipynb failed at cell 3 of 4 ('# the answer, checked'): "
+         "ValueError: boom 1 line two (not saved)"),
+        ("pagedkv: error: notebook 02_no_kernel.ipynb failed before its first cell: "
+         "NoSuchKernel: No such kernel named no-such-kernel (not saved)"),
+        "pagedkv: error: 2 of 3 notebooks failed: 00_fails.ipynb, 02_no_kernel.ipynb",
+    ], run.terminal
+    assert run.code == 1
+    assert "Traceback" not in run.terminal and "Traceback" not in run.stdout
+    assert "ran  01_ok.ipynb in " in run.stdout  # after the failure, the next notebook ran ...
+    ran = nbformat.read(dest / "notebooks/01_ok.ipynb", as_version=4)
+    assert ran.cells[2].outputs[0]["text"] == "42\n"  # ... and was saved with its outputs
+    assert ran.cells[3].outputs[0]["text"] == "to the cell\n"  # a cell's stderr is its output, not the terminal's
+    for failed in ("00_fails.ipynb", "02_no_kernel.ipynb"):  # left as shipped
+        assert (dest / "notebooks" / failed).read_bytes() == shipped[Path("notebooks") / failed].read_bytes()
+
+
+def test_progress_bars_follow_the_notebooks_and_the_running_cell(
+        executed: tuple[TerminalRun, dict[Path, Path], Path]) -> None:
+    """Before: nothing on the terminal while a notebook ran."""
+    run, _, _ = executed
+    bars = [line for line in run.lines if line.startswith(("notebooks", "cells"))]
+    assert any(re.fullmatch(r"notebooks +1/3 +\|.*\| \d\d:\d\d, 01_ok\.ipynb", line) for line in bars), bars
+    assert any(re.fullmatch(r"cells +2/4 +\|.*\| \d\d:\d\d, print\(6 \* 7\)", line) for line in bars), bars
+    assert any(re.fullmatch(r"notebooks +3/3 +\|.*", line) for line in bars), bars
+    # Printed lines go above the bars, never into one.
+    assert all(line.startswith(("notebooks", "cells", "pagedkv: error:")) for line in run.lines), run.lines
+
+
+def test_no_kernel_warnings_reach_the_terminal(executed: tuple[TerminalRun, dict[Path, Path], Path]) -> None:
+    """Before: ipykernel >= 7 printed "[IPKernelApp] WARNING | Kernel is running over TCP without encryption ..."
+    for every kernel: nbclient's kernels talked over TCP on localhost. They use Unix sockets now."""
+    run, _, _ = executed
+    assert "WARNING" not in run.terminal and "IPKernelApp" not in run.terminal, run.terminal
+    assert "WARNING" not in run.stdout
+
+
+def test_executed_notebooks_are_not_run_again(tmp_path: Path, shipped: dict[Path, Path],
+                                              monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+                                              ) -> None:
+    """A copy that differs from the shipped one (run and saved, or edited) keeps its outputs: it is skipped."""
+    dest = tmp_path / "wb"
+    workbook.copy_workbook(dest)
+    ran = dest / "notebooks/01_ok.ipynb"
+    ran.write_text(ran.read_text().replace("6 * 7", "6 * 9"))
+    asked: list[list[Path]] = []
+    monkeypatch.setattr(workbook, "execute_workbook", lambda dest, notebooks, **_: asked.append(notebooks) or [])
+    cli(["workbook", str(dest), "--execute"])
+    assert "skip 01_ok.ipynb (your copy: its saved outputs are kept; --force replaces and runs it)" in (
+        capsys.readouterr().out)
+    assert asked == [[Path("notebooks/00_fails.ipynb"), Path("notebooks/02_no_kernel.ipynb")]]
+    assert "6 * 9" in ran.read_text()
+
+
+def test_a_notebook_this_machine_cannot_run_is_skipped_saying_why(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without triton (no wheel for this platform), notebook 06 failed with a ValueError deep in a cell."""
+    gpu = write_notebook(tmp_path / "gpu.ipynb", "1")
+    triton = write_notebook(tmp_path / "triton.ipynb", "1")
+    for path, meta in ((gpu, {"requires_gpu": True, "needs": "cpu"}), (triton, {"requires_gpu": False, "needs": "triton"})):
+        nb = nbformat.read(path, as_version=4)
+        nb.metadata["pagedkv"] = meta
+        nbformat.write(nb, path)
+    monkeypatch.setattr(workbook.importlib.util, "find_spec", lambda name: None)  # no triton here
+    runs = list(workbook.execute_workbook(tmp_path, [Path("gpu.ipynb"), Path("triton.ipynb")], cuda=False,
+                                          progress=False))
+    assert [(run.name, run.skipped) for run in runs] == [
+        ("gpu.ipynb", "needs a GPU"),
+        ("triton.ipynb", "needs triton, which is not installed (pip install triton, where it has a wheel)")]
+
+
+def test_list_and_notebook_00s_map_come_from_the_notebooks_metadata(capsys: pytest.CaptureFixture[str]) -> None:
+    """`pagedkv workbook --list` prints each notebook's metadata {"pagedkv": {"requires_gpu", "needs", "topic"}};
+    notebook 00 draws its map from the same list_notebooks() (before: a table typed by hand said 07 needs a GPU)."""
+    cli(["workbook", "--list"])
+    lines = capsys.readouterr().out.splitlines()
+    notebooks = workbook.list_notebooks()
+    assert [nb.name for nb in notebooks] == sorted(p.stem for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert len(lines) == len(notebooks)
+    for line, nb in zip(lines, notebooks, strict=True):
+        meta = json.loads((REPO / "notebooks" / f"{nb.name}.ipynb").read_text())["metadata"]["pagedkv"]
+        assert (nb.requires_gpu, nb.needs, nb.topic) == (meta["requires_gpu"], meta["needs"], meta["topic"])
+        needs = "needs a GPU" if nb.requires_gpu else {"cpu": "CPU or GPU", "triton": "Triton"}[nb.needs]
+        assert line.split() == [nb.name, *needs.split(), *nb.topic.split()], line
+
+    start_here = json.loads((REPO / "notebooks/00_start_here.ipynb").read_text())
+    [map_cell] = [c for c in start_here["cells"] if "list_notebooks()" in "".join(c["source"])]
+    assert map_cell["cell_type"] == "code"
+    shown = "".join(text for out in map_cell["outputs"]
+                    for text in [*out.get("text", []), *out.get("data", {}).get("text/html", [])])
+    for nb in notebooks:  # the saved map is what list_notebooks() gives now (nbval does not compare it)
+        assert nb.name in shown and (nb.topic in shown or html.escape(nb.topic) in shown), (nb.name, nb.topic)
 
 
 def test_symbolic_links_are_never_written_through(tmp_path: Path, shipped: dict[Path, Path]) -> None:
@@ -75,17 +226,17 @@ def test_symbolic_links_are_never_written_through(tmp_path: Path, shipped: dict[
     (dest / "notebooks").mkdir(parents=True)
     target, missing = tmp_path / "target.txt", tmp_path / "missing.txt"
     target.write_text("not yours")
-    (dest / "notebooks/00_ok.ipynb").symlink_to(target)
-    (dest / "notebooks/01_fails.ipynb").symlink_to(missing)  # dangling
+    (dest / "notebooks/00_fails.ipynb").symlink_to(target)
+    (dest / "notebooks/01_ok.ipynb").symlink_to(missing)  # dangling
 
     report = workbook.copy_workbook(dest)
-    assert report.links == [Path("notebooks/00_ok.ipynb"), Path("notebooks/01_fails.ipynb")]
+    assert report.links == [Path("notebooks/00_fails.ipynb"), Path("notebooks/01_ok.ipynb")]
     assert target.read_text() == "not yours" and not missing.exists()
 
     report = workbook.copy_workbook(dest, force=True)
-    assert {Path("notebooks/00_ok.ipynb"), Path("notebooks/01_fails.ipynb")} <= set(report.copied)
+    assert {Path("notebooks/00_fails.ipynb"), Path("notebooks/01_ok.ipynb")} <= set(report.copied)
     assert target.read_text() == "not yours" and not missing.exists()
-    for rel in ("notebooks/00_ok.ipynb", "notebooks/01_fails.ipynb"):  # the links themselves were replaced
+    for rel in ("notebooks/00_fails.ipynb", "notebooks/01_ok.ipynb"):  # the links themselves were replaced
         assert not (dest / rel).is_symlink() and (dest / rel).read_bytes() == shipped[Path(rel)].read_bytes()
     assert not [p for p in (dest / "notebooks").iterdir() if p.name.endswith(".tmp")]
 
@@ -109,8 +260,8 @@ def test_a_file_as_the_folder_is_one_line(tmp_path: Path, shipped: dict[Path, Pa
         cli(["workbook", str(path), "--execute"])
     assert exited.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"pagedkv: error: {path} is a file, not a folder: give the folder to copy the workbook into (it is made if "
-        "missing)."]
+        (f"pagedkv: error: {path} is a file, not a folder: give the folder to copy the workbook into (it is made if "
+         "missing).")]
     assert path.read_text() == "mine"
 
 
