@@ -4,8 +4,10 @@ from a wrong answer's message, a constant) fail with a message that never holds 
 
 from __future__ import annotations
 
+import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +98,13 @@ def test_reveal_after_three_wrong_tries(capsys: pytest.CaptureFixture[str]) -> N
     assert "k = 48 // 16 = 3" in worked and "12 -> 36, 37, 38" in worked and NOTEBOOK_ROW in worked
     assert check_kernel_block_rows(right)  # a pass resets the count
     assert exercises._TRIES.wrong == {}
+
+
+def test_the_notebooks_worked_solution_passes_and_is_not_run() -> None:
+    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "07_flash_attention.ipynb").read_text())["cells"]
+    (cell,) = [c for c in cells if "Worked solution" in "".join(c["source"])]
+    assert cell["cell_type"] == "markdown"  # Run All does not execute it: a pass on display is the student's own
+    code = "".join(cell["source"]).split("```python\n")[1].split("```")[0]
+    printed: list[object] = []
+    exec(code, {"check_kernel_block_rows": check_kernel_block_rows, "print": printed.append})  # noqa: S102
+    assert len(printed) == 1 and printed[0], printed
