@@ -1,22 +1,44 @@
-"""Notebook 12's checkers accept right answers (written here from the rules, not from the package)
-and reject wrong ones and answers that call the package's manager, pool or hash functions."""
+"""Notebook 12's checkers: right answers written here from the rules (not from the package) pass; wrong ones,
+the answers that fooled the second edition (the manager, pool or hash functions called directly or on a
+thread, the checker's frame read, the notebook's answers copied as constants) fail with a message that holds
+no expected value."""
 
 from __future__ import annotations
 
 import functools
 import math
 import random
+import sys
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
-from pagedkv.exercises import prefix_caching
+import pagedkv.exercises as exercises
+from pagedkv.exercises import prefix_caching, reveal
 from pagedkv.exercises.prefix_caching import (
     RULE_CASES, SHOWN_EVICTION_CASES, SHOWN_HIT_CASES, check_hit_length, check_next_block,
 )
 from pagedkv.kv_cache.block_pool import hash_request_blocks
 from pagedkv.kv_cache.manager import KVCacheManager
+from tests.exercise_checks import assert_rejected
+
+
+@pytest.fixture(autouse=True)
+def fresh_tries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(exercises, "_TRIES", exercises._Tries())
+
+
+def replay_on_the_package(events: list[tuple[Any, ...]], num_blocks: int, block_size: int) -> int:
+    """The head of a real manager's free queue after `events` (what the second edition's `replay` gave)."""
+    kv = prefix_caching._manager(block_size, num_blocks)
+    for event in events:
+        if event[0] == "add":
+            prefix_caching._add(kv, event[1], list(event[2]))
+        else:
+            kv.free(event[1])
+    return next(iter(kv.block_pools[0].free_queue))
 
 
 def right_hit_length(cached_prompts: list[list[int]], prompt: list[int], block_size: int) -> int:
@@ -88,11 +110,13 @@ def test_hit_length_rejects_wrong_answers() -> None:
         return right_hit_length(cached_prompts[:1], prompt, block_size)
 
     result = check_hit_length(common_tokens)
-    assert not result and "whole blocks" in result.message and "fn([[7, 3, 9" in result.message
+    assert_rejected(result, "whole blocks", "fn([[7, 3, 9", "= 9 is not the hit")
+    assert " 8" not in result.message.split("is not the hit")[1]  # the hit: two blocks of 4
     result = check_hit_length(without_last_token_rule)
     assert not result and "last prompt token is always computed" in result.message
-    result = check_hit_length(first_prompt_only)
-    assert not result and "expected 12" in result.message  # the fifth shown case: the second prompt matches more
+    result = check_hit_length(first_prompt_only)  # the fifth shown case: the second prompt matches more (12)
+    assert_rejected(result, "fn([[1, 2, 3, 4, 50, 51, 52, 53], [1, 2", "is not the hit", "every served prompt")
+    assert "12" not in result.message.split("is not the hit")[1]
     assert not check_hit_length(lambda *args: "8") and not check_hit_length(lambda *args: 1 / 0)
     assert not check_hit_length(8)
 
@@ -104,9 +128,25 @@ def test_hit_length_rejects_the_package() -> None:
         return next((i for i, h in enumerate(hashes) if h not in known), len(hashes)) * block_size
 
     result = check_hit_length(by_hashes)
-    assert not result and "pagedkv's own hash_request_blocks" in result.message
-    result = check_hit_length(prefix_caching.expected_hit_length)
-    assert not result and "pagedkv's own" in result.message
+    assert_rejected(result, "calls hash_request_blocks")
+
+    def on_a_thread(cached_prompts: list[list[int]], prompt: list[int], block_size: int) -> int:
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(by_hashes, cached_prompts, prompt, block_size).result()
+
+    assert_rejected(check_hit_length(on_a_thread), "calls hash_request_blocks")
+
+    def served_on_a_real_manager(cached_prompts: list[list[int]], prompt: list[int], block_size: int) -> int:
+        kv = prefix_caching._manager(block_size, 64)
+        for i, tokens in enumerate(cached_prompts):
+            prefix_caching._add(kv, str(i), tokens)
+            kv.free(str(i))
+        return kv.get_computed_blocks("new", prompt)[1]
+
+    assert_rejected(check_hit_length(served_on_a_real_manager), "calls KVCacheManager.__init__")
+    assert_rejected(
+        check_hit_length(lambda *a: ThreadPoolExecutor().submit(served_on_a_real_manager, *a).result()),
+        "calls KVCacheManager.__init__")
     result = check_hit_length(KVCacheManager.get_computed_blocks)
     assert not result and "pagedkv's own KVCacheManager.get_computed_blocks" in result.message
 
@@ -144,16 +184,68 @@ def test_next_block_rejects_wrong_answers() -> None:
                 free += rows.pop(event[1])
         return free[0]
 
-    result = check_next_block(ignores_hits)
-    assert not result and "expected 5" in result.message and "the free queue is then [5, 3]" in result.message
-    result = check_next_block(frees_first_block_first)
-    assert not result and "last block first" in result.message
-    assert not check_next_block(lambda events, n, bs: None)
+    result = check_next_block(ignores_hits, num_hidden=0)  # the third shown case: the head is 5, the queue [5, 3]
+    assert_rejected(result, "= 2 is not the next block", "block 2 is still held by a running request")
+    assert "5" not in result.message.split("is not the next block")[1] and "[5, 3]" not in result.message
+    result = check_next_block(frees_first_block_first, num_hidden=0)
+    assert_rejected(result, "in the free queue then, but not at its head", "last block first")
+    assert_rejected(check_next_block(lambda events, n, bs: 0), "block 0 is the null block")
+    assert_rejected(check_next_block(lambda events, n, bs: None), "return a block id")
 
 
 def test_next_block_rejects_the_package() -> None:
-    result = check_next_block(lambda events, n, bs: prefix_caching.replay(events, n, bs)[0])
-    assert not result and "pagedkv's own" in result.message
+    assert_rejected(check_next_block(replay_on_the_package), "calls KVCacheManager.__init__")
+
+    def on_a_thread(events: list[tuple[Any, ...]], num_blocks: int, block_size: int) -> int:
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(replay_on_the_package, events, num_blocks, block_size).result()
+
+    assert_rejected(check_next_block(on_a_thread), "calls KVCacheManager.__init__")
+    assert_rejected(check_next_block(KVCacheManager.free), "pagedkv's own KVCacheManager.free")
+
+
+def test_reading_the_checkers_frames_fails() -> None:
+    def peek(*args: Any) -> Any:
+        return sys._getframe(1).f_locals.get("expected", 1)
+
+    assert_rejected(check_hit_length(peek), "reading the checker's frames")
+    assert_rejected(check_next_block(peek), "reading the checker's frames")
+
+
+def test_answers_copied_for_the_shown_cases_fail() -> None:
+    hits = {repr(case[:2]): right_hit_length(*case) for case in SHOWN_HIT_CASES}
+    assert_rejected(check_hit_length(lambda cached, prompt, bs: hits.get(repr((cached, prompt)), 0)), "fn(")
+    heads = {repr(case[0]): right_next_block(*case) for case in SHOWN_EVICTION_CASES + RULE_CASES}
+    assert_rejected(check_next_block(lambda events, n, bs: heads.get(repr(events), 1)), "fn(")
+
+
+def test_reveal_after_three_wrong_tries(capsys: pytest.CaptureFixture[str]) -> None:
+    def common_tokens(cached_prompts: list[list[int]], prompt: list[int], block_size: int) -> int:
+        return max(next((i for i, (a, b) in enumerate(zip(c, prompt)) if a != b), min(len(c), len(prompt)))
+                   for c in cached_prompts)
+
+    for _ in range(3):
+        result = check_hit_length(common_tokens)
+    assert "Try 3" in result.message and "reveal()" in result.message
+    reveal()
+    worked = capsys.readouterr().out
+    assert "only its first (11 - 1) // 4 = 2 block(s) can be found" in worked
+    assert "block 1 [1, 8, 2, 6]: served prompt 0 starts with the same 8 tokens" in worked
+    assert worked.rstrip().endswith("= 8 tokens")
+    assert check_hit_length(right_hit_length)
+
+    def no_cache(events: list[tuple[Any, ...]], num_blocks: int, block_size: int) -> int:
+        return right_next_block([(e[0], e[1], [-1000 * k - i for i in range(len(e[2]))]) if e[0] == "add" else e
+                                 for k, e in enumerate(events)], num_blocks, block_size)
+
+    for _ in range(3):
+        result = check_next_block(no_cache, num_hidden=0)  # random events may not fit without hits
+    assert "Try 3" in result.message
+    reveal()
+    worked = capsys.readouterr().out
+    assert "free queue at the start, head first: [1, 2, 3, 4, 5]" in worked
+    assert "after free A: [4, 5, 3, 2, 1]" in worked and "after add B (10 tokens): [5, 3]" in worked
+    assert worked.rstrip().endswith("= 5, the head")
 
 
 def test_random_cases_fit_and_vary() -> None:

@@ -1,9 +1,11 @@
-"""Notebook 11 (MLA): checkers for the latent cache size, the decode/prefill split and the
-absorption of W_UK into the query.
+"""Notebook 11 (MLA): checkers for the latent cache size, the decode/prefill split and the query
+that `forward_mqa` takes (W_UK absorbed, from the loaded kv_b_proj weight).
 
-Each draws its own cases (public DeepSeek shapes first, then random ones the notebook never
-prints), computes the expected value from the package's real pieces (the KV cache spec, the
-builder's split) or from a float64 computation, and turns away answers that call those pieces.
+Each runs the student's function on the public DeepSeek shapes first, then on cases it makes up
+(latent sizes, head counts and batches no preset has), all before it works out any answer; only
+then does it compute the expected value, from the package's real pieces (the KV cache spec, the
+builder's split) or in float64. Answers that call those pieces are turned away, and a wrong answer
+is told which rule it broke, never the expected value: `reveal()` works the failing case out.
 """
 
 from __future__ import annotations
@@ -15,37 +17,59 @@ from typing import Any
 import torch
 
 from pagedkv.attention.backend import CommonAttentionMetadata
-from pagedkv.attention.mla.common import split_decodes_and_prefills
-from pagedkv.exercises import CheckResult, call_answer, package_answer
-from pagedkv.kv_cache.spec import MLAAttentionSpec
+from pagedkv.attention.mla.common import MLACommonImpl, MLACommonMetadataBuilder, split_decodes_and_prefills
+from pagedkv.exercises import CheckResult, call_on_cases, exercise, package_answer
+from pagedkv.kv_cache.spec import KVCacheSpec, MLAAttentionSpec
 
-# (layers, kv_lora_rank, qk_rope_head_dim): DeepSeek-V2-Lite, DeepSeek-V2 / V3 (27 / 60 / 61 layers).
 SHOWN_SHAPES: list[tuple[int, int, int]] = [(27, 512, 64), (60, 512, 64), (61, 512, 64)]
+"""(layers, kv_lora_rank, qk_rope_head_dim) the notebook names: DeepSeek-V2-Lite, V2, V3."""
 
-_SPEC_SIZE = MLAAttentionSpec.page_size_bytes.fget  # what the cache manager sizes blocks with
+SPEC_SIZES: list[Callable[..., Any]] = [MLAAttentionSpec.page_size_bytes.fget,  # type: ignore[attr-defined]
+                                        KVCacheSpec.page_size_bytes.fget]  # type: ignore[attr-defined]
+"""What the cache manager sizes blocks with: an answer may not ask it."""
 
 
+@exercise("11: the size of an MLA cache")
 def check_mla_cache_bytes(fn: Callable[[int, int, int, int], Any], num_hidden: int = 8) -> CheckResult:
     """`fn(num_layers, kv_lora_rank, qk_rope_head_dim, num_tokens)` -> bytes of bfloat16 MLA cache
     that `num_tokens` tokens take in all layers; expected from the real `MLAAttentionSpec`."""
     if not callable(fn):
         return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
+    own = package_answer(fn, SPEC_SIZES, "the size")
+    if own is not None:
+        return own
     rng = random.Random()
-    cases = SHOWN_SHAPES + [(rng.randint(2, 80), rng.choice([64, 256, 512]), rng.choice([16, 32, 64]))
-                            for _ in range(num_hidden)]
-    for layers, rank, rope in cases:
-        tokens = rng.choice([1, 16, 4096, 100_000])
+    shapes = SHOWN_SHAPES + [(rng.randint(2, 95), rng.choice([96, 160, 192, 320, 448]), rng.choice([16, 24, 48]))
+                             for _ in range(num_hidden)]
+    cases = [(layers, rank, rope, rng.choice([1, 17, 4096, 100_003])) for layers, rank, rope in shapes]
+    results, rejected = call_on_cases(fn, cases, SPEC_SIZES, "the size", lambda case: f"fn{case}")
+    if rejected is not None:
+        return rejected
+    for (layers, rank, rope, tokens), got in zip(cases, results):
         call = f"fn({layers}, {rank}, {rope}, {tokens})"
-        got, rejected = call_answer(fn, (layers, rank, rope, tokens), [_SPEC_SIZE], "the size", call)
-        if rejected is not None:
-            return rejected
+        if not isinstance(got, int) or isinstance(got, bool):
+            return CheckResult(False, f"{call} returned {got!r}: return a number of bytes (an int).")
         spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=rank + rope, dtype=torch.bfloat16)
-        expected = spec.page_size_bytes // spec.block_size * tokens * layers
-        if got != expected:
-            hint = ("that counts a K and a V: MLA caches one latent row per token, the values are the c_kv part "
-                    "of the same row" if got == 2 * expected else
-                    f"per token and layer one row of kv_lora_rank + rope = {rank + rope} values of 2 bytes")
-            return CheckResult(False, f"{call} = {got!r}, expected {expected:,}; {hint}.")
+        per_token = spec.page_size_bytes // spec.block_size
+        if got == per_token * tokens * layers:
+            continue
+
+        def worked(layers: int = layers, rank: int = rank, rope: int = rope, tokens: int = tokens,
+                   per_token: int = per_token, call: str = call) -> str:
+            return (f"one token, one layer: one latent row [c_kv | k_pe] = {rank} + {rope} = {rank + rope} values "
+                    f"x 2 bytes (bfloat16) = {per_token:,} bytes\n"
+                    f"{call} = {per_token:,} x {tokens:,} tokens x {layers} layers = {per_token * tokens * layers:,}")
+
+        if got == 2 * per_token * tokens * layers:
+            hint = ("twice the size: MLA caches ONE latent row per token (no K and V pair: the values come from the "
+                    "c_kv part of the same row), and bfloat16 takes 2 bytes")
+        elif got == 2 * rank * tokens * layers:
+            hint = "the row also holds k_pe, the positional key shared by all heads"
+        elif got == -(-tokens // 16) * 16 * per_token * layers and tokens % 16:
+            hint = "count the tokens' rows, not the whole blocks they would take"
+        else:
+            hint = "per token and layer the cache holds one row of kv_lora_rank + qk_rope_head_dim values, 2 bytes each"
+        return CheckResult(False, f"{call} = {got!r} is not the size; {hint}.", reveal=worked)
     return CheckResult(True, f"Your sizes match MLAAttentionSpec on {len(cases)} shapes.")
 
 
@@ -61,55 +85,138 @@ def _common(query_lens: list[int]) -> CommonAttentionMetadata:
 
 
 SHOWN_SPLITS: list[list[int]] = [[1, 1, 1, 7], [5, 1, 1], [1, 1, 1], [1, 4, 1, 3]]
+"""Batches (query length per request) the notebook may print."""
+SPLITTERS: list[Callable[..., Any]] = [split_decodes_and_prefills, MLACommonMetadataBuilder.build,
+                                       MLACommonMetadataBuilder.build_for_cudagraph_capture]
 
 
+@exercise("11: the decode / prefill split")
 def check_decode_split(fn: Callable[[list[int]], Any], num_hidden: int = 12) -> CheckResult:
     """`fn(query_lens)` -> (num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens) of a
     batch whose requests have these query lengths, split as the MLA builder splits it."""
     if not callable(fn):
         return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
-    own = package_answer(fn, [split_decodes_and_prefills], "the split")
+    own = package_answer(fn, SPLITTERS, "the split")
     if own is not None:
         return own
     rng = random.Random()
-    cases = SHOWN_SPLITS + [[1, 2, 1]] + [  # [1, 2, 1]: query length 2 is a prefill, rarely drawn below
-        [1] * rng.randint(0, 5) + [rng.choice([1, rng.randint(2, 40)]) for _ in range(rng.randint(1, 4))]
+    # [1, 2, 1]: a query of 2 tokens is a prefill (rarely drawn below); then made-up batches, some of
+    # them with one-token requests after a longer one.
+    cases = SHOWN_SPLITS + [[1, 2, 1]] + [
+        [1] * rng.randint(0, 5) + [rng.choice([1, rng.randint(2, 40)]) for _ in range(rng.randint(1, 5))]
         for _ in range(num_hidden)
     ]
-    for lens in cases:
+    results, rejected = call_on_cases(fn, [(list(lens),) for lens in cases], SPLITTERS, "the split",
+                                      lambda case: f"fn({case[0]})")
+    if rejected is not None:
+        return rejected
+    for lens, got in zip(cases, results):
         call = f"fn({lens})"
-        got, rejected = call_answer(fn, (list(lens),), [split_decodes_and_prefills], "the split", call)
-        if rejected is not None:
-            return rejected
+        if not (isinstance(got, (tuple, list)) and len(got) == 4
+                and all(isinstance(n, int) and not isinstance(n, bool) for n in got)):
+            return CheckResult(False, f"{call} returned {got!r}: return four ints (num_decodes, num_prefills, "
+                                      "num_decode_tokens, num_prefill_tokens).")
         expected = split_decodes_and_prefills(_common(lens))
-        if not isinstance(got, (tuple, list)) or tuple(got) != expected:
-            return CheckResult(False, f"{call} = {got!r}, expected {expected}; the decodes are the LEADING requests "
-                                      "with one query token, everything from the first longer one is a prefill.")
+        if tuple(got) == expected:
+            continue
+        decodes = expected[0]
+
+        def worked(lens: list[int] = lens, decodes: int = decodes, expected: tuple[int, ...] = expected) -> str:
+            first = (f"request {decodes} is the first with more than one query token ({lens[decodes]})"
+                     if decodes < len(lens) else "every request has one query token")
+            leading = f"requests 0 .. {decodes - 1} are the decodes" if decodes else "there is no decode"
+            return (f"query lengths {lens}: {first}, so {leading} ({decodes} requests, {expected[2]} tokens) and "
+                    f"the other {expected[1]} requests, {' + '.join(map(str, lens[decodes:])) or '0'} = "
+                    f"{expected[3]} tokens, are the prefills\n"
+                    f"fn({lens}) = {expected}")
+
+        ones = [i for i, n in enumerate(lens) if n == 1]
+        if got[0] + got[1] != len(lens):
+            hint = "every request is a decode or a prefill: the first two numbers add up to the number of requests"
+        elif tuple(got[:2]) == expected[:2]:
+            hint = ("the requests are split right; the last two numbers count the query tokens of the decodes and of "
+                    "the prefills")
+        elif got[0] == len(ones):
+            hint = ("the decodes are the LEADING requests with one query token: from the first longer request on, "
+                    "everything is a prefill, one-token requests after it too")
+        elif got[0] > decodes:
+            hint = "a decode has ONE query token: a request with 2 or more is a prefill (a prompt or a chunk of one)"
+        else:
+            hint = "the decodes are the leading requests with one query token; the split falls where they end"
+        return CheckResult(False, f"{call} = {tuple(got)} is not the builder's split; {hint}.", reveal=worked)
     return CheckResult(True, f"Your split matches the MLA builder's on {len(cases)} batches.")
 
 
-def check_absorbed_query(fn: Callable[[torch.Tensor, torch.Tensor], Any], num_hidden: int = 4) -> CheckResult:
-    """`fn(q_nope [heads, nope], W_UK [heads, nope, kv_lora_rank])` -> ql_nope [heads, kv_lora_rank]
-    such that ql_nope[h] . c == q_nope[h] . (W_UK[h] @ c) for every latent c (checked in float64)."""
+MQA_QUERY: list[Callable[..., Any]] = [MLACommonImpl.process_weights_after_loading, MLACommonImpl.forward]
+"""The package's split of kv_b_proj and its absorption: an answer may not call them."""
+
+
+@exercise("11: the query of forward_mqa")
+def check_absorbed_query(fn: Callable[[torch.Tensor, torch.Tensor, int], Any], num_hidden: int = 5) -> CheckResult:
+    """`fn(q [tokens, heads, qk_nope_head_dim + qk_rope_head_dim], kv_b_weight [heads * (qk_nope_head_dim +
+    v_head_dim), kv_lora_rank], qk_nope_head_dim)` -> the query `forward_mqa` takes, [tokens, heads,
+    kv_lora_rank + qk_rope_head_dim]: it must score every cached row [c | k_pe] exactly as the query
+    scores the up-projected key [W_UK[h] @ c | k_pe] (checked in float64)."""
     if not callable(fn):
         return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
     g = torch.Generator().manual_seed(random.randrange(2**31))
-    for i in range(1 + num_hidden):
-        heads, nope, rank = (16, 128, 512) if i == 0 else (int(torch.randint(1, 9, (1,), generator=g)), 8, 24)
-        q = torch.randn(heads, nope, generator=g, dtype=torch.float64)
-        w_uk = torch.randn(heads, nope, rank, generator=g, dtype=torch.float64)
-        call = f"fn(q_nope {list(q.shape)}, W_UK {list(w_uk.shape)})"
-        got, rejected = call_answer(fn, (q.clone(), w_uk.clone()), [], "the absorption", call)
-        if rejected is not None:
-            return rejected
-        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (heads, rank):
-            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-            return CheckResult(False, f"{call} must return a tensor [heads, kv_lora_rank] = [{heads}, {rank}], got {shape}.")
-        c = torch.randn(rank, 5, generator=g, dtype=torch.float64)
-        want = torch.einsum("hn,hnl,ls->hs", q, w_uk, c)  # q_nope . (W_UK c), five latents
-        if got.dtype != torch.float64:  # an exact answer rounded to float32 would fail the 1e-6 below
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (1,), generator=g))
+
+    # (tokens, heads, nope, rope, v, rank): DeepSeek-V2-Lite's attention, then made-up shapes whose
+    # v_head_dim differs from qk_nope_head_dim, so W_UK and W_UV cannot be mistaken for each other.
+    shapes = [(2, 16, 128, 64, 128, 512)] + [
+        (draw(1, 3), draw(1, 6), nope, 2 * draw(2, 6), nope + draw(1, 4) * (1 if draw(0, 1) else -1), draw(20, 40))
+        for nope in (draw(8, 24) for _ in range(num_hidden))
+    ]
+    cases = []
+    for tokens, heads, nope, rope, v, rank in shapes:
+        q = torch.randn(tokens, heads, nope + rope, generator=g, dtype=torch.float64)
+        w = torch.randn(heads * (nope + v), rank, generator=g, dtype=torch.float64)
+        cases.append((q, w, nope))
+    results, rejected = call_on_cases(fn, [(q.clone(), w.clone(), nope) for q, w, nope in cases], MQA_QUERY,
+                                      "the absorption", lambda c: f"fn(q {list(c[0].shape)}, kv_b_weight "
+                                                                  f"{list(c[1].shape)}, {c[2]})")
+    if rejected is not None:
+        return rejected
+    for (tokens, heads, nope, rope, v, rank), (q, w, _), got in zip(shapes, cases, results):
+        call = f"fn(q {list(q.shape)}, kv_b_weight {list(w.shape)}, {nope})"
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (tokens, heads, rank + rope):
+            shape = list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            return CheckResult(False, f"{call} returned {shape}: return a tensor [tokens, heads, kv_lora_rank + "
+                                      f"qk_rope_head_dim], the shape of a cached row per head.")
+        if got.dtype != torch.float64:
             return CheckResult(False, f"{call} returned {got.dtype}; the inputs are float64: keep their dtype "
-                                      "(torch.zeros(...) is float32 unless you pass dtype=q_nope.dtype).")
-        if not torch.allclose(got @ c, want, rtol=1e-6, atol=1e-6):
-            return CheckResult(False, f"{call}: ql_nope . c differs from q_nope . (W_UK c); ql_nope[h] = W_UK[h]^T q_nope[h].")
-    return CheckResult(True, "Your absorbed queries score every latent exactly as the up-projected keys do.")
+                                      "(torch.zeros(...) is float32 unless you pass dtype=q.dtype).")
+        # Every answer is in: score random cached rows both ways.
+        c = torch.randn(7, rank, generator=g, dtype=torch.float64)
+        k_pe = torch.randn(7, rope, generator=g, dtype=torch.float64)
+        w_uk = w.view(heads, nope + v, rank)[:, :nope]  # each head's block of rows: [W_UK[h]; W_UV[h]]
+        q_nope, q_pe = q.split([nope, rope], dim=-1)
+        latent_ok = torch.allclose(torch.einsum("thl,sl->ths", got[..., :rank], c),
+                                   torch.einsum("thn,hnl,sl->ths", q_nope, w_uk, c), rtol=1e-6, atol=1e-6)
+        rope_ok = torch.allclose(got[..., rank:] @ k_pe.T, q_pe @ k_pe.T, rtol=1e-6, atol=1e-6)
+        if latent_ok and rope_ok:
+            continue
+
+        def worked(heads: int = heads, nope: int = nope, rope: int = rope, v: int = v, rank: int = rank,
+                   call: str = call) -> str:
+            return (f"kv_lora_rank = kv_b_weight.shape[1] = {rank}; qk_rope_head_dim = q.shape[-1] - {nope} = {rope}; "
+                    f"v_head_dim = kv_b_weight.shape[0] / {heads} heads - {nope} = {v}\n"
+                    f"W_UK = kv_b_weight.view({heads}, {nope} + {v}, {rank})[:, :{nope}]   # [heads, nope, rank]\n"
+                    f"q_nope, q_pe = q.split([{nope}, {rope}], dim=-1)\n"
+                    "ql_nope = torch.einsum('thn,hnl->thl', q_nope, W_UK)   # W_UK[h]^T q_nope, once per query\n"
+                    f"{call} = torch.cat([ql_nope, q_pe], dim=-1)   # [tokens, heads, {rank} + {rope}]")
+
+        if not latent_ok:
+            hint = ("its first kv_lora_rank values do not score c as q_nope scores W_UK[h] @ c. kv_b_weight holds, "
+                    "head after head, W_UK[h] (qk_nope_head_dim rows) then W_UV[h] (v_head_dim rows); "
+                    "the absorbed part is W_UK[h]^T q_nope[h]")
+        else:
+            hint = ("its last qk_rope_head_dim values do not score k_pe as q_pe does: k_pe is shared by all heads "
+                    "and not up-projected, so that part of the query stays q_pe, after the latent part (the "
+                    "cached row is [c | k_pe])")
+        return CheckResult(False, f"{call}: the query you built: {hint}.", reveal=worked)
+    return CheckResult(True, f"Your queries score every latent row as the up-projected keys do, on {len(shapes)} "
+                             "shapes.")

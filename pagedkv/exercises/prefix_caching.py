@@ -1,28 +1,31 @@
 """Notebook 12 (prefix caching): checkers for the hit length of a prompt and for the block that
 the next allocation takes.
 
-Each tries the notebook's cases first, then random ones it never prints, replays every case on
-the package's real `KVCacheManager` (prefix caching on) for the expected answer, and turns away
-answers that call the manager, the block pool or the hash functions.
+Each runs the student's function on the notebook's cases, on cases that each need one rule of the
+pool, and on prompts and event lists it makes up, all before it works out any answer; only then does
+it replay every case on the package's real `KVCacheManager` (prefix caching on) for the expected
+value. Answers that call the manager, the block pool or the hash functions are turned away, and a
+wrong answer is told which rule it broke, never the expected value: `reveal()` works the failing
+case out, after three tries.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from pagedkv.exercises import CheckResult, call_answer, package_answer
+from pagedkv.exercises import CheckResult, call_on_cases, exercise, package_answer
 from pagedkv.kv_cache.block_pool import BlockPool, hash_block_tokens, hash_request_blocks
 from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.kv_cache.spec import FullAttentionSpec, get_kv_cache_config
 
 PACKAGE: list[Callable[..., Any]] = [
-    KVCacheManager.get_computed_blocks, KVCacheManager.allocate_slots, KVCacheManager.free,
-    BlockPool.get_cached_block, BlockPool.get_new_blocks, BlockPool.touch, BlockPool.free_blocks,
+    KVCacheManager.__init__, KVCacheManager.get_computed_blocks, KVCacheManager.allocate_slots, KVCacheManager.free,
+    BlockPool.__init__, BlockPool.get_cached_block, BlockPool.get_new_blocks, BlockPool.touch, BlockPool.free_blocks,
     BlockPool.cache_full_blocks, hash_block_tokens, hash_request_blocks,
 ]
 """What an answer may not call: the machinery whose result it is asked to predict."""
@@ -61,17 +64,6 @@ SHOWN_HIT_CASES: list[tuple[list[list[int]], list[int], int]] = [
 """(cached_prompts, prompt, block_size) cases the notebook can print."""
 
 
-def expected_hit_length(cached_prompts: Sequence[Sequence[int]], prompt: Sequence[int], block_size: int) -> int:
-    """Serve every cached prompt (compute it, then finish it) on a real manager with room for all of
-    them, then look `prompt` up: the number of its tokens found in the cache."""
-    num_blocks = 2 + sum(math.ceil(len(p) / block_size) for p in cached_prompts)  # nothing is evicted
-    kv = _manager(block_size, num_blocks)
-    for i, tokens in enumerate(cached_prompts):
-        assert _add(kv, f"served-{i}", list(tokens))
-        kv.free(f"served-{i}")
-    return kv.get_computed_blocks("new", list(prompt))[1]
-
-
 def _random_hit_case(rng: random.Random) -> tuple[list[list[int]], list[int], int]:
     """Cached prompts built on a shared system prompt; the prompt equals one of them, extends it,
     or leaves it at a random token."""
@@ -91,20 +83,7 @@ def _random_hit_case(rng: random.Random) -> tuple[list[list[int]], list[int], in
     return cached, prompt, bs
 
 
-def _hit_hint(got: int, expected: int, cached: list[list[int]], prompt: list[int], bs: int) -> str:
-    """The likeliest mistake behind a wrong hit length."""
-    if got % bs:
-        return f"the cache holds whole blocks, so a hit is a multiple of block_size = {bs}"
-    # The same lookup with one more token: what the answer would be if the last token could be a hit.
-    without_last_token_rule = expected_hit_length(cached, [*prompt, 0], bs)
-    if got == without_last_token_rule:
-        return ("the last prompt token is always computed (its logits give the first new token), so the block "
-                "holding it never counts as a hit")
-    return ("blocks match from the first one on, each through the hash of the whole prefix up to its end: the "
-            "first block that differs from every served prompt's ends the hit, and only FULL blocks of a served "
-            "prompt were cached")
-
-
+@exercise("12: the tokens found in the cache")
 def check_hit_length(fn: Callable[[list[list[int]], list[int], int], Any], num_hidden: int = 30) -> CheckResult:
     """`fn(cached_prompts, prompt, block_size)` -> how many tokens of `prompt` the prefix cache
     holds once every prompt of `cached_prompts` was served (computed, then finished), in a cache
@@ -116,17 +95,57 @@ def check_hit_length(fn: Callable[[list[list[int]], list[int], int], Any], num_h
         return own
     rng = random.Random()
     cases = SHOWN_HIT_CASES + [_random_hit_case(rng) for _ in range(num_hidden)]
-    for cached, prompt, bs in cases:
+    results, rejected = call_on_cases(fn, [([list(p) for p in cached], list(prompt), bs) for cached, prompt, bs in cases],
+                                      PACKAGE, "the lookup", lambda case: f"fn{case}")
+    if rejected is not None:
+        return rejected
+
+    def found(cached_prompts: list[list[int]], prompt: list[int], block_size: int) -> int:
+        """Serve every cached prompt on a real manager with room for all, then look `prompt` up."""
+        kv = _manager(block_size, 2 + sum(math.ceil(len(p) / block_size) for p in cached_prompts))
+        for i, tokens in enumerate(cached_prompts):
+            assert _add(kv, f"served-{i}", tokens)
+            kv.free(f"served-{i}")
+        return kv.get_computed_blocks("new", prompt)[1]
+
+    for (cached, prompt, bs), got in zip(cases, results):
         call = f"fn({cached}, {prompt}, {bs})"
-        got, rejected = call_answer(fn, ([list(p) for p in cached], list(prompt), bs), PACKAGE, "the lookup", call)
-        if rejected is not None:
-            return rejected
-        expected = expected_hit_length(cached, prompt, bs)
         if not isinstance(got, int) or isinstance(got, bool):
             return CheckResult(False, f"{call} returned {got!r}: return a number of tokens (an int).")
-        if got != expected:
-            return CheckResult(False, f"{call} = {got}, expected {expected}; "
-                                      f"{_hit_hint(got, expected, cached, prompt, bs)}.")
+        expected = found(cached, prompt, bs)
+        if got == expected:
+            continue
+
+        def worked(cached: list[list[int]] = cached, prompt: list[int] = prompt, bs: int = bs,
+                   expected: int = expected, call: str = call) -> str:
+            usable = (len(prompt) - 1) // bs
+            lines = [f"block_size {bs}: the prompt has {len(prompt)} tokens; its last one is always computed, so only "
+                     f"its first ({len(prompt)} - 1) // {bs} = {usable} block(s) can be found"]
+            for j in range(usable):
+                prefix = prompt[: (j + 1) * bs]
+                owner = next((i for i, c in enumerate(cached) if len(c) >= len(prefix) and c[: len(prefix)] == prefix),
+                             None)
+                if owner is None:
+                    lines.append(f"block {j} {prompt[j * bs:(j + 1) * bs]}: no served prompt starts with these "
+                                 f"{len(prefix)} tokens: the hit ends here")
+                    break
+                lines.append(f"block {j} {prompt[j * bs:(j + 1) * bs]}: served prompt {owner} starts with the same "
+                             f"{len(prefix)} tokens and filled this block: found")
+            return "\n".join([*lines, f"{call} = {expected} tokens"])
+
+        if got % bs:
+            hint = f"the cache holds whole blocks, so a hit is a multiple of block_size = {bs}"
+        elif got == found(cached, [*prompt, -1], bs):
+            hint = ("the last prompt token is always computed (its logits give the first new token), so the block "
+                    "holding it never counts as a hit")
+        elif got > expected:
+            hint = ("blocks match from the first one on, each through the hash of the whole prefix up to its end: "
+                    "the first block that no served prompt shares (with everything before it) ends the hit, and "
+                    "only FULL blocks of a served prompt were cached")
+        else:
+            hint = ("every served prompt left its full blocks in the cache: the hit is the longest run of leading "
+                    "blocks that some served prompt shares with this one")
+        return CheckResult(False, f"{call} = {got} is not the hit; {hint}.", reveal=worked)
     return CheckResult(True, f"Your hit lengths match the KV cache manager's on {len(cases)} cases.")
 
 
@@ -158,17 +177,6 @@ RULE_CASES: list[tuple[list[Event], int, int]] = [
 (found by simulating answers that each break one rule)."""
 
 
-def replay(events: Sequence[Event], num_blocks: int, block_size: int) -> list[int]:
-    """The free queue (head first) of a real manager after `events`."""
-    kv = _manager(block_size, num_blocks)
-    for event in events:
-        if event[0] == "add":
-            assert _add(kv, event[1], list(event[2])), f"{event} does not fit"
-        else:
-            kv.free(event[1])
-    return list(kv.block_pools[0].free_queue)
-
-
 def _random_events(rng: random.Random) -> tuple[list[Event], int, int]:
     """Requests on two system prompts arrive and finish on a small pool; every one fits, and some
     block is free at the end."""
@@ -197,6 +205,7 @@ def _random_events(rng: random.Random) -> tuple[list[Event], int, int]:
     return events, num_blocks, bs
 
 
+@exercise("12: the next block taken")
 def check_next_block(fn: Callable[[list[Event], int, int], Any], num_hidden: int = 30) -> CheckResult:
     """`fn(events, num_blocks, block_size)` -> the id of the block the next allocation takes once
     `events` happened on a fresh pool of `num_blocks` blocks (prefix caching on)."""
@@ -207,17 +216,50 @@ def check_next_block(fn: Callable[[list[Event], int, int], Any], num_hidden: int
         return own
     rng = random.Random()
     cases = SHOWN_EVICTION_CASES + RULE_CASES + [_random_events(rng) for _ in range(num_hidden)]
-    for events, num_blocks, bs in cases:
+    theirs = [([(e[0], e[1], list(e[2])) if e[0] == "add" else e for e in events], num_blocks, bs)  # to change
+              for events, num_blocks, bs in cases]
+    results, rejected = call_on_cases(fn, theirs, PACKAGE, "the free queue",
+                                      lambda case: f"fn({case[0]}, num_blocks={case[1]}, block_size={case[2]})")
+    if rejected is not None:
+        return rejected
+
+    def queues(events: list[Event], num_blocks: int, bs: int) -> list[list[int]]:
+        """The free queue (head first) of a real manager before and after each event."""
+        kv = _manager(bs, num_blocks)
+        pool = kv.block_pools[0]
+        seen = [list(pool.free_queue)]
+        for event in events:
+            if event[0] == "add":
+                assert _add(kv, event[1], list(event[2])), f"{event} does not fit"
+            else:
+                kv.free(event[1])
+            seen.append(list(pool.free_queue))
+        return seen
+
+    for (events, num_blocks, bs), got in zip(cases, results):
         call = f"fn({events}, num_blocks={num_blocks}, block_size={bs})"
-        copies = [(e[0], e[1], list(e[2])) if e[0] == "add" else e for e in events]  # theirs to change
-        got, rejected = call_answer(fn, (copies, num_blocks, bs), PACKAGE, "the free queue", call)
-        if rejected is not None:
-            return rejected
-        queue = replay(events, num_blocks, bs)
-        if got != queue[0]:
-            return CheckResult(False, (
-                f"{call} = {got!r}, expected {queue[0]}: the free queue is then {queue}, head first. A freed "
-                "request's blocks go to its tail, last block first; a cache hit takes a free block out of it; new "
-                "blocks come from its head and lose the prefix they cached."
-            ))
+        if not isinstance(got, int) or isinstance(got, bool):
+            return CheckResult(False, f"{call} returned {got!r}: return a block id (an int).")
+        steps = queues(events, num_blocks, bs)
+        queue = steps[-1]
+        if got == queue[0]:
+            continue
+
+        def worked(events: list[Event] = events, steps: list[list[int]] = steps, call: str = call) -> str:
+            lines = [f"free queue at the start, head first: {steps[0]}"]
+            for event, after in zip(events, steps[1:]):
+                what = f"add {event[1]} ({len(event[2])} tokens)" if event[0] == "add" else f"free {event[1]}"
+                lines.append(f"after {what}: {after}")
+            return "\n".join([*lines, f"{call} = {steps[-1][0]}, the head"])
+
+        rules = ("a freed request's blocks go to the tail, last block first; a cache hit takes its block out of the "
+                 "queue, wherever it is; new blocks come from the head and lose the prefix they cached")
+        if not 0 < got < num_blocks:
+            hint = f"block ids run from 1 to num_blocks - 1 = {num_blocks - 1} (block 0 is the null block, never free)"
+        elif got not in queue:
+            hint = (f"block {got} is still held by a running request when the events end, and only a block in the "
+                    f"free queue can be taken: {rules}")
+        else:
+            hint = f"block {got} is in the free queue then, but not at its head: {rules}"
+        return CheckResult(False, f"{call} = {got} is not the next block; {hint}.", reveal=worked)
     return CheckResult(True, f"Your next block matches the block pool's on {len(cases)} sequences of events.")
