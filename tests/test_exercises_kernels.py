@@ -1,14 +1,21 @@
 """Notebook 06's Triton puzzle checkers: each accepts a right kernel written here, names the first
-mismatch of a wrong one, and refuses answers that do no kernel work (a plain function, pagedkv's
-own kernel, a launcher that computes the result itself)."""
+wrong entry of a wrong one (the rule it broke, never the expected value; `reveal()` after three
+tries), and refuses answers that do no kernel work: a plain function, pagedkv's own kernel or
+reference, a launcher that computes in torch (on its thread or another), reads values into Python,
+writes the outputs itself or copies in a precomputed answer, or a kernel that calls torch."""
 
 from __future__ import annotations
 
+import array
+import ctypes
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +24,9 @@ import torch
 
 import pagedkv.exercises.triton_puzzles as P
 import pagedkv.kernels as K
-from pagedkv.exercises import CheckResult
+from pagedkv.exercises import FAIL_MARK, PASS_MARK, CheckResult, reveal
+from pagedkv.exercises.kernels import INTERPRETER_OPS
+from tests.exercise_checks import assert_rejected
 
 if not K.HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -204,13 +213,16 @@ def _launch_split(bug: bool) -> Callable[..., None]:
 
 PUZZLES: dict[str, tuple[Callable[..., CheckResult], Any, Callable[[bool], Callable[..., None]], str]] = {
     # name: (checker, kernel(s), launcher factory taking `bug`, what the wrong answer's message shows)
-    "block_table_row": (P.check_block_table_row, _slots, _launch_slots, "slots[0, 1] is "),
-    "scatter": (P.check_scatter_kernel, _scatter, _launch_scatter, "(slot 0, "),  # padding lands in slot 0
+    "block_table_row": (P.check_block_table_row, _slots, _launch_slots,
+                        "slots[0, 1] is 20 (that is the first slot of the block: add the offset"),
+    "scatter": (P.check_scatter_kernel, _scatter, _launch_scatter, "a padding token (slot -1): it must store nothing"),
     "page_scores": (P.check_page_scores, _scores, lambda bug: _launch_scores(False, bug), "scores[0, 0] is "),
-    "masked_scores": (P.check_masked_scores, _scores, lambda bug: _launch_scores(not bug), "expected -inf"),
+    "masked_scores": (P.check_masked_scores, _scores, lambda bug: _launch_scores(not bug),
+                      "(position 5 is past seq_len 5: it must score -inf)"),
     "online_softmax": (P.check_online_softmax, _attention, lambda bug: _launch_attention(bug, False), "out[1, "),
     "gqa": (P.check_gqa_attention, _attention, lambda bug: _launch_attention(bug, True), "out[0, 1, "),
-    "split_kv": (P.check_split_kv, (_split_partial, _split_merge), _launch_split, "is nan, expected"),
+    "split_kv": (P.check_split_kv, (_split_partial, _split_merge), _launch_split,
+                 "is nan (never written, or a 0 / 0 or -inf - (-inf) on the way; a split with no pages has l = 0)"),
 }
 
 
@@ -218,14 +230,49 @@ def _check(name: str, kernels: Any, launch: Callable[..., None]) -> CheckResult:
     return PUZZLES[name][0](kernels, launch)
 
 
+def _revealed(capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()
+    reveal()
+    return capsys.readouterr().out
+
+
 @pytest.mark.parametrize("name", list(PUZZLES))
-def test_puzzle_checker_accepts_right_and_names_the_first_wrong_entry(name: str) -> None:
+def test_puzzle_checker_accepts_right_and_names_the_rule_a_wrong_entry_breaks(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A wrong kernel's message names the entry, its value and the rule, not the expected value;
+    the third wrong try offers reveal(), which works that entry out (the expected value included)."""
     _, kernels, make_launch, wrong_text = PUZZLES[name]
     right = _check(name, kernels, make_launch(False))
-    assert right.ok, right.message
-    wrong = _check(name, kernels, make_launch(True))
-    assert not wrong.ok and wrong_text in wrong.message, wrong.message
-    assert len(wrong.message.splitlines()) <= 2
+    assert right.ok and repr(right).startswith(PASS_MARK), right.message
+    for tries in (1, 2, 3):
+        wrong = _check(name, kernels, make_launch(True))
+        assert_rejected(wrong, wrong_text)
+        assert len(wrong.message.splitlines()) <= 2
+        assert ("reveal()" in wrong.message) == (tries == 3), wrong.message
+    entry = re.search(r"(\w+)\[([\d, ]+)\] is (\S+)", wrong.message)
+    assert entry is not None, wrong.message
+    worked = _revealed(capsys)
+    assert worked.startswith(f"06: puzzle") and "worked out" in worked, worked
+    # The worked answer ends with the expected value of that entry, which the message never shows.
+    expected = re.findall(r"(-?\d[\d.]*(?:e-?\d+)?|-inf)\.?$", worked.strip())
+    assert expected and expected[-1] != entry.group(3), worked
+    if expected[-1] not in ("0", "-1", "-inf"):  # those are rules ("stays 0", "gets -1"), not a secret
+        assert not re.search(rf"(?<![\d.]){re.escape(expected[-1])}(?![\d])", wrong.message[entry.end():])
+
+
+def test_reveal_works_out_the_failing_entry_step_by_step(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _check("block_table_row", _slots, _launch_slots(False)).ok  # resets the count
+    for _ in range(3):
+        wrong = _check("block_table_row", _slots, _launch_slots(True))
+    assert "slots[0, 1] is 20" in wrong.message and "21" not in wrong.message.split("slots[0, 1]")[1]
+    assert _revealed(capsys).strip().endswith(
+        "request 0, position 1: page 1 // 4 = 0, block_table[0, 0] = 5, offset 1 % 4 = 1; slot = 5 * 4 + 1 = 21.")
+    assert _check("split_kv", (_split_partial, _split_merge), _launch_split(False)).ok
+    for _ in range(3):
+        _check("split_kv", (_split_partial, _split_merge), _launch_split(True))
+    worked = _revealed(capsys)
+    assert "split 2: pages 2..1, lse_2 = -inf (empty: weight 0)" in worked and "softmax weights" in worked, worked
 
 
 @pytest.mark.parametrize("name", list(PUZZLES))
@@ -233,29 +280,193 @@ def test_puzzle_checker_refuses_plain_functions_pagedkvs_kernels_and_idle_launch
     _, kernels, make_launch, _ = PUZZLES[name]
     two = isinstance(kernels, tuple)
     plain = _check(name, (K.reshape_and_cache, kernels[1]) if two else K.reshape_and_cache, make_launch(False))
-    assert not plain.ok and "reshape_and_cache is a function, not a @triton.jit kernel" in plain.message
+    assert_rejected(plain, "reshape_and_cache is a function, not a @triton.jit kernel")
     own = _reshape_and_cache_kernel
     package = _check(name, (kernels[0], own) if two else own, make_launch(False))
-    assert not package.ok and "_reshape_and_cache_kernel is pagedkv's own kernel" in package.message
+    assert_rejected(package, "_reshape_and_cache_kernel is pagedkv's own kernel")
     idle = _check(name, kernels, lambda *args: None)  # launches nothing, leaves the outputs as they were
-    assert not idle.ok and "the launcher never launched" in idle.message
+    assert_rejected(idle, "the launcher never launched")
 
 
 def test_split_kv_checker_wants_both_kernels() -> None:
-    split = P.check_split_kv(_split_partial, _launch_split(False))
-    assert not split.ok and "as a tuple" in split.message
+    assert_rejected(P.check_split_kv(_split_partial, _launch_split(False)), "as a tuple")
 
 
-def test_checker_refuses_a_launcher_that_does_the_work() -> None:
-    def torch_launch(kernel, key, value, k_cache, v_cache, slots):
-        kernel[(1,)]  # "launches" nothing useful, then computes the answer in torch
-        for t, slot in enumerate(slots.tolist()):
-            if slot >= 0:
-                k_cache.view(-1, *key.shape[1:])[slot] = key[t]
-                v_cache.view(-1, *key.shape[1:])[slot] = value[t]
+# --- answers that fooled the checker (issue 32), and other ways around the kernel ----------------
 
-    result = P.check_scatter_kernel(_scatter, torch_launch)
-    assert not result.ok and "without running the kernel" in result.message
+@triton.jit
+def _copy(src_ptr, dst_ptr, N: tl.constexpr):
+    """A kernel that only copies: what a launcher that computes in torch hands the answer to."""
+    i = tl.arange(0, N)
+    tl.store(dst_ptr + i, tl.load(src_ptr + i))
+
+
+def _attention_in_torch(q, k_cache, v_cache, block_table, seq_lens, scale) -> torch.Tensor:
+    """Puzzle 5's answer computed in torch (what the launcher that fooled the checker did)."""
+    rows = []
+    for r, n in enumerate(seq_lens.tolist()):
+        pages = block_table[r, : -(-n // k_cache.shape[1])].long()
+        k, v = k_cache[pages].flatten(0, 1)[:n], v_cache[pages].flatten(0, 1)[:n]
+        rows.append(torch.softmax(k @ q[r] * scale, 0) @ v)
+    return torch.stack(rows)
+
+
+def _copy_launch(compute: Callable[..., torch.Tensor]) -> Callable[..., None]:
+    def launch(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
+        answer = compute(q, k_cache, v_cache, block_table, seq_lens, scale).contiguous()
+        kernel[(1,)](answer, out, N=out.numel())
+    return launch
+
+
+def test_a_launcher_that_computes_in_torch_and_copies_with_a_kernel_is_refused() -> None:
+    """Issue 32: puzzle 5 passed with the attention computed in torch in the launcher plus a
+    @triton.jit copy kernel. The launcher now runs under a dispatch mode: the op is named."""
+    result = P.check_online_softmax(_copy, _copy_launch(_attention_in_torch))
+    assert_rejected(result, "the launcher computes with torch (aten.", "outside the kernel")
+
+
+def test_the_same_on_a_thread_pool_or_a_thread_is_refused() -> None:
+    def on_pool(*args):
+        return ThreadPoolExecutor(1).submit(_attention_in_torch, *args).result()
+
+    def on_thread(*args):
+        done: list[torch.Tensor] = []
+        thread = threading.Thread(target=lambda: done.append(_attention_in_torch(*args)))
+        thread.start()
+        thread.join()
+        return done[0]
+
+    for compute in (on_pool, on_thread):
+        assert_rejected(P.check_online_softmax(_copy, _copy_launch(compute)), "the launcher computes with torch (aten.")
+
+
+def test_a_precomputed_answer_copied_in_is_refused() -> None:
+    """The checker's cases are seeded, so an answer can be worked out before the check; copying it
+    from a tensor the launcher did not get or allocate is refused (by a kernel or by torch)."""
+    precomputed = torch.randn(64)
+
+    def by_kernel(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
+        kernel[(1,)](precomputed, out, N=out.numel())
+
+    def by_torch(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
+        answer = torch.empty_like(out)
+        answer.copy_(precomputed[: out.numel()].view(out.shape))
+        kernel[(1,)](answer, out, N=out.numel())
+
+    assert_rejected(P.check_online_softmax(_copy, by_kernel), "passes _copy a tensor the checker did not give it")
+    assert_rejected(P.check_online_softmax(_copy, by_torch), "uses a tensor the checker did not give it")
+
+
+def test_reading_values_into_python_or_writing_the_outputs_is_refused() -> None:
+    def through_numpy(kernel, key, value, k_cache, v_cache, slots):
+        for t, slot in enumerate(slots.numpy()):  # .numpy() shares memory: a write would skip torch
+            pass
+        _launch_scatter(0)(kernel, key, value, k_cache, v_cache, slots)
+
+    def from_python(kernel, block_table, seq_lens, slots, page_size):
+        table, lens = block_table.tolist(), seq_lens.tolist()  # tolist runs no aten op ...
+        answer = torch.tensor([[table[r][p // page_size] * page_size + p % page_size if p < lens[r] else -1
+                                for p in range(slots.shape[1])] for r in range(len(lens))], dtype=torch.int32)
+        kernel[(1,)](answer, slots, N=slots.numel())  # ... but making a tensor of the result does
+
+    def writes_output(kernel, block_table, seq_lens, slots, page_size):
+        _launch_slots(False)(kernel, block_table, seq_lens, slots, page_size)
+        slots[:, -1] = -1
+
+    assert_rejected(P.check_scatter_kernel(_scatter, through_numpy), "(aten.detach)")
+    assert_rejected(P.check_block_table_row(_copy, from_python), "makes a tensor from Python values", "(aten.lift_fresh)")
+    assert_rejected(P.check_block_table_row(_slots, writes_output), "the launcher")
+    assert "(aten.lift_fresh)" in P.check_block_table_row(_slots, writes_output).message  # the -1 itself
+
+    def copies_into_output(kernel, block_table, seq_lens, slots, page_size):
+        _launch_slots(False)(kernel, block_table, seq_lens, slots, page_size)
+        slots.copy_(slots.clone())
+
+    assert_rejected(P.check_block_table_row(_slots, copies_into_output),
+                    "writes into its output slots itself (aten.copy_)")
+
+
+def test_python_math_passed_as_launch_arguments_is_refused() -> None:
+    """Values worked out in Python (tolist runs no aten op) reach the output only through scalar
+    launch arguments, one launch per entry: a kernel is launched once, with a grid."""
+    @triton.jit
+    def store(dst_ptr, index, value):
+        tl.store(dst_ptr + index, value)
+
+    def per_entry(kernel, block_table, seq_lens, slots, page_size):
+        table, lens, width = block_table.tolist(), seq_lens.tolist(), slots.shape[1]
+        for r, n in enumerate(lens):
+            for p in range(width):
+                kernel[(1,)](slots, r * width + p, table[r][p // page_size] * page_size + p % page_size if p < n else -1)
+
+    assert_rejected(P.check_block_table_row(store, per_entry), "the launcher launched store 48 times; launch it once")
+
+
+def test_a_kernel_that_calls_torch_is_refused() -> None:
+    """Under the interpreter a kernel body is Python and could call torch; on a GPU it would not compile."""
+    @triton.jit
+    def cheats(src_ptr, dst_ptr, N: tl.constexpr):
+        torch.zeros(N).exp()
+        tl.store(dst_ptr + tl.arange(0, N), tl.load(src_ptr + tl.arange(0, N)))
+
+    def launch(kernel, block_table, seq_lens, slots, page_size):
+        kernel[(1,)](block_table, slots, N=slots.numel())
+
+    assert_rejected(P.check_block_table_row(cheats, launch), "the kernel calls torch (aten.")
+
+
+def test_a_launcher_that_calls_pagedkv_or_reads_the_checkers_frames_is_refused() -> None:
+    from pagedkv.attention.backends.torch_ref import paged_attention_reference
+
+    def package(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
+        n = seq_lens.tolist()
+        paged_attention_reference(q[:, None], k_cache[:, :, None], v_cache[:, :, None], out[:, None],
+                                  list(range(len(n) + 1)), n, block_table, scale)
+        kernel[(1,)](out, out, N=out.numel())
+
+    def package_on_a_thread(*args):
+        ThreadPoolExecutor(1).submit(package, *args).result()
+
+    def frames(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
+        sys._getframe(1).f_locals
+        kernel[(1,)](out, out, N=out.numel())
+
+    for launch in (package, package_on_a_thread):
+        assert_rejected(P.check_online_softmax(_copy, launch), "Your answer calls paged_attention_reference")
+    assert_rejected(P.check_online_softmax(_copy, frames), "reading the checker's frames")
+
+
+def test_triton_interpreter_runs_torch_ops_while_launching_and_they_are_allowed() -> None:
+    """The other direction: the interpreter itself copies each tensor to the host and back with
+    aten ops; those run inside the launch and are not the launcher's (a right answer passes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    src, dst = torch.randn(8), torch.empty(8)
+    with Ops():
+        _copy[(1,)](src, dst, N=8)
+    assert torch.equal(src, dst)
+    assert seen and set(seen) <= INTERPRETER_OPS, seen
+    assert P.check_online_softmax(_attention, _launch_attention(False, False)).ok
+
+
+def test_a_launcher_that_writes_the_answer_around_torch_is_caught_by_the_idle_run() -> None:
+    """A write through the tensor's address (ctypes) runs no aten op and escapes the dispatch mode;
+    running the launcher once more with launches that do nothing catches it."""
+    def launch(kernel, block_table, seq_lens, slots, page_size):
+        _launch_slots(False)(kernel, block_table, seq_lens, slots, page_size)
+        table, lens = block_table.tolist(), seq_lens.tolist()
+        answer = array.array("i", [table[r][p // page_size] * page_size + p % page_size if p < n else -1
+                                   for r, n in enumerate(lens) for p in range(slots.shape[1])])
+        ctypes.memmove(slots.data_ptr(), answer.buffer_info()[0], slots.numel() * 4)
+
+    assert_rejected(P.check_block_table_row(_slots, launch), "gets the right answer without running the kernel")
 
 
 def test_a_launcher_with_the_first_cases_sizes_written_in_fails_a_later_case() -> None:
@@ -274,14 +485,13 @@ def test_a_launcher_with_the_first_cases_sizes_written_in_fails_a_later_case() -
 
     for result in (P.check_block_table_row(_slots, fixed_slots), P.check_masked_scores(_scores, fixed_scores),
                    P.check_online_softmax(_attention, fixed_scale)):
-        assert not result.ok and "page size 8, head size 32" in result.message, result.message
+        assert_rejected(result, "page size 8, head size 32")
 
 
 def test_a_write_before_the_cache_is_caught_in_a_guard_block() -> None:
     """The checker's caches sit between guard blocks: that write used to land in memory the cache
     does not own (the checker's process later aborted in free()), and was reported as V's write."""
-    result = P.check_scatter_kernel(_scatter, _launch_scatter(2))
-    assert not result.ok and "a write outside the K cache, before the cache" in result.message
+    assert_rejected(P.check_scatter_kernel(_scatter, _launch_scatter(2)), "a write outside the K cache, before the cache")
 
 
 def test_a_failing_launch_is_reported_in_one_line() -> None:
@@ -289,12 +499,23 @@ def test_a_failing_launch_is_reported_in_one_line() -> None:
         kernel[(slots.shape[0],)](key, value)  # missing arguments
 
     result = P.check_scatter_kernel(_scatter, bad_launch)
-    assert not result.ok and "the launch raised" in result.message and "\n" not in result.message
+    assert_rejected(result, "the launch raised")
+    assert "\n" not in result.message
 
+
+# --- the notebook's cells ---------------------------------------------------------------------
 
 def _tagged_cells(tag: str) -> list[str]:
     cells = json.loads(NOTEBOOK.read_text())["cells"]
     return ["".join(c["source"]) for c in cells if tag in c.get("metadata", {}).get("tags", [])]
+
+
+def _solutions() -> list[str]:
+    """The worked solutions: collapsed markdown cells (not run by Run All), their ```python block."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    marked = [c for c in cells if "solution" in c.get("metadata", {}).get("tags", [])]
+    assert all(c["cell_type"] == "markdown" for c in marked)
+    return [re.search(r"```python\n(.*?)```", "".join(c["source"]), re.S).group(1) for c in marked]
 
 
 def _run_fresh(scripts: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -311,24 +532,36 @@ def _run_fresh(scripts: list[str], tmp_path: Path) -> subprocess.CompletedProces
                           text=True, timeout=240)
 
 
-def test_each_puzzle_cell_runs_alone_in_a_fresh_interpreter(tmp_path: Path) -> None:
-    """A kernel restart, then one puzzle's cell (and its solution): no earlier cell has run."""
-    exercises, solutions = _tagged_cells("exercise"), _tagged_cells("solution")
+def test_each_worked_solution_passes_its_check_in_a_fresh_interpreter(tmp_path: Path) -> None:
+    """A kernel restart, then one puzzle's cell and its worked solution (from the notebook's
+    collapsed markdown): no earlier cell has run, and every solution passes its checker."""
+    exercises, solutions = _tagged_cells("exercise"), _solutions()
     assert len(exercises) == len(solutions) == len(PUZZLES)
     done = _run_fresh([e + "\n" + s for e, s in zip(exercises, solutions)], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    verdicts = [line for line in done.stdout.splitlines() if line[:1] in "✅❌"]
+    verdicts = [line for line in done.stdout.splitlines() if line[:1] in (PASS_MARK, FAIL_MARK)]
     unable = [v for v in verdicts if "interpreter cannot run a loop" in v]  # old Triton with new numpy
     if unable:
         pytest.skip(unable[0])
-    assert verdicts[0].startswith("❌ block-table row, seq_lens [5, 16, 1]"), verdicts  # the empty skeleton
-    assert verdicts[1] == "✅ block-table row: 2 random cases match the float64 reference.", verdicts
-    assert sum(v.startswith("✅") for v in verdicts) == len(PUZZLES), done.stdout
+    assert verdicts[0].startswith(f"{FAIL_MARK} block-table row, seq_lens [5, 16, 1]"), verdicts  # the empty skeleton
+    assert verdicts[1] == f"{PASS_MARK} block-table row: 2 random cases match the float64 reference.", verdicts
+    assert sum(v.startswith(PASS_MARK) for v in verdicts) == len(PUZZLES), done.stdout
+
+
+def test_no_worked_solution_runs_on_run_all() -> None:
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    for solution in _solutions():
+        first_def = next(line for line in solution.splitlines() if line.startswith("def "))
+        body = solution[solution.index(first_def) + len(first_def):].split("\n\n")[0]
+        assert body not in code  # the solution's kernel body appears in no code cell
+    assert PASS_MARK not in "".join(
+        "".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" and "exercise" in c["metadata"].get("tags", [])
+        for o in c.get("outputs", []))
 
 
 def test_checker_explains_triton_imported_without_the_interpreter(tmp_path: Path) -> None:
     done = _run_fresh(["import triton\n" + _tagged_cells("exercise")[1]], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "❌ scatter kernel: Triton cannot run kernels here" in done.stdout and "TRITON_INTERPRET=1" in done.stdout
-    assert len(done.stdout.strip().splitlines()) == 1
-
+    assert f"{FAIL_MARK} scatter kernel: Triton cannot run kernels here" in done.stdout
+    assert "TRITON_INTERPRET=1" in done.stdout and len(done.stdout.strip().splitlines()) == 1

@@ -1,10 +1,19 @@
 """Checkers for notebook 06's Triton puzzles (the harness, and puzzle 2: the KV scatter).
 
 A puzzle answer is a `@triton.jit` kernel plus a launcher `launch(kernel, *inputs)` that calls
-`kernel[grid](...)`. The checker hands the launcher a stand-in for the kernel that counts (and
-runs) the launches, compares the outputs with a float64 torch reference on random paged inputs,
-and then runs the launcher once more with launches that do nothing: an answer that is still right
-then was computed by the launcher, not by the kernel.
+`kernel[grid](...)` once. The checker hands the launcher a stand-in for the kernel that counts and
+runs the launches, and watches the launcher (on its thread and on every thread it starts):
+
+- every aten op it runs outside the kernel launches is recorded (a `TorchDispatchMode`): a launcher
+  may allocate, view and copy, and nothing else: no math (matmul, softmax, exp, sum, indexing), no
+  tensor made from Python values, no write into the checker's tensors, no tensor from elsewhere
+  (a precomputed answer); inside a launch only what Triton's interpreter itself runs is allowed;
+- a call to pagedkv's own kernels or reference, or a read of the checker's frames, is refused.
+
+Only after the launcher has run does the checker compute the float64 reference (nested in each
+checker, held by no module-level helper) and compare; a wrong entry gets which rule it broke and a
+hint, its worked answer only through `reveal()`. Last, the launcher runs once more with launches
+that do nothing: an answer that is still right was not computed by the kernel.
 
 Importing this module on a machine without a GPU, before anything imported `triton`, sets
 `TRITON_INTERPRET=1`: Triton chooses its interpreter once, when it is first imported, so an
@@ -13,47 +22,186 @@ exercise cell that imports this module first works even right after a kernel res
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
+import threading
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _push_mode
+from torch.utils._pytree import tree_leaves
 
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # why: see the module docstring
 
-from pagedkv.exercises import CheckResult  # noqa: E402
+from pagedkv.exercises import CheckResult, call_answer, exercise  # noqa: E402
 from pagedkv.platforms import default_device  # noqa: E402
 
 Launch = Callable[..., None]
+
+ALLOCATING = frozenset({
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like", "new_zeros",
+    "full", "full_like", "new_full", "ones", "ones_like", "new_ones",
+})
+VIEWING = frozenset({
+    "view", "_unsafe_view", "_reshape_alias", "as_strided", "alias", "expand", "permute", "transpose", "t",
+    "unsqueeze", "squeeze", "select", "slice", "narrow", "unbind", "split", "split_with_sizes", "unflatten",
+})
+COPYING = frozenset({"clone", "_to_copy", "copy_", "fill_", "zero_"})
+LAUNCHER_OPS = ALLOCATING | VIEWING | COPYING
+"""The aten ops a launcher may run outside its kernel launches."""
+INTERPRETER_OPS = frozenset({"empty", "new_empty", "set_", "copy_", "_to_copy", "clone", "detach", "alias", "view"})
+"""The aten ops Triton's interpreter runs while launching a kernel (it copies the tensors to the host and back)."""
+_WRITING = frozenset({"copy_", "fill_", "zero_"})
+_WHY = {
+    "lift_fresh": "makes a tensor from Python values with torch.tensor or torch.from_numpy",
+    "detach": "reads tensor data into Python with .numpy() or .detach()",
+    "_local_scalar_dense": "reads a tensor value into Python with .item()",
+}
 
 
 @dataclass
 class Case:
     """One random input of a puzzle: the launcher's arguments (outputs included, pre-filled with a
-    sentinel), the outputs by name and the float64 reference of each."""
+    sentinel), the outputs by name, and how to judge them once the launcher has run."""
 
     args: list[Any]
     outputs: dict[str, torch.Tensor]
-    expected: dict[str, torch.Tensor]
     description: str
-    explain: Callable[[str, tuple[int, ...]], str] | None = None
-    """What the first mismatching index of an output (by name) means (e.g. which token owns that cache row)."""
+    reference: Callable[[], dict[str, torch.Tensor]]
+    """The float64 answer of each output, worked out when called (after the launcher ran)."""
+    explain: Callable[[str, tuple[int, ...], float, dict[str, torch.Tensor]], tuple[str, Callable[[], str]]]
+    """(name, index, the wrong value, the reference) -> (what that value shows, the worked answer of the entry)."""
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+@dataclass
+class _LaunchWatch:
+    """What a launcher did with torch, on all its threads: the first rule each op broke."""
+
+    checker: dict[int, str]
+    """Storage of each tensor the checker passed -> the launcher's name for it."""
+    outputs: frozenset[int]
+    made: set[int] = field(default_factory=set)
+    """Storages of the tensors the launcher allocated (or viewed, copied from the checker's)."""
+    problems: list[str] = field(default_factory=list)
+    active: bool = True
+    launching: threading.local = field(default_factory=threading.local)
+
+    def in_launch(self) -> bool:
+        return getattr(self.launching, "depth", 0) > 0
+
+    def note(self, problem: str) -> None:
+        if problem not in self.problems:
+            self.problems.append(problem)
+
+    def foreign(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether one of `tensors` is neither the checker's nor made by the launcher (nor empty)."""
+        return any(t.numel() and _storage(t) not in self.checker and _storage(t) not in self.made for t in tensors)
+
+    def judge(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+        """Note what is wrong with the launcher running aten `op` (outside or inside a kernel launch)."""
+        if self.in_launch():
+            if op not in INTERPRETER_OPS:
+                self.note(f"the kernel calls torch (aten.{op}) while it runs: a @triton.jit kernel computes "
+                          "with triton.language only (the interpreter runs any Python; a GPU would not compile it)")
+            return
+        if op not in LAUNCHER_OPS:
+            why = _WHY.get(op, "computes with torch")
+            self.note(f"the launcher {why} (aten.{op}) outside the kernel: a launcher only allocates, views and "
+                      "copies; the work belongs in the @triton.jit kernel")
+            return
+        if self.foreign(_tensors((args, kwargs))):
+            self.note(f"the launcher uses a tensor the checker did not give it (aten.{op}): a precomputed "
+                      "answer cannot pass; work from the inputs")
+        elif op in _WRITING and _storage(args[0]) in self.checker:
+            written = self.checker[_storage(args[0])]
+            kind = "output" if _storage(args[0]) in self.outputs else "input"
+            self.note(f"the launcher writes into its {kind} {written} itself (aten.{op}): only the kernel writes")
+        for t in _tensors(result):
+            self.made.add(_storage(t))
+
+
+class _Recorder(TorchDispatchMode):
+    """Hands each aten op run on this thread to a `_LaunchWatch` (while it is active), then runs it."""
+
+    def __init__(self, watch: _LaunchWatch) -> None:
+        super().__init__()
+        self.watch = watch
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if self.watch.active:
+            self.watch.judge(func.overloadpacket.__name__, args, kwargs or {}, result)
+        return result
+
+
+@contextmanager
+def _watching_torch(watch: _LaunchWatch) -> Iterator[None]:
+    """Record the aten ops of this thread, and of every thread started in the block, into `watch`.
+
+    A dispatch mode is per thread: a thread started in the block pushes its own recorder when it
+    starts (through `threading.setprofile`, chained with the profiler `watch_calls` set there);
+    a thread that outlives the block keeps a recorder that no longer records.
+    """
+    inner = threading.getprofile()
+
+    def start_thread(frame: Any, event: str, arg: Any) -> None:
+        _push_mode(_Recorder(watch))
+        sys.setprofile(inner)
+        if inner is not None:
+            inner(frame, event, arg)
+
+    threading.setprofile(start_thread)
+    try:
+        with _Recorder(watch):
+            yield
+    finally:
+        watch.active = False
+        threading.setprofile(inner)
 
 
 class _KernelStandIn:
-    """What the launcher receives instead of the kernel: `stand_in[grid](...)` counts the launch
-    and runs it, or (`run=False`) does nothing."""
+    """What the launcher receives instead of the kernel: `stand_in[grid](...)` counts the launch,
+    checks its tensors, and runs it (`run=False`: does nothing)."""
 
-    def __init__(self, kernel: Any, run: bool) -> None:
-        self.kernel, self.run, self.launches = kernel, run, 0
+    def __init__(self, kernel: Any, run: bool, watch: _LaunchWatch) -> None:
+        self.kernel, self.run, self.watch, self.launches = kernel, run, watch, 0
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
-        self.launches += 1
-        return self.kernel[grid] if self.run else (lambda *args, **kwargs: None)
+        def launched(*args: Any, **kwargs: Any) -> Any:
+            self.launches += 1
+            if not self.run:
+                return None
+            if self.watch.foreign(_tensors((args, kwargs))):
+                self.watch.note(f"the launcher passes {self.kernel.fn.__name__} a tensor the checker did not give "
+                                "it and it did not allocate: a precomputed answer cannot pass")
+            local = self.watch.launching
+            local.depth = getattr(local, "depth", 0) + 1
+            # Triton's own code may read frames (its first launch imports lazily; namedtuple does) and
+            # runs much Python under the interpreter: the call watch pauses while the kernel runs.
+            profiler = sys.getprofile()
+            sys.setprofile(None)
+            try:
+                return self.kernel[grid](*args, **kwargs)
+            finally:
+                sys.setprofile(profiler)
+                local.depth -= 1
+
+        return launched
 
 
 def not_a_student_kernel(kernel: object) -> str | None:
@@ -73,7 +221,11 @@ def not_a_student_kernel(kernel: object) -> str | None:
 
 
 def _runtime_problem() -> str | None:
-    """Why kernels cannot run here (CPU without Triton's interpreter); None when they can."""
+    """Why kernels cannot run here (no Triton, or a CPU without Triton's interpreter); None when they can."""
+    from pagedkv.kernels import HAS_TRITON
+
+    if not HAS_TRITON:
+        return 'Triton is not installed: pip install triton (or "pagedkv[notebooks]"), then restart the kernel.'
     if default_device().type != "cpu":
         return None
     from pagedkv.kernels.common import interpreter_problem
@@ -88,11 +240,18 @@ def _last_line(exc: BaseException) -> str:
     return (lines[-1] if lines else "")[:200]
 
 
-def first_mismatch(
-    name: str, got: torch.Tensor, expected: torch.Tensor, explain: Callable[[str, tuple[int, ...]], str] | None = None
-) -> str | None:
-    """'name[i, j] is GOT, expected EXP' for the first differing element (plus `explain(name, index)`);
-    None when all agree (floats within 1e-4: the kernels compute in float32, the reference in float64)."""
+def _package_functions() -> list[Callable[..., Any]]:
+    """pagedkv's own kernels and attention reference: a launcher that calls one hands the work back."""
+    import pagedkv.kernels as K
+    from pagedkv.attention.backends.torch_ref import paged_attention_reference
+    from pagedkv.kernels.split_kv import merge_splits
+
+    return [K.reshape_and_cache, K.unified_attention, K.mla_decode_attention, merge_splits, paged_attention_reference]
+
+
+def first_mismatch(got: torch.Tensor, expected: torch.Tensor) -> tuple[int, ...] | None:
+    """Index of the first element of `got` that differs from `expected` (floats: by more than 1e-4,
+    as the kernels compute in float32 and the reference in float64); None when all agree."""
     got, expected = got.detach().cpu(), expected.cpu()
     if got.is_floating_point():
         ok = torch.isclose(got.double(), expected.double(), rtol=1e-4, atol=1e-4)
@@ -100,49 +259,93 @@ def first_mismatch(
         ok = got == expected
     if bool(ok.all()):
         return None
-    index = tuple(int(i) for i in (~ok).nonzero()[0])
-    where = f" ({explain(name, index)})" if explain else ""
-    at = ", ".join(map(str, index))
-    return f"{name}[{at}] is {got[index].item():.4g}, expected {expected[index].item():.4g}{where}"
+    return tuple(int(i) for i in (~ok).nonzero()[0])
+
+
+@functools.cache
+def _warm_up() -> None:
+    """Enter a dispatch mode once before any watched run: the first one imports parts of torch, and
+    those imports read frames (typing), which the call watch would blame on the student's launcher."""
+    with _Recorder(_LaunchWatch({}, frozenset(), active=False)):
+        torch.zeros(1).clone().numpy()
+
+
+def _run_launcher(
+    kernels: Sequence[Any], launch: Launch, case: Case, what: str, run: bool
+) -> tuple[list[_KernelStandIn], CheckResult | None]:
+    """`launch(*stand-ins, *case.args)` watched (torch ops, threads, package calls); the stand-ins
+    and the rejection, if any."""
+    names = list(inspect.signature(launch).parameters)[len(kernels):] if callable(launch) else []
+    names += [f"argument {i}" for i in range(len(names), len(case.args))]
+    checker = {_storage(t): name for name, t in zip(names, case.args) if isinstance(t, torch.Tensor)}
+    _warm_up()
+    watch = _LaunchWatch(checker, frozenset(_storage(t) for t in case.outputs.values()))
+    stand_ins = [_KernelStandIn(kernel, run, watch) for kernel in kernels]
+
+    def watched() -> BaseException | None:
+        with warnings.catch_warnings(), _watching_torch(watch):  # the interpreter's numpy warns about NaN
+            warnings.simplefilter("ignore", RuntimeWarning)
+            try:
+                launch(*stand_ins, *case.args)
+            except Exception as exc:  # a student's kernel may fail in any way; report it in one line
+                return exc
+        return None
+
+    error, rejected = call_answer(watched, [], _package_functions(), f"the {what} kernel", "the launcher")
+    if rejected is not None:
+        return stand_ins, CheckResult(False, f"{what}: {rejected.message}")
+    if watch.problems:
+        return stand_ins, CheckResult(False, f"{what}: {watch.problems[0]}.")
+    if error is not None:
+        return stand_ins, CheckResult(False, f"{what}: the launch raised {type(error).__name__}: {_last_line(error)}")
+    return stand_ins, None
 
 
 def check_launches(
     kernels: Sequence[Any], launch: Launch, make_cases: Sequence[Callable[[], Case]], what: str, hint: str
 ) -> CheckResult:
-    """Validate `kernels`, run `launch(*kernels, *case.args)` on each case and compare the outputs."""
+    """Validate `kernels`, run the launcher on each case (watched), then compare with the reference."""
+    problem = _runtime_problem()
+    if problem:
+        return CheckResult(False, f"{what}: {problem}")
     for kernel in kernels:
         reason = not_a_student_kernel(kernel)
         if reason:
             return CheckResult(False, f"{what}: {reason}")
-    problem = _runtime_problem()
-    if problem:
-        return CheckResult(False, f"{what}: {problem}")
     for make_case in make_cases:
         case = make_case()
-        stand_ins = [_KernelStandIn(kernel, run=True) for kernel in kernels]
-        try:
-            with warnings.catch_warnings():  # the interpreter's numpy warns about NaN; the verdict says more
-                warnings.simplefilter("ignore", RuntimeWarning)
-                launch(*stand_ins, *case.args)
-        except Exception as exc:  # a student's kernel may fail in any way; report it in one line
-            return CheckResult(False, f"{what}: the launch raised {type(exc).__name__}: {_last_line(exc)}")
-        idle = [kernel.fn.__name__ for kernel, s in zip(kernels, stand_ins) if s.launches == 0]
-        if idle:
-            return CheckResult(False, f"{what}: the launcher never launched {idle[0]} (call kernel[grid](...)).")
+        stand_ins, rejected = _run_launcher(kernels, launch, case, what, run=True)
+        if rejected is not None:
+            return rejected
+        for kernel, stand_in in zip(kernels, stand_ins):
+            name, n = kernel.fn.__name__, stand_in.launches
+            if n == 0:
+                return CheckResult(False, f"{what}: the launcher never launched {name} (call kernel[grid](...)).")
+            if n > 1:
+                return CheckResult(False, f"{what}: the launcher launched {name} {n} times; launch it once, "
+                                          "with a grid of programs, not in a Python loop.")
+        expected = case.reference()  # only now, after the student's code has run
         for name, got in case.outputs.items():
-            mismatch = first_mismatch(name, got, case.expected[name], case.explain)
-            if mismatch:
-                return CheckResult(False, f"{what}, {case.description}: {mismatch}.\nHint: {hint}")
-    passed = CheckResult(True, f"{what}: {len(make_cases)} random cases match the float64 reference.")
+            index = first_mismatch(got, expected[name])
+            if index is not None:
+                value = float(got.detach().cpu()[index])
+                shows, work = case.explain(name, index, value, expected)
+                at = ", ".join(map(str, index))
+                return CheckResult(False, f"{what}, {case.description}: {name}[{at}] is {value:.4g}{shows}."
+                                          f"\nHint: {hint}", reveal=work)
     case = make_cases[0]()
-    try:
-        launch(*[_KernelStandIn(kernel, run=False) for kernel in kernels], *case.args)
-    except Exception:  # a launcher that fails without its kernel does not compute the answer itself
-        return passed
-    if all(first_mismatch(n, got, case.expected[n]) is None for n, got in case.outputs.items()):
+    _, rejected = _run_launcher(kernels, launch, case, what, run=False)
+    expected = case.reference()
+    if rejected is None and all(first_mismatch(got, expected[n]) is None for n, got in case.outputs.items()):
         return CheckResult(False, f"{what}: the launcher gets the right answer without running the kernel; "
                                   "the work belongs in the @triton.jit kernel.")
-    return passed
+    return CheckResult(True, f"{what}: {len(make_cases)} random cases match the float64 reference.")
+
+
+def unwritten(value: float, sentinel: float) -> str:
+    """' (never written: ...)' when `value` is the sentinel an output starts as, else ''."""
+    same = value != value if sentinel != sentinel else value == sentinel
+    return f" (never written: the output starts as {sentinel:g})" if same else ""
 
 
 def _scatter_case(seed: int, num_tokens: int, block_size: int, num_kv_heads: int, head_size: int) -> Case:
@@ -159,31 +362,54 @@ def _scatter_case(seed: int, num_tokens: int, block_size: int, num_kv_heads: int
     guarded = torch.zeros(2, num_blocks + 2, block_size, num_kv_heads, head_size, device=device)
     kv_cache = guarded[:, 1:-1]
     guards = {"before the cache": guarded[:, 0], "after the cache": guarded[:, -1]}  # views: written in place
-    expected = torch.zeros(kv_cache.shape, dtype=torch.float64)
-    valid = slots >= 0
-    expected[0].view(-1, num_kv_heads, head_size)[slots[valid]] = key[valid].double()
-    expected[1].view(-1, num_kv_heads, head_size)[slots[valid]] = value[valid].double()
+    slot_list = slots.tolist()
+
+    def reference() -> dict[str, torch.Tensor]:
+        cache = torch.zeros(kv_cache.shape, dtype=torch.float64)
+        valid = slots >= 0
+        cache[0].view(-1, num_kv_heads, head_size)[slots[valid]] = key[valid].double()
+        cache[1].view(-1, num_kv_heads, head_size)[slots[valid]] = value[valid].double()
+        return {**{name: torch.zeros(g.shape, dtype=torch.float64) for name, g in guards.items()},
+                "k_cache": cache[0], "v_cache": cache[1]}
+
+    def explain(name: str, index: tuple[int, ...], got: float, expected: dict[str, torch.Tensor]) -> tuple[str, Any]:
+        if name not in ("k_cache", "v_cache"):  # a guard block
+            which = "K" if index[0] == 0 else "V"
+            return (f" (a write outside the {which} cache, {name}: a slot of -1 (padding) must store nothing)",
+                    lambda: f"Nothing may be written {name}: tokens with slot -1 ({slot_list}) store nothing, "
+                            "so their program returns before any tl.store.")
+        slot = index[0] * block_size + index[1]
+        source = key if name == "k_cache" else value
+        row = f"{name}[{index[0]}, {index[1]}] = slot {index[0]} * {block_size} + {index[1]} = {slot}"
+        whose = [t for t in range(num_tokens) if abs(float(source[(t, *index[2:])]) - got) < 1e-6]
+        if whose and slot_list[whose[0]] < 0:
+            shows = f"; that is token {whose[0]}'s value, a padding token (slot -1): it must store nothing"
+        elif whose:
+            shows = f"; that is token {whose[0]}'s value: check slot // block_size and slot % block_size"
+        else:
+            shows = ""
+        if slot not in slot_list:
+            return (f" (slot {slot}, which no token writes: it must stay 0{shows})",
+                    lambda: f"{row}; no token of slot_mapping {slot_list} has slot {slot}, so that row stays at 0.")
+        token = slot_list.index(slot)
+        head, dim = index[2:]
+        return (f" (slot {slot}, where token {token} writes{shows})",
+                lambda: f"token {token} has slot {slot} = block {slot // block_size}, row {slot % block_size} "
+                        f"({slot} // {block_size}, {slot} % {block_size}); its {name[0]}[{token}, {head}, {dim}] = "
+                        f"{float(source[token, head, dim]):.4g} goes to {name}[{index[0]}, {index[1]}, {head}, {dim}] "
+                        f"({row}).")
+
     return Case(
-        args=[key.to(device), value.to(device), kv_cache[0], kv_cache[1], slots.to(device)],
+        args=[key.to(device, copy=True), value.to(device, copy=True), kv_cache[0], kv_cache[1],
+              slots.to(device, copy=True)],
         outputs={**guards, "k_cache": kv_cache[0], "v_cache": kv_cache[1]},
-        expected={**{name: torch.zeros(g.shape, dtype=torch.float64) for name, g in guards.items()},
-                  "k_cache": expected[0], "v_cache": expected[1]},
-        description=f"slot_mapping {slots.tolist()}, block_size {block_size}",
-        explain=lambda name, index: _cache_row_owner(name, slots.tolist(), index, block_size),
+        description=f"slot_mapping {slot_list}, block_size {block_size}",
+        reference=reference,
+        explain=explain,
     )
 
 
-def _cache_row_owner(name: str, slots: list[int], index: tuple[int, ...], block_size: int) -> str:
-    """Which token the checker's slot_mapping sends to the cache row at `index`, if any."""
-    if name not in ("k_cache", "v_cache"):  # a guard block
-        return (f"a write outside the {'K' if index[0] == 0 else 'V'} cache, {name}: a slot of -1 (padding) "
-                "must store nothing")
-    slot = index[0] * block_size + index[1]
-    if slot in slots:
-        return f"slot {slot}, where token {slots.index(slot)} writes"
-    return f"slot {slot}, which no token writes"
-
-
+@exercise("06: puzzle 2, scatter K/V by slot mapping")
 def check_scatter_kernel(kernel: Any, launch: Launch) -> CheckResult:
     """Puzzle 2: `launch(kernel, key, value, k_cache, v_cache, slot_mapping)` writes token t's
     [heads, head_size] K and V into `(slot // block_size, slot % block_size)`; slot -1 writes nothing."""
