@@ -1,7 +1,7 @@
 """record_accesses: the loads and stores of Triton kernels under the interpreter, checked by AccessLog.problems.
 
-Tiny kernels with known accesses. A read past a tensor's end stays inside a larger buffer (the
-tensor is a view of its start), so the interpreter never reads memory that is not allocated.
+Tiny kernels with known accesses. A load or store past a tensor's end stays inside a larger buffer
+(the tensor is a view of its start), so the interpreter never touches memory that is not allocated.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ def atomic_count(counter_ptr):
 
 
 def _copy(rows: int, cols: int, block: int, n_cols: int | None = None) -> tuple[AccessLog, torch.Tensor]:
-    buffer = torch.arange(rows * cols + 8, dtype=torch.float32)
-    src, dst = buffer[: rows * cols].view(rows, cols), torch.zeros(rows, cols)
+    # views of the start of larger buffers: a stray lane reads or writes memory that is allocated
+    src = torch.arange(rows * cols + 8, dtype=torch.float32)[: rows * cols].view(rows, cols)
+    dst = torch.zeros(rows * cols + 8)[: rows * cols].view(rows, cols)
     with record_accesses(named={"src": src, "dst": dst}) as log:
         copy_rows[(rows,)](src, dst, cols if n_cols is None else n_cols, cols, BLOCK=block)
     return log, dst
@@ -143,9 +144,13 @@ def test_a_strided_view_and_its_gaps() -> None:
         copy_rows[(4,)](src, dst, 4, 4, BLOCK=4)
     first = log.launches[0].accesses[0]
     assert (first.tensor, first.inside, first.offsets.tolist()) == ("src", True, [0, 1])
-    assert log.problems(reads=["src"], writes=["dst"])[0] == (
-        "copy_rows program 0 (and 3 more programs: 1, 2, 3): loaded 2 elements outside every tensor it was given: "
-        "2 elements between the elements of src (it is a strided view)")
+    # rows 0-2 read into the gaps after each row; row 3 reads past the last element
+    assert log.problems(reads=["src"], writes=["dst"]) == [
+        "copy_rows program 0 (and 2 more programs: 1, 2): loaded 2 elements outside every tensor it was given: "
+        "2 elements in the gaps between the elements of src (the first just after src[0, 1])",
+        "copy_rows program 3: loaded 2 elements outside every tensor it was given: 2 elements past the end of src "
+        "(src has 8 elements; the furthest is 2 past its last)",
+    ]
 
 
 def test_atomics_are_loads_and_stores_and_do_not_race() -> None:
@@ -198,3 +203,49 @@ def test_outside_accesses_count_in_the_nearest_tensor() -> None:
     [load] = [a for a in log.launches[0].accesses if not a.inside and a.kind == "load"]
     assert load.offsets.tolist() == [8, 9] and load.tensor == "src"
     assert np.array_equal(log.touched("src", "load"), np.ones((2, 4), dtype=bool))
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_the_guard_keeps_stray_lanes_from_running(guard: bool) -> None:
+    buffer = torch.full((12,), 7.0)
+    src, dst = torch.arange(12, dtype=torch.float32)[:8].view(2, 4), buffer[:8].view(2, 4)
+    with record_accesses(named={"src": src, "dst": dst}, guard=guard) as log:
+        copy_rows[(2,)](src, dst, 5, 4, BLOCK=8)  # row 1's fifth lane: one past both ends
+    assert "1 element past the end of dst" in log.problems(reads=["src"], writes=["dst"])[1]
+    # with the guard the stray lane is not run; without it, the interpreter copies src's 9th value past dst
+    assert buffer[8].item() == (7.0 if guard else 8.0)
+
+
+def _view(log: AccessLog, **kwargs: object) -> object:
+    from pagedkv.widgets import MemoryAccessView
+
+    return MemoryAccessView(log, **kwargs)
+
+
+def test_the_view_draws_each_program_and_flags_what_lies_outside() -> None:
+    log, _ = _copy(rows=2, cols=4, block=8, n_cols=5)
+    view = _view(log)
+    assert repr(view) == "MemoryAccessView(copy_rows, grid (2,), all programs, tensors src, dst)"
+    assert view.value.count('class="pkv-ma-load"') == 8 and view.value.count('class="pkv-ma-store"') == 8
+    assert 'data-tensor="src" data-outside="1"' in view.value and "past the end of src" in view.value
+    view.program_picker.value = 0  # the first program: row 0 and the first element of row 1
+    assert repr(view) == "MemoryAccessView(copy_rows, grid (2,), program 0, tensors src, dst)"
+    assert view.value.count('class="pkv-ma-load"') == 5 and 'data-outside="0"' in view.value
+    assert "op 0: load 5 elements, src[0, 0] .. src[1, 0]" in view.value
+    assert [w.description for w in view.controls] == ["program"]
+    with pytest.raises(ValueError, match=r"program 5 is not in the grid \(2, 1, 1\)"):
+        _view(log, program=5)
+
+
+def test_the_view_fits_a_1000px_column() -> None:
+    big, wide = torch.zeros(5000), torch.zeros(300, 700)
+    with record_accesses(named={"big": big, "wide": wide, "deep": torch.zeros(40, 8, 2, 16)}) as log:
+        sum_into_first[(3,)](wide, big, BLOCK=128)
+        copy_rows[(1,)](torch.ones(1, 4), torch.zeros(1, 4), 4, 4, BLOCK=4)
+    view = _view(log, launch=0)
+    widths = [int(w) for w in __import__("re").findall(r'<svg class="pkv-ma-grid"[^>]* width="(\d+)"', view.value)]
+    assert len(widths) == 3 and max(widths) <= 960
+    assert "merged 4 x 4 to fit" in view.value and "a cell = deep[i, j, :, :] (32 elements)" in view.value
+    assert [w.description for w in view.controls] == ["launch", "program"]
+    view.launch_picker.value = 1
+    assert repr(view).startswith("MemoryAccessView(copy_rows, grid (1,), all programs")

@@ -63,6 +63,7 @@ Not tied to a trace:
     PiecewiseSplitView     a compiled model's pieces and the attention ops run eagerly between them
     TensorParallelLayoutView  model shape + rank count -> each rank's heads (split or replicated),
                            its rows / columns of every matrix, its KV cache per token, the all-reduces
+    MemoryAccessView       a Triton kernel's loads and stores per program id (an AccessLog of record_accesses)
     cache_bytes, latent_cache_table  MLA's cache per token per layer against the same model with MHA,
                            and how many tokens fit in a memory budget (notebook 11)
 """
@@ -82,6 +83,7 @@ from pagedkv.widgets.common import TraceView, request_color
 from pagedkv.widgets.cudagraph import CudaGraphModeExplorer, PiecewiseSplitView
 from pagedkv.widgets.figure import ThemedFigure, show_figure
 from pagedkv.widgets.forward_context import ForwardContextView
+from pagedkv.widgets.memory_access import MemoryAccessView
 from pagedkv.widgets.mla import MLASplitView, cache_bytes, latent_cache_table
 from pagedkv.widgets.player import StepPlayer
 from pagedkv.widgets.plots import (
@@ -100,6 +102,7 @@ __all__ = [
     "CudaGraphModeExplorer",
     "ForwardContextView",
     "MLASplitView",
+    "MemoryAccessView",
     "PiecewiseSplitView",
     "PlotView",
     "SlotMappingView",

@@ -16,8 +16,26 @@ back to a tensor by its address range (`data_ptr()` and strides).
 
     log.problems(reads=["block_table", "seq_lens", "k_cache"], writes=["out"], rows_written={"out": 1},
                  allowed={"k_cache": used_block_mask}, reasons={"k_cache": "in a block no request owns"})
-    # -> [] or one line per problem, e.g.
-    # "copy_kernel program 3: loaded 4 elements outside every tensor it was given: 4 past the end of k_cache (...)"
+    # -> [] or one line per broken rule and tensor (the first program that broke it, and how many more), e.g.
+    # "copy_rows program 1 (and 2 more programs: 2, 3): loaded 1 element outside every tensor it was given:
+    #  1 element past the end of src (src has 8 elements; the furthest is 1 past its last)"
+    # "out: 1 of 3 rows never written (out[1]): no program stored to them"
+
+`problems(reads, writes, rows_written=None, allowed=None, reasons=None, races=True)`:
+- `reads` / `writes`: names of the tensors loads / stores may touch; any other tensor is a problem,
+  and so is an access outside every tensor.
+- `rows_written[name]`: every row must be stored in full; an int is the number of leading dimensions
+  that index a row (1: out[r]), a tuple the shape of one row (its trailing dimensions).
+- `allowed[name]`: the elements that may be touched: flat indices, a bool mask of the tensor's shape,
+  or a function of the program id (x, y, z) returning either; `reasons[name]` words the rest.
+- `races`: one element stored by two programs of one launch (not atomically) is a problem.
+
+`record_accesses(named=None, *, guard=True)`: with `guard`, lanes outside every tensor are recorded
+but not run (a load gets its `other` value, a store is dropped). The interpreter reads and writes
+the very addresses a kernel computes, so without it a stray store corrupts this process's memory.
+An address is matched by where it lies: a lane past the end of one tensor that lands in the next
+one in memory counts as that tensor's. A checker gives each tensor a margin (a view of the start
+of a larger buffer) so that a stray lane lands outside every tensor.
 
     from pagedkv.widgets import MemoryAccessView
     MemoryAccessView(log)          # per program id: each tensor's loaded / stored cells
@@ -55,7 +73,7 @@ import numpy as np
 import torch
 
 __all__ = [
-    "Access", "AccessLog", "KernelLaunch", "TensorInfo", "record_accesses",
+    "Access", "AccessLog", "KernelLaunch", "TensorInfo", "count_text", "record_accesses", "where_outside",
 ]
 
 Program = tuple[int, int, int]
@@ -173,10 +191,14 @@ class KernelLaunch:
     def of(self, program: Program) -> list[Access]:
         return [a for a in self.accesses if a.program == program]
 
+    @property
+    def dims(self) -> int:
+        """How many grid dimensions the launch used: its trailing 1s dropped, at least one."""
+        return max((i + 1 for i, n in enumerate(self.grid) if n > 1), default=1)
+
     def program_id(self, program: Program) -> str:
         """'3' on a 1-D grid, '(3, 1)' on a 2-D one: the id as the kernel's tl.program_id calls see it."""
-        dims = max((i + 1 for i, n in enumerate(self.grid) if n > 1), default=1)
-        return str(program[0]) if dims == 1 else str(tuple(program[:dims]))
+        return str(program[0]) if self.dims == 1 else str(tuple(program[: self.dims]))
 
     def program_text(self, program: Program) -> str:
         return f"program {self.program_id(program)}"
@@ -276,14 +298,16 @@ class AccessLog:
             info = self.tensors[name]
             verb = "loaded" if kind == "load" else "stored"
             if not inside:
-                found.append((("outside", kind, name), f"{verb} {_count(offsets.size)} outside every tensor it was "
-                              f"given: {_outside_where(info, offsets)}"))
+                parts = _outside_parts(info, offsets)
+                found.append((("outside", kind, name, *(where for where, _ in parts)),
+                              f"{verb} {count_text(offsets.size)} outside every tensor it was given: "
+                              f"{'; '.join(text for _, text in parts)}"))
                 continue
             permitted = reads if kind == "load" else writes
             if name not in permitted:
                 access = "read" if kind == "load" else "write"
                 may = f"it may {access} {', '.join(sorted(permitted))}" if permitted else f"it may {access} no tensor"
-                found.append((("not permitted", kind, name), f"{verb} {_count(offsets.size)} of {name} (first "
+                found.append((("not permitted", kind, name), f"{verb} {count_text(offsets.size)} of {name} (first "
                               f"{info.describe(offsets[0])}), which it may not {access} ({may})"))
                 continue
             if name in allowed:
@@ -292,7 +316,7 @@ class AccessLog:
                 if bad.size:
                     why = reasons.get(name, "outside the part it may touch")
                     found.append((("not allowed", kind, name),
-                                  f"{verb} {_count(bad.size)} of {name} {why} (first {info.describe(bad[0])})"))
+                                  f"{verb} {count_text(bad.size)} of {name} {why} (first {info.describe(bad[0])})"))
         return found
 
     def _races(self, run: KernelLaunch) -> list[str]:
@@ -341,23 +365,36 @@ class AccessLog:
         return found
 
 
-def _count(n: int) -> str:
+def count_text(n: int) -> str:
+    """'1 element', '4 elements'."""
     return f"{n} element" + ("" if n == 1 else "s")
 
 
-def _outside_where(info: TensorInfo, offsets: np.ndarray) -> str:
-    """Where offsets outside `info` lie: past its end, before its start, or between its elements."""
-    past, before = offsets[offsets >= info.numel], offsets[offsets < 0]
-    between = offsets[(offsets >= 0) & (offsets < info.numel)]
+def where_outside(info: TensorInfo, offsets: np.ndarray) -> str:
+    """Where an outside Access's offsets lie: past the end of `info`, before its start, or in a gap
+    between its elements (a strided view: past the end of one of its rows, say)."""
+    return "; ".join(text for _, text in _outside_parts(info, offsets))
+
+
+def _outside_parts(info: TensorInfo, offsets: np.ndarray) -> list[tuple[str, str]]:
+    """(where: "past" / "before" / "gaps", text) for each kind of place the offsets lie in."""
+    low, high = ((edge - info.start) // info.itemsize for edge in info.span)
+    past, before = offsets[offsets >= high], offsets[offsets < low]
+    between = offsets[(offsets >= low) & (offsets < high)]
     parts = []
     if past.size:
-        parts.append(f"{_count(past.size)} past the end of {info.name} ({info.name} has {info.numel} elements; the "
-                     f"furthest is {int(past.max()) - info.numel + 1} past its last)")
+        parts.append(("past", f"{count_text(past.size)} past the end of {info.name} ({info.name} has {info.numel} "
+                              f"elements; the furthest is {int(past.max()) - high + 1} past its last)"))
     if before.size:
-        parts.append(f"{_count(before.size)} before the start of {info.name} (up to {-int(before.min())} before)")
+        parts.append(("before", f"{count_text(before.size)} before the start of {info.name} (up to "
+                                f"{low - int(before.min())} before)"))
     if between.size:
-        parts.append(f"{_count(between.size)} between the elements of {info.name} (it is a strided view)")
-    return "; ".join(parts)
+        sorted_rel, order = info._layout
+        first = int(between.min())
+        previous = int(order[np.searchsorted(sorted_rel, first * info.itemsize, side="right") - 1])
+        parts.append(("gaps", f"{count_text(between.size)} in the gaps between the elements of {info.name} (the "
+                              f"first just after {info.describe(previous)})"))
+    return parts
 
 
 def _allowed_mask(what: Allowed, program: Program, info: TensorInfo) -> np.ndarray:
@@ -429,27 +466,31 @@ class _Recorder:
         fresh.append(info)
         return name
 
-    def record(self, kind: Kind, ptrs: np.ndarray, mask: np.ndarray | None, program: Program, atomic: bool) -> None:
+    def record(
+        self, kind: Kind, ptrs: np.ndarray, mask: np.ndarray | None, program: Program, atomic: bool
+    ) -> np.ndarray | None:
+        """Record one instruction's active lanes; returns which lanes hit a tensor (None outside a launch)."""
         if self.run is None:  # a device function called outside a launch: nothing to attribute it to
-            return
+            return None
         lanes = np.asarray(ptrs)
-        if mask is not None:
-            lanes = lanes[np.broadcast_to(np.asarray(mask, dtype=bool), lanes.shape)]
-        addresses = self._to_device(lanes.reshape(-1).astype(np.uint64).astype(np.int64))
+        active = np.broadcast_to(np.asarray(True if mask is None else mask, dtype=bool), lanes.shape)
+        addresses = self._to_device(lanes[active].astype(np.uint64).astype(np.int64))
         op = self.ops.get(program, 0)
         self.ops[program] = op + 1
-        if addresses.size == 0:
-            return
         left = np.ones(addresses.size, dtype=bool)
         for info in self.order:
+            if not left.any():
+                break
             index = info.element_indices(addresses)
             hit = left & (index >= 0)
             if hit.any():
                 self.run.accesses.append(Access(kind, program, info.name, index[hit], True, atomic, op))
                 left &= ~hit
-            if not left.any():
-                return
-        self._record_outside(kind, program, addresses[left], atomic, op)
+        if left.any():
+            self._record_outside(kind, program, addresses[left], atomic, op)
+        inside = active.copy()
+        inside[active] = ~left
+        return inside
 
     def _record_outside(self, kind: Kind, program: Program, addresses: np.ndarray, atomic: bool, op: int) -> None:
         """Addresses in no tensor: one Access per nearest tensor, offsets counted in its elements."""
@@ -489,13 +530,16 @@ def _tensor_pairs(dev: Any, hst: Any) -> Iterator[tuple[torch.Tensor, torch.Tens
 
 
 @contextmanager
-def record_accesses(named: Mapping[str, torch.Tensor] | None = None) -> Iterator[AccessLog]:
+def record_accesses(named: Mapping[str, torch.Tensor] | None = None, *, guard: bool = True) -> Iterator[AccessLog]:
     """Record every load and store of the `@triton.jit` kernels launched inside the block.
 
     `named`: name -> tensor; an address is matched to these first (a view passed to a kernel counts
     as the named tensor it lies in), then to the other tensors the kernels were given (named after
-    their parameter). Needs TRITON_INTERPRET=1 before the kernels were defined. The interpreter is
-    restored when the block ends, however it ends (an exception, KeyboardInterrupt).
+    their parameter). `guard`: lanes outside every tensor are recorded but not performed (a load
+    gets its `other` value, a store is dropped): the interpreter really reads and writes the
+    addresses a kernel computes, so a stray store would corrupt this process's memory. Needs
+    TRITON_INTERPRET=1 before the kernels were defined. The interpreter is restored when the block
+    ends, however it ends (an exception, KeyboardInterrupt).
     """
     from pagedkv.kernels.common import interpreter_problem
 
@@ -519,20 +563,24 @@ def record_accesses(named: Mapping[str, torch.Tensor] | None = None) -> Iterator
     load, store = builder_cls.create_masked_load, builder_cls.create_masked_store
     rmw, cas, init_args = builder_cls.create_atomic_rmw, builder_cls.create_atomic_cas, executor_cls._init_args_hst
 
+    def guarded(mask: Any, inside: np.ndarray | None) -> Any:
+        """`mask` with the lanes outside every tensor turned off (`guard`), so they are not performed."""
+        return mask if not guard or inside is None else interpreter.TensorHandle(inside, mask.dtype)
+
     def masked_load(self: Any, ptrs: Any, mask: Any, *args: Any, **kwargs: Any) -> Any:
-        recorder.record("load", ptrs.data, mask.data, self.grid_idx, atomic=False)
-        return load(self, ptrs, mask, *args, **kwargs)
+        inside = recorder.record("load", ptrs.data, mask.data, self.grid_idx, atomic=False)
+        return load(self, ptrs, guarded(mask, inside), *args, **kwargs)
 
     def masked_store(self: Any, ptrs: Any, value: Any, mask: Any, *args: Any, **kwargs: Any) -> Any:
-        recorder.record("store", ptrs.data, mask.data, self.grid_idx, atomic=False)
-        return store(self, ptrs, value, mask, *args, **kwargs)
+        inside = recorder.record("store", ptrs.data, mask.data, self.grid_idx, atomic=False)
+        return store(self, ptrs, value, guarded(mask, inside), *args, **kwargs)
 
     def atomic_rmw(self: Any, op: Any, ptr: Any, val: Any, mask: Any, *args: Any, **kwargs: Any) -> Any:
-        for kind in ("load", "store"):
-            recorder.record(kind, ptr.data, mask.data, self.grid_idx, atomic=True)
-        return rmw(self, op, ptr, val, mask, *args, **kwargs)
+        recorder.record("load", ptr.data, mask.data, self.grid_idx, atomic=True)
+        inside = recorder.record("store", ptr.data, mask.data, self.grid_idx, atomic=True)
+        return rmw(self, op, ptr, val, guarded(mask, inside), *args, **kwargs)
 
-    def atomic_cas(self: Any, ptr: Any, *args: Any, **kwargs: Any) -> Any:
+    def atomic_cas(self: Any, ptr: Any, *args: Any, **kwargs: Any) -> Any:  # no mask to guard it with
         for kind in ("load", "store"):
             recorder.record(kind, ptr.data, None, self.grid_idx, atomic=True)
         return cas(self, ptr, *args, **kwargs)
