@@ -9,8 +9,10 @@ after three wrong tries of that exercise.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import re
+from pathlib import Path
 
 import pytest
 
@@ -164,3 +166,14 @@ def test_check_raising(capsys: pytest.CaptureFixture[str]) -> None:
     assert "FULL: raises (rule 2" in worked and "The set: [('FULL', 'NEVER')]" in worked
     assert "could not read" in check_raising({("FULL", "SOMETIMES")}).message
     assert "Replace `...`" in check_raising(...).message
+
+
+def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
+    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "08_cuda_graphs_and_torch_compile.ipynb").read_text())
+    solutions = [c for c in cells["cells"] if "Worked solution" in "".join(c["source"])]
+    assert len(solutions) == 6 and all(c["cell_type"] == "markdown" for c in solutions)  # Run All skips them
+    printed: list[object] = []
+    for cell in solutions:
+        code = "".join(cell["source"]).split("```python\n")[1].split("```")[0]
+        exec(code, {"check_lowering": check_lowering, "check_raising": check_raising, "print": printed.append})  # noqa: S102
+    assert len(printed) == 6 and all(printed), printed

@@ -144,12 +144,14 @@ class LoweringExercise:
         )
 
     def __str__(self) -> str:
-        compiled = "compiled piecewise (compile=True)" if self.attention_compiled_piecewise else "not compiled"
-        return (
-            f"cudagraph_mode={self.mode.name}, {self.backend_name} support {self.support.name}, model {compiled}, "
-            f"{self.uniform_decode_query_len} query token(s) per request in a decode step, "
-            f"enforce_eager={self.enforce_eager}"
-        )
+        compiled = "yes (compile=True)" if self.attention_compiled_piecewise else "no"
+        return "\n".join([
+            f"cudagraph_mode        {self.mode.name}",
+            f"builder's support     {self.support.name} (backend {self.backend_name})",
+            f"compiled piecewise    {compiled}",
+            f"decode query tokens   {self.uniform_decode_query_len} per request",
+            f"enforce_eager         {self.enforce_eager}",
+        ])
 
 
 M, S = CUDAGraphMode, AttentionCGSupport
@@ -281,7 +283,7 @@ def _missed(answer: CUDAGraphMode | str, result: Resolution, exercise: LoweringE
 
 def _worked(result: Resolution, exercise: LoweringExercise) -> str:
     """The resolver's path through the rules for this configuration, step by step."""
-    lines = [f"{exercise}:"]
+    lines = [str(exercise), "The rules that apply, in order:"]
     lines += [f"  rule {step.rule}: {step.before.name} -> {step.after.name} ({step.reason})" for step in _steps(result)]
     if result.error is not None:
         lines.append(f"  rule 2: {exercise.mode.name} raises ValueError ({result.error})")
