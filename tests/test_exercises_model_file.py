@@ -5,6 +5,7 @@ on geometries the package refuses; offer reveal() after three wrong tries."""
 
 from __future__ import annotations
 
+import random
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -41,15 +42,22 @@ def reads_frames(fallback):  # noqa: ANN001, ANN201
 
 
 def test_the_right_answers_agree_with_the_package_where_it_answers() -> None:
-    for hq, hkv in MODEL_HEADS:
-        for tp in TP_SIZES:
-            try:
-                layout = head_layout(hq, hkv, tp)
-            except ValueError:
-                assert right_layout(hq, hkv, tp) is None
-                continue
-            assert right_layout(hq, hkv, tp) == (layout.num_heads, layout.num_kv_heads, layout.kv_head_replicas)
-            assert right_width(0, hq, hkv, 128, tp) == build_attention(hq, hkv, tp).qkv_proj.out_features
+    rng = random.Random(0)
+    made_up = [model_file._geometry(rng, kind) for kind in ("partitioned", "replicated", "uneven q", "uneven kv")
+               for _ in range(50)]
+    for hq, hkv, tp in [(hq, hkv, tp) for hq, hkv in MODEL_HEADS for tp in TP_SIZES] + made_up:
+        try:
+            layout = head_layout(hq, hkv, tp)
+        except ValueError:
+            assert right_layout(hq, hkv, tp) is None
+            continue
+        assert right_layout(hq, hkv, tp) == (layout.num_heads, layout.num_kv_heads, layout.kv_head_replicas)
+        if hq % hkv == 0:  # else LlamaAttention refuses to build it
+            assert right_width(0, hq, hkv, 64, tp) == build_attention(hq, hkv, tp, 64).qkv_proj.out_features
+    for kind in ("uneven q", "uneven kv"):  # the made-up geometries the package refuses are refused
+        for _ in range(50):
+            with pytest.raises(ValueError):
+                head_layout(*model_file._geometry(rng, kind))
 
 
 def test_qkv_width_passes_a_right_answer() -> None:

@@ -1,8 +1,9 @@
 """Notebook 00 (start here): what this machine offers, and the first exercise.
 
-`environment_report()` lists versions and devices; `check_choose_backend(llm, fn)` checks the
+`environment_report()` lists versions and devices, `runs_here(needs)` says how a notebook runs here,
+`html_table(...)` draws the notebooks' tables, and `check_choose_backend(llm, fn)` checks the
 student's own version of the selector's rule, `fn(priority, reasons) -> name or None`, on the live
-engine's layer 0 and on random cases of its own, and explains the engine's choice.
+engine's layer 0 and on cases of its own, and explains the engine's choice.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ def html_table(header: Sequence[str], rows: Iterable[Sequence[object]], align: s
             f'<thead>{row(header, "th", f"background:{BG_HEADER}; {cell}")}</thead><tbody>{body}</tbody></table>')
 
 
-# Names and refusal reasons the made-up cases of check_choose_backend are drawn from: "MY_ATTN" is
-# no registered backend, so no selector of the package can answer those cases.
+# Names and refusal reasons the made-up cases of check_choose_backend are drawn from: no platform has
+# these priority lists and "MY_ATTN" is no registered backend, so the package's selector cannot answer them.
 _NAMES = ("TORCH_REF", "TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "MY_ATTN")
 _REASONS = ("device 'cpu' not supported", "head size 100 not supported", "block size 7 not supported",
             "dtype torch.float32 not supported", "sliding window not supported")
@@ -174,8 +175,10 @@ def check_choose_backend(llm: LLM, fn: ChooseFn, layer_name: str = "model.layers
         servable = [n for n in priority if not reasons.get(n)]
         if got is None:
             return "you returned None, but a backend in the priority list can serve the layer" if servable else None
-        if not isinstance(got, str) or got not in reasons:
-            return f"you returned {got!r}: return the name of a backend (a str) from the priority list, or None"
+        if type(got) is not str:  # exactly a str: a subclass's own == could claim to equal anything
+            return f"you returned a {type(got).__name__}: return the name of a backend (a str), or None"
+        if got not in reasons:
+            return f"you returned {got!r}, which names no backend: return one from the priority list, or None"
         if reasons[got]:
             return (f"you returned {got}, which refuses the layer ({'; '.join(reasons[got])}): a backend with "
                     "reasons is skipped")

@@ -27,11 +27,6 @@ def show_cache_state(llm: LLM, group: int = 0) -> str:
     return "\n".join(lines)
 
 
-def _plain_ints(values: tuple[object, ...]) -> bool:
-    """Every value is a built-in int (not a bool, not a look-alike whose == could do anything)."""
-    return all(type(v) is int for v in values)
-
-
 @exercise("02: blocks held and empty slots")
 def check_blocks_held(llm: LLM, req_id: str, num_blocks: object, num_empty_slots: object) -> CheckResult:
     """How many blocks does the request hold now, and how many of their slots are still empty?"""
@@ -40,8 +35,9 @@ def check_blocks_held(llm: LLM, req_id: str, num_blocks: object, num_empty_slots
         return CheckResult(False, f"Request {req_id!r} is not running in this engine; see show_cache_state(llm).")
     if num_blocks is ... or num_empty_slots is ...:
         return CheckResult(False, "Replace both `...` with numbers, then run the cell again.")
-    if not _plain_ints((num_blocks, num_empty_slots)):
-        return CheckResult(False, f"Give two whole numbers (ints), got {num_blocks!r} and {num_empty_slots!r}.")
+    if type(num_blocks) is not int or type(num_empty_slots) is not int:  # a look-alike's == could do anything
+        return CheckResult(False, f"Give two whole numbers (ints), got a {type(num_blocks).__name__} and a "
+                                  f"{type(num_empty_slots).__name__}.")
     bs = llm.kv_cache_manager.specs[0].block_size
     held = len(llm.kv_cache_manager.get_block_ids(req_id)[0])
     cached = req.num_computed_tokens
@@ -81,8 +77,10 @@ def check_next_slot_mapping(llm: LLM, answer: object, group: int = 0) -> CheckRe
     if answer is not ... and answer is not None:
         if type(answer) not in (list, tuple):
             return CheckResult(False, f"The answer is a list of slot numbers, got {type(answer).__name__}.")
-        if not _plain_ints(tuple(answer)):
-            return CheckResult(False, f"Every slot is a whole number (an int); got {list(answer)!r}.")
+        wrong_type = next((i for i, slot in enumerate(answer) if type(slot) is not int), None)
+        if wrong_type is not None:
+            return CheckResult(False, f"Every slot is a whole number (an int); entry {wrong_type} is a "
+                                      f"{type(answer[wrong_type]).__name__}.")
 
     scheduler = copy.deepcopy(llm.scheduler)
     plan = scheduler.schedule()
