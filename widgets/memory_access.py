@@ -77,33 +77,34 @@ def _svg(info: TensorInfo, loaded: np.ndarray, stored: np.ndarray) -> tuple[str,
         what += f"; merged {rg} x {cg} to fit"
     rows, cols = load_grid.shape
     cell = int(max(MIN_CELL, min(MAX_CELL, MAX_WIDTH // cols, MAX_HEIGHT // rows)))
-    label_w = 34
+    label_w, top = 34, 5  # room for the row labels on the left, and for half a label above the first row
     every = max(math.ceil(11 / cell), 1)  # row labels at least 11 px apart
     parts = []
     for r in range(0, rows, every):
-        y = r * cell + cell / 2 + 3.5
+        y = top + r * cell + cell / 2 + 3.5
         parts.append(f'<text x="{label_w - 4}" y="{y:.1f}" text-anchor="end" font-size="9" '
                      f'style="fill:{FG_MUTED}">{r * rg * row_span}</text>')
-    parts.append(f'<rect x="{label_w}" y="0" width="{cols * cell}" height="{rows * cell}" '
+    parts.append(f'<rect x="{label_w}" y="{top}" width="{cols * cell}" height="{rows * cell}" '
                  f'style="fill:url(#pkv-ma-cell-{cell}); stroke:{BORDER_LIGHT}"/>')
     inset = cell / 4
+    edge = f"stroke:{BG}; stroke-width:0.5"  # neighbouring filled cells stay told apart
     for r, c in zip(*np.nonzero(np.nan_to_num(load_grid) + np.nan_to_num(store_grid))):
         fl, fs = float(np.nan_to_num(load_grid[r, c])), float(np.nan_to_num(store_grid[r, c]))
-        x, y = label_w + c * cell, r * cell
+        x, y = label_w + c * cell, top + r * cell
         pad = 0 if max(fl, fs) >= 1 else inset  # a cell only partly touched: a smaller square
         size = cell - 2 * pad
         kind = "both" if fl and fs else "load" if fl else "store"
         if kind == "both":
             parts.append(f'<rect class="pkv-ma-load" x="{x + pad:.1f}" y="{y + pad:.1f}" width="{size / 2:.1f}" '
-                         f'height="{size:.1f}" style="fill:{LOAD_COLOR}"/>'
+                         f'height="{size:.1f}" style="fill:{LOAD_COLOR}; {edge}"/>'
                          f'<rect class="pkv-ma-store" x="{x + pad + size / 2:.1f}" y="{y + pad:.1f}" '
-                         f'width="{size / 2:.1f}" height="{size:.1f}" style="fill:{STORE_COLOR}"/>')
+                         f'width="{size / 2:.1f}" height="{size:.1f}" style="fill:{STORE_COLOR}; {edge}"/>')
         else:
             color = LOAD_COLOR if kind == "load" else STORE_COLOR
             parts.append(f'<rect class="pkv-ma-{kind}" x="{x + pad:.1f}" y="{y + pad:.1f}" width="{size:.1f}" '
-                         f'height="{size:.1f}" style="fill:{color}"/>')
-    width, height = label_w + cols * cell + 1, rows * cell + 1
-    pattern = (f'<defs><pattern id="pkv-ma-cell-{cell}" x="{label_w}" y="0" width="{cell}" height="{cell}" '
+                         f'height="{size:.1f}" style="fill:{color}; {edge}"/>')
+    width, height = label_w + cols * cell + 1, top + rows * cell + top
+    pattern = (f'<defs><pattern id="pkv-ma-cell-{cell}" x="{label_w}" y="{top}" width="{cell}" height="{cell}" '
                f'patternUnits="userSpaceOnUse"><rect width="{cell}" height="{cell}" '
                f'style="fill:{BG}; stroke:{BORDER_LIGHT}; stroke-width:0.5"/></pattern></defs>')
     svg = (f'<svg class="pkv-ma-grid" data-tensor="{esc(info.name)}" width="{width}" height="{height}" '
@@ -128,6 +129,13 @@ LEGEND = (
     f'{_swatch(LOAD_COLOR, partial=True)} part of the cell &nbsp; '
     f'{_swatch(OUTSIDE_COLOR)} outside every tensor (listed under the nearest one)</div>'
 )
+
+
+def _sized(chars: int) -> dict[str, Any]:
+    """Dropdown keywords: wide enough for a choice of `chars` characters (the check in the browser
+    test finds a choice cut by its box), its label on its left."""
+    width = min(60 + 8 * chars + 40, 900)
+    return {"style": {"description_width": "60px"}, "layout": ipywidgets.Layout(width=f"{width}px")}
 
 
 def _span_text(info: TensorInfo, offsets: np.ndarray) -> str:
@@ -162,8 +170,9 @@ class MemoryAccessView(ipywidgets.HTML):
         self.add_class("pkv-memory-access")
         options = [(f"{i}: {run.kernel}, grid {run.grid[: run.dims]}", i) for i, run in enumerate(log.launches)]
         self.launch_picker = ipywidgets.Dropdown(options=options, value=launch % len(log.launches),
-                                                 description="launch", layout=ipywidgets.Layout(width="420px"))
-        self.program_picker = ipywidgets.Dropdown(description="program", layout=ipywidgets.Layout(width="260px"))
+                                                 description="launch", **_sized(max(len(text) for text, _ in options)))
+        longest = max(len(log.launches[i].program_text(log.launches[i].programs()[-1])) for _, i in options)
+        self.program_picker = ipywidgets.Dropdown(description="program", **_sized(max(longest, len("all programs"))))
         self._filling = False
         self._fill_programs(program)
         self.launch_picker.observe(lambda _change: self._fill_programs(None), "value")
