@@ -65,15 +65,17 @@ def _scatter(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t, s
     slot = tl.load(slot_ptr + token)
     # BUG 1: a padding token (slot -1) writes into slot 0. BUG 2: it is not skipped at all, and
     # -1 // B = 0, -1 % B = -1 (Triton divides as C does): it writes the row before the cache.
-    if not BUG:
+    # BUG 3: the offset in the block is left out.
+    if BUG == 0 or BUG == 3:
         if slot < 0:
             return
-    if BUG != 2:
+    if BUG == 1:
         slot = tl.maximum(slot, 0)
     heads = tl.arange(0, HEADS)[:, None]
     dims = tl.arange(0, HEAD_SIZE)[None, :]
     src = token * stride_t + heads * HEAD_SIZE + dims
-    dst = (slot // block_size) * stride_b + (slot % block_size) * stride_s + heads * stride_h + dims
+    offset = 0 if BUG == 3 else slot % block_size
+    dst = (slot // block_size) * stride_b + offset * stride_s + heads * stride_h + dims
     tl.store(k_cache_ptr + dst, tl.load(key_ptr + src))
     tl.store(v_cache_ptr + dst, tl.load(value_ptr + src))
 
@@ -95,14 +97,18 @@ def _scores(q_ptr, k_cache_ptr, bt_ptr, seq_lens_ptr, scores_ptr, scale, stride_
     dims = tl.arange(0, HEAD_SIZE)
     block = tl.load(bt_ptr + req * stride_bt + page)
     q = tl.load(q_ptr + req * stride_q + dims)
-    k = tl.load(k_cache_ptr + block * stride_kb + rows[:, None] * stride_ks + dims[None, :])
+    in_seq = page * PAGE + rows < tl.load(seq_lens_ptr + req)
+    k_ptrs = k_cache_ptr + block * stride_kb + rows[:, None] * stride_ks + dims[None, :]
+    # MASK (puzzle 4; without it puzzle 4's check must fail): 1 masks the scores and the loads past
+    # seq_len, 2 the scores only (right values, but it loads keys its request does not own).
+    k = tl.load(k_ptrs, mask=in_seq[:, None], other=0.0) if MASK == 1 else tl.load(k_ptrs)
     s = tl.sum(q[None, :] * k, 1) * scale
-    if MASK:  # puzzle 4; without it puzzle 4's check must fail
-        s = tl.where(page * PAGE + rows < tl.load(seq_lens_ptr + req), s, float("-inf"))
+    if MASK:
+        s = tl.where(in_seq, s, float("-inf"))
     tl.store(scores_ptr + req * stride_scores + page * PAGE + rows, s)
 
 
-def _launch_scores(mask: bool, bug: bool = False) -> Callable[..., None]:
+def _launch_scores(mask: int, bug: bool = False) -> Callable[..., None]:
     def launch(kernel, q, k_cache, block_table, seq_lens, scores, scale):
         kernel[(q.shape[0], block_table.shape[1])](
             q, k_cache, block_table, seq_lens, scores, scale * (1.5 if bug else 1.0), q.stride(0),
@@ -215,9 +221,10 @@ PUZZLES: dict[str, tuple[Callable[..., CheckResult], Any, Callable[[bool], Calla
     # name: (checker, kernel(s), launcher factory taking `bug`, what the wrong answer's message shows)
     "block_table_row": (P.check_block_table_row, _slots, _launch_slots,
                         "slots[0, 1] is 20 (that is the first slot of the block: add the offset"),
-    "scatter": (P.check_scatter_kernel, _scatter, _launch_scatter, "a padding token (slot -1): it must store nothing"),
+    "scatter": (P.check_scatter_kernel, _scatter, lambda bug: _launch_scatter(3 if bug else 0),
+                "k_cache[0, 1, 0, 0] is 0 (slot 1, where token 1 writes)"),
     "page_scores": (P.check_page_scores, _scores, lambda bug: _launch_scores(False, bug), "scores[0, 0] is "),
-    "masked_scores": (P.check_masked_scores, _scores, lambda bug: _launch_scores(not bug),
+    "masked_scores": (P.check_masked_scores, _scores, lambda bug: _launch_scores(0 if bug else 1),
                       "(position 5 is past seq_len 5: it must score -inf)"),
     "online_softmax": (P.check_online_softmax, _attention, lambda bug: _launch_attention(bug, False), "out[1, "),
     "gqa": (P.check_gqa_attention, _attention, lambda bug: _launch_attention(bug, True), "out[0, 1, "),
@@ -469,6 +476,23 @@ def test_a_launcher_that_writes_the_answer_around_torch_is_caught_by_the_idle_ru
     assert_rejected(P.check_block_table_row(_slots, launch), "gets the right answer without running the kernel")
 
 
+def test_right_values_with_loads_of_keys_the_request_does_not_own_fail_the_memory_check() -> None:
+    """Point 7 of issue 32: the loads and stores are part of the verdict. Scores masked to -inf give
+    the right values even when the kernel loads the rows past seq_len (another request's keys, or
+    the null block's); the memory check names the program and the row."""
+    result = P.check_masked_scores(_scores, _launch_scores(2))
+    assert_rejected(result, "the right values, but _scores program (0, 1)",
+                    "of k_cache that holds no key of the program's request (mask the loads past seq_len)")
+    assert "Hint: a kernel loads only what its program needs" in result.message
+
+
+def test_two_programs_storing_one_entry_fail_the_memory_check() -> None:
+    """A padding token written into slot 0 gives the right values when the token that owns slot 0
+    happens to run later (the interpreter runs programs in order; a GPU does not)."""
+    result = P.check_scatter_kernel(_scatter, _launch_scatter(1))
+    assert_rejected(result, "the right values, but _scatter: k_cache[0, 0, 0, 0] stored by program 2 and program 5")
+
+
 def test_a_launcher_with_the_first_cases_sizes_written_in_fails_a_later_case() -> None:
     """Each puzzle's later cases have other page and head sizes than its first (4 and 16), so a
     launcher that writes those numbers in instead of reading them from the tensors is caught."""
@@ -478,7 +502,7 @@ def test_a_launcher_with_the_first_cases_sizes_written_in_fails_a_later_case() -
     def fixed_scores(kernel, q, k_cache, block_table, seq_lens, scores, scale):
         kernel[(q.shape[0], block_table.shape[1])](
             q, k_cache, block_table, seq_lens, scores, scale, q.stride(0), k_cache.stride(0), k_cache.stride(1),
-            block_table.stride(0), scores.stride(0), PAGE=4, HEAD_SIZE=16, MASK=True)
+            block_table.stride(0), scores.stride(0), PAGE=4, HEAD_SIZE=16, MASK=1)
 
     def fixed_scale(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
         _launch_attention(False, False)(kernel, q, k_cache, v_cache, block_table, seq_lens, out, 16**-0.5)
@@ -489,9 +513,12 @@ def test_a_launcher_with_the_first_cases_sizes_written_in_fails_a_later_case() -
 
 
 def test_a_write_before_the_cache_is_caught_in_a_guard_block() -> None:
-    """The checker's caches sit between guard blocks: that write used to land in memory the cache
-    does not own (the checker's process later aborted in free()), and was reported as V's write."""
-    assert_rejected(P.check_scatter_kernel(_scatter, _launch_scatter(2)), "a write outside the K cache, before the cache")
+    """That write used to land in memory the cache does not own (the checker's process later
+    aborted in free()). The recorder drops a store outside every tensor and names it; without the
+    interpreter, the guard blocks around the caches catch it."""
+    assert_rejected(P.check_scatter_kernel(_scatter, _launch_scatter(2)),
+                    "program 2: stored 16 elements outside every tensor it was given: 16 elements before the start "
+                    "of k_cache")
 
 
 def test_a_failing_launch_is_reported_in_one_line() -> None:

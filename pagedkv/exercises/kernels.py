@@ -78,6 +78,10 @@ class Case:
     """The float64 answer of each output, worked out when called (after the launcher ran)."""
     explain: Callable[[str, tuple[int, ...], float, dict[str, torch.Tensor]], tuple[str, Callable[[], str]]]
     """(name, index, the wrong value, the reference) -> (what that value shows, the worked answer of the entry)."""
+    inputs: dict[str, torch.Tensor]
+    """The inputs by name: the kernels may read them (and tensors the launcher allocates), not write them."""
+    access: dict[str, Any] = field(default_factory=dict)
+    """More memory rules for `AccessLog.problems` (rows_written, allowed, reasons)."""
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -262,6 +266,33 @@ def first_mismatch(got: torch.Tensor, expected: torch.Tensor) -> tuple[int, ...]
     return tuple(int(i) for i in (~ok).nonzero()[0])
 
 
+ACCESS_HINT = ("a kernel loads only what its program needs (mask the loads past seq_len: those rows hold "
+               "another request's keys, or nothing) and stores every entry of its output rows, each once.")
+
+
+@contextmanager
+def _recording_accesses(named: dict[str, torch.Tensor], log: list[Any] | None) -> Iterator[Any]:
+    """`record_accesses(named)` when `log` is asked for and Triton runs interpreted (compiled kernels
+    cannot be watched: the memory rules are then checked on the CPU only); else yields None."""
+    from pagedkv.kernels.common import interpreting
+
+    if log is None or not interpreting():
+        yield None
+        return
+    from pagedkv.exercises.memory_access import record_accesses
+
+    with record_accesses(named=named) as access_log:
+        yield access_log
+
+
+def _access_problems(log: Any, case: Case) -> list[str]:
+    """The memory rules a case's kernels broke: a load outside the inputs (and the launcher's own
+    buffers), a store outside the outputs, and the case's own rules (`case.access`)."""
+    scratch = [name for name in log.tensors if name not in log.named]  # what the launcher allocated
+    outputs = [name for name in case.outputs if name in log.tensors]
+    return log.problems(reads=[*case.inputs, *scratch], writes=[*outputs, *scratch], **case.access)
+
+
 @functools.cache
 def _warm_up() -> None:
     """Enter a dispatch mode once before any watched run: the first one imports parts of torch, and
@@ -271,10 +302,11 @@ def _warm_up() -> None:
 
 
 def _run_launcher(
-    kernels: Sequence[Any], launch: Launch, case: Case, what: str, run: bool
+    kernels: Sequence[Any], launch: Launch, case: Case, what: str, run: bool, log: list[Any] | None = None
 ) -> tuple[list[_KernelStandIn], CheckResult | None]:
     """`launch(*stand-ins, *case.args)` watched (torch ops, threads, package calls); the stand-ins
-    and the rejection, if any."""
+    and the rejection, if any. With `log` (a list), the kernels' loads and stores are recorded into
+    its one entry, an `AccessLog` (only under Triton's interpreter)."""
     names = list(inspect.signature(launch).parameters)[len(kernels):] if callable(launch) else []
     names += [f"argument {i}" for i in range(len(names), len(case.args))]
     checker = {_storage(t): name for name, t in zip(names, case.args) if isinstance(t, torch.Tensor)}
@@ -291,7 +323,11 @@ def _run_launcher(
                 return exc
         return None
 
-    error, rejected = call_answer(watched, [], _package_functions(), f"the {what} kernel", "the launcher")
+    written = {name: t for name, t in case.outputs.items() if any(t is arg for arg in case.args)}  # not guards
+    with _recording_accesses({**case.inputs, **written}, log) as access_log:
+        error, rejected = call_answer(watched, [], _package_functions(), f"the {what} kernel", "the launcher")
+    if log is not None and access_log is not None:
+        log.append(access_log)
     if rejected is not None:
         return stand_ins, CheckResult(False, f"{what}: {rejected.message}")
     if watch.problems:
@@ -314,7 +350,8 @@ def check_launches(
             return CheckResult(False, f"{what}: {reason}")
     for make_case in make_cases:
         case = make_case()
-        stand_ins, rejected = _run_launcher(kernels, launch, case, what, run=True)
+        logs: list[Any] = []
+        stand_ins, rejected = _run_launcher(kernels, launch, case, what, run=True, log=logs)
         if rejected is not None:
             return rejected
         for kernel, stand_in in zip(kernels, stand_ins):
@@ -333,6 +370,11 @@ def check_launches(
                 at = ", ".join(map(str, index))
                 return CheckResult(False, f"{what}, {case.description}: {name}[{at}] is {value:.4g}{shows}."
                                           f"\nHint: {hint}", reveal=work)
+        problems = _access_problems(logs[0], case) if logs else []
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            return CheckResult(False, f"{what}, {case.description}: the right values, but {problems[0]}{more}."
+                                      f"\nHint: {ACCESS_HINT}")
     case = make_cases[0]()
     _, rejected = _run_launcher(kernels, launch, case, what, run=False)
     expected = case.reference()
@@ -380,7 +422,7 @@ def _scatter_case(seed: int, num_tokens: int, block_size: int, num_kv_heads: int
                             "so their program returns before any tl.store.")
         slot = index[0] * block_size + index[1]
         source = key if name == "k_cache" else value
-        row = f"{name}[{index[0]}, {index[1]}] = slot {index[0]} * {block_size} + {index[1]} = {slot}"
+        row = f"{name}[{index[0]}, {index[1]}] is slot {index[0]} * {block_size} + {index[1]} = {slot}"
         whose = [t for t in range(num_tokens) if abs(float(source[(t, *index[2:])]) - got) < 1e-6]
         if whose and slot_list[whose[0]] < 0:
             shows = f"; that is token {whose[0]}'s value, a padding token (slot -1): it must store nothing"
@@ -395,17 +437,19 @@ def _scatter_case(seed: int, num_tokens: int, block_size: int, num_kv_heads: int
         head, dim = index[2:]
         return (f" (slot {slot}, where token {token} writes{shows})",
                 lambda: f"token {token} has slot {slot} = block {slot // block_size}, row {slot % block_size} "
-                        f"({slot} // {block_size}, {slot} % {block_size}); its {name[0]}[{token}, {head}, {dim}] = "
-                        f"{float(source[token, head, dim]):.4g} goes to {name}[{index[0]}, {index[1]}, {head}, {dim}] "
-                        f"({row}).")
+                        f"({slot} // {block_size}, {slot} % {block_size}), so {name}[{', '.join(map(str, index))}] "
+                        f"= {'key' if name == 'k_cache' else 'value'}[{token}, {head}, {dim}] = "
+                        f"{float(source[token, head, dim]):.4g}.")
 
+    key_d, value_d, slots_d = (t.to(device, copy=True) for t in (key, value, slots))
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
     return Case(
-        args=[key.to(device, copy=True), value.to(device, copy=True), kv_cache[0], kv_cache[1],
-              slots.to(device, copy=True)],
-        outputs={**guards, "k_cache": kv_cache[0], "v_cache": kv_cache[1]},
+        args=[key_d, value_d, k_cache, v_cache, slots_d],
+        outputs={**guards, "k_cache": k_cache, "v_cache": v_cache},
         description=f"slot_mapping {slot_list}, block_size {block_size}",
         reference=reference,
         explain=explain,
+        inputs={"key": key_d, "value": value_d, "slot_mapping": slots_d},
     )
 
 

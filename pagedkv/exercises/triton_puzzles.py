@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedkv.exercises import CheckResult, exercise
@@ -75,6 +76,25 @@ def _describe(inputs: dict[str, Any]) -> str:
     return f"seq_lens {inputs['seq_lens'].tolist()}, page size {page_size}, head size {head_size}, block_table {table}"
 
 
+def _memory_rules(table: torch.Tensor, seq_lens: list[int], caches: dict[str, torch.Size], out: str) -> dict[str, Any]:
+    """The memory rules of an attention puzzle: program (r, ...) loads only the cache rows that hold
+    request r's keys, and every row `out[r]` of the output is written."""
+    page_size = next(iter(caches.values()))[1]
+    owned = {}
+    for r, n in enumerate(seq_lens):
+        rows = np.zeros(tuple(next(iter(caches.values()))[:2]), dtype=bool)
+        for p in range(n):
+            rows[int(table[r, p // page_size]), p % page_size] = True
+        owned[r] = rows
+
+    def allowed(shape: torch.Size) -> Callable[[tuple[int, int, int]], np.ndarray]:
+        return lambda program: np.broadcast_to(owned[program[0]].reshape(*shape[:2], *[1] * (len(shape) - 2)), shape)
+
+    return {"rows_written": {out: 1}, "allowed": {name: allowed(shape) for name, shape in caches.items()},
+            "reasons": {name: "that holds no key of the program's request (mask the loads past seq_len)"
+                        for name in caches}}
+
+
 def _numbers(values: torch.Tensor) -> str:
     return "[" + ", ".join(f"{v:.3g}" for v in values.tolist()) + "]"
 
@@ -124,8 +144,9 @@ def check_block_table_row(kernel: Any, launch: Launch) -> CheckResult:
 
             return shows, work
 
-        return Case([block_table, seq_lens_t, slots, page_size], {"slots": slots}, _describe(inputs),
-                    reference, explain)
+        return Case([block_table, seq_lens_t, slots, page_size], {"slots": slots}, _describe(inputs), reference,
+                    explain, inputs={"block_table": block_table, "seq_lens": seq_lens_t},
+                    access={"rows_written": {"slots": 1}})
 
     cases = [lambda: case(0, [5, 16, 1], SMALL), lambda: case(1, [9, 30], LARGER)]
     hint = "one program per request: load its block-table row at positions // page_size (masked past seq_len)."
@@ -179,7 +200,9 @@ def _check_scores(kernel: Any, launch: Launch, specs: list[tuple[int, list[int],
 
             return shows, work
 
-        return Case([*args[:5], scale], {"scores": args[4]}, _describe(inputs), reference, explain)
+        return Case([*args[:5], scale], {"scores": args[4]}, _describe(inputs), reference, explain,
+                    inputs=dict(zip(("q", "k_cache", "block_table", "seq_lens"), args)),
+                    access=_memory_rules(table, seq_lens, {"k_cache": k_cache.shape}, "scores"))
 
     return check_launches([kernel], launch, [lambda s=spec: case(*s) for spec in specs], what, hint)
 
@@ -268,7 +291,10 @@ def _check_attention(kernels: list[Any], launch: Launch, specs: list[dict[str, A
 
         extra = [num_splits] if num_splits else []
         description = _describe(inputs) + (f", {num_splits} splits" if num_splits else "")
-        return Case([*args, scale, *extra], {"out": args[5]}, description, reference, explain)
+        caches = {"k_cache": shown["k_cache"].shape, "v_cache": shown["v_cache"].shape}
+        return Case([*args, scale, *extra], {"out": args[5]}, description, reference, explain,
+                    inputs=dict(zip(("q", "k_cache", "v_cache", "block_table", "seq_lens"), args)),
+                    access=_memory_rules(table, seq_lens, caches, "out"))
 
     return check_launches(kernels, launch, [lambda s=spec: case(**s) for spec in specs], what, hint)
 
