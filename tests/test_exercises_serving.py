@@ -9,6 +9,9 @@ the engine's state between two steps, which async scheduling has moved on alread
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 import pagedkv.exercises as exercises
@@ -74,3 +77,15 @@ def test_form_of_the_answer(llm: LLM) -> None:
     assert_rejected(check_next_schedule(llm, {"0": 1}, ...), "Replace the `...` of `preempted`")
     assert_rejected(check_next_schedule(llm, {"0": 1}, "2"), "preempted must be a list")
     assert_rejected(check_next_schedule(llm, {"0": 1, "1": 1, "2": 10, "7": 2}), "request 7 is neither running")
+
+
+def test_the_notebooks_worked_solutions_pass_and_are_not_run(llm: LLM) -> None:
+    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "09_serving_end_to_end.ipynb").read_text())["cells"]
+    solutions = [c for c in cells if "Worked solution" in "".join(c["source"])]
+    assert len(solutions) == 2 and all(c["cell_type"] == "markdown" for c in solutions)  # Run All skips them
+    printed: list[object] = []
+    for cell in solutions:  # exercise 1, then one more step, exercise 2 (as in the notebook)
+        code = "".join(cell["source"]).split("```python\n")[1].split("```")[0]
+        exec(code, {"check_next_schedule": check_next_schedule, "ex": llm, "print": printed.append})  # noqa: S102
+        llm.step()
+    assert len(printed) == 2 and all(printed), printed
