@@ -115,3 +115,16 @@ def test_choose_backend_offers_reveal_after_three_tries(tiny: LLM, capsys: pytes
     assert shown.startswith("00: be the selector, worked out:")
     assert "-> the selector takes it" in shown or "every backend in the list refuses" in shown
     assert "answer: " in shown
+
+
+def test_choose_backend_is_not_fooled_by_a_str_that_equals_everything(tiny: LLM) -> None:
+    class Anything(str):
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        def __ne__(self, other: object) -> bool:
+            return False
+
+        __hash__ = str.__hash__
+
+    assert_rejected(check_choose_backend(tiny, lambda p, r: Anything(p[0])), "return the name of a backend (a str)")

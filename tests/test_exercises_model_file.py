@@ -188,3 +188,14 @@ def test_head_layout_offers_reveal_after_three_tries(capsys: pytest.CaptureFixtu
     shown = capsys.readouterr().out
     assert shown.startswith("01: the tensor-parallel head layout, worked out:")
     assert "fn(32, 8, 16): query heads 32 / 16 = 2; 8 KV heads < 16 ranks" in shown and "-> (2, 1, 2)" in shown
+
+
+def test_an_int_that_equals_everything_is_only_its_value() -> None:
+    class AlwaysEqual(int):
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        __hash__ = int.__hash__
+
+    assert_rejected(check_qkv_width(lambda h, hq, hkv, d, tp: AlwaysEqual(0), num_hidden=0), "0 is not it")
+    assert_rejected(check_head_layout(lambda hq, hkv, tp: tuple(AlwaysEqual(0) for _ in range(3))), "is not it")
