@@ -247,8 +247,10 @@ def kernel_config(sockets: Path) -> Any:
 
 
 def first_line(source: str, width: int) -> str:
-    """The first non-blank line of a cell's source, cut to `width` characters."""
-    line = next((line.strip() for line in source.splitlines() if line.strip()), "")
+    """The first line of a cell's source that tells it apart, cut to `width` characters: not blank, not
+    one of nbval's markers (`# NBVAL_CHECK_OUTPUT`, which many cells start with)."""
+    line = next((line.strip() for line in source.splitlines()
+                 if line.strip() and not line.strip().startswith("# NBVAL_")), "")
     return line if len(line) <= width else line[:width - 3] + "..."
 
 

@@ -40,13 +40,14 @@ def write_notebook(path: Path, *sources: str, kernel: str = "python3") -> Path:
 
 
 def tiny_workbook(src: Path) -> dict[Path, Path]:
-    """Three notebooks: the first fails in its third cell (after a comment line, with a two-line message),
+    """Three notebooks: the first fails in its third cell (under nbval's marker and a comment, with a two-line message),
     the second runs, the third asks for a kernel that does not exist; and a trace."""
     (src / "traces").mkdir(parents=True)
     (src / "traces" / "t.json").write_text("{}")
     return {
         Path("notebooks/00_fails.ipynb"): write_notebook(
-            src / "00_fails.ipynb", "x = 1", "\n# the answer, checked\nraise ValueError(f'boom {x}\\nline two')",
+            src / "00_fails.ipynb", "x = 1",
+            "\n# NBVAL_CHECK_OUTPUT\n# the answer, checked\nraise ValueError(f'boom {x}\\nline two')",
             "print('never')"),
         Path("notebooks/01_ok.ipynb"): write_notebook(src / "01_ok.ipynb", "import sys", "print(6 * 7)",
                                                       "print('to the cell', file=sys.stderr)"),
