@@ -6,17 +6,19 @@ no expected value."""
 from __future__ import annotations
 
 import functools
+import json
 import math
 import random
 import sys
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import pagedkv.exercises as exercises
-from pagedkv.exercises import prefix_caching, reveal
+from pagedkv.exercises import PASS_MARK, prefix_caching, reveal
 from pagedkv.exercises.prefix_caching import (
     RULE_CASES, SHOWN_EVICTION_CASES, SHOWN_HIT_CASES, check_hit_length, check_next_block,
 )
@@ -265,3 +267,40 @@ def test_random_cases_fit_and_vary() -> None:
         heads.add(pool.blocks[next(iter(pool.free_queue))].block_hash is not None)
     assert heads == {True, False}  # the next block is sometimes a cached one (an eviction), sometimes not
     assert hits > 30
+
+
+def test_an_answer_that_raises_on_a_later_case_is_told_about_its_first_wrong_one() -> None:
+    """Without hits, random events may not fit: the wrong answer raises there, after a wrong shown case."""
+
+    def no_cache(events: list[tuple[Any, ...]], num_blocks: int, block_size: int) -> int:
+        free, held = list(range(1, num_blocks)), {}
+        for event in events:
+            if event[0] == "add":
+                n = -(-len(event[2]) // block_size)
+                if n > len(free):
+                    raise IndexError("list index out of range")
+                held[event[1]], free = free[:n], free[n:]
+            else:
+                free += held.pop(event[1])[::-1]
+        return free[0]
+
+    for _ in range(5):  # the random cases differ every call
+        assert_rejected(check_next_block(no_cache), "('add', 'B', [1, 2, 3, 4, 5, 6, 7, 8, 60, 61])",
+                        "= 2 is not the next block")
+    assert_rejected(check_hit_length(lambda cached, prompt, bs: [][0]), "fn([[7, 3, 9",
+                    "raised IndexError: list index out of range")
+
+
+def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
+    """Each worked solution sits in a collapsed markdown cell (Run All does not execute it) and passes its
+    checker; no saved output of the notebook shows a pass mark, so a pass on screen is the student's own."""
+    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "12_prefix_caching.ipynb").read_text())["cells"]
+    solutions = [c for c in cells if "Worked solution" in "".join(c["source"])]
+    assert len(solutions) == 2 and all(c["cell_type"] == "markdown" for c in solutions)
+    for cell in solutions:
+        code = "".join(cell["source"]).split("```python\n")[1].split("```")[0]
+        printed: list[object] = []
+        exec(code, {"check_hit_length": check_hit_length, "check_next_block": check_next_block, "print": printed.append})  # noqa: S102
+        assert len(printed) == 1 and printed[0], printed
+    outputs = [o.get("text", "") for c in cells if c["cell_type"] == "code" for o in c["outputs"]]
+    assert not any(PASS_MARK in "".join(text) for text in outputs)

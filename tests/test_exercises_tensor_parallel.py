@@ -4,14 +4,16 @@ frame read, the notebook's answers copied as constants) fail with a message that
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 import pagedkv.exercises as exercises
-from pagedkv.exercises import reveal
+from pagedkv.exercises import PASS_MARK, reveal
 from pagedkv.exercises.model_file import build_attention
 from pagedkv.exercises.tensor_parallel import SHOWN_CASES, check_kv_cache_bytes, check_rank_heads
 from pagedkv.models.layers import head_layout, rank_heads
@@ -201,3 +203,18 @@ def test_layout_table_kv_bytes_match_the_real_layer(tp: int) -> None:
     spec = build_attention(32, 8, tp).attn.get_kv_cache_spec()
     per_token = spec.page_size_bytes // spec.block_size * shape.num_hidden_layers
     assert _cells(layout_table(shape, tp), 0)[-1] == f"{per_token:,} B"
+
+
+def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
+    """Each worked solution sits in a collapsed markdown cell (Run All does not execute it) and passes its
+    checker; no saved output of the notebook shows a pass mark, so a pass on screen is the student's own."""
+    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "10_tensor_parallelism.ipynb").read_text())["cells"]
+    solutions = [c for c in cells if "Worked solution" in "".join(c["source"])]
+    assert len(solutions) == 2 and all(c["cell_type"] == "markdown" for c in solutions)
+    for cell in solutions:
+        code = "".join(cell["source"]).split("```python\n")[1].split("```")[0]
+        printed: list[object] = []
+        exec(code, {"check_rank_heads": check_rank_heads, "check_kv_cache_bytes": check_kv_cache_bytes, "print": printed.append})  # noqa: S102
+        assert len(printed) == 1 and printed[0], printed
+    outputs = [o.get("text", "") for c in cells if c["cell_type"] == "code" for o in c["outputs"]]
+    assert not any(PASS_MARK in "".join(text) for text in outputs)

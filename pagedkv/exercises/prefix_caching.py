@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +49,30 @@ def _add(kv: KVCacheManager, req_id: str, token_ids: list[int]) -> bool:
         return True
     kv.free(req_id)  # forgets the hashes the lookup computed
     return False
+
+
+@dataclass
+class _Raised:
+    """What a student's call raised, kept in its case's place: a wrong answer that raises only on a later,
+    made-up case is still told about the first case it gets wrong."""
+
+    error: Exception
+
+    def message(self, call: str) -> str:
+        first_line = (str(self.error).splitlines() or [""])[0]
+        return f"{call} raised {type(self.error).__name__}: {first_line}."
+
+
+def _keep_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, returning a `_Raised` instead of raising (the package guard still watches every call)."""
+
+    def run(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as error:  # noqa: BLE001  (the student's code may raise anything)
+            return _Raised(error)
+
+    return run
 
 
 # ---- exercise 1: how many prompt tokens does the cache hold? ---------------------------------
@@ -95,7 +120,8 @@ def check_hit_length(fn: Callable[[list[list[int]], list[int], int], Any], num_h
         return own
     rng = random.Random()
     cases = SHOWN_HIT_CASES + [_random_hit_case(rng) for _ in range(num_hidden)]
-    results, rejected = call_on_cases(fn, [([list(p) for p in cached], list(prompt), bs) for cached, prompt, bs in cases],
+    results, rejected = call_on_cases(_keep_errors(fn), [([list(p) for p in cached], list(prompt), bs)
+                                                         for cached, prompt, bs in cases],
                                       PACKAGE, "the lookup", lambda case: f"fn{case}")
     if rejected is not None:
         return rejected
@@ -110,6 +136,8 @@ def check_hit_length(fn: Callable[[list[list[int]], list[int], int], Any], num_h
 
     for (cached, prompt, bs), got in zip(cases, results):
         call = f"fn({cached}, {prompt}, {bs})"
+        if isinstance(got, _Raised):
+            return CheckResult(False, got.message(call))
         if not isinstance(got, int) or isinstance(got, bool):
             return CheckResult(False, f"{call} returned {got!r}: return a number of tokens (an int).")
         expected = found(cached, prompt, bs)
@@ -218,7 +246,7 @@ def check_next_block(fn: Callable[[list[Event], int, int], Any], num_hidden: int
     cases = SHOWN_EVICTION_CASES + RULE_CASES + [_random_events(rng) for _ in range(num_hidden)]
     theirs = [([(e[0], e[1], list(e[2])) if e[0] == "add" else e for e in events], num_blocks, bs)  # to change
               for events, num_blocks, bs in cases]
-    results, rejected = call_on_cases(fn, theirs, PACKAGE, "the free queue",
+    results, rejected = call_on_cases(_keep_errors(fn), theirs, PACKAGE, "the free queue",
                                       lambda case: f"fn({case[0]}, num_blocks={case[1]}, block_size={case[2]})")
     if rejected is not None:
         return rejected
@@ -238,6 +266,8 @@ def check_next_block(fn: Callable[[list[Event], int, int], Any], num_hidden: int
 
     for (events, num_blocks, bs), got in zip(cases, results):
         call = f"fn({events}, num_blocks={num_blocks}, block_size={bs})"
+        if isinstance(got, _Raised):
+            return CheckResult(False, got.message(call))
         if not isinstance(got, int) or isinstance(got, bool):
             return CheckResult(False, f"{call} returned {got!r}: return a block id (an int).")
         steps = queues(events, num_blocks, bs)
