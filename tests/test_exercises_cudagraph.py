@@ -175,5 +175,6 @@ def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
     printed: list[object] = []
     for cell in solutions:
         code = "".join(cell["source"]).split("```python\n")[1].split("```")[0]
-        exec(code, {"check_lowering": check_lowering, "check_raising": check_raising, "print": printed.append})  # noqa: S102
+        checkers = {"check_lowering": check_lowering, "check_raising": check_raising}
+        exec(code, {**checkers, "print": printed.append})  # noqa: S102
     assert len(printed) == 6 and all(printed), printed

@@ -225,7 +225,8 @@ def _broken_rule(answer: CUDAGraphMode, exercise: LoweringExercise) -> tuple[int
     if answer.mixed_mode() is CUDAGraphMode.FULL and support is not AttentionCGSupport.ALWAYS:
         return 2, _why(2, exercise, answer)
     if answer.decode_mode() is CUDAGraphMode.FULL and support is AttentionCGSupport.NEVER:
-        return 3, f"support NEVER captures no graph of attention at all, so the FULL decode routine of {answer.name} cannot be"
+        return 3, (f"support NEVER captures no graph of attention at all, so the FULL decode routine of {answer.name} "
+                   "cannot be")
     if (answer.decode_mode() is CUDAGraphMode.FULL and exercise.uniform_decode_query_len > 1
             and support.value < AttentionCGSupport.UNIFORM_BATCH.value):
         return 4, _why(4, exercise, answer)
@@ -249,8 +250,11 @@ def _missed(answer: CUDAGraphMode | str, result: Resolution, exercise: LoweringE
         return (f"{answer.name} is not what happens. Rule 2: the mixed routine of {configured.name} is FULL, and "
                 "support NEVER captures no full graph at all, not even of decodes: there is no graph to keep, so "
                 "the resolver refuses the configuration instead of lowering it.")
-    if answer is configured and steps:
-        return f"you kept {configured.name}, but rule {steps[0].rule} applies: {_why(steps[0].rule, exercise, configured)}."
+    if not steps:
+        return "no rule applies to this configuration: check each rule's condition again, in order."
+    first = steps[0].rule
+    if answer is configured:
+        return f"you kept {configured.name}, but rule {first} applies: {_why(first, exercise, configured)}."
     later = [i for i, step in enumerate(steps[:-1]) if step.after is answer]
     if later:
         i = later[0]
@@ -260,25 +264,24 @@ def _missed(answer: CUDAGraphMode | str, result: Resolution, exercise: LoweringE
     broken = _broken_rule(answer, exercise)
     if broken is not None:
         return f"{answer.name} breaks rule {broken[0]}: {broken[1]}."
-    for kind, routine in (("decode", CUDAGraphMode.decode_mode), ("mixed", CUDAGraphMode.mixed_mode)):
+    routines = (("decode", CUDAGraphMode.decode_mode), ("mixed", CUDAGraphMode.mixed_mode))
+    for kind, routine in routines:
         if routine(answer) is CUDAGraphMode.FULL and routine(configured) is not CUDAGraphMode.FULL:
             return (f"{answer.name} captures {kind} batches in FULL graphs, but {configured.name} asks for none: "
                     "the rules only take full graphs away, they never add one.")
-    first = steps[0].rule
     fallback = (
         "the piecewise routine then runs eagerly, the other routine stays as it is" if first == 5 else
         "where it lowers to depends on whether attention is compiled piecewise "
         f"(here it is{'' if exercise.attention_compiled_piecewise else ' not'})"
     )
     rank = {CUDAGraphMode.NONE: 0, CUDAGraphMode.PIECEWISE: 1, CUDAGraphMode.FULL: 2}
-    assert result.resolved is not None
-    lower = [f" Your answer runs {kind} batches {'eagerly' if routine(answer) is CUDAGraphMode.NONE else 'piecewise'}: "
-             "more than the rules take away."
-             for kind, routine in (("decode", CUDAGraphMode.decode_mode), ("mixed", CUDAGraphMode.mixed_mode))
-             if rank[routine(answer)] < rank[routine(result.resolved)]]
+    resolved = steps[-1].after
+    how = {CUDAGraphMode.NONE: "eagerly", CUDAGraphMode.PIECEWISE: "piecewise"}
+    too_low = [f" Your answer runs {kind} batches {how[routine(answer)]}: more than the rules take away."
+               for kind, routine in routines if rank[routine(answer)] < rank[routine(resolved)]]
     return (f"{answer.name} breaks no rule, but it is not what the rules make of {configured.name}. Start from "
             f"{configured.name}: rule {first} applies ({_why(first, exercise, configured)}); {fallback}. Then apply "
-            f"the later rules to the result.{''.join(lower[:1])}")
+            f"the later rules to the result.{''.join(too_low[:1])}")
 
 
 def _worked(result: Resolution, exercise: LoweringExercise) -> str:

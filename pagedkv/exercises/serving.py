@@ -97,7 +97,8 @@ def _worked(llm: LLM, plan: SchedulerOutput) -> Callable[[], str]:
         else:
             what = f"{n} token(s)" + (", chunked" if 0 < n < left else "")
         state = "waiting" if req in llm.scheduler.waiting else "running"
-        rows.append(f"  request {req.request_id} ({state}, {left} to compute, budget {max(budget, 0)} at its turn): {what}")
+        rows.append(f"  request {req.request_id} ({state}, {left} to compute, budget {max(budget, 0)} at its turn): "
+                    + what)
     tokens = {s.request.request_id: s.num_new_tokens for s in plan.scheduled}
     result = f"= tokens {tokens}, preempted {sorted(plan.preempted_req_ids)}"
     return lambda: "\n".join([head, *rows, result])
