@@ -133,6 +133,7 @@ def test_tensors_the_caller_did_not_name_and_allowed_elements() -> None:
     assert log.problems(reads=["src_ptr"], writes=["dst"], races=False, allowed=per_program) == []
     assert log.problems(reads=["src_ptr"], writes=["dst"])[0].startswith("sum_into_first: dst[0] stored by program 0 "
                                                                          "and program 1")
+    assert log.problems(writes=["dst"], races=False, scratch=True) == []  # src_ptr: the launcher's own tensor
     with pytest.raises(KeyError, match="'src', which record_accesses was not given"):
         log.problems(reads=["src"])
 

@@ -21,7 +21,7 @@ back to a tensor by its address range (`data_ptr()` and strides).
     #  1 element past the end of src (src has 8 elements; the furthest is 1 past its last)"
     # "out: 1 of 3 rows never written (out[1]): no program stored to them"
 
-`problems(reads, writes, rows_written=None, allowed=None, reasons=None, races=True)`:
+`problems(reads, writes, rows_written=None, allowed=None, reasons=None, races=True, scratch=False)`:
 - `reads` / `writes`: names of the tensors loads / stores may touch; any other tensor is a problem,
   and so is an access outside every tensor.
 - `rows_written[name]`: every row must be stored in full; an int is the number of leading dimensions
@@ -29,6 +29,8 @@ back to a tensor by its address range (`data_ptr()` and strides).
 - `allowed[name]`: the elements that may be touched: flat indices, a bool mask of the tensor's shape,
   or a function of the program id (x, y, z) returning either; `reasons[name]` words the rest.
 - `races`: one element stored by two programs of one launch (not atomically) is a problem.
+- `scratch`: tensors a kernel was given that are not `named` (a launcher's own workspace) may be
+  read and written (by default they count as tensors it may not touch).
 
 `record_accesses(named=None, *, guard=True)`: with `guard`, lanes outside every tensor are recorded
 but not run (a load gets its `other` value, a store is dropped). The interpreter reads and writes
@@ -247,6 +249,7 @@ class AccessLog:
         allowed: Mapping[str, Allowed] | None = None,
         reasons: Mapping[str, str] | None = None,
         races: bool = True,
+        scratch: bool = False,
     ) -> list[str]:
         """One line per broken rule: an access outside every tensor, a load of a tensor not in `reads`
         (a store not in `writes`), an element outside `allowed[name]`, a row of `rows_written` not
@@ -255,11 +258,16 @@ class AccessLog:
         `rows_written[name]` says what a row is: an int, the number of leading dimensions that index
         a row (1: out[r] is a row), or a tuple, the shape of one row (its trailing dimensions).
         `reasons[name]` words what lies outside `allowed[name]` ("in a block no request owns").
-        An empty list means no problem. Loads and stores are checked per program, in grid order.
+        `scratch`: the tensors a kernel was given that are not in `named` (a launcher's own
+        workspace) may be read and written too. An empty list means no problem; loads and stores are
+        checked per program, in grid order.
         """
         if not self.launches:
             return ["no @triton.jit kernel ran inside record_accesses: nothing was loaded or stored"]
         reads, writes, allowed, reasons = set(reads), set(writes), dict(allowed or {}), dict(reasons or {})
+        if scratch:
+            own = {name for name in self.tensors if name not in self.named}
+            reads, writes = reads | own, writes | own
         for name in [*reads, *writes, *allowed, *(rows_written or {})]:
             if name not in self.tensors:
                 raise KeyError(f"problems() names {name!r}, which record_accesses was not given: "
