@@ -9,6 +9,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,6 +39,7 @@ def by_package(row: list[int], block_size: int, kernel_block_size: int) -> list[
 
 def test_right_answer_passes() -> None:
     assert check_kernel_block_rows(right)
+    assert check_kernel_block_rows(lambda row, b, kb: [np.int64(x) for x in right(row, b, kb)])  # numpy ints count
     assert str(right(*NOTEBOOK_CASE)) == NOTEBOOK_ROW
 
 

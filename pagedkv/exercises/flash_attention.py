@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from numbers import Integral
 from typing import Any
 
 from pagedkv.exercises import CheckResult, call_on_cases, exercise, package_answer
@@ -72,10 +73,10 @@ def _wrong_row(row: list[int], block_size: int, kernel_block_size: int, got: Any
         lines.append(f"{call} = {[b * k + i for b in row for i in range(k)]}")
         return "\n".join(lines)
 
-    if not isinstance(got, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in got):
+    if not isinstance(got, (list, tuple)) or not all(isinstance(x, Integral) and not isinstance(x, bool) for x in got):
         return CheckResult(False, f"{call} returned a {type(got).__name__}; return a list of ints (kernel block ids).",
                            reveal=worked)
-    got = list(got)
+    got = [int(x) for x in got]  # numpy or torch integers are ints too
     if len(got) != len(row) * k:
         return CheckResult(False, (
             f"{call} returned {len(got)} ids for {len(row)} manager block(s): each manager block of {block_size} "
