@@ -156,7 +156,8 @@ def check_choose_backend(llm: LLM, fn: ChooseFn, layer_name: str = "model.layers
     rng = random.Random()
     cases: list[Case] = [
         (list(get_platform(llm.config.device).backend_priority), report),
-        (list(_NAMES[:3]), {n: [_REASONS[0]] for n in _NAMES}),  # always tried: the answer None is rare at random
+        # Always tried, as None is rare at random: both listed backends refuse, one not listed could serve.
+        (["TRITON_ATTN", "FLASH_ATTN"], {"TORCH_REF": [], "TRITON_ATTN": [_REASONS[1]], "FLASH_ATTN": [_REASONS[0]]}),
         *(_random_case(rng) for _ in range(num_hidden)),
     ]
     # The student's function gets copies, so it cannot change a case before its answer is worked out.
