@@ -276,8 +276,12 @@ class AccessLog:
         for run in self.launches:
             # one line per broken rule and tensor: the first program that broke it, and how many more did
             broken: dict[tuple[str, ...], list[tuple[Program, str]]] = {}
-            for program in run.programs():
-                for key, detail in self._program_problems(run, program, reads, writes, allowed, reasons):
+            by_program: dict[Program, list[Access]] = {}
+            for a in run.accesses:
+                by_program.setdefault(a.program, []).append(a)
+            for program in sorted(by_program):  # grid order: x slowest, as the interpreter runs them
+                found_here = self._program_problems(by_program[program], program, reads, writes, allowed, reasons)
+                for key, detail in found_here:
                     broken.setdefault(key, []).append((program, detail))
             for cases in broken.values():
                 (program, detail), others = cases[0], [p for p, _ in cases[1:]]
@@ -293,13 +297,13 @@ class AccessLog:
         return found
 
     def _program_problems(
-        self, run: KernelLaunch, program: Program, reads: set[str], writes: set[str],
+        self, accesses: list[Access], program: Program, reads: set[str], writes: set[str],
         allowed: dict[str, Allowed], reasons: dict[str, str],
     ) -> list[tuple[tuple[str, ...], str]]:
-        """(rule broken, what this program did) for each rule one program broke."""
+        """(rule broken, what the program did) for each rule one program's `accesses` broke."""
         found = []
         groups: dict[tuple[Kind, str, bool], list[np.ndarray]] = {}
-        for a in run.of(program):
+        for a in accesses:
             groups.setdefault((a.kind, a.tensor, a.inside), []).append(a.offsets)
         for (kind, name, inside), parts in groups.items():
             offsets = np.unique(np.concatenate(parts))
