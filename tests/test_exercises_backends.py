@@ -1,44 +1,27 @@
-"""Checker of notebook 04 (attention backends): accepts a right answer written here, rejects wrong ones with a
-message that says what is wrong, and rejects the package's own implementation handed back or called."""
+"""Checker of notebook 04 (attention backends): accepts a right backend written here, rejects the classic bugs with
+the rule they break (never the right values), and rejects the package's own attention however it is reached
+(inherited, called, called on a thread, or read from the checker's frames)."""
 
 from __future__ import annotations
 
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
-from pagedkv import LLM, SamplingParams
 from pagedkv.attention.backend import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from pagedkv.attention.layer import get_attention_context
-from pagedkv.attention.selector import get_attn_backend, unregister_backend
-from pagedkv.exercises import CheckResult
-from tests.exercise_checks import assert_rejected
-from pagedkv.exercises.attention_groups import (
-    check_lengths,
-    check_null_blocks,
-    manager_window_rows,
-    sliding_window_rows,
-    step_lengths,
-)
+from pagedkv.attention.selector import unregister_backend
+from pagedkv.exercises import _TRIES, reveal
 from pagedkv.exercises.backends import check_backend
-from pagedkv.exercises.environment import check_choose_backend, environment_report, runs_here
-from pagedkv.workbook import list_notebooks
-from pagedkv.exercises.forward_context import check_attention_context
-from pagedkv.exercises.flash_attention import check_kernel_block_rows
-from pagedkv.exercises.model_file import MODEL_HEADS, TP_SIZES, build_attention, check_head_layout, check_qkv_width
-from pagedkv.models.layers import head_layout
-from pagedkv.forward_context import get_forward_context
-from pagedkv.worker.attn_utils import to_kernel_block_table
-
-
+from tests.exercise_checks import assert_rejected
 
 
 @dataclass
@@ -127,10 +110,10 @@ def _backend(name: str, **bugs: object) -> type[AttentionBackend]:
     ("name", "bugs", "phrases"),
     [
         ("TEST_NO_MASK", {"causal": False}, ["causal mask"]),
-        ("TEST_REPEAT", {"interleave": False}, ["heads [1, 2] are wrong", "repeat_interleave"]),
+        ("TEST_REPEAT", {"interleave": False}, ["heads [1, 4] are wrong", "repeat_interleave"]),
         ("TEST_NEW_TENSOR", {"in_place": False}, ["new tensor", "output"]),
-        ("TEST_SHIFTED", {"slot_shift": 1}, ["KV cache write is wrong", "slot_mapping"]),
-        ("TEST_NO_WINDOW", {"windowed": False}, ["sliding window of 32", "Mask the older keys"]),
+        ("TEST_SHIFTED", {"slot_shift": -1}, ["KV cache write is wrong", "slot_mapping"]),
+        ("TEST_NO_WINDOW", {"windowed": False}, ["this layer has a sliding window of", "Mask the older keys"]),
     ],
 )
 def test_backend_rejects_classic_bugs(name: str, bugs: dict[str, object], phrases: list[str]) -> None:
@@ -144,7 +127,8 @@ def test_backend_accepts_a_correct_one() -> None:
     try:
         result = check_backend(_backend("TEST_NAIVE"), device="cpu")
         assert result, result.message
-        assert "every attention output matches TORCH_REF" in result.message
+        assert "every output matches float64 attention" in result.message
+        assert "made-up steps" in result.message
     finally:
         unregister_backend("TEST_NAIVE")
 
@@ -203,10 +187,10 @@ def test_backend_rejects_the_reference_handed_back() -> None:
 
     try:
         assert_rejected(check_backend(Renamed, device="cpu"), "inherits the forward of TorchRefImpl")
-        assert_rejected(check_backend(delegating, device="cpu"), "calls pagedkv's own paged_attention_reference")
-        assert_rejected(check_backend(triton_write, device="cpu"), "calls pagedkv's own reshape_and_cache")
+        assert_rejected(check_backend(delegating, device="cpu"), "Your answer calls paged_attention_reference")
+        assert_rejected(check_backend(triton_write, device="cpu"), "Your answer calls reshape_and_cache")
         assert_rejected(check_backend(borrowed, device="cpu"), "inherits the do_kv_cache_update of TritonCacheWriter")
-        assert_rejected(check_backend(WrappingBackend, device="cpu"), "calls pagedkv's own TorchRefImpl.")
+        assert_rejected(check_backend(WrappingBackend, device="cpu"), "Your answer calls TorchRefImpl.")
     finally:
         for name in ("TEST_RENAMED", "TEST_DELEGATING", "TEST_WRAPPING", "TEST_TRITON_WRITE", "TEST_BORROWED"):
             unregister_backend(name)
@@ -216,3 +200,51 @@ def test_backend_rejects_non_backends() -> None:
     assert_rejected(check_backend(42), "AttentionBackend subclass")
     assert_rejected(check_backend(_backend("TEST_X")()), "AttentionBackend subclass")  # an instance
     assert_rejected(check_backend(_backend("TORCH_REF")), "built-in backend's name")
+
+
+def test_backend_rejects_the_reference_on_a_thread_and_frame_reading() -> None:
+    from pagedkv.attention.backends.torch_ref import TorchRefImpl
+
+    class OnAThread(_Impl):  # the issue's answer: TORCH_REF's forward run on a worker thread
+        def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor) -> torch.Tensor:
+            if attn_metadata is None:
+                return output.zero_()
+            from pagedkv.attention.backends.torch_ref import TorchRefMetadata
+
+            m = attn_metadata
+            ref = TorchRefMetadata(m.slot_mapping.shape[0], m.query_start_loc, m.seq_lens, m.block_table,
+                                   m.slot_mapping)
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output)  # its own cache write
+            pool = ThreadPoolExecutor(max_workers=1)
+            return pool.submit(TorchRefImpl.forward, self, layer, query, key, value, kv_cache, ref, output).result()
+
+    class ReadsTheChecker(_Impl):  # looks for the checker's answer up the stack
+        def forward(self, *args: Any) -> torch.Tensor:
+            frame = sys._getframe(1)
+            return frame.f_locals.get("right", args[-1])
+
+    on_a_thread, reads = _backend("TEST_THREAD"), _backend("TEST_FRAMES")
+    on_a_thread.get_impl_cls = staticmethod(lambda: OnAThread)  # type: ignore[method-assign]
+    reads.get_impl_cls = staticmethod(lambda: ReadsTheChecker)  # type: ignore[method-assign]
+    try:
+        assert_rejected(check_backend(on_a_thread, device="cpu"), "Your answer calls TorchRefImpl.forward")
+        assert_rejected(check_backend(reads, device="cpu"), "reading the checker's frames")
+    finally:
+        unregister_backend("TEST_THREAD")
+        unregister_backend("TEST_FRAMES")
+
+
+def test_backend_message_holds_no_right_values_and_reveal_works_it_out(capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        _TRIES.wrong.clear()
+        results = [check_backend(_backend("TEST_NO_MASK_AGAIN", causal=False), device="cpu") for _ in range(3)]
+        assert "reveal()" not in results[1].message and "reveal()" in results[2].message
+        assert "should start" not in results[2].message and "[" not in results[2].message.split("wrong.")[1][:40]
+        reveal()
+        worked = capsys.readouterr().out
+        assert "04: a backend of your own, worked out" in worked
+        assert "sees keys at positions 0 ..." in worked and "(causal)" in worked
+        assert "head 0 should start" in worked and "query head h reads KV head h // 3" in worked
+    finally:
+        unregister_backend("TEST_NO_MASK_AGAIN")

@@ -1,156 +1,234 @@
-"""Checkers for notebook 05 (attention groups and metadata): step lengths and sliding-window rows."""
+"""Checkers for notebook 05 (attention groups and metadata): step lengths and sliding-window rows.
+
+Both run the student's function first, on the inputs of real engine steps and on cases the checker
+makes up (batches no engine schedules, windows and block sizes of no model, sequences far longer
+than any cache), and only then work out the right answers, inside the check.
+"""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pagedkv.attention.backend import CommonAttentionMetadata
 from pagedkv.engine.events import StepEvent
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.request import SamplingParams
-from pagedkv.exercises import CheckResult, compare
+from pagedkv.exercises import CheckResult, call_on_cases, compare, exercise, package_answer
 from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from pagedkv.worker.model_runner import ModelRunner
+
+_LENGTHS_PACKAGE = [
+    CommonAttentionMetadata.query_lens_cpu.fget, CommonAttentionMetadata.context_lens_cpu.fget,  # type: ignore[attr-defined]
+    ModelRunner.common_attn_metadata,
+]
+_WINDOW_PACKAGE = [KVCacheManager.allocate_slots, KVCacheManager._allocate, KVCacheManager._free_out_of_window]
 
 
-def step_lengths(event: StepEvent) -> dict[str, list[int]]:
-    """context_lens, query_lens and seq_lens of a recorded step, per request in batch order.
-
-    Read off the step's CommonAttentionMetadata (the lengths are the same in every KV cache group).
-    """
-    common = event.runner.common_attn_metadata(event.result.batch, kv_group=0)
-    return {
-        "context_lens": common.context_lens_cpu.tolist(),
-        "query_lens": common.query_lens_cpu.tolist(),
-        "seq_lens": common.seq_lens_cpu.tolist(),
-    }
+def _as_list(value: Any) -> Any:
+    """A tensor, array or tuple of ints as a list (any of them is a fine answer); anything else as it is."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
 
 
-def check_lengths(event: StepEvent, *, query_lens: Any, context_lens: Any) -> CheckResult:
-    """Compare the student's per-request query_lens and context_lens with the recorded step."""
-    expected = step_lengths(event)
-    hints = {
-        "query_lens": "request i's query tokens are rows query_start_loc[i] ... query_start_loc[i + 1] - 1 "
-                      "(1 for a decode)",
-        "context_lens": "tokens already in the KV cache before this step: seq_len - query_len",
-    }
-    for name, got in (("query_lens", query_lens), ("context_lens", context_lens)):
-        if hasattr(got, "tolist"):  # a torch tensor or a numpy array of the right values is right too
-            got = got.tolist()
-        got_list = list(got) if isinstance(got, Sequence) and not isinstance(got, str) else got
-        result = compare(name, got_list, expected[name], hints[name])
-        if not result:
-            return result
-    return CheckResult(True, f"query_lens {expected['query_lens']} and context_lens {expected['context_lens']} "
-                             "match the step's metadata.")
-
-
-def sliding_window_group(llm: LLM) -> int:
-    """Index of the (first) KV cache group whose layers use a sliding window."""
-    for i, group in enumerate(llm.runner.kv_cache_config.kv_cache_groups):
-        if isinstance(group.kv_cache_spec, SlidingWindowSpec):
-            return i
-    raise ValueError("This engine has no sliding-window KV cache group; use a model such as 'tiny-hybrid'.")
-
-
-@dataclass
-class SlidingRowSample:
-    """One request in one step: its context length and its sliding-window block table row."""
-
-    step: int
-    request_id: str
-    context_len: int
-    row: list[int]
-    sliding_window: int
-    block_size: int
-
-    @property
-    def null_blocks(self) -> int:
-        """How many leading entries of the row are the null block 0."""
-        return next((i for i, b in enumerate(self.row) if b != 0), len(self.row))
-
-
-def sliding_window_rows(block_size: int, prompt_len: int = 40, max_tokens: int = 16) -> list[SlidingRowSample]:
-    """Serve one greedy request on "tiny-hybrid" and collect its sliding-window row in every step."""
-    llm = LLM("tiny-hybrid", block_size=block_size, num_kv_blocks=64, max_num_batched_tokens=16)
-    group = sliding_window_group(llm)
-    spec = llm.runner.kv_cache_config.kv_cache_groups[group].kv_cache_spec
-    assert isinstance(spec, SlidingWindowSpec)
-    samples: list[SlidingRowSample] = []
+def _engine_lengths(rng: random.Random) -> list[tuple[list[int], list[int]]]:
+    """(query_start_loc, seq_lens) of every step of a small "tiny-hybrid" run with random prompts:
+    prefills, prefill chunks on cached context and decodes, mixed in one batch."""
+    llm = LLM("tiny-hybrid", block_size=4, num_kv_blocks=64, max_num_batched_tokens=rng.choice([8, 12, 16]),
+              enable_prefix_caching=False)
+    inputs: list[tuple[list[int], list[int]]] = []
 
     def record(event: StepEvent) -> None:
-        lengths = step_lengths(event)
-        for rid, ctx in zip(event.result.batch.req_ids, lengths["context_lens"]):
-            samples.append(SlidingRowSample(event.step, rid, ctx, event.block_ids[rid][group],
-                                            spec.sliding_window, spec.block_size))
+        batch = event.result.batch
+        inputs.append((batch.query_start_loc_cpu.tolist(), batch.seq_lens_cpu.tolist()))
+
+    llm.add_step_listener(record)
+    prompts = [[(5 * i + k) % 250 for i in range(rng.randint(3, 30))] for k in range(3)]
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    return inputs
+
+
+def _made_up_lengths(rng: random.Random) -> list[tuple[list[int], list[int]]]:
+    """(query_start_loc, seq_lens) of batches no engine here schedules: dozens of requests,
+    sequences of a million tokens, chunks of any size."""
+    cases = []
+    for num_reqs in (1, rng.randint(20, 40)):
+        query_lens = [1 if rng.random() < 0.5 else rng.randint(2, 5000) for _ in range(num_reqs)]
+        context_lens = [rng.choice([0, rng.randint(1, 1_000_000)]) for _ in range(num_reqs)]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        cases.append((starts, [c + q for c, q in zip(context_lens, query_lens)]))
+    return cases
+
+
+@exercise("05: query_lens and context_lens from the metadata")
+def check_lengths(fn: Callable[[list[int], list[int]], Any]) -> CheckResult:
+    """Call `fn(query_start_loc, seq_lens)` (plain lists) on the steps of a small engine run and
+    on batches the checker makes up; it must return `(query_lens, context_lens)`, one entry per
+    request each."""
+    if not callable(fn):
+        return CheckResult(False, f"Pass your function itself, got {fn!r}.")
+    own = package_answer(fn, _LENGTHS_PACKAGE, "the lengths")
+    if own is not None:
+        return own
+    rng = random.Random()
+    cases = _engine_lengths(rng) + _made_up_lengths(rng)
+    results, rejected = call_on_cases(
+        fn, cases, _LENGTHS_PACKAGE, "the lengths", lambda case: f"fn({case[0]}, {case[1]})"[:120])
+    if rejected is not None:
+        return rejected
+    # Every call has returned: only now are the lengths worked out.
+    hints = {
+        "query_lens": "request i's query tokens are rows query_start_loc[i] ... query_start_loc[i + 1] - 1, "
+                      "so a decode has 1",
+        "context_lens": "the tokens already in the KV cache before this step: the sequence without this step's "
+                        "query tokens",
+    }
+    for (starts, seq_lens), got in zip(cases, results):
+        where = (f"For query_start_loc {starts} and seq_lens {seq_lens}" if len(seq_lens) <= 4
+                 else f"For a batch of {len(seq_lens)} requests")
+        got = _as_list(got)
+        if not isinstance(got, list) or len(got) != 2:
+            return CheckResult(False, f"{where}, your function returned {type(got).__name__}; return a pair "
+                                      "(query_lens, context_lens).")
+        query_lens = [starts[i + 1] - starts[i] for i in range(len(seq_lens))]
+        context_lens = [s - q for s, q in zip(seq_lens, query_lens)]
+        for name, mine, right in (("query_lens", got[0], query_lens), ("context_lens", got[1], context_lens)):
+            result = compare(name, _as_list(mine), right, hints[name])
+            if not result:
+                result.message = f"{where}: {result.message}"
+                result.reveal = lambda s=starts, n=seq_lens: _worked_lengths(s, n)
+                return result
+    return CheckResult(True, f"query_lens and context_lens right in all {len(cases)} batches "
+                             f"({len(cases) - 2} engine steps, 2 made-up batches of up to a million tokens).")
+
+
+def _worked_lengths(starts: list[int], seq_lens: list[int]) -> str:
+    """query_lens and context_lens of one batch, request by request (the first 6)."""
+    lines = [f"query_start_loc = {starts[:7]}{' ...' if len(starts) > 7 else ''}",
+             f"seq_lens = {seq_lens[:6]}{' ...' if len(seq_lens) > 6 else ''}"]
+    for i, seq_len in enumerate(seq_lens[:6]):
+        query_len = starts[i + 1] - starts[i]
+        lines.append(f"  request {i}: query_len = {starts[i + 1]} - {starts[i]} = {query_len}; "
+                     f"context_len = seq_len - query_len = {seq_len} - {query_len} = {seq_len - query_len}")
+    return "\n".join(lines)
+
+
+def _schedule(prompt_len: int, budget: int, max_tokens: int) -> list[int]:
+    """The context_len of every step of one request served alone: prompt chunks of `budget`
+    tokens, then one token per step (the last sampled token is never run)."""
+    context_lens, computed = [], 0
+    while computed < prompt_len + max_tokens - 1:
+        context_lens.append(computed)
+        computed += min(budget, prompt_len - computed) if computed < prompt_len else 1
+    return context_lens
+
+
+def _engine_rows(block_size: int, prompt_len: int, budget: int, max_tokens: int) -> list[tuple[int, list[int]]]:
+    """(context_len, sliding-window row) of every step of one greedy request on "tiny-hybrid"."""
+    llm = LLM("tiny-hybrid", block_size=block_size, num_kv_blocks=64, max_num_batched_tokens=budget,
+              enable_prefix_caching=False)
+    groups = llm.runner.kv_cache_config.kv_cache_groups
+    group = next(i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, SlidingWindowSpec))
+    rows: list[tuple[int, list[int]]] = []
+
+    def record(event: StepEvent) -> None:
+        batch = event.result.batch
+        query_len = batch.query_start_loc_cpu[1] - batch.query_start_loc_cpu[0]
+        rows.append((int(batch.seq_lens_cpu[0] - query_len), list(event.block_ids[batch.req_ids[0]][group])))
 
     llm.add_step_listener(record)
     prompt = [(3 * i + 1) % 250 for i in range(prompt_len)]
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                               ignore_eos=True))
-    return samples
+                                                               ignore_eos=True), use_tqdm=False)
+    return rows
 
 
-def manager_window_rows(
-    sliding_window: int, block_size: int, prompt_len: int, budget: int = 16, max_tokens: int = 16
-) -> list[SlidingRowSample]:
-    """The rows of `sliding_window_rows` for any window: the same schedule (prompt chunks of
-    `budget` tokens, then one token per step) played on a KV cache manager with one
-    sliding-window group, without a model ("tiny-hybrid" has only the window 32)."""
+def _manager_rows(
+    window: int, block_size: int, prompt_len: int, budget: int, max_tokens: int
+) -> list[tuple[int, list[int]]]:
+    """The rows of `_engine_rows` for any window: the same schedule played on a KV cache manager
+    with one sliding-window group, without a model ("tiny-hybrid" has only the window 32)."""
     spec = SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
-                             sliding_window=sliding_window)
-    num_blocks = spec.blocks_needed(prompt_len + max_tokens) + 1
-    manager = KVCacheManager(KVCacheConfig(num_blocks, [KVCacheGroupSpec(["window_layer"], spec)]))
-    samples: list[SlidingRowSample] = []
-    computed, step = 0, 1
-    while computed < prompt_len + max_tokens - 1:  # the last sampled token is never run
-        new = min(budget, prompt_len - computed) if computed < prompt_len else 1
-        assert manager.allocate_slots("0", computed, new)
-        samples.append(SlidingRowSample(step, "0", computed, manager.get_block_ids("0")[0], sliding_window,
-                                        block_size))
-        computed, step = computed + new, step + 1
-    return samples
+                             sliding_window=window)
+    manager = KVCacheManager(KVCacheConfig(spec.blocks_needed(prompt_len + max_tokens) + 1,
+                                           [KVCacheGroupSpec(["window_layer"], spec)]))
+    rows = []
+    schedule = _schedule(prompt_len, budget, max_tokens)
+    for context_len, after in zip(schedule, schedule[1:] + [prompt_len + max_tokens - 1]):
+        assert manager.allocate_slots("0", context_len, after - context_len)
+        rows.append((context_len, list(manager.get_block_ids("0")[0])))
+    return rows
 
 
+@exercise("05: null blocks of a sliding-window row")
 def check_null_blocks(fn: Callable[[int, int, int], Any]) -> CheckResult:
-    """Compare `fn(context_len, sliding_window, block_size)` with the null blocks of real rows.
+    """Compare `fn(context_len, sliding_window, block_size)` with the leading null blocks of real rows.
 
-    The engine serves a long request on "tiny-hybrid" (window 32) with block sizes 4 and 8 (as the
-    notebook says), then once more with a block size and a prompt length drawn at random on each
-    call; a KV cache manager then plays the same schedule with a random other window. In every
-    step the number of leading null blocks in the request's sliding-window row must equal fn(...).
+    The rows: "tiny-hybrid" (window 32) serving a long request with block sizes 4 and 8 (as the
+    notebook says) and one drawn at random; a KV cache manager alone playing the same schedule with
+    a window drawn at random; and sequences far longer than any cache here, with windows of real
+    models and odd block sizes (no manager can hold those rows; the checker works them out).
+    Every call of `fn` comes first; the engine and the manager run afterwards.
     """
     if not callable(fn):
         return CheckResult(False, f"Pass your function itself, got {fn!r}.")
-    checked = 0
+    own = package_answer(fn, _WINDOW_PACKAGE, "the count")
+    if own is not None:
+        return own
     rng = random.Random()
-    runs = [(4, 40), (8, 40), (rng.choice([2, 3, 5, 6, 16]), rng.randint(33, 70))]
+    budget, max_tokens = 16, 16
+    engine_runs = [(4, 40), (8, 40), (rng.choice([2, 3, 5, 6, 16]), rng.randint(33, 70))]
     other = (rng.choice([8, 12, 20, 48]), rng.choice([2, 4, 5, 8]), rng.randint(40, 80))
-    runs_rows = [sliding_window_rows(b, n) for b, n in runs] + [manager_window_rows(*other)]
-    for rows in runs_rows:
-        for s in rows:
-            try:
-                got = fn(s.context_len, s.sliding_window, s.block_size)
-            except Exception as exc:  # noqa: BLE001  (the student's code may raise anything)
-                return CheckResult(False, f"fn({s.context_len}, {s.sliding_window}, {s.block_size}) raised "
-                                          f"{type(exc).__name__}: {exc}.")
-            checked += 1
-            if got != s.null_blocks:
-                first_query = s.context_len
-                oldest_key = max(first_query - s.sliding_window + 1, 0)
-                return CheckResult(
-                    False,
-                    f"In step {s.step} (context_len {s.context_len}, window {s.sliding_window}, block size "
-                    f"{s.block_size}) the engine's row starts {s.row[: s.null_blocks + 2]}...: "
-                    f"{s.null_blocks} null block(s), your function says {got!r}. Hint: the earliest query of "
-                    f"the step is at position {first_query}; it still sees keys down to position "
-                    f"max({first_query} - {s.sliding_window} + 1, 0) = {oldest_key}, and only blocks that end "
-                    "before that position can be given back.",
-                )
-    return CheckResult(True, f"Your function matches the engine's sliding-window rows in all {checked} "
-                             f"(step, block size) cases: window 32 with block sizes {[b for b, _ in runs]}, "
-                             f"window {other[0]} with block size {other[1]}.")
+    huge = [(rng.randint(10**6, 10**12), window, block)
+            for window in (4096, 131072, rng.randint(33, 9999)) for block in (16, rng.choice([3, 7, 13]))]
+    cases = [(c, 32, b, f"'tiny-hybrid' (block size {b}, prompt of {n} tokens)")
+             for b, n in engine_runs for c in _schedule(n, budget, max_tokens)]
+    cases += [(c, other[0], other[1], f"a KV cache manager (window {other[0]}, block size {other[1]})")
+              for c in _schedule(other[2], budget, max_tokens)]
+    cases += [(c, w, b, "a made-up sequence") for c, w, b in huge]
+    results, rejected = call_on_cases(fn, [case[:3] for case in cases], _WINDOW_PACKAGE, "the count",
+                                      lambda case: f"fn({case[0]}, {case[1]}, {case[2]})")
+    if rejected is not None:
+        return rejected
+    # Every call has returned: only now do the engine and the manager make the real rows.
+    rows = [row for b, n in engine_runs for row in _engine_rows(b, n, budget, max_tokens)]
+    rows += _manager_rows(*other, budget, max_tokens)
+    if [r[0] for r in rows] != [c[0] for c in cases[: len(rows)]]:
+        raise RuntimeError("The engine's schedule is not the one the checker planned (context_lens differ).")
+    for (context_len, window, block, where), got, row in zip(cases, results, [r for _, r in rows] + [None] * len(huge)):
+        right = (next((i for i, b in enumerate(row) if b != 0), len(row)) if row is not None
+                 else max(context_len - window + 1, 0) // block)
+        if got != right:
+            return CheckResult(
+                False,
+                f"In {where}, a step with context_len {context_len}: your function says {got!r} null "
+                f"block(s), which is not it. Hint: the step's earliest query sits at position context_len and "
+                f"still sees the last sliding_window positions up to its own; a block can be given back only "
+                "when all its positions are older than that, and there is never a negative number of blocks.",
+                reveal=lambda c=context_len, w=window, b=block: _worked_null_blocks(c, w, b),
+            )
+    return CheckResult(True, f"Your function matches all {len(cases)} rows: window 32 with block sizes "
+                             f"{[b for b, _ in engine_runs]}, window {other[0]} with block size {other[1]}, and "
+                             f"{len(huge)} sequences of up to 10^12 tokens.")
+
+
+def _worked_null_blocks(context_len: int, window: int, block_size: int) -> str:
+    """The null-block count of one step, step by step."""
+    oldest = max(context_len - window + 1, 0)
+    return "\n".join([
+        f"context_len = {context_len}, sliding_window = {window}, block_size = {block_size}",
+        f"  the earliest query of the step sits at position context_len = {context_len}",
+        f"  it sees positions p with {context_len} - p < {window}: the oldest it sees is "
+        f"max({context_len} - {window} + 1, 0) = {oldest}",
+        f"  blocks 0 ... j hold positions up to (j + 1) * {block_size} - 1; those wholly before position {oldest} "
+        f"are {oldest} // {block_size} = {oldest // block_size} block(s)",
+        f"  num_null_blocks = max(context_len - sliding_window + 1, 0) // block_size = {oldest // block_size}",
+    ])

@@ -1,11 +1,14 @@
-"""Checkers for notebook 04 (attention backends): "write your own backend".
+"""Checker for notebook 04 (attention backends): "write your own backend".
 
-`check_backend(MyBackend)` registers the class, serves the same greedy requests with it and
-with TORCH_REF (the oracle) on "tiny-hybrid" (layers 0 and 2 see only the last 32 positions, and
-one prompt is longer than that: the notebook's NAIVE backend ignores the window and fails), and
-compares every attention layer's output in every step. A backend whose impl inherits its work
-(forward, do_kv_cache_update) from a built-in impl, or calls into one, is turned away. When the
-outputs differ, it looks at *which* rows and heads differ and names the usual cause:
+`check_backend(MyBackend)` first calls your builder and impl directly, on batches, head
+geometries (GQA ratios 3 and 5, MQA, MHA), head sizes, block sizes, sliding windows and scrambled
+block tables that it makes up and no package test uses, two steps each (prefills, then decodes and
+chunks on top of what your impl cached). Then it registers the backend and serves two prompts on
+"tiny-hybrid" with it (layers 0 and 2 see only the last 32 positions; one prompt is longer).
+Every attention output is compared with attention worked out inside the checker in float64,
+after your code has run. An impl that inherits its work (forward, do_kv_cache_update) from a
+built-in impl, or calls into one on any thread, is turned away. When outputs differ, the checker
+looks at *which* rows and heads differ and names the usual cause:
 
     the step's K/V are not in their slots after the step          -> cache write
     the right values came back in a new tensor                    -> `output` not written in place
@@ -17,30 +20,32 @@ outputs differ, it looks at *which* rows and heads differ and names the usual ca
 
 from __future__ import annotations
 
+import random
+import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import sys
-import types
-
 import torch
 
-from pagedkv.attention.backend import AttentionBackend
-from pagedkv.attention.layer import Attention
+from pagedkv.attention.backend import AttentionBackend, AttentionType, CommonAttentionMetadata
 from pagedkv.attention.selector import backend_report, register_backend
+from pagedkv.config import EngineConfig, ModelConfig
 from pagedkv.engine.events import StepEvent
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.request import SamplingParams
-from pagedkv.exercises import CheckResult, used_package, watch_calls
-from pagedkv.exercises.attention_groups import step_lengths
+from pagedkv.exercises import CheckResult, exercise, used_package, watch_calls
+from pagedkv.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
+from pagedkv.platforms import default_device
 
-REFERENCE_BACKEND = "TORCH_REF"
 MODEL = "tiny-hybrid"
+_BUILTIN_NAMES = ("TORCH_REF", "TRITON_ATTN", "FLASH_ATTN", "TORCH_REF_MLA", "TRITON_MLA")
 _BUILTIN_MODULES = tuple(f"pagedkv.attention.backends.{m}" for m in ("torch_ref", "triton_attn", "flash_attn"))
 _WORK_METHODS = ("forward", "do_kv_cache_update")
+_ATOL = 1e-4
 
-# Two prompts of different lengths and a small token budget, so that the steps mix a
+# Two prompts of different lengths and a small token budget, so that the engine's steps mix a
 # prefill from scratch, prefill chunks on top of cached context, and decodes; the second
 # prompt is longer than the sliding window (32) of layers 0 and 2.
 _PROMPTS: list[list[int]] = [
@@ -49,12 +54,10 @@ _PROMPTS: list[list[int]] = [
 ]
 _ENGINE_KWARGS: dict[str, Any] = {
     "block_size": 4, "num_kv_blocks": 64, "max_num_batched_tokens": 16, "dtype": torch.float32,
-    # Eager: the hooks and the wrapped impl.forward below must run in every step, and a replayed
-    # CUDA graph runs no Python (notebook 08).
+    "enable_prefix_caching": False,
+    # Eager: the hooks below must run in every step, and a replayed CUDA graph runs no Python (notebook 08).
     "enforce_eager": True,
 }
-_MAX_TOKENS = 5
-_ATOL = 1e-4
 _QUERY_POSITIONS = (
     "query row i of a request sits at position seq_len - query_len + i, so a mask aligned to the "
     "top-left corner (like scaled_dot_product_attention's is_causal=True) is wrong when query_len < seq_len."
@@ -68,223 +71,171 @@ def selector_report(llm: LLM, layer_name: str) -> dict[str, list[str]]:
 
 
 @dataclass
-class StepRecord:
-    """One engine step as the checker saw it: the batch and each layer's attention output."""
+class _Geometry:
+    """One made-up layer: heads, head size, window, and the cache it reads."""
 
-    step: int
-    req_ids: list[str]
-    context_lens: list[int]
-    query_lens: list[int]
-    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Layer name -> attention output [tokens, num_heads, head_size] (before o_proj), on the CPU."""
-    cache_errors: dict[str, str] = field(default_factory=dict)
-    """Layer name -> what is wrong with the K/V found in this step's slots after the step."""
-    returned: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Layer name -> what impl.forward returned, when that was not the `output` it was given."""
-
-    def describe(self) -> str:
-        parts = []
-        for rid, ctx, q in zip(self.req_ids, self.context_lens, self.query_lens):
-            kind = "decode" if q == 1 and ctx > 0 else ("prefill chunk" if ctx > 0 else "prefill")
-            parts.append(f"request {rid}: {kind}, context_len {ctx}, query_len {q}")
-        return "; ".join(parts)
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    sliding_window: int | None
+    num_blocks: int
 
 
 @dataclass
-class BackendRun:
-    """Everything one engine run with one backend produced."""
+class _Step:
+    """One step of the student's attention, as the checker saw it (what is needed to judge it afterwards)."""
 
-    backend_names: dict[str, str]
-    tokens: list[list[int]]
-    steps: list[StepRecord]
-    sliding_windows: dict[str, int | None] = field(default_factory=dict)
-    """Layer name -> its sliding window (None: it sees the whole sequence)."""
+    where: str
+    context_lens: list[int]
+    query_lens: list[int]
+    query: torch.Tensor
+    """[tokens, heads, head_size] as given."""
+    keys: list[torch.Tensor]
+    """Per request: the keys of all its positions so far, [seq_len, kv_heads, head_size]."""
+    values: list[torch.Tensor]
+    scale: float
+    sliding_window: int | None
+    output: torch.Tensor | None = None
+    """What ended up in `output` (None: not recorded, the step failed before)."""
+    returned: torch.Tensor | None = None
+    """What forward returned, when that was not the `output` it was given."""
+    cache_error: str = ""
 
 
-_reference_runs: dict[str, BackendRun] = {}
+@dataclass
+class _Layer:
+    """What an impl may read from the layer that calls it."""
+
+    layer_name: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float = field(default=1.0)
 
 
-def reference_run(device: torch.device | str | None = None) -> BackendRun:
-    """`run_backend(TORCH_REF)`, computed once per device and session."""
-    key = str(device)
-    if key not in _reference_runs:
-        _reference_runs[key] = run_backend(REFERENCE_BACKEND, device)
-    return _reference_runs[key]
+def _made_up_geometries(rng: random.Random) -> list[_Geometry]:
+    """GQA 3:1, MQA 5:1 with a window, MHA with a short window: shapes no model or test here uses."""
+    return [
+        _Geometry(6, 2, 12, 3, None, 40),
+        _Geometry(5, 1, 20, 5, rng.choice([7, 9]), 40),
+        _Geometry(4, 4, 8, 7, rng.choice([4, 6]), 40),
+    ]
 
 
-def run_backend(name: str, device: torch.device | str | None = None) -> BackendRun:
-    """Serve the checker's prompts greedily with backend `name`, recording every attention output."""
-    llm = LLM(MODEL, attention_backend=name, device=device, **_ENGINE_KWARGS)
-    steps: list[StepRecord] = []
-    # What the current step produced so far, per layer name; moved into a StepRecord after the step.
-    outputs: dict[str, torch.Tensor] = {}
-    new_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    returned: dict[str, torch.Tensor] = {}
+def _made_up_steps(geometry: _Geometry, rng: random.Random) -> list[tuple[list[int], list[int]]]:
+    """(context_lens, query_lens) of two steps: prefills of three requests, then a decode and two
+    chunks on top of what the first step cached (requests in batch order: decodes first)."""
+    first = [rng.randint(1, 3), rng.randint(6, 12), rng.randint(10, 16)]
+    return [([0, 0, 0], first), (first, [1, rng.randint(2, 5), rng.randint(8, 12)])]
 
-    def record_kv(module: Attention, args: tuple[Any, ...]) -> None:
-        _, key, value = args
-        new_kv[module.layer_name] = (key.detach().clone(), value.detach().clone())
 
-    def record_output(module: Attention, args: tuple[Any, ...], output: torch.Tensor) -> None:
-        outputs[module.layer_name] = output.detach().view(-1, module.num_heads, module.head_size).float().cpu()
+def _watched(fn: Callable[..., Any], called: list[str]) -> Callable[..., Any]:
+    """`fn` (the student's code), watched for calls of the built-in backends' work while it runs:
+    only the student's code is watched, not the engine around it."""
+    work = _builtin_work()
 
-    def watch_return(layer_name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
-        """Wrap impl.forward to keep what it returns when that is not the `output` it was given."""
-        def forward_and_watch(layer: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            output = args[4] if len(args) > 4 else kwargs["output"]
-            # The engine's `output` is uninitialised memory: zeroed, rows the impl leaves unwritten
-            # read 0 (diagnosed as such), not whatever was there (sometimes NaN, diagnosed as a mask bug).
-            output.zero_()
-            result = forward(layer, query, *args, **kwargs)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with watch_calls(work) as seen:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                called.extend(n for n in seen if n not in called)
+
+    return run
+
+
+def _call_student(backend: type[AttentionBackend], impl_cls: type, builder_cls: type, rng: random.Random,
+                  device: torch.device, called: list[str]) -> tuple[list[_Step], str | None]:
+    """Run the student's builder and impl on the made-up cases; (the steps, a failure message or None)."""
+    steps: list[_Step] = []
+    for number, g in enumerate(_made_up_geometries(rng), start=1):
+        scale = g.head_size ** -0.5
+        config = EngineConfig(ModelConfig("sandbox"))
+        impl = _watched(impl_cls, called)(g.num_heads, g.head_size, scale, g.num_kv_heads, g.sliding_window,
+                                          torch.float32, AttentionType.DECODER)
+        spec_args = (g.block_size, g.num_kv_heads, g.head_size, torch.float32)
+        spec = SlidingWindowSpec(*spec_args, sliding_window=g.sliding_window) if g.sliding_window \
+            else FullAttentionSpec(*spec_args)
+        builder = _watched(builder_cls, called)(spec, ["made.up.attn"], config, device)
+        layer = _Layer("made.up.attn", g.num_heads, g.num_kv_heads, g.head_size, scale)
+        kv_cache = torch.randn(backend.get_kv_cache_shape(g.num_blocks, g.block_size, g.num_kv_heads,
+                                                          g.head_size), device=device)
+        # Scrambled physical blocks, never the null block 0, no two requests sharing one.
+        blocks = rng.sample(range(1, g.num_blocks), g.num_blocks - 1)
+        rows = [blocks[i::3] for i in range(3)]
+        history_k: list[list[torch.Tensor]] = [[], [], []]
+        history_v: list[list[torch.Tensor]] = [[], [], []]
+        window = f", sliding window {g.sliding_window}" if g.sliding_window else ""
+        for step_number, (context_lens, query_lens) in enumerate(_made_up_steps(g, rng), start=1):
+            where = (f"Made-up case {number} ({g.num_heads} query heads, {g.num_kv_heads} KV head(s) of size "
+                     f"{g.head_size}, block size {g.block_size}{window}), step {step_number}")
+            n = sum(query_lens)
+            query = torch.randn(n, g.num_heads, g.head_size, device=device)
+            key = torch.randn(n, g.num_kv_heads, g.head_size, device=device)
+            value = torch.randn(n, g.num_kv_heads, g.head_size, device=device)
+            slots, start = [], 0
+            for i, (c, q) in enumerate(zip(context_lens, query_lens)):
+                slots += [rows[i][p // g.block_size] * g.block_size + p % g.block_size for p in range(c, c + q)]
+                history_k[i].append(key[start:start + q].clone())
+                history_v[i].append(value[start:start + q].clone())
+                start += q
+            starts = torch.tensor([0] + [sum(query_lens[: i + 1]) for i in range(3)], dtype=torch.int32)
+            seq_lens = torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.int32)
+            width = max(len(r) for r in rows)
+            common = CommonAttentionMetadata(
+                query_start_loc=starts.to(device), query_start_loc_cpu=starts, seq_lens=seq_lens.to(device),
+                seq_lens_cpu=seq_lens, num_reqs=3, num_actual_tokens=n, max_query_len=max(query_lens),
+                max_seq_len=int(seq_lens.max()),
+                block_table_tensor=torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32,
+                                                device=device),
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            )
+            step = _Step(where, list(context_lens), list(query_lens), query.clone(),
+                         [torch.cat(h) for h in history_k], [torch.cat(h) for h in history_v], scale,
+                         g.sliding_window)
+            steps.append(step)
+            before = kv_cache.clone()
+            output = torch.zeros_like(query)
+            try:
+                metadata = _watched(builder.build, called)(common)
+                if not backend.forward_includes_kv_cache_update:
+                    _watched(impl.do_kv_cache_update, called)(layer, key, value, kv_cache, common.slot_mapping)
+                result = _watched(impl.forward, called)(layer, query, key, value, kv_cache, metadata, output)
+            except Exception as exc:  # noqa: BLE001  (the student's code may fail anywhere; say where)
+                if called:
+                    return steps, None
+                return steps, f"{where}: your backend raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            step.output = output.detach().clone()
             if isinstance(result, torch.Tensor) and result.data_ptr() != output.data_ptr():
-                returned[layer_name] = result.detach().float().cpu()
-            return result
-
-        return forward_and_watch
-
-    def record_step(event: StepEvent) -> None:
-        lengths = step_lengths(event)
-        record = StepRecord(
-            event.step, list(event.result.batch.req_ids), lengths["context_lens"], lengths["query_lens"],
-            dict(outputs), returned=dict(returned),
-        )
-        for layer_name, (key, value) in new_kv.items():
-            error = cache_write_error(
-                llm.runner.attn_layers[layer_name], key, value, event.result.slot_mapping[layer_name]
-            )
-            if error:
-                record.cache_errors[layer_name] = error
-        steps.append(record)
-        outputs.clear()
-        new_kv.clear()
-        returned.clear()
-
-    layers = llm.runner.attn_layers
-    for layer_name, layer in layers.items():
-        layer.impl.forward = watch_return(layer_name, layer.impl.forward)
-    hooks = [layer.register_forward_hook(record_output) for layer in layers.values()]
-    hooks += [layer.register_forward_pre_hook(record_kv) for layer in layers.values()]
-    llm.add_step_listener(record_step)
-    params = SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, ignore_eos=True)
-    try:
-        results = llm.generate([{"prompt_token_ids": p} for p in _PROMPTS], params)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return BackendRun(
-        {n: layer.attn_backend.get_name() for n, layer in layers.items()},
-        [r.outputs[0].token_ids for r in results],
-        steps,
-        {n: layer.impl.sliding_window for n, layer in layers.items()},
-    )
+                step.returned = result.detach().clone()
+            step.cache_error = _cache_write_error(kv_cache, before, key, value, common.slot_mapping)
+    return steps, None
 
 
-def cache_write_error(layer: Attention, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> str:
-    """What is wrong with the new K/V in `layer`'s cache after a step ("" if right or not checkable).
+def _cache_write_error(cache: torch.Tensor, before: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> str:
+    """What is wrong with the cache after a step ("" if right or not the default layout).
 
-    Only the default layout (2, num_blocks, block_size, num_kv_heads, head_size) is checked.
+    Only the default layout (2, num_blocks, block_size, num_kv_heads, head_size) is checked: the
+    step's K/V must be in their slots, and no other slot may have changed.
     """
-    cache = layer.kv_cache
-    if cache.dim() != 5 or cache.shape[0] != 2 or tuple(cache.shape[3:]) != (layer.num_kv_heads, layer.head_size):
+    if cache.dim() != 5 or cache.shape[0] != 2 or tuple(cache.shape[3:]) != tuple(key.shape[1:]):
         return ""
-    flat = cache.view(2, -1, layer.num_kv_heads, layer.head_size)
-    n = slot_mapping.shape[0]
-    tokens = (slot_mapping >= 0).nonzero().flatten()
-    slots = slot_mapping[tokens]
+    flat, old = cache.view(2, -1, *key.shape[1:]), before.view(2, -1, *key.shape[1:])
     for index, which, new in ((0, "key", key), (1, "value", value)):
-        expected = new[:n].view(n, layer.num_kv_heads, layer.head_size)[tokens].float()
-        wrong = ~torch.isclose(flat[index, slots].float(), expected, atol=_ATOL, rtol=1e-3).flatten(1).all(dim=1)
+        wrong = ~torch.isclose(flat[index, slot_mapping], new, atol=_ATOL, rtol=1e-3).flatten(1).all(dim=1)
         if wrong.any():
-            token = int(tokens[wrong.nonzero()[0, 0]])
-            slot = int(slot_mapping[token])
-            return (
-                f"after the step, slot {slot} does not hold the {which} of token {token} "
-                f"(slot_mapping[{token}] = {slot}). Write token t's key into kv_cache[0] and its value "
-                "into kv_cache[1], at flat slot slot_mapping[t] of the (num_blocks * block_size) "
-                "token rows, and skip slots of -1."
-            )
+            token = int(wrong.nonzero()[0, 0])
+            return (f"after the step, the slot of token {token} (slot_mapping[{token}]) does not hold its {which}. "
+                    "Write token t's key into kv_cache[0] and its value into kv_cache[1], at flat slot "
+                    "slot_mapping[t] of the (num_blocks * block_size) token rows, and skip slots of -1.")
+    others = torch.ones(flat.shape[1], dtype=torch.bool, device=flat.device)
+    others[slot_mapping] = False
+    if not torch.equal(flat[:, others], old[:, others]):
+        return ("slots that are not this step's changed: write only at slot_mapping's slots "
+                "(slot = block * block_size + offset; block b holds slots b * block_size ... b * block_size + block_size - 1).")
     return ""
-
-
-def _query_positions(step: StepRecord) -> torch.Tensor:
-    """The position of every query row of the step: request i's rows are its last query_len positions."""
-    return torch.cat([torch.arange(c, c + q) for c, q in zip(step.context_lens, step.query_lens)])
-
-
-def _diagnose(step: StepRecord, layer: str, got: torch.Tensor, ref: torch.Tensor, window: int | None) -> str:
-    """Name the most likely cause of a difference in one layer's output of one step."""
-    diff = (got - ref).abs()
-    if not torch.isfinite(got).all():
-        cause = (
-            "the output contains NaN or inf. A fully masked row gives softmax(-inf, ...) = NaN: "
-            "check that every query sees at least itself (its own key is at position seq_len - query_len + i)."
-        )
-        return f"Step {step.step}, layer {layer!r} ({step.describe()}): {cause}"
-    bad_row = diff.amax(dim=(1, 2)) > _ATOL  # [tokens]
-    bad_head = diff.amax(dim=(0, 2)) > _ATOL  # [heads]
-    starts = [0]
-    for q in step.query_lens:
-        starts.append(starts[-1] + q)
-    bad_reqs = [i for i in range(len(step.query_lens)) if bad_row[starts[i] : starts[i + 1]].any()]
-    where = (
-        f"Step {step.step}, layer {layer!r}: max |yours - {REFERENCE_BACKEND}| = {diff.max().item():.3g} "
-        f"in {int(bad_row.sum())} of {len(bad_row)} token rows ({step.describe()})."
-    )
-    result = step.returned.get(layer)
-    if window is not None and bool((_query_positions(step)[bad_row] >= window).all()):
-        cause = (
-            f"Only rows whose query sits at position {window} or later are wrong, and this layer has a sliding "
-            f"window of {window} (impl.sliding_window): a query at position p sees only keys at positions "
-            f"p - {window - 1} ... p. Mask the older keys too."
-        )
-    elif result is not None and result.numel() == ref.numel() and torch.allclose(
-        result.view_as(ref), ref, atol=_ATOL, rtol=1e-3
-    ):
-        cause = (
-            "impl.forward returned the right values in a new tensor, but the engine reads the `output` "
-            "tensor it passed in: write into it (output[...] = ..., or output.copy_(...))."
-        )
-    elif got[bad_row].abs().max() == 0:
-        cause = (
-            "The engine reads the `output` tensor it passed to impl.forward, and yours left rows "
-            "of it unwritten: write every row of the result into `output`."
-        )
-    elif 0 < int(bad_head.sum()) < len(bad_head):
-        good = (~bad_head).nonzero().flatten().tolist()
-        bad = bad_head.nonzero().flatten().tolist()
-        cause = (
-            f"Query heads {good} are right but heads {bad} are wrong: query head h must read KV head "
-            "h // (num_heads // num_kv_heads). Repeat each KV head for its query heads with "
-            "repeat_interleave (0,0,1,1), not repeat (0,1,0,1)."
-        )
-    elif all(
-        not bad_row[starts[i + 1] - 1] and bad_row[starts[i] : starts[i + 1] - 1].any()
-        for i in bad_reqs
-    ) and bad_reqs:
-        cause = (
-            "In each wrong request only the earlier query rows differ; its last row is right. "
-            "The last query token may see every key, the others must not see later ones: "
-            "apply the causal mask (key position <= query position)."
-        )
-    elif bad_reqs and all(step.context_lens[i] > 0 for i in bad_reqs) and any(
-        step.context_lens[i] == 0 for i in range(len(step.query_lens))
-    ):
-        cause = (
-            "Requests with no cached context are right, those that read earlier tokens from the "
-            "cache are wrong. Check the read through the block table (logical block j of request i "
-            f"is block_table[i, j]) and the causal mask: {_QUERY_POSITIONS}"
-        )
-    elif bad_reqs and all(step.context_lens[i] > 0 for i in bad_reqs):
-        cause = (
-            "Only requests that read cached tokens are wrong. Check the read through the block table, "
-            f"that all seq_len keys (not just query_len) are attended to, and the causal mask: {_QUERY_POSITIONS}"
-        )
-    else:
-        cause = (
-            "Requests of every kind are wrong. Check the scale (impl.scale = 1/sqrt(head_size)), that the "
-            "softmax runs over the key axis, and that V is weighted by the probabilities."
-        )
-    return f"{where} {cause}"
 
 
 def _builtin_work() -> list[Callable[..., Any]]:
@@ -317,10 +268,67 @@ def _inherited_work(impl_cls: type) -> str | None:
     return None
 
 
-def check_backend(backend: Any, device: torch.device | str | None = None) -> CheckResult:
-    """Register `backend`, serve requests with it, and compare with TORCH_REF layer by layer.
+def _serve(name: str, device: torch.device | str | None, called: list[str]) -> tuple[list[_Step], dict[str, str]]:
+    """Serve the checker's prompts with backend `name`, recording what every attention layer got and gave."""
+    llm = LLM(MODEL, attention_backend=name, device=device, **_ENGINE_KWARGS)
+    layers = llm.runner.attn_layers
+    for layer in layers.values():
+        if layer.attn_backend.get_name() == name:
+            for method in _WORK_METHODS:
+                setattr(layer.impl, method, _watched(getattr(layer.impl, method), called))
+    for groups in llm.runner.attn_groups:
+        for group in groups:
+            if group.backend.get_name() == name:
+                group.metadata_builder.build = _watched(group.metadata_builder.build, called)
+    steps: list[_Step] = []
+    seen: dict[str, tuple[torch.Tensor, ...]] = {}  # this step: layer name -> (query, key, value, output)
+    histories: dict[tuple[str, str], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
-    `backend` is your `AttentionBackend` subclass (the class itself, not an instance).
+    def record_inputs(module: Any, args: tuple[Any, ...]) -> None:
+        seen[module.layer_name] = tuple(a.detach().float().cpu() for a in args)
+
+    def record_output(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        seen[module.layer_name] += (output.detach().float().cpu(),)
+
+    def record_step(event: StepEvent) -> None:
+        batch = event.result.batch
+        starts = batch.query_start_loc_cpu.tolist()
+        query_lens = [b - a for a, b in zip(starts, starts[1:])]
+        context_lens = [s - q for s, q in zip(batch.seq_lens_cpu.tolist(), query_lens)]
+        for layer_name, (query, key, value, output) in seen.items():
+            layer = layers[layer_name]
+            heads, kv_heads, size = layer.num_heads, layer.num_kv_heads, layer.head_size
+            key, value = key.view(-1, kv_heads, size), value.view(-1, kv_heads, size)
+            keys, values = [], []
+            for rid, a, b in zip(batch.req_ids, starts, starts[1:]):
+                past_k, past_v = histories.setdefault((layer_name, rid), ([], []))
+                past_k.append(key[a:b])
+                past_v.append(value[a:b])
+                keys.append(torch.cat(past_k))
+                values.append(torch.cat(past_v))
+            steps.append(_Step(f"Step {event.step} of {MODEL!r}, layer {layer_name!r}", context_lens, query_lens,
+                               query.view(-1, heads, size), keys, values, layer.scale, layer.sliding_window,
+                               output=output.view(-1, heads, size)))
+        seen.clear()
+
+    hooks = [layer.register_forward_pre_hook(record_inputs) for layer in layers.values()]
+    hooks += [layer.register_forward_hook(record_output) for layer in layers.values()]
+    llm.add_step_listener(record_step)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in _PROMPTS], params, use_tqdm=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return steps, {n: layer.attn_backend.get_name() for n, layer in layers.items()}
+
+
+@exercise("04: a backend of your own")
+def check_backend(backend: Any, device: torch.device | str | None = None) -> CheckResult:
+    """Run your builder and impl on made-up batches, then serve "tiny-hybrid" with your backend, and
+    compare every attention output with float64 attention worked out by the checker afterwards.
+
+    `backend` is your `AttentionBackend` subclass (the class itself, not an instance); it is registered.
     Runs in float32 so that the comparison can be tight.
     """
     if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
@@ -336,53 +344,160 @@ def check_backend(backend: Any, device: torch.device | str | None = None) -> Che
         return CheckResult(
             False, f"The backend class is incomplete: {exc}. It needs get_name, get_impl_cls and get_builder_cls."
         )
-    if name == REFERENCE_BACKEND or name in ("TRITON_ATTN", "FLASH_ATTN"):
+    if name in _BUILTIN_NAMES:
         return CheckResult(False, f"{name!r} is a built-in backend's name; give yours a name of its own.")
     inherited = _inherited_work(impl_cls)
     if inherited is not None:
         return CheckResult(False, f"Your impl {impl_cls.__name__} inherits the {inherited} (a built-in backend); "
                                   "write forward (and do_kv_cache_update if you use it) yourself.")
     register_backend(backend)
-    try:
-        with watch_calls(_builtin_work()) as called:
-            mine = run_backend(name, device)
-    except Exception as exc:  # noqa: BLE001  (the student's code may fail anywhere; say where)
-        if called:
-            return used_package(called, "the attention")
-        return CheckResult(
-            False,
-            f"Serving with {name} failed: {type(exc).__name__}: {exc}. "
-            f"(impl {impl_cls.__name__}, builder {builder_cls.__name__}.)",
-        )
+    torch_device = torch.device(device) if device is not None else default_device()
+    called: list[str] = []
+    steps, failure = _call_student(backend, impl_cls, builder_cls, random.Random(), torch_device, called)
+    backend_names: dict[str, str] = {}
+    if failure is None and not called:
+        try:
+            served, backend_names = _serve(name, device, called)
+            steps += served
+        except Exception as exc:  # noqa: BLE001  (the student's code may fail anywhere; say where)
+            failure = (f"Serving {MODEL!r} with {name} failed: {type(exc).__name__}: {exc}. "
+                       f"(impl {impl_cls.__name__}, builder {builder_cls.__name__}.)")
     if called:
         return used_package(called, "the attention")
-    not_used = sorted(n for n, b in mine.backend_names.items() if b != name)
+
+    # Your code has run: only now is the attention worked out, in float64.
+    def attend(step: _Step, request: int) -> torch.Tensor:
+        """softmax(q k^T * scale + mask) v of one request: [query_len, heads, head_size], float64."""
+        context_len, query_len = step.context_lens[request], step.query_lens[request]
+        start = sum(step.query_lens[:request])
+        q = step.query[start:start + query_len].double()
+        group = q.shape[1] // step.keys[request].shape[1]
+        k = step.keys[request].double().repeat_interleave(group, dim=1)
+        v = step.values[request].double().repeat_interleave(group, dim=1)
+        q_pos = torch.arange(context_len, context_len + query_len)[:, None]
+        k_pos = torch.arange(context_len + query_len)[None, :]
+        visible = k_pos <= q_pos
+        if step.sliding_window is not None:
+            visible &= q_pos - k_pos < step.sliding_window
+        scores = torch.einsum("qhd,khd->hqk", q, k) * step.scale
+        return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+
+    for step in steps:
+        if step.output is None:
+            break
+        if step.cache_error:
+            return CheckResult(False, f"{step.where}: the KV cache write is wrong: {step.cache_error}",
+                               reveal=lambda s=step: _worked_cache_write(s))
+        right = torch.cat([attend(step, i) for i in range(len(step.query_lens))]).to(step.output.device)
+        if step.output.shape != right.shape:
+            return CheckResult(False, f"{step.where}: the output has shape {tuple(step.output.shape)}, not the "
+                                      "query's [tokens, num_heads, head_size].")
+        if not torch.isfinite(step.output).all() or not torch.allclose(step.output.double(), right, atol=_ATOL,
+                                                                       rtol=1e-3):
+            return CheckResult(False, _diagnose(step, right), reveal=lambda s=step, r=right: _worked_step(s, r))
+    if failure is not None:
+        return CheckResult(False, failure + ".")
+    not_used = sorted(n for n, b in backend_names.items() if b != name)
     if not_used:
-        return CheckResult(False, f"The engine did not use {name} for layers {not_used}: {mine.backend_names}.")
-    ref = reference_run(device)
-    for step_mine, step_ref in zip(mine.steps, ref.steps):
-        # Layer by layer, so that the first wrong layer is named: its wrong output feeds the
-        # later layers' keys and values (even garbage, from an `output` left unwritten).
-        for layer, out_ref in step_ref.outputs.items():
-            if layer in step_mine.cache_errors:
-                error = step_mine.cache_errors[layer]
-                return CheckResult(False, f"Step {step_mine.step}, layer {layer!r}: the KV cache write is wrong: {error}")
-            out = step_mine.outputs.get(layer)
-            if out is None or out.shape != out_ref.shape:
-                shape = None if out is None else tuple(out.shape)
-                return CheckResult(
-                    False,
-                    f"Step {step_ref.step}, layer {layer!r}: output shape {shape}, expected {tuple(out_ref.shape)}.",
-                )
-            if not torch.isfinite(out).all() or not torch.allclose(out, out_ref, atol=_ATOL, rtol=1e-3):
-                window = ref.sliding_windows.get(layer)
-                return CheckResult(False, _diagnose(step_mine, layer, out, out_ref, window))
-    if mine.tokens != ref.tokens:
-        return CheckResult(False, f"Attention outputs agree but greedy tokens differ: {mine.tokens} vs {ref.tokens}.")
-    num_layers = len(mine.backend_names)
+        return CheckResult(False, f"The engine did not use {name} for layers {not_used}: check that your "
+                                  "backend class accepts those layers (supported_devices, dtypes, sliding window).")
+    made_up = sum(s.where.startswith("Made-up") for s in steps)
     return CheckResult(
         True,
-        f"{name} served all {num_layers} layers of {MODEL} (two with a sliding window) for {len(mine.steps)} "
-        f"steps (prefills, prefill chunks on cached context, decodes); every attention output matches "
-        f"{REFERENCE_BACKEND} and so do the greedy tokens {mine.tokens}.",
+        f"{name} is right in all {made_up} made-up steps (GQA 3:1, MQA with a window, MHA with a short window) "
+        f"and in all {len(steps) - made_up} layer calls of {MODEL!r} (two layers with a sliding window; prefills, "
+        "chunks on cached context, decodes): every output matches float64 attention.",
     )
+
+
+def _diagnose(step: _Step, right: torch.Tensor) -> str:
+    """Name the most likely cause of a difference in one step's output (never the right values)."""
+    got = step.output.double()  # type: ignore[union-attr]
+    where = f"{step.where} ({_describe(step)})"
+    if not torch.isfinite(got).all():
+        return (f"{where}: the output contains NaN or inf. A fully masked row gives softmax(-inf, ...) = NaN: "
+                "check that every query sees at least itself (its own key is at position seq_len - query_len + i).")
+    diff = (got - right).abs()
+    bad_row = diff.amax(dim=(1, 2)) > _ATOL  # [tokens]
+    bad_head = diff.amax(dim=(0, 2)) > _ATOL  # [heads]
+    starts = [0]
+    for q in step.query_lens:
+        starts.append(starts[-1] + q)
+    bad_reqs = [i for i in range(len(step.query_lens)) if bad_row[starts[i]:starts[i + 1]].any()]
+    positions = torch.cat([torch.arange(c, c + q) for c, q in zip(step.context_lens, step.query_lens)])
+    where += f": {int(bad_row.sum())} of {len(bad_row)} token rows are wrong."
+    window = step.sliding_window
+    if window is not None and bool((positions[bad_row] >= window).all()):
+        cause = (f"Only rows whose query sits at position {window} or later are wrong, and this layer has a sliding "
+                 f"window of {window} (impl.sliding_window): a query at position p sees only keys at positions "
+                 f"p - {window - 1} ... p. Mask the older keys too.")
+    elif step.returned is not None and step.returned.shape == right.shape and torch.allclose(
+            step.returned.double(), right, atol=_ATOL, rtol=1e-3):
+        cause = ("impl.forward returned the right values in a new tensor, but the engine reads the `output` "
+                 "tensor it passed in: write into it (output[...] = ..., or output.copy_(...)).")
+    elif got[bad_row].abs().max() == 0:
+        cause = ("The engine reads the `output` tensor it passed to impl.forward, and yours left rows "
+                 "of it unwritten: write every row of the result into `output`.")
+    elif 0 < int(bad_head.sum()) < len(bad_head):
+        good = (~bad_head).nonzero().flatten().tolist()
+        bad = bad_head.nonzero().flatten().tolist()
+        cause = (f"Query heads {good} are right but heads {bad} are wrong: query head h must read KV head "
+                 "h // (num_heads // num_kv_heads). Repeat each KV head for its query heads with "
+                 "repeat_interleave (0,0,1,1), not repeat (0,1,0,1).")
+    elif bad_reqs and all(not bad_row[starts[i + 1] - 1] and bad_row[starts[i]:starts[i + 1] - 1].any()
+                          for i in bad_reqs):
+        cause = ("In each wrong request only the earlier query rows differ; its last row is right. "
+                 "The last query token may see every key, the others must not see later ones: "
+                 "apply the causal mask (key position <= query position).")
+    elif bad_reqs and all(step.context_lens[i] > 0 for i in bad_reqs) and any(
+            c == 0 for c in step.context_lens):
+        cause = ("Requests with no cached context are right, those that read earlier tokens from the "
+                 "cache are wrong. Check the read through the block table (logical block j of request i "
+                 f"is block_table[i, j]) and the causal mask: {_QUERY_POSITIONS}")
+    elif bad_reqs and all(step.context_lens[i] > 0 for i in bad_reqs):
+        cause = ("Only requests that read cached tokens are wrong. Check the read through the block table, "
+                 f"that all seq_len keys (not just query_len) are attended to, and the causal mask: {_QUERY_POSITIONS}")
+    else:
+        cause = ("Requests of every kind are wrong. Check the scale (impl.scale = 1/sqrt(head_size)), that the "
+                 "softmax runs over the key axis, and that V is weighted by the probabilities.")
+    return f"{where} {cause}"
+
+
+def _describe(step: _Step) -> str:
+    parts = []
+    for i, (c, q) in enumerate(zip(step.context_lens, step.query_lens)):
+        kind = "decode" if q == 1 and c > 0 else ("prefill chunk" if c > 0 else "prefill")
+        parts.append(f"request {i}: {kind}, context_len {c}, query_len {q}")
+    return "; ".join(parts)
+
+
+def _worked_step(step: _Step, right: torch.Tensor) -> str:
+    """How the first wrong row of a step is worked out, with its numbers (head 0, first 4 values)."""
+    got = step.output.double()  # type: ignore[union-attr]
+    row = int(((got - right).abs().amax(dim=(1, 2)) > _ATOL).nonzero()[0, 0]) if torch.isfinite(got).all() else 0
+    request = next(i for i in range(len(step.query_lens)) if row < sum(step.query_lens[: i + 1]))
+    context_len, query_len = step.context_lens[request], step.query_lens[request]
+    position = context_len + row - sum(step.query_lens[:request])
+    group = step.query.shape[1] // step.keys[request].shape[1]
+    oldest = 0 if step.sliding_window is None else max(position - step.sliding_window + 1, 0)
+    return "\n".join([
+        f"{step.where}, token row {row}: request {request} (context_len {context_len}, query_len {query_len}).",
+        f"  the row's query sits at position context_len + {row - sum(step.query_lens[:request])} = {position}",
+        f"  it sees keys at positions {oldest} ... {position}"
+        + (f" (causal, and the window of {step.sliding_window})" if step.sliding_window else " (causal)"),
+        f"  query head h reads KV head h // {group} (num_heads // num_kv_heads = {group})",
+        f"  scores = q . k * {step.scale:.4g} over those keys, softmax over the keys, then the weighted sum of V",
+        f"  row {row}, head 0 should start {[round(x, 4) for x in right[row, 0, :4].tolist()]}; "
+        f"yours starts {[round(x, 4) for x in got[row, 0, :4].tolist()]}",
+    ])
+
+
+def _worked_cache_write(step: _Step) -> str:
+    """Where the step's new keys and values go, token by token (the first 4 tokens)."""
+    return "\n".join([
+        f"{step.where}: each new token t goes to slot = slot_mapping[t] = block * block_size + offset, where",
+        "  block = block_table[i, position // block_size] and offset = position % block_size for its request i",
+        "  k_cache, v_cache = kv_cache.unbind(0); k_cache.view(-1, num_kv_heads, head_size)[slot] = key[t]",
+        "  v_cache.view(-1, num_kv_heads, head_size)[slot] = value[t]; slots of -1 are padding: skip them",
+        "  nothing else in the cache changes.",
+    ])
