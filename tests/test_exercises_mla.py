@@ -203,7 +203,9 @@ def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
     for cell in solutions:
         code = "".join(cell["source"]).split("```python\n")[1].split("```")[0]
         printed: list[object] = []
-        exec(code, {"torch": torch, "check_absorbed_query": mla.check_absorbed_query, "check_mla_cache_bytes": mla.check_mla_cache_bytes, "check_decode_split": mla.check_decode_split, "print": printed.append})  # noqa: S102
+        checkers = {name: getattr(mla, name) for name in ("check_absorbed_query", "check_mla_cache_bytes",
+                                                          "check_decode_split")}
+        exec(code, {"torch": torch, **checkers, "print": printed.append})  # noqa: S102
         assert len(printed) == 1 and printed[0], printed
     outputs = [o.get("text", "") for c in cells if c["cell_type"] == "code" for o in c["outputs"]]
     assert not any(PASS_MARK in "".join(text) for text in outputs)

@@ -300,7 +300,8 @@ def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
     for cell in solutions:
         code = "".join(cell["source"]).split("```python\n")[1].split("```")[0]
         printed: list[object] = []
-        exec(code, {"check_hit_length": check_hit_length, "check_next_block": check_next_block, "print": printed.append})  # noqa: S102
+        checkers = {"check_hit_length": check_hit_length, "check_next_block": check_next_block}
+        exec(code, {**checkers, "print": printed.append})  # noqa: S102
         assert len(printed) == 1 and printed[0], printed
     outputs = [o.get("text", "") for c in cells if c["cell_type"] == "code" for o in c["outputs"]]
     assert not any(PASS_MARK in "".join(text) for text in outputs)

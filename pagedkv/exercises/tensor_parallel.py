@@ -80,7 +80,8 @@ def check_rank_heads(fn: RankHeadsFn, num_hidden: int = 12) -> CheckResult:
         layout = head_layout(hq, hkv, tp)
         want_q, want_kv = (list(heads) for heads in rank_heads(layout, rank))
 
-        def worked(hq: int = hq, hkv: int = hkv, tp: int = tp, rank: int = rank) -> str:
+        def worked(hq: int = hq, hkv: int = hkv, tp: int = tp, rank: int = rank, want_q: list[int] = want_q,
+                   want_kv: list[int] = want_kv) -> str:
             per_rank, group = hq // tp, hq // hkv
             q_first = rank * per_rank
             lines = [f"query heads: {hq} / {tp} ranks = {per_rank} per rank, in order: rank {rank} holds "
@@ -142,7 +143,7 @@ def check_kv_cache_bytes(fn: KvBytesFn, num_hidden: int = 12) -> CheckResult:
         itemsize = torch.empty((), dtype=spec.dtype).element_size()
 
         def worked(spec: KVCacheSpec = spec, layers: int = layers, blocks: int = blocks, hkv: int = hkv,
-                   tp: int = tp, call: str = call) -> str:
+                   tp: int = tp, itemsize: int = itemsize, call: str = call) -> str:
             held = (f"{hkv} / {tp} = {spec.num_kv_heads}" if hkv >= tp else
                     f"1 ({hkv} KV head(s) < {tp} ranks: one, replicated)")
             page = spec.page_size_bytes
