@@ -26,7 +26,7 @@ def routines(html: str, row: str) -> list[str]:
 
 
 def warnings(html: str) -> list[str]:
-    return re.findall(r'class="pkv-cg-warning"[^>]*>warning: (.*?)</div>', html)
+    return re.findall(r'class="pkv-cg-warning"[^>]*><b>warning</b>: (.*?)</div>', html)
 
 
 @pytest.mark.parametrize(
@@ -189,3 +189,18 @@ def test_split_view_needs_a_traced_model() -> None:
 def test_split_view_names_what_it_wants_when_given_the_wrapper(compiled_tiny) -> None:
     with pytest.raises(TypeError, match="the `backend` of a CompiledForward; got CompiledForward .pass its .backend"):
         PiecewiseSplitView(compiled_tiny)
+
+
+def test_messages_are_in_the_text_colour_and_the_controls_wrap() -> None:
+    """JupyterLab Light's warn-color1 (#f57c00) is 2.7:1 on white: messages keep the text colour and
+    carry the warning / error colour as a bar; the control rows wrap instead of squeezing the
+    support dropdown (cut to "UNIFORM_SINGLE_T" in an ~850 px output area)."""
+    explorer = CudaGraphModeExplorer("FULL", support=S.UNIFORM_BATCH)
+    html = explorer.view.value
+    (warning,) = re.findall(r'<div class="pkv-cg-warning" style="([^"]*)"', html)
+    assert "border-left: 4px solid var(--jp-warn-color1" in warning and "color:" not in warning.replace("-color1", "")
+    error = CudaGraphModeExplorer("FULL", support=S.NEVER, attention_compiled_piecewise=False).view.value
+    assert re.search(r'<div class="pkv-cg-error" style="[^"]*border-left: 4px solid var\(--jp-error-color1', error)
+    for row in explorer.children[:2]:
+        assert row.layout.flex_flow == "row wrap"
+

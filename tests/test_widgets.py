@@ -87,13 +87,77 @@ def test_live_view_in_a_notebook_redraws_at_most_every_interval_and_at_the_cell_
     Shell = notebook_shell
     monkeypatch.setattr(common, "LIVE_REDRAW_INTERVAL_S", 3600.0)
     llm = engine()
-    view = BlockTableView.attach(llm)  # nothing drawn live yet: the first step draws
+    view = BlockTableView.attach(llm, min_frame_s=0)  # nothing drawn live yet: the first step draws
     llm.generate(PROMPTS, PARAMS)
     assert len(view.trace) > 2
     assert 'data-step="1"' in view.value  # every later step came within the interval
     Shell.events.trigger("post_run_cell", None)  # the cell ends
     assert f'data-step="{view.trace[-1].step}"' in view.value
     assert not Shell.events.callbacks["post_run_cell"]  # the catch-up is gone again
+
+
+class FakeClock:
+    """`time` for LiveRedraw: monotonic() reads a clock that advances only by sleep() (and by
+    `step_s` per reading, the time a step takes)."""
+
+    def __init__(self, step_s: float = 0.01) -> None:
+        self.now, self.step_s, self.sleeps = 100.0, step_s, []
+
+    def monotonic(self) -> float:
+        self.now += self.step_s
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_live_view_in_a_notebook_shows_every_step_for_min_frame_s(
+    monkeypatch: pytest.MonkeyPatch, notebook_shell: type,
+) -> None:
+    """Issue 32: "watch the view while generate runs" showed steps 1 -> 9 -> 20 in 0.5 s. With a
+    minimum frame time every step is drawn and stays on screen at least that long."""
+    from pagedkv.widgets import common
+
+    clock = FakeClock()
+    monkeypatch.setattr(common, "time", clock)
+    llm = engine()
+    view = BlockTableView.attach(llm, min_frame_s=0.25)
+    frames: list[tuple[float, str]] = []
+    view.observe(lambda change: frames.append((clock.now, change["new"])), "value")
+    llm.generate(PROMPTS, PARAMS)
+    steps = [int(re.search(r'data-step="(\d+)"', html).group(1)) for _t, html in frames]
+    assert steps == view.trace.step_numbers()  # every step, in order, none skipped
+    shown_for = [b[0] - a[0] for a, b in zip(frames, frames[1:])]
+    assert min(shown_for) >= 0.25 and clock.sleeps  # the engine waited for each frame
+    assert not notebook_shell.events.callbacks["post_run_cell"]  # nothing left to catch up
+
+
+def test_min_frame_s_default_and_outside_a_notebook(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedkv.widgets import common
+
+    llm = engine()
+    view = BlockTableView.attach(llm)
+    assert view._live.min_frame_s == common.MIN_FRAME_S
+    assert StepPlayer(view.trace)._live.min_frame_s == common.MIN_FRAME_S
+    clock = FakeClock()
+    monkeypatch.setattr(common, "time", clock)
+    paced = BlockTableView(view.trace, min_frame_s=5.0)
+    llm.generate(PROMPTS, PARAMS)  # a plain Python process: nobody watches, no waiting
+    assert not clock.sleeps and f'data-step="{view.trace[-1].step}"' in paced.value
+    with pytest.raises(ValueError, match="min_frame_s"):
+        BlockTableView(view.trace, min_frame_s=-1)
+
+
+def test_views_fit_their_output_area(hybrid_trace: StepTrace) -> None:
+    """No view wider than its output area: the shrink rule rides along with every view's HTML."""
+    from pagedkv.widgets.common import BASE_STYLE, FIT_CSS
+
+    assert "max-width: 100%" in BASE_STYLE and "980px" not in BASE_STYLE
+    for cls in VIEWS:
+        view = cls(hybrid_trace)
+        assert "pkv-view" in view._dom_classes and view.value.endswith(FIT_CSS)
+    assert SlotMappingView(hybrid_trace).tokens_per_page == 20
 
 
 def test_block_table_view_content(hybrid_trace: StepTrace) -> None:

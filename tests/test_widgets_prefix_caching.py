@@ -123,3 +123,33 @@ def test_theme_colours_and_replay(trace: StepTrace) -> None:
         assert not NAMED.findall(html)
         assert html.count("<svg") == html.count("fill: currentColor")
         assert html == BlockTableView(replayed, index=index).value
+
+
+def test_cache_hits_have_a_border_of_their_own(trace: StepTrace) -> None:
+    """Notebook 12: a block found in the cache was outlined in the accent blue, request 0's colour too."""
+    from pagedkv.widgets.block_table import HIT_BORDER
+    from pagedkv.widgets.common import ACCENT, FG
+
+    html = BlockTableView(trace, index=0).value
+    hits = re.findall(r'<span class="pkv-row-cell pkv-hit" title="[^"]*" style="([^"]*)"', html)
+    assert len(hits) == 6 and all(f"border:{HIT_BORDER}" in style for style in hits)
+    assert HIT_BORDER == f"3px double {FG}" and ACCENT not in HIT_BORDER
+    assert not any(color in HIT_BORDER for color in PALETTE)  # no request's colour
+    others = re.findall(r'<span class="pkv-row-cell" title="[^"]*" style="([^"]*)"', html)
+    assert others and not any("double" in style for style in others)
+
+
+def test_show_caching_overrides_the_engine_setting(trace: StepTrace) -> None:
+    index = next(i for i, r in enumerate(trace) if r.finished_req_ids) + 1  # evictable blocks on display
+    hidden = BlockTableView(trace, index=index, show_caching=False).value
+    assert not cells(hidden, "cached") and "data-hash=" not in hidden
+    assert "pkv-free-queue" not in hidden and "prefix caching:" not in hidden and "pkv-hit" not in hidden
+    assert BlockTableView(trace, index=0, show_caching=False).value.count("pkv-hit") == 0
+    llm = LLM("tiny", device="cpu", block_size=4, num_kv_blocks=24, enable_prefix_caching=False)
+    with StepTrace.attach(llm) as plain:
+        llm.generate([{"prompt_token_ids": SYSTEM + [40]}], PARAMS, use_tqdm=False)
+    assert BlockTableView(plain).caching_shown is False
+    asked = BlockTableView(plain, show_caching=True).value
+    assert "pkv-free-queue" in asked and "prefix caching:" in asked  # asked for: drawn, with nothing cached
+    with pytest.raises(TypeError, match="show_caching"):
+        BlockTableView(plain, show_caching="yes")

@@ -11,6 +11,9 @@ from pagedkv.widgets.common import (
 )
 
 CELL_W, CELL_H, GAP = 56, 40, 4
+HIT_BORDER = f"3px double {FG}"
+"""A row's block found in the prefix cache: a double outline in the text colour, which no request
+colour is (PALETTE), and which reads in both themes."""
 QUEUE_SHOWN = 12
 """Entries of the free queue written out under a grid; the rest are counted."""
 
@@ -40,13 +43,28 @@ class BlockTableView(TraceView):
     With prefix caching one block can sit in several block tables: its cell carries a bar with
     one segment per owner, in the owners' colours, and its ref count (x2). A free block that
     still holds a cached prefix is evictable, drawn outlined and hatched with its short hash and
-    its place in the free queue; "next" marks the block the next allocation takes.
+    its place in the free queue; "next" marks the block the next allocation takes; in a row, a
+    block found in the cache has a double outline in the text colour (no request's colour).
+    These details (and their legend) show when the engine caches prefixes, or when
+    `show_caching=True`; `show_caching=False` hides them.
     """
 
-    def __init__(self, trace: StepTrace, *, max_blocks: int = 256, columns: int = 16, **kwargs: Any) -> None:
+    def __init__(
+        self, trace: StepTrace, *, max_blocks: int = 256, columns: int = 16, show_caching: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.max_blocks = check_int("max_blocks", max_blocks, 1, hint=" (blocks drawn per KV cache group)")
         self.columns = check_int("columns", columns, 1, hint=" (blocks per row of the grid)")
+        if show_caching is not None and not isinstance(show_caching, bool):
+            raise TypeError(f"show_caching must be True, False or None (= when the engine caches), "
+                            f"got {show_caching!r}.")
+        self.show_caching = show_caching
         super().__init__(trace, **kwargs)
+
+    @property
+    def caching_shown(self) -> bool:
+        """Whether prefix-caching details are drawn: `show_caching`, or else the engine's setting."""
+        return self.engine.prefix_caching if self.show_caching is None else self.show_caching
 
     def render(self, record: StepRecord) -> str:
         engine = self.engine
@@ -60,7 +78,7 @@ class BlockTableView(TraceView):
             lines.append(f"preempted before this step (blocks freed): {esc(', '.join(record.preempted_req_ids))}")
         if record.finished_req_ids:
             lines.append(f"finished in this step (blocks freed after it): {esc(', '.join(record.finished_req_ids))}")
-        if engine.prefix_caching and record.block_pools:
+        if self.caching_shown and record.block_pools:
             pool = record.block_pools[0]  # caching runs with one KV cache group: full attention only
             lines.append(
                 f"prefix cache: {record.num_cached_tokens} tokens found in it by requests admitted in this step; "
@@ -71,7 +89,7 @@ class BlockTableView(TraceView):
         return (
             f'<div class="pkv-block-table" data-step="{record.step}" style="{BASE_STYLE}">'
             f'<div>{"<br>".join(lines)}</div>{grids}{self._rows(record)}{_LEGEND}'
-            f'{_CACHING_LEGEND if engine.prefix_caching else ""}</div>'
+            f'{_CACHING_LEGEND if self.caching_shown else ""}</div>'
         )
 
     def _grid(self, record: StepRecord, group: KVCacheGroupInfo) -> str:
@@ -84,8 +102,9 @@ class BlockTableView(TraceView):
         pool = record.block_pools[g] if record.block_pools else None  # traces older than block_pools: none
         queue = pool.free_queue_order() if pool is not None else []
         place = {block: i + 1 for i, block in enumerate(queue)}
+        hashes = pool if self.caching_shown else None  # the pool's hashes are drawn only with caching shown
         cells = [
-            self._cell(b, bs, owners.get(b, []), filled.get(b, 0), written, g, pool, place.get(b))
+            self._cell(b, bs, owners.get(b, []), filled.get(b, 0), written, g, hashes, place.get(b))
             for b in range(shown)
         ]
         spec = group.spec
@@ -96,7 +115,7 @@ class BlockTableView(TraceView):
         )
         hidden = self.engine.num_blocks - shown
         note = f"<div>blocks {shown}..{self.engine.num_blocks - 1} not drawn ({hidden} more)</div>" if hidden else ""
-        if self.engine.prefix_caching:
+        if self.caching_shown:
             note += _queue_line(pool, queue)
         return (
             f'<div style="margin-top:8px">{esc(title)}</div>'
@@ -208,16 +227,17 @@ class BlockTableView(TraceView):
         for r in record.requests:
             color = request_color(r.req_id)
             what = f"{r.phase}, {r.num_computed_tokens} in the KV cache + {r.num_new_tokens} new"
-            if r.num_cached_tokens:
+            hits = 0
+            if r.num_cached_tokens and self.caching_shown:
                 what += f" ({r.num_cached_tokens} found by prefix caching)"
-            hits = r.num_cached_tokens // bs  # its leading blocks taken from the cache in this step
+                hits = r.num_cached_tokens // bs  # its leading blocks taken from the cache in this step
             groups = []
             for g, row in enumerate(r.block_ids):
                 boxes = "".join(
                     f'<span class="pkv-row-cell{" pkv-hit" if j < hits else ""}" '
                     f'title="logical block {j} -> physical block {b}{" (a prefix cache hit)" if j < hits else ""}" '
                     f'style="display:inline-block; min-width:22px; margin:1px; text-align:center; '
-                    f'border:{f"2px solid {ACCENT}" if j < hits else f"1px solid {color if b else BORDER}"}; '
+                    f'border:{HIT_BORDER if j < hits else f"1px solid {color if b else BORDER}"}; '
                     f'background:{BG if b else BG_SOLID}">'
                     f'<span style="font-size:9px; color:{FG_MUTED if b else FG}">{j}</span><br>{b}</span>'
                     for j, b in enumerate(row)
@@ -269,6 +289,6 @@ _LEGEND = (
 _CACHING_LEGEND = (
     f'<div style="color:{FG_MUTED}">prefix caching: a bar of owner colours and xN = a block in N block tables '
     "(N requests share its prefix); outlined and hatched, with a hash = free but cached, evictable (#k = its "
-    "place in the free queue); accent outline and next = the block the next allocation takes; accent box in a "
-    "row = a block found in the prefix cache when the request was admitted in this step.</div>"
+    "place in the free queue); accent outline and next = the block the next allocation takes; double outline "
+    "in a row = a block found in the prefix cache when the request was admitted in this step.</div>"
 )

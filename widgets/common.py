@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import os
 import time
 import zlib
 from collections.abc import Callable
@@ -39,20 +40,29 @@ BORDER = "var(--jp-border-color1, GrayText)"
 BORDER_LIGHT = "var(--jp-border-color2, GrayText)"
 ACCENT = "var(--jp-brand-color1, LinkText)"
 """The step cursor / the item the text talks about."""
-# The HTML widget's container does not wrap lines and has a tall line height: undo both.
+# The HTML widget's container does not wrap lines and has a tall line height: undo both. Never
+# wider than the output area (~850 px at a 1280 px window with JupyterLab's file browser open).
 BASE_STYLE = (
     "font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12px; "
-    f"white-space: normal; line-height: 1.35; max-width: 980px; color: {FG}"
+    f"white-space: normal; line-height: 1.35; max-width: 100%; box-sizing: border-box; color: {FG}"
 )
+FIT_CSS = "<style>.pkv-view{min-width:0;max-width:100%}.pkv-view>.widget-html-content{min-width:0}</style>"
+"""Lets a view's HTML widget shrink to its output area: ipywidgets' HTML content is a flex item,
+which by default is never narrower than its content (a wide table would push past the edge)."""
 SVG_STYLE = f"color: {FG}; fill: currentColor"
 """On an <svg>: its <text> elements inherit the theme's text colour (SVG's default fill is black)."""
 
 
 LIVE_REDRAW_INTERVAL_S = 0.25
-"""While a notebook cell runs, a view following the engine redraws at most this often; the
-newest step is drawn when the cell ends. Redrawing after every step made the browser re-lay out
-the whole view each time, on the cores the kernel needs: on 2 CPU cores that took notebook 09's
-serve cell from 1.2 s to 3.3 s."""
+"""With `min_frame_s=0`: while a notebook cell runs, a view following the engine redraws at most
+this often, and the newest step is drawn when the cell ends. Redrawing after every step made the
+browser re-lay out the whole view each time, on the cores the kernel needs: on 2 CPU cores that
+took notebook 09's serve cell from 1.2 s to 3.3 s."""
+MIN_FRAME_S = float(os.environ.get("PAGEDKV_MIN_FRAME_S", "0.25"))
+"""Default minimum frame time of a view following a run in a notebook: every step is drawn and
+stays on screen at least this long (the engine waits), so a student watching generate() sees each
+step (20 steps: 5 s) rather than only the last. The environment variable PAGEDKV_MIN_FRAME_S sets
+it (0 for CI: the old behaviour, skip frames and draw the newest step when the cell ends)."""
 
 
 def _ipython() -> Any:
@@ -91,13 +101,22 @@ def step_index_error(index: int, num_steps: int) -> IndexError:
 
 
 class LiveRedraw:
-    """Runs `draw` after a new step: at once in a plain Python process; while a notebook cell
-    runs, at most every LIVE_REDRAW_INTERVAL_S (or, `at_cell_end_only`, never), and once more
-    when the cell ends (so the newest step is what stays on screen)."""
+    """Runs `draw` after a new step: at once in a plain Python process (no one watches). While a
+    notebook cell runs:
 
-    def __init__(self, draw: Callable[[], None], at_cell_end_only: bool = False) -> None:
+    - `min_frame_s > 0`: after every step, waiting first until the previous frame has been on
+      screen `min_frame_s` (the engine's next step waits too: a run can be watched step by step);
+    - `min_frame_s == 0`: at most every LIVE_REDRAW_INTERVAL_S, and once more when the cell ends
+      (so the newest step is what stays on screen);
+    - `at_cell_end_only`: only when the cell ends.
+    """
+
+    def __init__(self, draw: Callable[[], None], at_cell_end_only: bool = False, min_frame_s: float = 0.0) -> None:
+        if not min_frame_s >= 0:
+            raise ValueError(f"min_frame_s must be a number of seconds >= 0, got {min_frame_s!r}.")
         self.draw = draw
         self.at_cell_end_only = at_cell_end_only
+        self.min_frame_s = float(min_frame_s)
         self.drawn_at = float("-inf")
         """`time.monotonic()` when `draw` last ran."""
         self.waiting = False
@@ -105,8 +124,17 @@ class LiveRedraw:
 
     def new_step(self) -> None:
         shell = _ipython()
+        if shell is None:
+            self._run()
+            return
+        if self.min_frame_s > 0 and not self.at_cell_end_only:
+            wait = self.drawn_at + self.min_frame_s - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            self._run()
+            return
         due = not self.at_cell_end_only and time.monotonic() - self.drawn_at >= LIVE_REDRAW_INTERVAL_S
-        if shell is None or due:
+        if due:
             self._run()
         elif not self.waiting:  # skip this step's drawing; draw the newest one when the cell ends
             self.waiting = True
@@ -126,7 +154,8 @@ class TraceView(ipywidgets.HTML):
     """One step of a `StepTrace` drawn as HTML/SVG; `index` picks the step.
 
     `index = -1` follows the newest step, so a view attached to a running engine redraws
-    after every step; a `StepPlayer` sets concrete indices instead. Subclasses only write
+    after every step, each frame shown at least `min_frame_s` seconds in a notebook (default
+    MIN_FRAME_S; see LiveRedraw); a `StepPlayer` sets concrete indices instead. Subclasses only write
     `render(record)`: the same code draws a live step and a replayed one. `close()` stops a
     view from following its trace (a view that is only deleted in a notebook stays registered
     with ipywidgets, and so with its trace).
@@ -142,12 +171,15 @@ class TraceView(ipywidgets.HTML):
     _stop_observing: Callable[[], None] = staticmethod(lambda: None)
     """Set once the view observes its trace (a failed __init__ has nothing to stop)."""
 
-    def __init__(self, trace: StepTrace, *, index: int = -1, **kwargs: Any) -> None:
+    def __init__(
+        self, trace: StepTrace, *, index: int = -1, min_frame_s: float | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
+        self.add_class("pkv-view")
         self.trace = trace
         self.index = index
         self.observe(self._on_index, "index")
-        self._live = LiveRedraw(self._draw_newest)
+        self._live = LiveRedraw(self._draw_newest, min_frame_s=MIN_FRAME_S if min_frame_s is None else min_frame_s)
         self._stop_observing = trace.observe(self._on_new_step)
         self.redraw()
 
@@ -207,8 +239,8 @@ class TraceView(ipywidgets.HTML):
         record = self.trace.steps[index] if self.trace.steps else None
         if record is None and self.needs_step:
             name = esc(type(self).__name__)
-            return f'<div style="{BASE_STYLE}; color: {FG_MUTED}">{name}: waiting for the first step.</div>'
-        return self.render(record)
+            return f'<div style="{BASE_STYLE}; color: {FG_MUTED}">{name}: waiting for the first step.</div>{FIT_CSS}'
+        return self.render(record) + FIT_CSS
 
     def redraw(self) -> None:
         self.value = self.html_at(self.index)

@@ -37,6 +37,8 @@ ROUTINES = {
 }
 """Runtime routine -> (what a step does, the colour of its marker)."""
 TEXT = "color: var(--jp-ui-font-color1, inherit); background: var(--jp-layout-color1, transparent)"
+MARK = "margin: 2px 0; padding-left: 6px; border-left: 4px solid "
+"""A message's style up to its bar's colour."""
 CELL = "padding: 3px 8px; border: 1px solid var(--jp-border-color2, currentColor); text-align: left"
 SUPPORT_LEVELS = sorted(AttentionCGSupport, key=lambda s: s.value, reverse=True)
 
@@ -114,9 +116,12 @@ class CudaGraphModeExplorer(ipywidgets.VBox):
         self.enforce_eager = ipywidgets.Checkbox(value=enforce_eager, indent=False, description="enforce_eager",
                                                  layout=ipywidgets.Layout(width="auto"))
         self.view = ipywidgets.HTML()
+        # Rows that wrap: at a 1280 px window with the file browser open the output area is ~850 px,
+        # less than the three dropdowns; a row that cannot wrap squeezes the last one's choice.
+        wrap = ipywidgets.Layout(flex_flow="row wrap", max_width="100%")
         controls = [
-            ipywidgets.HBox([self.mode, self.backend, self.support]),
-            ipywidgets.HBox([self.query_len, self.piecewise, self.enforce_eager]),
+            ipywidgets.HBox([self.mode, self.backend, self.support], layout=wrap),
+            ipywidgets.HBox([self.query_len, self.piecewise, self.enforce_eager], layout=wrap),
         ]
         super().__init__([*controls, self.view], **kwargs)
         self.add_class("pkv-cudagraph-explorer")
@@ -166,14 +171,15 @@ class CudaGraphModeExplorer(ipywidgets.VBox):
             for h in ("", "mode", f"decode batches ({self.query_len.value} query token(s) per request)",
                       "mixed batches (prefills, chunks, mixed)")
         )
+        # Messages in the text colour, marked by a bar in the error / warning colour: JupyterLab
+        # Light's warn-color1 (#f57c00) is 2.7:1 on white, too pale for text.
         if result.error:
-            messages = (
-                '<div class="pkv-cg-error" style="color: var(--jp-error-color1, inherit)">'
-                f"<b>ValueError</b>: {esc(result.error)}</div>"
-            )
+            messages = (f'<div class="pkv-cg-error" style="{MARK}var(--jp-error-color1, red)">'
+                        f"<b>ValueError</b>: {esc(result.error)}</div>")
         elif result.warnings:
             messages = "".join(
-                f'<div class="pkv-cg-warning" style="color: var(--jp-warn-color1, inherit)">warning: {esc(w)}</div>'
+                f'<div class="pkv-cg-warning" style="{MARK}var(--jp-warn-color1, orange)">'
+                f"<b>warning</b>: {esc(w)}</div>"
                 for w in result.warnings
             )
         else:

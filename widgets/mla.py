@@ -232,7 +232,8 @@ def latent_cache_table(models: Mapping[str, DeepseekV2Config], memory_bytes: int
                        dtype: torch.dtype = torch.bfloat16) -> str:
     """HTML: per model shape, the cache per token per layer with MLA and with MHA, the ratio, and
     how many tokens (every layer's rows) fit in `memory_bytes`."""
-    cell = f"padding: 2px 8px; border: 1px solid {BORDER}; white-space: nowrap"
+    cell = f"padding: 2px 6px; border: 1px solid {BORDER}"
+    value_cell = f"{cell}; white-space: nowrap"  # headers may wrap (narrow columns), numbers may not
     dtype_name = str(dtype).removeprefix("torch.")
     header = ["model", "layers", f"cache per token per layer ({esc(dtype_name)})", "MHA / MLA",
               f"tokens in {memory_bytes / 1e9:g} GB (all layers)"]
@@ -246,7 +247,8 @@ def latent_cache_table(models: Mapping[str, DeepseekV2Config], memory_bytes: int
             f"{_bar(100, HEADS_COLOR)} MHA {b.mha_values:,} values = {b.mha_bytes:,} B",
             f"<b>{b.ratio:.1f}x</b>", f"MLA {mla_tokens:,}<br>MHA {mha_tokens:,}",
         ]
-        rows.append(f'<tr data-model="{esc(name)}">' + "".join(f'<td style="{cell}">{v}</td>' for v in values) + "</tr>")
+        rows.append(f'<tr data-model="{esc(name)}">' + "".join(f'<td style="{value_cell}">{v}</td>' for v in values)
+                    + "</tr>")
     legend = (f"<div style='margin-top: 4px; color: {FG_MUTED}'>MLA caches one row [c_kv | k_pe] per token and "
               f"layer ({_bar(10, LATENT_COLOR)} latent); MHA would cache every head's K and V "
               f"({_bar(10, HEADS_COLOR)} per head).</div>")

@@ -8,7 +8,7 @@ from typing import Any
 import ipywidgets
 
 from pagedkv.trace import StepRecord, StepTrace
-from pagedkv.widgets.common import LiveRedraw, TraceView, step_index_error
+from pagedkv.widgets.common import MIN_FRAME_S, LiveRedraw, TraceView, step_index_error
 
 
 class StepPlayer(ipywidgets.VBox):
@@ -18,9 +18,10 @@ class StepPlayer(ipywidgets.VBox):
     kernel, which renders every view at that step and only then updates the views and the
     label together, so the label always names the step the views show. While the trace is still
     recording, a player whose slider sits on the last step follows the new steps (in a running
-    notebook cell at most every LIVE_REDRAW_INTERVAL_S). One left on an earlier step updates its
-    label's step count, and redraws views of the whole run (a `PlotView`) when the cell ends: a
-    player whose cell was run again still exists, so it must cost next to nothing per step.
+    notebook cell each shown at least `min_frame_s`, as a view following a run; see LiveRedraw).
+    One left on an earlier step updates its label's step count, and redraws views of the whole
+    run (a `PlotView`) when the cell ends: a player whose cell was run again still exists, so it
+    must cost next to nothing per step.
     `close()` stops it following the trace.
     """
 
@@ -28,7 +29,8 @@ class StepPlayer(ipywidgets.VBox):
     """Set once the player observes its trace (a failed __init__ has nothing to stop)."""
 
     def __init__(
-        self, trace: StepTrace, views: Sequence[TraceView] = (), *, interval_ms: int = 700, **kwargs: Any
+        self, trace: StepTrace, views: Sequence[TraceView] = (), *, interval_ms: int = 700,
+        min_frame_s: float | None = None, **kwargs: Any,
     ) -> None:
         others = [type(view).__name__ for view in views if view.trace is not trace]
         if others:
@@ -49,7 +51,7 @@ class StepPlayer(ipywidgets.VBox):
         self._following = self.slider.value == self.slider.max
         """Whether the slider sat on the last step when it last moved: new steps then move it on."""
         self.slider.observe(self._on_slider, "value")
-        self._live = LiveRedraw(self._show_newest)
+        self._live = LiveRedraw(self._show_newest, min_frame_s=MIN_FRAME_S if min_frame_s is None else min_frame_s)
         self._whole_run = LiveRedraw(self._redraw_whole_run, at_cell_end_only=True)
         self._stop_observing = trace.observe(self._on_new_step)
         self._show(0)

@@ -11,7 +11,7 @@ from pagedkv.engine.checks import check_int
 from pagedkv.trace import StepRecord, StepTrace
 from pagedkv.widgets.common import BASE_STYLE, BORDER_LIGHT, TraceView, esc, request_color
 
-_CELL = f"padding:1px 4px; border:1px solid {BORDER_LIGHT}; text-align:center"
+_CELL = f"padding:1px 3px; border:1px solid {BORDER_LIGHT}; text-align:center"
 
 
 class SlotMappingView(TraceView):
@@ -24,10 +24,11 @@ class SlotMappingView(TraceView):
     A trace holds the step's own tokens only (padding up to a captured CUDA graph size, slot -1,
     is cut off when the step is recorded). A step with more than `tokens_per_page` tokens (a
     prefill) is drawn a page at a time: the "token page" slider above the table (`view.pager`)
-    pages through all of them.
+    pages through all of them. The default page (20 tokens of up to 4 digits) fits the ~850 px
+    output area of a 1280 px JupyterLab window with the file browser open.
     """
 
-    def __init__(self, trace: StepTrace, *, tokens_per_page: int = 32, **kwargs: Any) -> None:
+    def __init__(self, trace: StepTrace, *, tokens_per_page: int = 20, **kwargs: Any) -> None:
         self.tokens_per_page = check_int("tokens_per_page", tokens_per_page, 1, hint=" (tokens drawn per page)")
         self.pager = ipywidgets.IntSlider(value=1, min=1, max=1, description="token page", continuous_update=True)
         self.pager.add_class("pkv-token-pager")
