@@ -181,8 +181,7 @@ def check_choose_backend(llm: LLM, fn: ChooseFn, layer_name: str = "model.layers
         if got not in reasons:
             return f"you returned {got!r}, which names no backend: return one from the priority list, or None"
         if reasons[got]:
-            return (f"you returned {got}, which refuses the layer ({'; '.join(reasons[got])}): a backend with "
-                    "reasons is skipped")
+            return f"you returned {got}, which refuses the layer: a backend with reasons is skipped"
         if got not in priority:
             return f"you returned {got}: it could serve the layer, but only backends in the priority list are tried"
         if servable[0] != got:
@@ -201,10 +200,15 @@ def check_choose_backend(llm: LLM, fn: ChooseFn, layer_name: str = "model.layers
                 return "\n".join([*lines, f"answer: {name!r}"])
         return "\n".join([*lines, "  every backend in the list refuses -> answer: None"])
 
+    def shown(priority: list[str], reasons: dict[str, list[str]]) -> str:
+        """The case in short: only whether each backend has reasons matters to the rule."""
+        serve, refuse = [n for n in reasons if not reasons[n]], [n for n in reasons if reasons[n]]
+        return f"priority {priority}; can serve: {', '.join(serve) or 'none'}; refuse: {', '.join(refuse) or 'none'}"
+
     for answer, (priority, reasons) in zip(answers, cases):
         broken = mistake(answer, priority, reasons)
         if broken is not None:
-            return CheckResult(False, f"For priority {priority} and reasons {reasons}: {broken}.",
+            return CheckResult(False, f"For {shown(priority, reasons)}: {broken}.",
                                reveal=lambda p=priority, r=reasons: worked_choice(p, r))
     chosen = llm.runner.attn_layers[layer_name].attn_backend.get_name()
     return CheckResult(True, f"Your rule agrees with the selector on {len(cases)} cases. On this machine "
