@@ -1,7 +1,9 @@
-// WCAG contrast of what the trace views draw, run by Playwright as `element.evaluate(this, selector)`.
+// WCAG contrast of what the views draw, run by Playwright as `element.evaluate(this, selector)` on
+// the elements matching `selector` inside `element` (nested matches are measured once).
 // Returns {texts, low_text, low_outline, free_not_background}: how many texts were measured, and
 // the texts under 4.5:1, the "written this step" outlines under 3:1, and the free blocks whose fill
-// is not (close to) the background, each with the colours measured.
+// is not (close to) the background, each with the colours measured and `cell`, the index of the
+// notebook cell it is in (-1 outside a cell).
 (root, selector) => {
   const probe = document.createElement("div");
   document.body.appendChild(probe);
@@ -60,7 +62,11 @@
   };
   const fmt = (c) => `rgba(${c.map((v) => Math.round(v * 100) / 100).join(",")})`;
   const report = { texts: 0, low_text: [], low_outline: [], free_not_background: [] };
-  for (const view of root.querySelectorAll(selector)) {
+  const cells = [...document.querySelectorAll(".jp-Cell")];
+  const cellOf = (el) => cells.indexOf(el.closest(".jp-Cell"));
+  const matches = [...root.querySelectorAll(selector)];
+  const views = matches.filter((view) => !matches.some((other) => other !== view && other.contains(view)));
+  for (const view of views) {
     for (const el of view.querySelectorAll("*")) {
       if (el.closest("title, defs") || el.getClientRects().length === 0) continue;
       const ownText = [...el.childNodes].some((n) => n.nodeType === Node.TEXT_NODE && n.textContent.trim());
@@ -74,20 +80,22 @@
       const ratio = contrast(fg, bg);
       report.texts += 1;
       if (ratio < 4.5) {
-        report.low_text.push({ text: el.textContent.trim().slice(0, 40), ratio: ratio.toFixed(2), fg: fmt(fg), bg: fmt(bg) });
+        report.low_text.push({
+          cell: cellOf(el), text: el.textContent.trim().slice(0, 40), ratio: ratio.toFixed(2), fg: fmt(fg), bg: fmt(bg),
+        });
       }
     }
     for (const tick of view.querySelectorAll("rect.pkv-written")) {
       const style = getComputedStyle(tick);
       const under = htmlBackground(tick.ownerSVGElement);
       const ratio = contrast(over(rgba(style.stroke), under), under);
-      if (ratio < 3) report.low_outline.push({ ratio: ratio.toFixed(2), stroke: style.stroke, bg: fmt(under) });
+      if (ratio < 3) report.low_outline.push({ cell: cellOf(tick), ratio: ratio.toFixed(2), stroke: style.stroke, bg: fmt(under) });
     }
     for (const rect of view.querySelectorAll('.pkv-block[data-state="free"] > rect')) {
       const under = htmlBackground(rect.ownerSVGElement);
       const fill = over(rgba(getComputedStyle(rect).fill), under);
       const ratio = contrast(fill, under);
-      if (ratio > 1.2) report.free_not_background.push({ ratio: ratio.toFixed(2), fill: fmt(fill), bg: fmt(under) });
+      if (ratio > 1.2) report.free_not_background.push({ cell: cellOf(rect), ratio: ratio.toFixed(2), fill: fmt(fill), bg: fmt(under) });
     }
   }
   probe.remove();
