@@ -12,8 +12,11 @@ runs the launches, and watches the launcher (on its thread and on every thread i
 
 Only after the launcher has run does the checker compute the float64 reference (nested in each
 checker, held by no module-level helper) and compare; a wrong entry gets which rule it broke and a
-hint, its worked answer only through `reveal()`. Last, the launcher runs once more with launches
-that do nothing: an answer that is still right was not computed by the kernel.
+hint, its worked answer only through `reveal()`. Under Triton's interpreter the kernels' loads and
+stores are recorded too (`pagedkv.exercises.memory_access`) and part of the verdict: loads only of
+the inputs (and the launcher's own buffers), of the cache rows of the program's own request, every
+output row written, no entry stored by two programs. Last, the launcher runs once more with
+launches that do nothing: an answer that is still right was not computed by the kernel.
 
 Importing this module on a machine without a GPU, before anything imported `triton`, sets
 `TRITON_INTERPRET=1`: Triton chooses its interpreter once, when it is first imported, so an
@@ -145,6 +148,12 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, watch: _LaunchWatch) -> None:
         super().__init__()
         self.watch = watch
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No: torch would wrap `__torch_dispatch__` in `torch._disable_dynamo`, whose first call imports
+        torch._dynamo (seconds, in a student's first check); nothing here is compiled."""
+        return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         result = func(*args, **(kwargs or {}))
