@@ -191,7 +191,7 @@ def check_choose_backend(llm: LLM, fn: ChooseFn, layer_name: str = "model.layers
 
     def worked_choice(priority: list[str], reasons: dict[str, list[str]]) -> str:
         """The selector's walk down `priority` for this case, one line per backend tried."""
-        lines = [f"priority {priority}, reasons {reasons}"]
+        lines = [f"priority {priority}, tried in order:"]
         for name in priority:
             if reasons.get(name):
                 lines.append(f"  {name}: refuses ({'; '.join(reasons[name])}) -> skip")
