@@ -553,11 +553,10 @@ def record_accesses(named: Mapping[str, torch.Tensor] | None = None, *, guard: b
     TRITON_INTERPRET=1 before the kernels were defined. The interpreter is restored when the block
     ends, however it ends (an exception, KeyboardInterrupt).
     """
-    from pagedkv.kernels.common import interpreter_problem
+    from pagedkv.kernels.common import INTERPRETER_HINT, interpreting
 
-    problem = interpreter_problem()
-    if problem:
-        raise RuntimeError(f"record_accesses watches Triton's interpreter, which cannot run here: {problem}")
+    if not interpreting():  # (pagedkv's interpreter_problem also probes what its own kernels need: not asked here)
+        raise RuntimeError(f"record_accesses watches Triton's interpreter, which is off: {INTERPRETER_HINT}")
     from triton.runtime import interpreter
     from triton.runtime.jit import JITFunction
 
