@@ -26,6 +26,18 @@ def fresh_tries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(exercises, "_TRIES", exercises._Tries())
 
 
+class EqualToAnything(int):
+    """An int that says it equals whatever it is compared with."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = int.__hash__
+
+
 def right_bytes(layers: int, rank: int, rope: int, tokens: int) -> int:
     return layers * tokens * (rank + rope) * 2
 
@@ -157,7 +169,7 @@ def test_reading_the_checkers_frames_fails() -> None:
 
 def test_form_of_the_answer() -> None:
     assert_rejected(mla.check_mla_cache_bytes(1152), "function itself")
-    assert_rejected(mla.check_mla_cache_bytes(lambda *a: 1152.0), "an int")
+    assert_rejected(mla.check_mla_cache_bytes(lambda *a: 1152.0), "a Python int")
     assert_rejected(mla.check_decode_split(lambda lens: "0, 3"), "four ints")
     assert_rejected(mla.check_absorbed_query(lambda q, w, n: None), "return a tensor")
     assert_rejected(mla.check_absorbed_query(lambda q, w, n: 1 / 0), "raised ZeroDivisionError")
@@ -209,3 +221,22 @@ def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
         assert len(printed) == 1 and printed[0], printed
     outputs = [o.get("text", "") for c in cells if c["cell_type"] == "code" for o in c["outputs"]]
     assert not any(PASS_MARK in "".join(text) for text in outputs)
+
+
+def test_values_that_equal_anything_fail() -> None:
+    lie = EqualToAnything(0)
+    assert_rejected(mla.check_mla_cache_bytes(lambda *a: lie), "a Python int")
+    assert_rejected(mla.check_decode_split(lambda lens: (lie, lie, lie, lie)), "four ints")
+
+    class AlwaysClose(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+            if func is torch.allclose:
+                return True
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    def any_tensor(q: torch.Tensor, w: torch.Tensor, nope: int) -> torch.Tensor:
+        return torch.zeros(q.shape[0], q.shape[1], w.shape[1] + q.shape[2] - nope, dtype=q.dtype).as_subclass(
+            AlwaysClose)
+
+    assert_rejected(mla.check_absorbed_query(any_tensor), "return a tensor")

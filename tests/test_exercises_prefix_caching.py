@@ -32,6 +32,18 @@ def fresh_tries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(exercises, "_TRIES", exercises._Tries())
 
 
+class EqualToAnything(int):
+    """An int that says it equals whatever it is compared with."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = int.__hash__
+
+
 def replay_on_the_package(events: list[tuple[Any, ...]], num_blocks: int, block_size: int) -> int:
     """The head of a real manager's free queue after `events` (what the second edition's `replay` gave)."""
     kv = prefix_caching._manager(block_size, num_blocks)
@@ -305,3 +317,8 @@ def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
         assert len(printed) == 1 and printed[0], printed
     outputs = [o.get("text", "") for c in cells if c["cell_type"] == "code" for o in c["outputs"]]
     assert not any(PASS_MARK in "".join(text) for text in outputs)
+
+
+def test_an_int_that_equals_anything_fails() -> None:
+    assert_rejected(check_hit_length(lambda *a: EqualToAnything(0)), "a Python int")
+    assert_rejected(check_next_block(lambda *a: EqualToAnything(1)), "a Python int")

@@ -26,6 +26,18 @@ def fresh_tries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(exercises, "_TRIES", exercises._Tries())
 
 
+class EqualToAnything(int):
+    """An int that says it equals whatever it is compared with."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = int.__hash__
+
+
 def heads_by_hand(hq: int, hkv: int, tp: int, rank: int) -> tuple[list[int], list[int]]:
     per_rank = hq // tp
     q = list(range(rank * per_rank, (rank + 1) * per_rank))
@@ -76,7 +88,7 @@ def test_wrong_sizes_name_the_rule_not_the_size() -> None:
     assert_rejected(check_kv_cache_bytes(lambda *a: bytes_by_hand(*a) // 2), "a K and a V")
     assert_rejected(check_kv_cache_bytes(lambda *a: bytes_by_hand(*a) * 2), "2 bytes")
     assert_rejected(check_kv_cache_bytes(lambda *a: 0), "is not what one rank allocates")
-    assert_rejected(check_kv_cache_bytes(lambda *a: 1.5), "an int")
+    assert_rejected(check_kv_cache_bytes(lambda *a: 1.5), "a Python int")
 
 
 def test_answers_copied_for_the_shown_shapes_fail() -> None:
@@ -220,3 +232,9 @@ def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
         assert len(printed) == 1 and printed[0], printed
     outputs = [o.get("text", "") for c in cells if c["cell_type"] == "code" for o in c["outputs"]]
     assert not any(PASS_MARK in "".join(text) for text in outputs)
+
+
+def test_an_int_that_equals_anything_fails() -> None:
+    lie = EqualToAnything(0)
+    assert_rejected(check_rank_heads(lambda *a: ([lie], [lie])), "two lists of head indices")
+    assert_rejected(check_kv_cache_bytes(lambda *a: lie), "a Python int")

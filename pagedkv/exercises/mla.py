@@ -47,8 +47,8 @@ def check_mla_cache_bytes(fn: Callable[[int, int, int, int], Any], num_hidden: i
         return rejected
     for (layers, rank, rope, tokens), got in zip(cases, results):
         call = f"fn({layers}, {rank}, {rope}, {tokens})"
-        if not isinstance(got, int) or isinstance(got, bool):
-            return CheckResult(False, f"{call} returned {got!r}: return a number of bytes (an int).")
+        if type(got) is not int:  # a plain int: a subclass could make == say yes
+            return CheckResult(False, f"{call} returned {got!r}: return a number of bytes (a Python int).")
         spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=rank + rope, dtype=torch.bfloat16)
         per_token = spec.page_size_bytes // spec.block_size
         if got == per_token * tokens * layers:
@@ -113,7 +113,7 @@ def check_decode_split(fn: Callable[[list[int]], Any], num_hidden: int = 12) -> 
     for lens, got in zip(cases, results):
         call = f"fn({lens})"
         if not (isinstance(got, (tuple, list)) and len(got) == 4
-                and all(isinstance(n, int) and not isinstance(n, bool) for n in got)):
+                and all(type(n) is int for n in got)):  # plain ints: a subclass could make == say yes
             return CheckResult(False, f"{call} returned {got!r}: return four ints (num_decodes, num_prefills, "
                                       "num_decode_tokens, num_prefill_tokens).")
         expected = split_decodes_and_prefills(_common(lens))
@@ -182,8 +182,9 @@ def check_absorbed_query(fn: Callable[[torch.Tensor, torch.Tensor, int], Any], n
         return rejected
     for (tokens, heads, nope, rope, v, rank), (q, w, _), got in zip(shapes, cases, results):
         call = f"fn(q {list(q.shape)}, kv_b_weight {list(w.shape)}, {nope})"
-        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (tokens, heads, rank + rope):
-            shape = list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        # A plain tensor: a subclass's __torch_function__ could answer the comparisons below.
+        if type(got) is not torch.Tensor or tuple(got.shape) != (tokens, heads, rank + rope):
+            shape = list(got.shape) if type(got) is torch.Tensor else type(got).__name__
             return CheckResult(False, f"{call} returned {shape}: return a tensor [tokens, heads, kv_lora_rank + "
                                       f"qk_rope_head_dim], the shape of a cached row per head.")
         if got.dtype != torch.float64:

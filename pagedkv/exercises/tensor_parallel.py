@@ -51,12 +51,12 @@ def _geometries(num_hidden: int, rng: random.Random) -> list[tuple[int, int, int
 
 
 def _as_heads(value: Any) -> list[int] | None:
-    """`value` as a list of ints (a range, a tuple, a tensor's .tolist()), or None."""
+    """`value` as a list of plain ints (a list, a range, a tuple, a tensor's .tolist()), or None."""
     try:
         heads = list(value)
     except TypeError:
         return None
-    return heads if all(isinstance(h, int) and not isinstance(h, bool) for h in heads) else None
+    return heads if all(type(h) is int for h in heads) else None  # plain ints: no subclass compares for them
 
 
 @exercise("10: the heads of a rank")
@@ -134,8 +134,8 @@ def check_kv_cache_bytes(fn: KvBytesFn, num_hidden: int = 12) -> CheckResult:
         return rejected
     for (layers, hq, hkv, head_dim, tp, blocks), got in zip(cases, results):
         call = f"fn({layers}, {hq}, {hkv}, {head_dim}, {tp}, {blocks})"
-        if not isinstance(got, int) or isinstance(got, bool):
-            return CheckResult(False, f"{call} returned {got!r}: return a number of bytes (an int).")
+        if type(got) is not int:  # a plain int: a subclass could make == say yes
+            return CheckResult(False, f"{call} returned {got!r}: return a number of bytes (a Python int).")
         spec = build_attention(hq, hkv, tp, head_dim, hidden_size=64 * hq).attn.get_kv_cache_spec()
         expected = spec.page_size_bytes * layers * blocks
         if got == expected:
