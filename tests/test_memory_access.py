@@ -6,6 +6,8 @@ Tiny kernels with known accesses. A load or store past a tensor's end stays insi
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -244,7 +246,7 @@ def test_the_view_fits_a_1000px_column() -> None:
         sum_into_first[(3,)](wide, big, BLOCK=128)
         copy_rows[(1,)](torch.ones(1, 4), torch.zeros(1, 4), 4, 4, BLOCK=4)
     view = _view(log, launch=0)
-    widths = [int(w) for w in __import__("re").findall(r'<svg class="pkv-ma-grid"[^>]* width="(\d+)"', view.value)]
+    widths = [int(w) for w in re.findall(r'<svg class="pkv-ma-grid"[^>]* width="(\d+)"', view.value)]
     assert len(widths) == 3 and max(widths) <= 960
     assert "merged 4 x 4 to fit" in view.value and "a cell = deep[i, j, :, :] (32 elements)" in view.value
     assert [w.description for w in view.controls] == ["launch", "program"]

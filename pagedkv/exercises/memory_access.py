@@ -191,6 +191,7 @@ class KernelLaunch:
         return list(itertools.product(*(range(n) for n in self.grid)))
 
     def of(self, program: Program) -> list[Access]:
+        """The accesses of one program, in program order."""
         return [a for a in self.accesses if a.program == program]
 
     @property
