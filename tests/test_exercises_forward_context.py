@@ -4,15 +4,17 @@ reached (handed back, called, called on a thread, or its answer read from the ch
 
 from __future__ import annotations
 
+import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pagedkv import LLM
 from pagedkv.attention.layer import get_attention_context
-from pagedkv.exercises import _TRIES, reveal
+from pagedkv.exercises import _TRIES, PASS_MARK, reveal
 from pagedkv.exercises.forward_context import check_attention_context
 from pagedkv.forward_context import get_forward_context
 from tests.exercise_checks import assert_rejected
@@ -123,3 +125,22 @@ def test_three_wrong_tries_offer_reveal_with_the_worked_lookup(tiny: LLM, capsys
     assert "slot_mapping.get(layer_name)" in worked and "shape [2, 32, 16, 2, 16]" in worked
     assert check_attention_context(tiny, right)  # a pass resets the count
     assert "03: resolve a layer name" not in _TRIES.wrong
+
+
+def test_the_notebooks_worked_solution_passes_and_is_not_run(tiny: LLM) -> None:
+    """The worked solution sits in a collapsed markdown cell (Run All does not execute it) and passes the
+    checker; no saved output shows a pass mark, so a pass on screen is the student's own."""
+    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "03_the_forward_context.ipynb").read_text())["cells"]
+    solutions = [c for c in cells if "Worked solution" in "".join(c["source"])]
+    assert len(solutions) == 1 and solutions[0]["cell_type"] == "markdown"
+    code = "".join(solutions[0]["source"]).split("```python\n")[1].split("```")[0]
+    printed: list[object] = []
+    namespace = {"check_attention_context": check_attention_context, "get_forward_context": get_forward_context,
+                 "llm": tiny, "print": printed.append}
+    exec(code, namespace)  # noqa: S102
+    assert len(printed) == 1 and printed[0], printed
+    outputs = [o.get("text", "") for c in cells if c["cell_type"] == "code" for o in c["outputs"]]
+    assert not any(PASS_MARK in "".join(text) for text in outputs)
+    source = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    assert "getsource(get_attention_context)" not in source  # the lookup's code is the exercise
+    assert all("enable_prefix_caching=False" in line for line in source.splitlines() if "LLM(" in line)
