@@ -295,6 +295,31 @@ def test_puzzle_checker_refuses_plain_functions_pagedkvs_kernels_and_idle_launch
     assert_rejected(idle, "the launcher never launched")
 
 
+def test_a_kernel_that_calls_pagedkvs_kernel_inside_is_refused() -> None:
+    """A @triton.jit function may call another: wrapping pagedkv's own kernel (directly, through a
+    helper of one's own, or through the module) is read from the kernel's code."""
+    import pagedkv.kernels.reshape_and_cache as own_module
+
+    @triton.jit
+    def wraps(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t, stride_b, stride_s, stride_h,
+              block_size, HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BUG: tl.constexpr):
+        _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr)
+
+    @triton.jit
+    def helper(key_ptr):
+        own_module._reshape_and_cache_kernel(key_ptr)
+
+    @triton.jit
+    def through_helper(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t, stride_b, stride_s,
+                       stride_h, block_size, HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BUG: tl.constexpr):
+        helper(key_ptr)
+
+    assert_rejected(P.check_scatter_kernel(wraps, _launch_scatter(0)),
+                    "wraps calls _reshape_and_cache_kernel (from pagedkv.kernels.reshape_and_cache)")
+    assert_rejected(P.check_scatter_kernel(through_helper, _launch_scatter(0)),
+                    "through_helper calls ", "(from pagedkv.kernels.reshape_and_cache)")
+
+
 def test_split_kv_checker_wants_both_kernels() -> None:
     assert_rejected(P.check_split_kv(_split_partial, _launch_split(False)), "as a tuple")
 

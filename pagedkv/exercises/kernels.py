@@ -34,6 +34,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -230,6 +231,37 @@ def not_a_student_kernel(kernel: object) -> str | None:
     module = getattr(kernel.fn, "__module__", None) or ""
     if module.split(".")[0] == "pagedkv":
         return f"{kernel.fn.__name__} is pagedkv's own kernel (from {module}): the puzzle is to write one."
+    used = _package_code_used(kernel.fn, (JITFunction, InterpretedFunction))
+    if used:
+        return f"{kernel.fn.__name__} calls {used}, pagedkv's own: the puzzle is to write the kernel yourself."
+    return None
+
+
+def _package_code_used(fn: Any, jit_types: tuple[type, ...], seen: set[int] | None = None) -> str | None:
+    """The first pagedkv kernel or module that `fn` (a kernel's Python function) or one of the
+    @triton.jit helpers it calls refers to by name; None if none. Inside a kernel the call watch
+    is paused (Triton's own code runs there), so this is read from the code instead."""
+    seen = seen if seen is not None else set()
+    if id(fn) in seen or not hasattr(fn, "__code__"):
+        return None
+    seen.add(id(fn))
+    scope = dict(getattr(fn, "__globals__", {}))
+    scope.update(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+    codes, names = [fn.__code__], set()
+    while codes:  # the names of nested code objects too (comprehensions, lambdas)
+        code = codes.pop()
+        names.update(code.co_names, code.co_freevars)
+        codes += [c for c in code.co_consts if hasattr(c, "co_names")]
+    for name in sorted(names):
+        value = scope.get(name)
+        inner = getattr(value, "fn", None) if isinstance(value, jit_types) else None
+        home = getattr(inner if inner is not None else value, "__module__", None) or getattr(value, "__name__", "")
+        if isinstance(value, (*jit_types, ModuleType)) and str(home).split(".")[0] == "pagedkv":
+            return f"{name} (from {home})"
+        if inner is not None:
+            found = _package_code_used(inner, jit_types, seen)
+            if found:
+                return found
     return None
 
 
