@@ -227,7 +227,8 @@ PUZZLES: dict[str, tuple[Callable[..., CheckResult], Any, Callable[[bool], Calla
     "masked_scores": (P.check_masked_scores, _scores, lambda bug: _launch_scores(0 if bug else 1),
                       "(position 5 is past seq_len 5: it must score -inf)"),
     "online_softmax": (P.check_online_softmax, _attention, lambda bug: _launch_attention(bug, False), "out[1, "),
-    "gqa": (P.check_gqa_attention, _attention, lambda bug: _launch_attention(bug, True), "out[0, 1, "),
+    "gqa": (P.check_gqa_attention, _attention, lambda bug: _launch_attention(bug, True),
+            "out[0, 1, 0] is 0.4449 (that is query head 1 attending to KV head 1 % 2 = 1: query head h reads KV head"),
     "split_kv": (P.check_split_kv, (_split_partial, _split_merge), _launch_split,
                  "is nan (never written, or a 0 / 0 or -inf - (-inf) on the way; a split with no pages has l = 0)"),
 }

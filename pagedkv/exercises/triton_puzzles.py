@@ -265,6 +265,12 @@ def _check_attention(kernels: list[Any], launch: Launch, specs: list[dict[str, A
             r, h, d = index if num_kv_heads else (index[0], 0, index[1])
             empty = "; a split with no pages has l = 0" if num_splits else ""
             shows = f" (never written, or a 0 / 0 or -inf - (-inf) on the way{empty})" if got != got else ""
+            wrong_kv = h % inputs["k_cache"].shape[2]  # the usual mix-up: KV head h % num_kv_heads
+            if num_kv_heads and wrong_kv != h // group:
+                s_wrong = keys(inputs["k_cache"], r, wrong_kv) @ q[r, h].double() * scale
+                if abs(float(torch.softmax(s_wrong, 0) @ keys(inputs["v_cache"], r, wrong_kv)[:, d]) - got) < 1e-4:
+                    shows = (f" (that is query head {h} attending to KV head {h} % {num_kv_heads} = {wrong_kv}: "
+                             f"query head h reads KV head h // G)")
 
             def work() -> str:
                 n, s = seq_lens[r], scores(r, h)
