@@ -93,6 +93,20 @@ def test_no_wrong_answer_is_told_the_resolved_mode(number: int) -> None:
         assert result.reveal is not None
 
 
+class YesStr(str):
+    """A name that says it equals anything (an int like it fooled the checkers of notebooks 10-12)."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __hash__ = str.__hash__
+
+
+def test_an_answer_that_equals_anything_fails() -> None:
+    assert_rejected(check_lowering(2, YesStr("NONE")), "Exercise 2: NONE breaks no rule")
+    assert_rejected(check_raising({(YesStr("NONE"), YesStr("ALWAYS"))}), "('NONE', 'ALWAYS') does not raise")
+
+
 def test_each_exercise_counts_its_own_tries_and_reveal_works_it_out(capsys: pytest.CaptureFixture[str]) -> None:
     check_lowering(1, "FULL")
     check_lowering(1, "FULL")

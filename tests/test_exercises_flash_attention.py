@@ -70,6 +70,28 @@ def test_the_package_rewrite_fails_however_it_is_called() -> None:
     assert_rejected(check_kernel_block_rows(on_a_thread), "calls to_kernel_block_table")
 
 
+class Yes(int):
+    """An int that says it equals anything (fooled the checkers of notebooks 10-12)."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = int.__hash__
+
+
+class YesList(list):
+    def __eq__(self, other: object) -> bool:
+        return True
+
+
+def test_answers_that_equal_anything_fail() -> None:
+    assert_rejected(check_kernel_block_rows(lambda row, b, kb: [Yes(0)] * (len(row) * (b // kb))), "entry 0")
+    assert_rejected(check_kernel_block_rows(lambda row, b, kb: YesList([0] * (len(row) * (b // kb)))), "entry 0")
+
+
 def test_reading_the_checkers_frames_fails() -> None:
     def peek(row: list[int], block_size: int, kernel_block_size: int) -> list[int]:
         caller = sys._getframe(1).f_locals

@@ -71,12 +71,31 @@ def test_exercise_2(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
     assert "preempted ['2']" in worked
 
 
+class Yes(int):
+    """An int that says it equals anything (fooled the checkers of notebooks 10-12)."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = int.__hash__
+
+
+def test_an_int_that_equals_anything_fails(llm: LLM) -> None:
+    assert_rejected(check_next_schedule(llm, {"0": Yes(1), "1": Yes(1), "2": Yes(1)}, []), "request 2: you wrote 1")
+    llm.step()
+    assert_rejected(check_next_schedule(llm, {"0": 1, "1": 1}, [Yes(0)]), "preempted: ['0'] is not it")
+
+
 def test_form_of_the_answer(llm: LLM) -> None:
     assert_rejected(check_next_schedule(llm, ...), "Replace `...`")
     assert_rejected(check_next_schedule(llm, [1, 1, 10]), "tokens must be a dict")
     assert_rejected(check_next_schedule(llm, {"0": 1}, ...), "Replace the `...` of `preempted`")
     assert_rejected(check_next_schedule(llm, {"0": 1}, "2"), "preempted must be a list")
     assert_rejected(check_next_schedule(llm, {"0": 1, "1": 1, "2": 10, "7": 2}), "request 7 is neither running")
+    assert_rejected(check_next_schedule(llm, {"zero": 1}), "Request ids are numbers")
 
 
 def test_the_notebooks_worked_solutions_pass_and_are_not_run(llm: LLM) -> None:

@@ -115,7 +115,12 @@ def check_next_schedule(llm: LLM, tokens: object, preempted: object = ()) -> Che
         return CheckResult(False, "Replace the `...` of `preempted` with a list of request ids ([] if none).")
     if not isinstance(preempted, (list, tuple)):
         return CheckResult(False, f"preempted must be a list such as ['2'] or [], got {type(preempted).__name__}.")
-    got = {str(k): v for k, v in tokens.items() if v}  # a request with 0 tokens may be left out
+    try:  # plain ints and strs from here on: an int subclass could make == say yes to anything
+        counts = [(str(int(k)), int(v)) for k, v in dict(tokens).items()]
+        wrote = sorted(str(int(p)) for p in preempted)
+    except (TypeError, ValueError) as exc:
+        return CheckResult(False, f"Request ids are numbers such as '0' or 0, token counts ints: {exc}.")
+    got = {rid: n for rid, n in counts if n}  # a request with 0 tokens may be left out
     known = {req.request_id for req in [*llm.scheduler.running, *llm.scheduler.waiting]}
     strangers = sorted(set(got) - known)
     if strangers:
@@ -131,7 +136,6 @@ def check_next_schedule(llm: LLM, tokens: object, preempted: object = ()) -> Che
         if got.get(rid, 0) != n:
             return CheckResult(False, f"request {rid}: you wrote {got.get(rid, 0)} token(s), which is not it: "
                                       f"{_hint(llm, plan, req, n, budget, got.get(rid, 0))}", reveal=work)
-    wrote = sorted(str(p) for p in preempted)
     if wrote != sorted(plan.preempted_req_ids):
         if not plan.preempted_req_ids:
             hint = ("every running request finds the blocks its tokens need (compare the slots each needs with the "
