@@ -358,6 +358,25 @@ def test_a_launcher_that_computes_in_torch_and_copies_with_a_kernel_is_refused()
     assert_rejected(result, "the launcher computes with torch (aten.", "outside the kernel")
 
 
+def test_a_launcher_that_launches_a_kernel_it_was_not_given_is_refused() -> None:
+    def launch(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
+        _launch_attention(False, False)(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale)
+        _copy[(1,)](out, out, N=out.numel())
+
+    assert_rejected(P.check_online_softmax(_attention, launch), "launches a @triton.jit kernel it was not given")
+
+
+def test_a_launcher_that_allocates_views_copies_and_sizes_its_grid_passes() -> None:
+    """What a launcher may do: views, copies, its own buffers, the longest sequence for a grid."""
+    def launch(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
+        assert int(seq_lens.max()) > 0
+        q = q.clone().float()[:, :]
+        _launch_attention(False, False)(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale)
+
+    result = P.check_online_softmax(_attention, launch)
+    assert result.ok, result.message
+
+
 def test_the_same_on_a_thread_pool_or_a_thread_is_refused() -> None:
     def on_pool(*args):
         return ThreadPoolExecutor(1).submit(_attention_in_torch, *args).result()

@@ -5,7 +5,8 @@ A puzzle answer is a `@triton.jit` kernel plus a launcher `launch(kernel, *input
 runs the launches, and watches the launcher (on its thread and on every thread it starts):
 
 - every aten op it runs outside the kernel launches is recorded (a `TorchDispatchMode`): a launcher
-  may allocate, view and copy, and nothing else: no math (matmul, softmax, exp, sum, indexing), no
+  may allocate, view and copy (and size a grid: int(seq_lens.max())), nothing else: no math
+  (matmul, softmax, exp, sum, indexing), no
   tensor made from Python values, no write into the checker's tensors, no tensor from elsewhere
   (a precomputed answer); inside a launch only what Triton's interpreter itself runs is allowed;
 - a call to pagedkv's own kernels or reference, or a read of the checker's frames, is refused.
@@ -58,7 +59,9 @@ VIEWING = frozenset({
     "unsqueeze", "squeeze", "select", "slice", "narrow", "unbind", "split", "split_with_sizes", "unflatten",
 })
 COPYING = frozenset({"clone", "_to_copy", "copy_", "fill_", "zero_"})
-LAUNCHER_OPS = ALLOCATING | VIEWING | COPYING
+SIZING = frozenset({"max", "amax", "_local_scalar_dense"})
+"""A grid or a loop bound from the longest sequence: int(seq_lens.max())."""
+LAUNCHER_OPS = ALLOCATING | VIEWING | COPYING | SIZING
 """The aten ops a launcher may run outside its kernel launches."""
 INTERPRETER_OPS = frozenset({"empty", "new_empty", "set_", "copy_", "_to_copy", "clone", "detach", "alias", "view"})
 """The aten ops Triton's interpreter runs while launching a kernel (it copies the tensors to the host and back)."""
@@ -66,7 +69,6 @@ _WRITING = frozenset({"copy_", "fill_", "zero_"})
 _WHY = {
     "lift_fresh": "makes a tensor from Python values with torch.tensor or torch.from_numpy",
     "detach": "reads tensor data into Python with .numpy() or .detach()",
-    "_local_scalar_dense": "reads a tensor value into Python with .item()",
 }
 
 
@@ -126,6 +128,10 @@ class _LaunchWatch:
             if op not in INTERPRETER_OPS:
                 self.note(f"the kernel calls torch (aten.{op}) while it runs: a @triton.jit kernel computes "
                           "with triton.language only (the interpreter runs any Python; a GPU would not compile it)")
+            return
+        if op == "set_":  # what Triton's interpreter runs when it launches a kernel
+            self.note("the launcher launches a @triton.jit kernel it was not given (aten.set_: the interpreter "
+                      "copying its arguments): launch only the kernel(s) passed to it")
             return
         if op not in LAUNCHER_OPS:
             why = _WHY.get(op, "computes with torch")
