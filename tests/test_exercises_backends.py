@@ -4,9 +4,11 @@ the rule they break (never the right values), and rejects the package's own atte
 
 from __future__ import annotations
 
+import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +21,7 @@ from pagedkv.attention.backend import (
     CommonAttentionMetadata,
 )
 from pagedkv.attention.selector import unregister_backend
-from pagedkv.exercises import _TRIES, reveal
+from pagedkv.exercises import _TRIES, PASS_MARK, reveal
 from pagedkv.exercises.backends import check_backend
 from tests.exercise_checks import assert_rejected
 
@@ -248,3 +250,30 @@ def test_backend_message_holds_no_right_values_and_reveal_works_it_out(capsys: p
         assert "head 0 should start" in worked and "query head h reads KV head h // 3" in worked
     finally:
         unregister_backend("TEST_NO_MASK_AGAIN")
+
+
+def test_the_notebooks_worked_solution_passes_and_is_not_run() -> None:
+    """The worked solution (NAIVE plus the window) sits in a collapsed markdown cell, not run by Run All, and
+    passes the checker; no saved output shows a pass mark, so a pass on screen is the student's own."""
+    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "04_attention_backends.ipynb").read_text())["cells"]
+    solutions = [c for c in cells if "Worked solution" in "".join(c["source"])]
+    assert len(solutions) == 1 and solutions[0]["cell_type"] == "markdown"
+    naive = [
+        "".join(c["source"]) for c in cells
+        if c["cell_type"] == "code" and any(f"class Naive{n}" in "".join(c["source"]) for n in ("Metadata", "Impl", "Backend"))
+    ]
+    printed: list[object] = []
+    namespace: dict[str, Any] = {"check_backend": check_backend, "print": printed.append, "torch": torch}
+    try:
+        for source in naive:
+            exec(source, namespace)  # noqa: S102
+        exec("".join(solutions[0]["source"]).split("```python\n")[1].split("```")[0], namespace)  # noqa: S102
+    finally:
+        unregister_backend("NAIVE")
+        unregister_backend("WINDOWED")
+    assert printed[-1], printed[-1]
+    outputs = [o.get("text", "") for c in cells if c["cell_type"] == "code" for o in c["outputs"]]
+    assert not any(PASS_MARK in "".join(text) for text in outputs)
+    source = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    assert all("enable_prefix_caching=False" in line or "LLM(" not in line or "def " in line
+               for line in source.replace(",\n", ", ").splitlines())
