@@ -18,11 +18,15 @@ kept unless `force` is set, and is not executed again; nothing is written throug
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import filecmp
+import functools
 import importlib.util
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -181,31 +185,22 @@ def execute_workbook(dest_dir: Path, notebooks: list[Path], *, cuda: bool,
                      progress: bool | None = None) -> Iterator[NotebookRun]:
     """Run each of `notebooks` (paths relative to `dest_dir`) top to bottom in a fresh kernel, as Run All
     does in JupyterLab, and save it with its outputs; one that fails is reported and left as it was, and
-    the others still run.
+    the others still run. Ctrl-C stops the run (KeyboardInterrupt).
 
     Two progress bars on stderr follow the run: the notebooks, and the cells of the running notebook
     (`progress` None: only on a terminal). Print between the runs with `tqdm.write`, which keeps the
     bars below the printed lines.
     """
     import nbformat
-    from nbclient import NotebookClient
     from tqdm import tqdm
 
     disable = None if progress is None else not progress  # tqdm's None: off unless stderr is a terminal
     bar_format = "{desc:<9} {n_fmt:>3}/{total_fmt:<3} |{bar:20}| {elapsed}{postfix}"
-    running: list[int] = []  # the index of the cell that runs now, once one has started
-
     with (tempfile.TemporaryDirectory(prefix="pagedkv-kernels-") as sockets,
           tqdm(total=len(notebooks), desc="notebooks", disable=disable, bar_format=bar_format,
                position=0, dynamic_ncols=True) as notebook_bar,
           tqdm(total=0, desc="cells", disable=disable, bar_format=bar_format, position=1, leave=False,
                dynamic_ncols=True) as cell_bar):
-
-        def on_cell_start(cell: Any, cell_index: int) -> None:
-            running[:] = [cell_index]
-            cell_bar.update(cell_index - cell_bar.n)  # the cells above it are done
-            cell_bar.set_postfix_str(first_line(cell.source, 40), refresh=True)
-
         for rel in notebooks:
             path = dest_dir / rel
             nb = nbformat.read(path, as_version=4)
@@ -214,24 +209,75 @@ def execute_workbook(dest_dir: Path, notebooks: list[Path], *, cuda: bool,
                 notebook_bar.update()
                 yield NotebookRun(path.name, 0.0, skipped=reason)
                 continue
-            running.clear()
             cell_bar.reset(total=len(nb.cells))
             cell_bar.set_postfix_str("", refresh=False)
-            client = NotebookClient(nb, timeout=1200, resources={"metadata": {"path": str(path.parent)}},
-                                    store_widget_state=True, on_cell_start=on_cell_start,
-                                    config=kernel_config(Path(sockets)))
+            client = workbook_client()(nb, cell_bar, timeout=1200, store_widget_state=True,
+                                       resources={"metadata": {"path": str(path.parent)}},
+                                       config=kernel_config(Path(sockets)))
             start = time.perf_counter()
             try:
                 client.execute()
             except Exception as exc:  # CellExecutionError, a dead or missing kernel, a timeout: this notebook only
+                if client.ctrl_c:
+                    raise KeyboardInterrupt from None
                 notebook_bar.update()
-                yield NotebookRun(path.name, time.perf_counter() - start,
-                                  error=_failure(nb, running[0] if running else None, exc))
+                yield NotebookRun(path.name, time.perf_counter() - start, error=_failure(nb, client.running, exc))
                 continue
+            if client.ctrl_c:  # pressed just as the last cell finished: stop all the same
+                raise KeyboardInterrupt
             replace_file(path, nbformat.writes(nb).encode("utf-8"))
             cell_bar.update(cell_bar.total - cell_bar.n)
             notebook_bar.update()
             yield NotebookRun(path.name, time.perf_counter() - start)
+
+
+class Interrupted(Exception):
+    """Ctrl-C was pressed before the cell could start: the notebook stops there."""
+
+
+@functools.cache
+def workbook_client() -> type:
+    """nbclient's NotebookClient with what `pagedkv workbook --execute` adds (a class made on first use:
+    nbclient comes with the notebooks extra, and copying or listing the workbook does without it)."""
+    from nbclient import NotebookClient
+
+    class WorkbookClient(NotebookClient):
+        """Moves the cell progress bar `cell_bar` and remembers the running cell (`running`, its index).
+
+        Ctrl-C stops the run, as it stops any command. The kernel runs in a session of its own, so the
+        terminal's Ctrl-C reaches only this process, where nbclient's handler merely asks the kernel to
+        shut down once the running cell is done, and the run went on. Here the first Ctrl-C interrupts
+        the cell, as JupyterLab's stop button does, a second one kills the kernel; the notebook then
+        fails, and `ctrl_c` (the number of presses) tells the caller to stop.
+        """
+
+        def __init__(self, nb: Any, cell_bar: Any, **kwargs: Any) -> None:
+            super().__init__(nb, **kwargs)
+            self.cell_bar = cell_bar
+            self.running: int | None = None
+            self.ctrl_c = 0
+
+        async def async_start_new_kernel(self, **kwargs: Any) -> None:
+            # nbclient has just put in its own SIGINT handler: replace it (it removes the handler at the end).
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # no signals here (Windows, a thread)
+                asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self.on_ctrl_c)
+            await super().async_start_new_kernel(**kwargs)
+
+        def on_ctrl_c(self) -> None:
+            self.ctrl_c += 1
+            if self.km is not None and self.km.has_kernel:
+                stop = self.km.interrupt_kernel() if self.ctrl_c == 1 else self.km.shutdown_kernel(now=True)
+                asyncio.ensure_future(stop)
+
+        async def async_execute_cell(self, cell: Any, cell_index: int, *args: Any, **kwargs: Any) -> Any:
+            if self.ctrl_c:  # pressed while the kernel started, or between two cells
+                raise Interrupted
+            self.running = cell_index
+            self.cell_bar.update(cell_index - self.cell_bar.n)  # the cells above it are done
+            self.cell_bar.set_postfix_str(first_line(cell.source, 40), refresh=True)
+            return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
+
+    return WorkbookClient
 
 
 def kernel_config(sockets: Path) -> Any:

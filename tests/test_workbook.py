@@ -12,10 +12,12 @@ import json
 import os
 import pty
 import re
+import signal
 import struct
 import subprocess
 import sys
 import termios
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,9 +87,11 @@ class TerminalRun:
     """`terminal` without ANSI codes, split at every carriage return and newline: each state a bar was drawn in."""
 
 
-def run_in_terminal(files: dict[Path, Path], dest: Path) -> TerminalRun:
+def run_in_terminal(files: dict[Path, Path], dest: Path, ctrl_c_at: str | None = None) -> TerminalRun:
     """Run the command in a new process whose stderr is a pseudo-terminal, as a student's terminal is
-    (progress bars are drawn only there). The kernels inherit it: what they print lands there too."""
+    (progress bars are drawn only there). The kernels inherit it: what they print lands there too.
+    `ctrl_c_at`: once this text shows on the terminal, press Ctrl-C (SIGINT to the command, as a
+    terminal sends it: the kernels run in sessions of their own)."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "PAGEDKV_DEBUG")}
@@ -96,7 +100,7 @@ def run_in_terminal(files: dict[Path, Path], dest: Path) -> TerminalRun:
                            str(dest)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=follower,
                           env=env) as proc:
         os.close(follower)
-        chunks = []
+        terminal = b""
         while True:
             try:
                 chunk = os.read(leader, 65536)
@@ -104,13 +108,16 @@ def run_in_terminal(files: dict[Path, Path], dest: Path) -> TerminalRun:
                 break
             if not chunk:
                 break
-            chunks.append(chunk)
+            terminal += chunk
+            if ctrl_c_at is not None and ctrl_c_at.encode() in terminal:
+                proc.send_signal(signal.SIGINT)
+                ctrl_c_at = None
         stdout = proc.stdout.read().decode() if proc.stdout else ""
         code = proc.wait(timeout=300)
     os.close(leader)
-    terminal = b"".join(chunks).decode(errors="replace")
-    lines = [line.strip() for line in re.split(r"[\r\n]", workbook.ANSI_ESCAPE.sub("", terminal)) if line.strip()]
-    return TerminalRun(code, stdout, terminal, lines)
+    text = terminal.decode(errors="replace")
+    lines = [line.strip() for line in re.split(r"[\r\n]", workbook.ANSI_ESCAPE.sub("", text)) if line.strip()]
+    return TerminalRun(code, stdout, text, lines)
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +168,19 @@ def test_no_kernel_warnings_reach_the_terminal(executed: tuple[TerminalRun, dict
     run, _, _ = executed
     assert "WARNING" not in run.terminal and "IPKernelApp" not in run.terminal, run.terminal
     assert "WARNING" not in run.stdout
+
+
+def test_ctrl_c_stops_the_run(tmp_path: Path) -> None:
+    """Before: Ctrl-C reached only the command (the kernel has a session of its own), where nbclient merely
+    asked the kernel to shut down after the running cell; the cell and every other notebook ran on."""
+    files = {Path("notebooks/00_slow.ipynb"): write_notebook(tmp_path / "00_slow.ipynb", "import time",
+                                                             "print('sleeping', flush=True); time.sleep(120)"),
+             Path("notebooks/01_ok.ipynb"): write_notebook(tmp_path / "01_ok.ipynb", "print(1)")}
+    start = time.monotonic()
+    run = run_in_terminal(files, tmp_path / "wb", ctrl_c_at="print('sleeping'")
+    assert time.monotonic() - start < 100  # the two-minute cell was cut short
+    assert run.code == 130 and "pagedkv: interrupted" in run.lines, run.terminal
+    assert "01_ok" not in run.stdout and "Traceback" not in run.terminal
 
 
 def test_executed_notebooks_are_not_run_again(tmp_path: Path, shipped: dict[Path, Path],
