@@ -24,11 +24,13 @@ Every view draws one step of a `pagedkv.trace.StepTrace`; the same code draws a 
 
 Shortcut: `BlockTableView.attach(llm)` makes the trace for you (`view.trace`).
 
-Views (all `TraceView`s: an `ipywidgets.HTML` with an `index` trait, -1 = newest step):
+Views (all `TraceView`s: an `ipywidgets.HTML` with an `index` trait, -1 = newest step; none is
+wider than its output area):
     BlockTableView       physical blocks coloured by owner, free pool, null block, slots
                          written this step; each request's logical -> physical row; with prefix
-                         caching, blocks shared by several requests, evictable (free but cached)
-                         blocks and the free queue in eviction order
+                         caching (or `show_caching=True`), blocks shared by several requests,
+                         evictable (free but cached) blocks, the free queue in eviction order and
+                         the blocks a request found in the cache (double outline)
     SlotMappingView      each token: position -> block table -> slot (-1 = padding), a page of
                          tokens at a time (its `pager` slider pages through a long prefill)
     AttentionGroupsView  layers -> KV cache groups -> attention groups -> one metadata object
@@ -38,6 +40,10 @@ Views (all `TraceView`s: an `ipywidgets.HTML` with an `index` trait, -1 = newest
     PlotView             one of the plots below with a cursor at the step on display
 StepPlayer(trace, views)   Play + IntSlider; renders every view at the chosen step, then updates the
                            views and the step label together (they always name the same step).
+Watching a run: a view (or a player on its last step) following a run in a notebook draws every
+step and holds each frame at least `min_frame_s` seconds (default 0.25: the engine waits, so 20
+steps take 5 s and each can be seen); PAGEDKV_MIN_FRAME_S=0 in the environment (CI) or
+`min_frame_s=0` skips frames instead and draws the newest step when the cell ends.
 Colours: JupyterLab theme variables (`--jp-ui-font-color1`, `--jp-layout-color1`, ...) and request
 colours of mid luminance, so every view reads in the light and the dark theme.
 Plots: plot_kv_cache_usage, plot_batch_composition, plot_request_timeline, plot_throughput (each
