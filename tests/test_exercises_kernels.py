@@ -256,7 +256,7 @@ def test_puzzle_checker_accepts_right_and_names_the_rule_a_wrong_entry_breaks(
     for tries in (1, 2, 3):
         wrong = _check(name, kernels, make_launch(True))
         assert_rejected(wrong, wrong_text)
-        assert len(wrong.message.splitlines()) <= 2
+        assert len(wrong.message.splitlines()) <= 3
         assert ("reveal()" in wrong.message) == (tries == 3), wrong.message
     entry = re.search(r"(\w+)\[([\d, ]+)\] is (\S+)", wrong.message)
     assert entry is not None, wrong.message
@@ -266,7 +266,8 @@ def test_puzzle_checker_accepts_right_and_names_the_rule_a_wrong_entry_breaks(
     expected = re.findall(r"(-?\d[\d.]*(?:e-?\d+)?|-inf)\.?$", worked.strip())
     assert expected and expected[-1] != entry.group(3), worked
     if expected[-1] not in ("0", "-1", "-inf"):  # those are rules ("stays 0", "gets -1"), not a secret
-        assert not re.search(rf"(?<![\d.]){re.escape(expected[-1])}(?![\d])", wrong.message[entry.end():])
+        told = wrong.message.splitlines()[0][entry.end():]  # what the message says of the entry (not the case)
+        assert not re.search(rf"(?<![\d.]){re.escape(expected[-1])}(?![\d])", told)
 
 
 def test_reveal_works_out_the_failing_entry_step_by_step(capsys: pytest.CaptureFixture[str]) -> None:
@@ -617,7 +618,8 @@ def test_each_worked_solution_passes_its_check_in_a_fresh_interpreter(tmp_path: 
     unable = [v for v in verdicts if "interpreter cannot run a loop" in v]  # old Triton with new numpy
     if unable:
         pytest.skip(unable[0])
-    assert verdicts[0].startswith(f"{FAIL_MARK} block-table row, seq_lens [5, 16, 1]"), verdicts  # the empty skeleton
+    skeleton = f"{FAIL_MARK} block-table row: slots[0, 0] is -2 (never written"
+    assert verdicts[0].startswith(skeleton), verdicts
     assert verdicts[1] == f"{PASS_MARK} block-table row: 2 random cases match the float64 reference.", verdicts
     assert sum(v.startswith(PASS_MARK) for v in verdicts) == len(PUZZLES), done.stdout
 

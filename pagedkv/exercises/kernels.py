@@ -415,12 +415,12 @@ def check_launches(
                 value = float(got.detach().cpu()[index])
                 shows, work = case.explain(name, index, value, expected)
                 at = ", ".join(map(str, index))
-                return CheckResult(False, f"{what}, {case.description}: {name}[{at}] is {value:.4g}{shows}."
+                return CheckResult(False, f"{what}: {name}[{at}] is {value:.4g}{shows}.\nCase: {case.description}."
                                           f"\nHint: {hint}", reveal=work)
         problems = _access_problems(logs[0], case) if logs else []
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            return CheckResult(False, f"{what}, {case.description}: the right values, but {problems[0]}{more}."
+            return CheckResult(False, f"{what}: the right values, but {problems[0]}{more}.\nCase: {case.description}."
                                       f"\nHint: {ACCESS_HINT}")
     case = make_cases[0]()
     _, rejected = _run_launcher(kernels, launch, case, what, run=False)
