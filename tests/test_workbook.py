@@ -12,6 +12,7 @@ import json
 import os
 import pty
 import re
+import select
 import signal
 import struct
 import subprocess
@@ -87,11 +88,11 @@ class TerminalRun:
     """`terminal` without ANSI codes, split at every carriage return and newline: each state a bar was drawn in."""
 
 
-def run_in_terminal(files: dict[Path, Path], dest: Path, ctrl_c_at: str | None = None) -> TerminalRun:
+def run_in_terminal(files: dict[Path, Path], dest: Path, ctrl_c_when: Path | None = None) -> TerminalRun:
     """Run the command in a new process whose stderr is a pseudo-terminal, as a student's terminal is
     (progress bars are drawn only there). The kernels inherit it: what they print lands there too.
-    `ctrl_c_at`: once this text shows on the terminal, press Ctrl-C (SIGINT to the command, as a
-    terminal sends it: the kernels run in sessions of their own)."""
+    `ctrl_c_when`: once this file exists, press Ctrl-C (SIGINT to the command, as a terminal sends it:
+    the kernels run in sessions of their own)."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "PAGEDKV_DEBUG")}
@@ -102,6 +103,11 @@ def run_in_terminal(files: dict[Path, Path], dest: Path, ctrl_c_at: str | None =
         os.close(follower)
         terminal = b""
         while True:
+            if ctrl_c_when is not None and ctrl_c_when.exists():
+                proc.send_signal(signal.SIGINT)
+                ctrl_c_when = None
+            if not select.select([leader], [], [], 0.2)[0]:
+                continue
             try:
                 chunk = os.read(leader, 65536)
             except OSError:  # EIO: every writer closed the terminal
@@ -109,9 +115,6 @@ def run_in_terminal(files: dict[Path, Path], dest: Path, ctrl_c_at: str | None =
             if not chunk:
                 break
             terminal += chunk
-            if ctrl_c_at is not None and ctrl_c_at.encode() in terminal:
-                proc.send_signal(signal.SIGINT)
-                ctrl_c_at = None
         stdout = proc.stdout.read().decode() if proc.stdout else ""
         code = proc.wait(timeout=300)
     os.close(leader)
@@ -173,11 +176,13 @@ def test_no_kernel_warnings_reach_the_terminal(executed: tuple[TerminalRun, dict
 def test_ctrl_c_stops_the_run(tmp_path: Path) -> None:
     """Before: Ctrl-C reached only the command (the kernel has a session of its own), where nbclient merely
     asked the kernel to shut down after the running cell; the cell and every other notebook ran on."""
-    files = {Path("notebooks/00_slow.ipynb"): write_notebook(tmp_path / "00_slow.ipynb", "import time",
-                                                             "print('sleeping', flush=True); time.sleep(120)"),
+    started = tmp_path / "started"
+    files = {Path("notebooks/00_slow.ipynb"): write_notebook(
+                 tmp_path / "00_slow.ipynb", "import pathlib, time", f"pathlib.Path({str(started)!r}).touch()\n"
+                 "time.sleep(120)"),
              Path("notebooks/01_ok.ipynb"): write_notebook(tmp_path / "01_ok.ipynb", "print(1)")}
     start = time.monotonic()
-    run = run_in_terminal(files, tmp_path / "wb", ctrl_c_at="print('sleeping'")
+    run = run_in_terminal(files, tmp_path / "wb", ctrl_c_when=started)
     assert time.monotonic() - start < 100  # the two-minute cell was cut short
     assert run.code == 130 and "pagedkv: interrupted" in run.lines, run.terminal
     assert "01_ok" not in run.stdout and "Traceback" not in run.terminal
