@@ -104,3 +104,15 @@ def test_transparent_figure_gets_a_light_background() -> None:
         fig, _ax = figure()
     images = renderings(ThemedFigure(fig).value)
     assert images["light"][0, 0, 3] == 1.0 and matplotlib.colors.to_hex(images["light"][0, 0]) == "#ffffff"
+
+
+def test_display_falls_back_to_the_light_png_where_widgets_are_not_drawn() -> None:
+    """An untrusted notebook (opened, never run on this server), nbviewer, GitHub: no widget, the image."""
+    fig, _ax = figure()
+    widget = ThemedFigure(fig)
+    bundle = widget._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle and bundle["text/plain"] == repr(widget)
+    light = renderings(widget.value)["light"]
+    fallback = matplotlib.image.imread(io.BytesIO(base64.b64decode(bundle["image/png"])), format="png")
+    assert np.array_equal(fallback, light)
+

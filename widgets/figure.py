@@ -160,23 +160,29 @@ def _png(fig: Figure, dpi: float) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def themed_figure_html(fig: Figure, *, dpi: float = 80, alt: str = "") -> str:
-    """HTML with the figure's light and dark renderings, showing the one of the page's theme.
-
-    Draws `fig` as it is, then recolours it for the dark page (the figure is changed: draw it
-    once more only after building it again).
-    """
+def _renderings(fig: Figure, dpi: float) -> tuple[str, str]:
+    """The figure as (light, dark) base64 PNGs. Draws `fig` as it is, then recolours it for the
+    dark page (the figure is changed: draw it once more only after building it again)."""
     if fig.get_facecolor()[3] == 0:  # a transparent figure would show its page: make the light one white
         fig.set_facecolor(LIGHT_BACKGROUND)
     light = _png(fig, dpi)
     _dark(fig)
-    dark = _png(fig, dpi)
+    return light, _png(fig, dpi)
+
+
+def _html(light: str, dark: str, alt: str) -> str:
     alt_attr = alt.replace('"', "&quot;").replace("<", "&lt;")
     return (
         f'<div class="pkv-figure">{_STYLE}'
         f'<img class="pkv-figure-light" alt="{alt_attr}" src="data:image/png;base64,{light}"/>'
         f'<img class="pkv-figure-dark" alt="{alt_attr}" src="data:image/png;base64,{dark}"/></div>'
     )
+
+
+def themed_figure_html(fig: Figure, *, dpi: float = 80, alt: str = "") -> str:
+    """HTML with the figure's light and dark renderings, showing the one of the page's theme
+    (`fig` is recoloured on the way: see `_renderings`)."""
+    return _html(*_renderings(fig, dpi), alt)
 
 
 def _title(fig: Figure) -> str:
@@ -186,15 +192,27 @@ def _title(fig: Figure) -> str:
 
 
 class ThemedFigure(ipywidgets.HTML):
-    """A matplotlib figure as a widget that follows the JupyterLab theme (see `show_figure`)."""
+    """A matplotlib figure as a widget that follows the JupyterLab theme (see `show_figure`).
+
+    Its display also carries the light rendering as a plain image/png: JupyterLab draws no widget
+    in an untrusted notebook (one opened from disk that was never run, or signed, on this
+    server), nor do nbviewer or GitHub, and they show that image instead.
+    """
 
     def __init__(self, fig: Figure | Axes, *, dpi: float = 80, **kwargs: Any) -> None:
         figure = _figure_of(fig)
         self.title = _title(figure)
         self.num_axes = len(figure.axes)
-        super().__init__(themed_figure_html(figure, dpi=dpi, alt=self.title), **kwargs)
+        self.light_png, dark = _renderings(figure, dpi)
+        """The light rendering, base64: the display's image/png fallback."""
+        super().__init__(_html(self.light_png, dark, self.title), **kwargs)
         self.add_class("pkv-figure-widget")
         plt.close(figure)  # a pyplot figure would be drawn once more, white, when the cell ends
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        bundle = super()._repr_mimebundle_(**kwargs)
+        bundle["image/png"] = self.light_png  # the widget ranks first wherever widgets are drawn
+        return bundle
 
     def __repr__(self) -> str:  # stable text for nbval, not the PNGs
         return f"ThemedFigure({self.title!r}, {self.num_axes} axes)"
