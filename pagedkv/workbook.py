@@ -2,7 +2,7 @@
 
     pagedkv workbook [DIR]        copy into DIR (default ./pagedkv-workbook), then open JupyterLab
                                   there, or execute every notebook when there is no display
-    pagedkv workbook --list       the notebooks, and which need a GPU
+    pagedkv workbook --list       the notebooks: what each needs (GPU, Triton), and its topic
 
 DIR gets the repository's layout, so the notebooks' relative paths work as they do in a clone:
 
