@@ -4,8 +4,10 @@ is reached, and offer reveal() with the worked answer after three wrong tries.""
 
 from __future__ import annotations
 
+import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 
 import pagedkv.exercises.attention_groups as attention_groups
 from pagedkv.attention.backend import CommonAttentionMetadata
-from pagedkv.exercises import _TRIES, reveal
+from pagedkv.exercises import _TRIES, PASS_MARK, reveal
 from pagedkv.exercises.attention_groups import check_lengths, check_null_blocks
 from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
@@ -168,3 +170,24 @@ def test_the_planned_schedule_is_the_engines(block_size: int, prompt_len: int) -
     engine = attention_groups._engine_rows(block_size, prompt_len, 16, 16)
     assert [c for c, _ in engine] == attention_groups._schedule(prompt_len, 16, 16)
     assert attention_groups._manager_rows(32, block_size, prompt_len, 16, 16) == engine
+
+
+def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
+    """Each worked solution sits in a collapsed markdown cell (Run All does not execute it) and passes its
+    checker; no saved output shows a pass mark, so a pass on screen is the student's own."""
+    path = Path(__file__).parents[1] / "notebooks" / "05_attention_groups_and_metadata.ipynb"
+    cells = json.loads(path.read_text())["cells"]
+    solutions = [c for c in cells if "Worked solution" in "".join(c["source"])]
+    assert len(solutions) == 2 and all(c["cell_type"] == "markdown" for c in solutions)
+    for cell in solutions:
+        printed: list[object] = []
+        checkers = {"check_lengths": check_lengths, "check_null_blocks": check_null_blocks, "print": printed.append}
+        exec("".join(cell["source"]).split("```python\n")[1].split("```")[0], checkers)  # noqa: S102
+        assert len(printed) == 1 and printed[0], printed
+    outputs = [o.get("text", "") for c in cells if c["cell_type"] == "code" for o in c["outputs"]]
+    assert not any(PASS_MARK in "".join(text) for text in outputs)
+    markdown = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown" and
+                         "Worked solution" not in "".join(c["source"]))
+    assert "context_len - 32 + 1" not in markdown and "context_len = seq_len - query_len" not in markdown
+    source = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code").replace(",\n", ", ")
+    assert all("enable_prefix_caching=False" in line for line in source.splitlines() if "LLM(" in line)
