@@ -329,10 +329,14 @@ def test_split_kv_checker_wants_both_kernels() -> None:
 # --- answers that fooled the checker (issue 32), and other ways around the kernel ----------------
 
 @triton.jit
-def _copy(src_ptr, dst_ptr, N: tl.constexpr):
+def _copy(src_ptr, dst_ptr, N, BLOCK: tl.constexpr):
     """A kernel that only copies: what a launcher that computes in torch hands the answer to."""
-    i = tl.arange(0, N)
-    tl.store(dst_ptr + i, tl.load(src_ptr + i))
+    i = tl.arange(0, BLOCK)
+    tl.store(dst_ptr + i, tl.load(src_ptr + i, mask=i < N), mask=i < N)
+
+
+def _launch_copy(kernel: Any, src: torch.Tensor, dst: torch.Tensor) -> None:
+    kernel[(1,)](src, dst, dst.numel(), BLOCK=triton.next_power_of_2(dst.numel()))
 
 
 def _attention_in_torch(q, k_cache, v_cache, block_table, seq_lens, scale) -> torch.Tensor:
@@ -348,7 +352,7 @@ def _attention_in_torch(q, k_cache, v_cache, block_table, seq_lens, scale) -> to
 def _copy_launch(compute: Callable[..., torch.Tensor]) -> Callable[..., None]:
     def launch(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
         answer = compute(q, k_cache, v_cache, block_table, seq_lens, scale).contiguous()
-        kernel[(1,)](answer, out, N=out.numel())
+        _launch_copy(kernel, answer, out)
     return launch
 
 
@@ -362,7 +366,7 @@ def test_a_launcher_that_computes_in_torch_and_copies_with_a_kernel_is_refused()
 def test_a_launcher_that_launches_a_kernel_it_was_not_given_is_refused() -> None:
     def launch(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
         _launch_attention(False, False)(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale)
-        _copy[(1,)](out, out, N=out.numel())
+        _launch_copy(_copy, out, out)
 
     assert_rejected(P.check_online_softmax(_attention, launch), "launches a @triton.jit kernel it was not given")
 
@@ -393,18 +397,78 @@ def test_the_same_on_a_thread_pool_or_a_thread_is_refused() -> None:
         assert_rejected(P.check_online_softmax(_copy, _copy_launch(compute)), "the launcher computes with torch (aten.")
 
 
+def _slots_in_torch(block_table, seq_lens, slots, page_size):
+    pos = torch.arange(slots.shape[1], device=slots.device).expand(slots.shape)
+    slot = block_table.long().gather(1, (pos // page_size).clamp(max=block_table.shape[1] - 1)) * page_size
+    return torch.where(pos < seq_lens[:, None], slot + pos % page_size, -1).to(slots.dtype)
+
+
+def _scatter_in_torch(key, value, k_cache, v_cache, slots):
+    """Both caches, written in torch (as views of one tensor: one copy kernel moves both)."""
+    done = torch.stack([k_cache, v_cache]).clone()
+    valid = slots >= 0
+    for i, source in enumerate((key, value)):
+        done[i].view(-1, *key.shape[1:])[slots[valid]] = source[valid]
+    return done
+
+
+def _scores_in_torch(q, k_cache, block_table, seq_lens, scores, scale):
+    keys = k_cache[block_table.long()].flatten(1, 2)  # [R, pages * page_size, D]
+    return torch.einsum("rd,rkd->rk", q, keys) * scale
+
+
+def _gqa_in_torch(q, k_cache, v_cache, block_table, seq_lens, out, scale):
+    group = q.shape[1] // k_cache.shape[2]
+    rows = []
+    for r, n in enumerate(seq_lens.tolist()):
+        pages = block_table[r, : -(-n // k_cache.shape[1])].long()
+        k, v = (c[pages].flatten(0, 1)[:n].repeat_interleave(group, dim=1) for c in (k_cache, v_cache))
+        rows.append(torch.einsum("hk,khd->hd", torch.softmax(torch.einsum("hd,khd->hk", q[r], k) * scale, -1), v))
+    return torch.stack(rows)
+
+
+IN_TORCH = {  # puzzle: (checker, kernels it takes, the launcher's arguments -> the answer in torch, output index)
+    "block_table_row": (P.check_block_table_row, 1, _slots_in_torch, 2),
+    "page_scores": (P.check_page_scores, 1, _scores_in_torch, 4),
+    "masked_scores": (P.check_masked_scores, 1, lambda q, k, bt, lens, scores, scale: torch.where(
+        torch.arange(scores.shape[1]) < lens[:, None], _scores_in_torch(q, k, bt, lens, scores, scale), -torch.inf), 4),
+    "online_softmax": (P.check_online_softmax, 1, lambda q, k, v, bt, lens, out, scale:
+                       _attention_in_torch(q, k, v, bt, lens, scale), 5),
+    "gqa": (P.check_gqa_attention, 1, _gqa_in_torch, 5),
+    "split_kv": (P.check_split_kv, 2, lambda q, k, v, bt, lens, out, scale, splits:
+                 _attention_in_torch(q, k, v, bt, lens, scale), 5),
+}
+
+
+@pytest.mark.parametrize("on_a_thread", [False, True], ids=["here", "on a thread pool"])
+@pytest.mark.parametrize("name", list(IN_TORCH))
+def test_every_puzzle_refuses_its_work_done_in_torch_and_copied_by_a_kernel(name: str, on_a_thread: bool) -> None:
+    """Issue 32's puzzle-5 answer, for every puzzle of the ladder (the scatter's torch writes go
+    into its output: test_reading_values_into_python_or_writing_the_outputs_is_refused)."""
+    checker, num_kernels, compute, output = IN_TORCH[name]
+
+    def launch(*args):
+        kernels, args = args[:num_kernels], args[num_kernels:]
+        answer = ThreadPoolExecutor(1).submit(compute, *args).result() if on_a_thread else compute(*args)
+        for kernel in kernels:  # split-KV's two kernels both copy
+            _launch_copy(kernel, answer.contiguous(), args[output])
+
+    kernels = (_copy, _copy) if num_kernels == 2 else _copy
+    assert_rejected(checker(kernels, launch), "the launcher computes with torch (aten.")
+
+
 def test_a_precomputed_answer_copied_in_is_refused() -> None:
     """The checker's cases are seeded, so an answer can be worked out before the check; copying it
     from a tensor the launcher did not get or allocate is refused (by a kernel or by torch)."""
     precomputed = torch.randn(64)
 
     def by_kernel(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
-        kernel[(1,)](precomputed, out, N=out.numel())
+        _launch_copy(kernel, precomputed, out)
 
     def by_torch(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
         answer = torch.empty_like(out)
         answer.copy_(precomputed[: out.numel()].view(out.shape))
-        kernel[(1,)](answer, out, N=out.numel())
+        _launch_copy(kernel, answer, out)
 
     assert_rejected(P.check_online_softmax(_copy, by_kernel), "passes _copy a tensor the checker did not give it")
     assert_rejected(P.check_online_softmax(_copy, by_torch), "uses a tensor the checker did not give it")
@@ -420,7 +484,7 @@ def test_reading_values_into_python_or_writing_the_outputs_is_refused() -> None:
         table, lens = block_table.tolist(), seq_lens.tolist()  # tolist runs no aten op ...
         answer = torch.tensor([[table[r][p // page_size] * page_size + p % page_size if p < lens[r] else -1
                                 for p in range(slots.shape[1])] for r in range(len(lens))], dtype=torch.int32)
-        kernel[(1,)](answer, slots, N=slots.numel())  # ... but making a tensor of the result does
+        _launch_copy(kernel, answer, slots)  # ... but making a tensor of the result does
 
     def writes_output(kernel, block_table, seq_lens, slots, page_size):
         _launch_slots(False)(kernel, block_table, seq_lens, slots, page_size)
@@ -465,7 +529,7 @@ def test_a_kernel_that_calls_torch_is_refused() -> None:
         tl.store(dst_ptr + tl.arange(0, N), tl.load(src_ptr + tl.arange(0, N)))
 
     def launch(kernel, block_table, seq_lens, slots, page_size):
-        kernel[(1,)](block_table, slots, N=slots.numel())
+        _launch_copy(kernel, block_table, slots)
 
     assert_rejected(P.check_block_table_row(cheats, launch), "the kernel calls torch (aten.")
 
@@ -477,14 +541,14 @@ def test_a_launcher_that_calls_pagedkv_or_reads_the_checkers_frames_is_refused()
         n = seq_lens.tolist()
         paged_attention_reference(q[:, None], k_cache[:, :, None], v_cache[:, :, None], out[:, None],
                                   list(range(len(n) + 1)), n, block_table, scale)
-        kernel[(1,)](out, out, N=out.numel())
+        _launch_copy(kernel, out, out)
 
     def package_on_a_thread(*args):
         ThreadPoolExecutor(1).submit(package, *args).result()
 
     def frames(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
         sys._getframe(1).f_locals
-        kernel[(1,)](out, out, N=out.numel())
+        _launch_copy(kernel, out, out)
 
     for launch in (package, package_on_a_thread):
         assert_rejected(P.check_online_softmax(_copy, launch), "Your answer calls paged_attention_reference")
@@ -505,7 +569,7 @@ def test_triton_interpreter_runs_torch_ops_while_launching_and_they_are_allowed(
 
     src, dst = torch.randn(8), torch.empty(8)
     with Ops():
-        _copy[(1,)](src, dst, N=8)
+        _launch_copy(_copy, src, dst)
     assert torch.equal(src, dst)
     assert seen and set(seen) <= INTERPRETER_OPS, seen
     assert P.check_online_softmax(_attention, _launch_attention(False, False)).ok
