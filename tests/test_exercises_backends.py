@@ -260,7 +260,8 @@ def test_the_notebooks_worked_solution_passes_and_is_not_run() -> None:
     assert len(solutions) == 1 and solutions[0]["cell_type"] == "markdown"
     naive = [
         "".join(c["source"]) for c in cells
-        if c["cell_type"] == "code" and any(f"class Naive{n}" in "".join(c["source"]) for n in ("Metadata", "Impl", "Backend"))
+        if c["cell_type"] == "code"
+        and any(f"class Naive{n}" in "".join(c["source"]) for n in ("Metadata", "Impl", "Backend"))
     ]
     printed: list[object] = []
     namespace: dict[str, Any] = {"check_backend": check_backend, "print": printed.append, "torch": torch}

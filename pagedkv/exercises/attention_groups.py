@@ -23,10 +23,13 @@ from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, SlidingWindow
 from pagedkv.worker.model_runner import ModelRunner
 
 _LENGTHS_PACKAGE = [
-    CommonAttentionMetadata.query_lens_cpu.fget, CommonAttentionMetadata.context_lens_cpu.fget,  # type: ignore[attr-defined]
+    CommonAttentionMetadata.query_lens_cpu.fget,  # type: ignore[attr-defined]
+    CommonAttentionMetadata.context_lens_cpu.fget,  # type: ignore[attr-defined]
     ModelRunner.common_attn_metadata,
 ]
+"""What a student's lengths could be handed off to: CommonAttentionMetadata's own lengths, the runner's builder of it."""
 _WINDOW_PACKAGE = [KVCacheManager.allocate_slots, KVCacheManager._allocate, KVCacheManager._free_out_of_window]
+"""What frees the blocks behind the window: a manager run by the student's function would count them for it."""
 
 
 def _as_list(value: Any) -> Any:

@@ -24,7 +24,7 @@ import random
 import sys
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -111,7 +111,7 @@ class _Layer:
     num_heads: int
     num_kv_heads: int
     head_size: int
-    scale: float = field(default=1.0)
+    scale: float = 1.0
 
 
 def _made_up_geometries() -> list[_Geometry]:
@@ -208,7 +208,8 @@ def _call_student(backend: type[AttentionBackend], impl_cls: type, builder_cls: 
             except Exception as exc:  # noqa: BLE001  (the student's code may fail anywhere; say where)
                 if called:
                     return steps, None
-                return steps, f"{where}: your backend raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                first_line = (str(exc).splitlines() or [""])[0]
+                return steps, f"{where}: your backend raised {type(exc).__name__}: {first_line}"
             step.output = output.detach().clone()
             if isinstance(result, torch.Tensor) and result.data_ptr() != output.data_ptr():
                 step.returned = result.detach().clone()
@@ -237,7 +238,8 @@ def _cache_write_error(cache: torch.Tensor, before: torch.Tensor, key: torch.Ten
     others[slot_mapping] = False
     if not torch.equal(flat[:, others], old[:, others]):
         return ("slots that are not this step's changed: write only at slot_mapping's slots "
-                "(slot = block * block_size + offset; block b holds slots b * block_size ... b * block_size + block_size - 1).")
+                "(slot = block * block_size + offset; block b holds slots b * block_size ... "
+                "b * block_size + block_size - 1).")
     return ""
 
 

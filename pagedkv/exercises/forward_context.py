@@ -63,7 +63,9 @@ def _made_up_contexts(rng: random.Random) -> list[tuple[str, dict[str, Any], dic
     return [("a made-up step", registry, metadata, slots), ("a made-up profile run", registry, None, {})]
 
 
-def _lookups_in_made_up_contexts(fn: Callable[[str], Any], rng: random.Random) -> tuple[list[_Call], CheckResult | None]:
+def _lookups_in_made_up_contexts(
+    fn: Callable[[str], Any], rng: random.Random
+) -> tuple[list[_Call], CheckResult | None]:
     """Call fn(name) for every layer name inside each made-up context."""
     calls: list[_Call] = []
     for where, registry, metadata, slots in _made_up_contexts(rng):
