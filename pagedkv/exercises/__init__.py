@@ -119,42 +119,82 @@ FRAME_READERS = frozenset({sys._getframe, sys._current_frames})
 """Builtins that reach the checker's frames (inspect.currentframe / stack call them too)."""
 
 
+class PackageCalled(Exception):
+    """Raised in a student's code, on whatever thread, that called a package function under watch."""
+
+
+def _tripwire(*args: Any, _pagedkv_note: Callable[[], None], **kwargs: Any) -> None:
+    """Code swapped into a watched function for the length of a check: it runs with that function's
+    globals, so it looks nothing up by name; `_pagedkv_note` (a keyword default set on the function)
+    notes the call and raises PackageCalled."""
+    _pagedkv_note()
+
+
+@contextmanager
+def _tripwires(functions: Iterable[Callable[..., Any]], note: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, calling one of `functions` from any thread, even one started long before
+    (a thread pool made earlier), notes it and raises PackageCalled: each function's code is swapped
+    for `_tripwire`'s. Functions with a closure cannot take that code (Python checks the free
+    variables); the profiler of `watch_calls` still sees those."""
+    swapped: list[tuple[Any, Any, dict[str, Any] | None]] = []
+
+    def noter(name: str) -> Callable[[], None]:
+        def noted() -> None:
+            note(name)
+            raise PackageCalled(f"{name} was called during a check")
+
+        return noted
+
+    try:
+        for f in {id(f): f for f in functions if hasattr(f, "__code__") and not f.__closure__}.values():
+            swapped.append((f, f.__code__, f.__kwdefaults__))
+            f.__kwdefaults__ = {**(f.__kwdefaults__ or {}), "_pagedkv_note": noter(f.__qualname__)}
+            f.__code__ = _tripwire.__code__
+        yield
+    finally:
+        for f, code, kwdefaults in reversed(swapped):
+            f.__code__, f.__kwdefaults__ = code, kwdefaults
+
+
 @contextmanager
 def watch_calls(functions: Iterable[Callable[..., Any]]) -> Iterator[list[str]]:
-    """Within the block, note every call (direct or nested, on any thread started in the block)
-    to one of `functions`, and every call of a builtin that reads frames.
+    """Within the block, note every call (direct or nested, on any thread) to one of `functions`,
+    and every call of a builtin that reads frames.
 
     Yields a list that fills with the qualified names of what was called. The checkers use it to
     turn away an answer that hands the work back to the package's own implementation, however it
     got hold of it (an import under another name, a wrapper, super(), a thread pool), or that looks
-    up the stack. It matches code objects, so a copy of the source is not noticed. A profiler
-    already set (cProfile) is paused in the block. Threads running before the block are not
-    watched on Python < 3.12 (no `threading.setprofile_all_threads`).
+    up the stack. Two nets: a profiler on this thread and on threads started in the block (all
+    threads on Python 3.12+), which matches code objects, so a copy of the source is not noticed;
+    and tripwires (`_tripwires`) that catch a call from a thread started earlier: such a call
+    raises PackageCalled instead of running. A profiler already set (cProfile) is paused in the block.
     """
+    functions = list(functions)
     codes = {f.__code__: f.__qualname__ for f in functions if hasattr(f, "__code__")}
     called: list[str] = []
 
-    def profile(frame: FrameType, event: str, arg: object) -> None:
-        if event == "call" and frame.f_code in codes:
-            name = codes[frame.f_code]
-        elif event == "c_call" and arg in FRAME_READERS:
-            name = f"{arg.__module__}.{arg.__name__} (reading the checker's frames)"  # type: ignore[attr-defined]
-        else:
-            return
+    def note(name: str) -> None:
         if name not in called:
             called.append(name)
 
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code in codes:
+            note(codes[frame.f_code])
+        elif event == "c_call" and arg in FRAME_READERS:
+            note(f"{arg.__module__}.{arg.__name__} (reading the checker's frames)")  # type: ignore[attr-defined]
+
     set_all = getattr(threading, "setprofile_all_threads", None)  # Python 3.12+
     previous, previous_threads = sys.getprofile(), threading.getprofile()
-    (set_all or threading.setprofile)(profile)
-    sys.setprofile(profile)
-    try:
-        yield called
-    finally:
-        sys.setprofile(previous)
-        if set_all is not None:
-            set_all(None)
-        threading.setprofile(previous_threads)
+    with _tripwires(functions, note):
+        (set_all or threading.setprofile)(profile)
+        sys.setprofile(profile)
+        try:
+            yield called
+        finally:
+            sys.setprofile(previous)
+            if set_all is not None:
+                set_all(None)
+            threading.setprofile(previous_threads)
 
 
 def package_answer(answer: object, functions: Iterable[Callable[..., Any]], what: str) -> CheckResult | None:
