@@ -504,6 +504,20 @@ def test_reading_values_into_python_or_writing_the_outputs_is_refused() -> None:
                     "writes into its output slots itself (aten.copy_)")
 
 
+def test_a_scatter_done_by_copies_in_the_launcher_is_refused() -> None:
+    """The scatter needs no math: the launcher could move each token's row into a buffer laid out
+    like the cache (slots read with tolist, which runs no aten op) and have a kernel copy it over."""
+    def launch(kernel, key, value, k_cache, v_cache, slots):
+        staged = torch.zeros(2, *k_cache.shape)
+        for t, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                staged[0].view(-1, *key.shape[1:])[slot].copy_(key[t])
+                staged[1].view(-1, *key.shape[1:])[slot].copy_(value[t])
+        _launch_copy(kernel, staged, k_cache)  # (the test stops at the first refusal)
+
+    assert_rejected(P.check_scatter_kernel(_copy, launch), "copies from its input key into a buffer of its own")
+
+
 def test_python_math_passed_as_launch_arguments_is_refused() -> None:
     """Values worked out in Python (tolist runs no aten op) reach the output only through scalar
     launch arguments, one launch per entry: a kernel is launched once, with a grid."""

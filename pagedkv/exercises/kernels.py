@@ -145,6 +145,9 @@ class _LaunchWatch:
             written = self.checker[_storage(args[0])]
             kind = "output" if _storage(args[0]) in self.outputs else "input"
             self.note(f"the launcher writes into its {kind} {written} itself (aten.{op}): only the kernel writes")
+        elif op == "copy_" and _storage(args[1]) in self.checker:
+            self.note(f"the launcher copies from its input {self.checker[_storage(args[1])]} into a buffer of its own "
+                      "(aten.copy_): moving data through the page table (gather, scatter) is the kernel's work")
         for t in _tensors(result):
             self.made.add(_storage(t))
 
