@@ -5,10 +5,11 @@ A puzzle answer is a `@triton.jit` kernel plus a launcher `launch(kernel, *input
 runs the launches, and watches the launcher (on its thread and on every thread it starts):
 
 - every aten op it runs outside the kernel launches is recorded (a `TorchDispatchMode`): a launcher
-  may allocate, view and copy (and size a grid: int(seq_lens.max())), nothing else: no math
-  (matmul, softmax, exp, sum, indexing), no
-  tensor made from Python values, no write into the checker's tensors, no tensor from elsewhere
-  (a precomputed answer); inside a launch only what Triton's interpreter itself runs is allowed;
+  may allocate, view and convert whole tensors (.contiguous(), .to()), and size a grid
+  (int(seq_lens.max())), nothing else: no math (matmul, softmax, exp, sum, indexing), no copy from
+  its inputs into its own buffers, no tensor made from Python values, no write into the checker's
+  tensors, no tensor from elsewhere (a precomputed answer); inside a launch only what Triton's
+  interpreter itself runs is allowed;
 - a call to pagedkv's own kernels or reference, or a read of the checker's frames, is refused.
 
 Only after the launcher has run does the checker compute the float64 reference (nested in each
