@@ -150,7 +150,10 @@ def _watched(fn: Callable[..., Any], called: list[str]) -> Callable[..., Any]:
 
 def _call_student(backend: type[AttentionBackend], impl_cls: type, builder_cls: type, rng: random.Random,
                   device: torch.device, called: list[str]) -> tuple[list[_Step], str | None]:
-    """Run the student's builder and impl on the made-up cases; (the steps, a failure message or None)."""
+    """Run the student's builder and impl on the made-up cases; (the steps, a failure message or None).
+
+    What a step is judged on is kept on the CPU (copies: the student's code may change its tensors later).
+    """
     steps: list[_Step] = []
     for number, (g, schedule) in enumerate(zip(_made_up_geometries(), _MADE_UP_STEPS), start=1):
         scale = g.head_size ** -0.5
@@ -180,8 +183,8 @@ def _call_student(backend: type[AttentionBackend], impl_cls: type, builder_cls: 
             slots, start = [], 0
             for i, (c, q) in enumerate(zip(context_lens, query_lens)):
                 slots += [rows[i][p // g.block_size] * g.block_size + p % g.block_size for p in range(c, c + q)]
-                history_k[i].append(key[start:start + q].clone())
-                history_v[i].append(value[start:start + q].clone())
+                history_k[i].append(key[start:start + q].to("cpu", copy=True))
+                history_v[i].append(value[start:start + q].to("cpu", copy=True))
                 start += q
             starts = torch.tensor([0] + [sum(query_lens[: i + 1]) for i in range(3)], dtype=torch.int32)
             seq_lens = torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.int32)
@@ -194,7 +197,7 @@ def _call_student(backend: type[AttentionBackend], impl_cls: type, builder_cls: 
                                                 device=device),
                 slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             )
-            step = _Step(where, list(context_lens), list(query_lens), query.clone(),
+            step = _Step(where, list(context_lens), list(query_lens), query.to("cpu", copy=True),
                          [torch.cat(h) for h in history_k], [torch.cat(h) for h in history_v], scale,
                          g.sliding_window)
             steps.append(step)
@@ -210,9 +213,9 @@ def _call_student(backend: type[AttentionBackend], impl_cls: type, builder_cls: 
                     return steps, None
                 first_line = (str(exc).splitlines() or [""])[0]
                 return steps, f"{where}: your backend raised {type(exc).__name__}: {first_line}"
-            step.output = output.detach().clone()
+            step.output = output.detach().to("cpu", copy=True)
             if isinstance(result, torch.Tensor) and result.data_ptr() != output.data_ptr():
-                step.returned = result.detach().clone()
+                step.returned = result.detach().to("cpu", copy=True)
             step.cache_error = _cache_write_error(kv_cache, before, key, value, common.slot_mapping)
     return steps, None
 
@@ -290,10 +293,10 @@ def _serve(name: str, device: torch.device | str | None, called: list[str]) -> t
     histories: dict[tuple[str, str], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def record_inputs(module: Any, args: tuple[Any, ...]) -> None:
-        seen[module.layer_name] = tuple(a.detach().float().cpu() for a in args)
+        seen[module.layer_name] = tuple(a.detach().to("cpu", torch.float32, copy=True) for a in args)
 
     def record_output(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> None:
-        seen[module.layer_name] += (output.detach().float().cpu(),)
+        seen[module.layer_name] += (output.detach().to("cpu", torch.float32, copy=True),)
 
     def record_step(event: StepEvent) -> None:
         batch = event.result.batch
@@ -393,7 +396,7 @@ def check_backend(backend: Any, device: torch.device | str | None = None) -> Che
         if step.cache_error:
             return CheckResult(False, f"{step.where}: the KV cache write is wrong: {step.cache_error}",
                                reveal=lambda s=step: _worked_cache_write(s))
-        right = torch.cat([attend(step, i) for i in range(len(step.query_lens))]).to(step.output.device)
+        right = torch.cat([attend(step, i) for i in range(len(step.query_lens))])
         if step.output.shape != right.shape:
             return CheckResult(False, f"{step.where}: the output has shape {tuple(step.output.shape)}, not the "
                                       "query's [tokens, num_heads, head_size].")
