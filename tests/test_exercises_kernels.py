@@ -610,6 +610,8 @@ def test_right_values_with_loads_of_keys_the_request_does_not_own_fail_the_memor
     assert_rejected(result, "the right values, but _scores program (0, 1)",
                     "of k_cache that holds no key of the program's request (mask the loads past seq_len)")
     assert "Hint: a kernel loads only what its program needs" in result.message
+    assert result.reveal is not None
+    assert "Every memory rule the kernel broke:\n_scores program (0, 1)" in result.reveal()
 
 
 def test_two_programs_storing_one_entry_fail_the_memory_check() -> None:
