@@ -375,8 +375,9 @@ def _run_launcher(
         return None
 
     written = {name: t for name, t in case.outputs.items() if any(t is arg for arg in case.args)}  # not guards
+    kernel = what if what.endswith("kernel") else f"{what} kernel"
     with _recording_accesses({**case.inputs, **written}, log) as access_log:
-        error, rejected = call_answer(watched, [], _package_functions(), f"the {what} kernel", "the launcher")
+        error, rejected = call_answer(watched, [], _package_functions(), f"the {kernel}", "the launcher")
     if log is not None and access_log is not None:
         log.append(access_log)
     if rejected is not None:
