@@ -107,20 +107,24 @@ def check_lengths(fn: Callable[[list[int], list[int]], Any]) -> CheckResult:
             result = compare(name, _as_list(mine), right, hints[name])
             if not result:
                 result.message = f"{where}: {result.message}"
-                result.reveal = lambda s=starts, n=seq_lens: _worked_lengths(s, n)
+                mine_list = _as_list(mine)
+                wrong = next((i for i, r in enumerate(right) if not isinstance(mine_list, list)
+                              or i >= len(mine_list) or mine_list[i] != r), 0)
+                result.reveal = lambda s=starts, n=seq_lens, w=wrong: _worked_lengths(s, n, w)
                 return result
     return CheckResult(True, f"query_lens and context_lens right in all {len(cases)} batches "
                              f"({len(cases) - 2} engine steps, 2 made-up batches of up to a million tokens).")
 
 
-def _worked_lengths(starts: list[int], seq_lens: list[int]) -> str:
-    """query_lens and context_lens of one batch, request by request (the first 6)."""
-    lines = [f"query_start_loc = {starts[:7]}{' ...' if len(starts) > 7 else ''}",
-             f"seq_lens = {seq_lens[:6]}{' ...' if len(seq_lens) > 6 else ''}"]
-    for i, seq_len in enumerate(seq_lens[:6]):
+def _worked_lengths(starts: list[int], seq_lens: list[int], wrong: int) -> str:
+    """query_lens and context_lens of one batch, request by request (the first 4, and the first wrong one)."""
+    lines = [f"query_start_loc = {starts[:5]}{' ...' if len(starts) > 5 else ''}",
+             f"seq_lens = {seq_lens[:4]}{' ...' if len(seq_lens) > 4 else ''}"]
+    for i in sorted({*range(min(4, len(seq_lens))), wrong}):
         query_len = starts[i + 1] - starts[i]
-        lines.append(f"  request {i}: query_len = {starts[i + 1]} - {starts[i]} = {query_len}; "
-                     f"context_len = seq_len - query_len = {seq_len} - {query_len} = {seq_len - query_len}")
+        lines.append(f"  request {i}: query_len = query_start_loc[{i + 1}] - query_start_loc[{i}] = {starts[i + 1]} - "
+                     f"{starts[i]} = {query_len}; context_len = seq_len - query_len = {seq_lens[i]} - {query_len} = "
+                     f"{seq_lens[i] - query_len}")
     return "\n".join(lines)
 
 
