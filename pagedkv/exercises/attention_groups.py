@@ -27,7 +27,7 @@ _LENGTHS_PACKAGE = [
     CommonAttentionMetadata.context_lens_cpu.fget,  # type: ignore[attr-defined]
     ModelRunner.common_attn_metadata,
 ]
-"""What a student's lengths could be handed off to: CommonAttentionMetadata's own lengths, the runner's builder of it."""
+"""What the lengths could be handed off to: CommonAttentionMetadata's own, and the runner's builder of it."""
 _WINDOW_PACKAGE = [KVCacheManager.allocate_slots, KVCacheManager._allocate, KVCacheManager._free_out_of_window]
 """What frees the blocks behind the window: a manager run by the student's function would count them for it."""
 
