@@ -89,13 +89,17 @@
       const style = getComputedStyle(tick);
       const under = htmlBackground(tick.ownerSVGElement);
       const ratio = contrast(over(rgba(style.stroke), under), under);
-      if (ratio < 3) report.low_outline.push({ cell: cellOf(tick), ratio: ratio.toFixed(2), stroke: style.stroke, bg: fmt(under) });
+      if (ratio < 3) {
+        report.low_outline.push({ cell: cellOf(tick), ratio: ratio.toFixed(2), stroke: style.stroke, bg: fmt(under) });
+      }
     }
     for (const rect of view.querySelectorAll('.pkv-block[data-state="free"] > rect')) {
       const under = htmlBackground(rect.ownerSVGElement);
       const fill = over(rgba(getComputedStyle(rect).fill), under);
       const ratio = contrast(fill, under);
-      if (ratio > 1.2) report.free_not_background.push({ cell: cellOf(rect), ratio: ratio.toFixed(2), fill: fmt(fill), bg: fmt(under) });
+      if (ratio > 1.2) {
+        report.free_not_background.push({ cell: cellOf(rect), ratio: ratio.toFixed(2), fill: fmt(fill), bg: fmt(under) });
+      }
     }
   }
   probe.remove();

@@ -1,6 +1,7 @@
 // Layout of a notebook's outputs, run by Playwright as `notebook.evaluate(this, lightTheme)` on the
-// `.jp-Notebook` element. Returns {outputs, overflow, cut, wraps, figures, bare_figures}, each
-// finding with `cell` (index of its cell in the notebook) and what it is:
+// `.jp-Notebook` element. Returns {outputs, figures_checked, overflow, cut, wraps, figures, bare_figures}:
+// how many outputs and show_figure figures were looked at, and the findings, each with `cell`
+// (index of its cell in the notebook) and what it is:
 //   overflow      an output area that scrolls sideways, or an element whose right edge lies beyond
 //                 its output area's (an inner sideways scroller counts: the widget is still wider
 //                 than the column); only the outermost such element of a subtree is reported
@@ -19,7 +20,8 @@
     return `${name} "${(el.textContent || "").trim().replace(/\s+/g, " ").slice(0, 50)}"`;
   };
   const visible = (el) => el.getClientRects().length > 0 && getComputedStyle(el).visibility !== "hidden";
-  const report = { outputs: 0, overflow: [], cut: [], wraps: [], figures: [], bare_figures: [] };
+  const theme = lightTheme ? "light" : "dark";
+  const report = { outputs: 0, figures_checked: 0, overflow: [], cut: [], wraps: [], figures: [], bare_figures: [] };
   const canvas = document.createElement("canvas");
   const ctx = canvas.getContext("2d");
   // Mean colour of an image's top-left 4x4 pixels: the figure's background.
@@ -38,7 +40,9 @@
     const cell = cellOf(out);
     const box = out.getBoundingClientRect();
     if (out.scrollWidth > out.clientWidth + 1) {
-      report.overflow.push({ cell, element: describe(out), by_px: out.scrollWidth - out.clientWidth, what: "output area scrolls sideways" });
+      report.overflow.push({
+        cell, element: describe(out), by_px: out.scrollWidth - out.clientWidth, what: "output area scrolls sideways",
+      });
     }
     const reported = [];
     for (const el of out.querySelectorAll("*")) {
@@ -47,7 +51,9 @@
       const r = el.getBoundingClientRect();
       if (r.width > 0 && r.right > box.right + 1) {
         reported.push(el);
-        report.overflow.push({ cell, element: describe(el), by_px: Math.round(r.right - box.right), what: "right edge beyond the output area" });
+        report.overflow.push({
+          cell, element: describe(el), by_px: Math.round(r.right - box.right), what: "right edge beyond the output area",
+        });
         continue;
       }
       // A box that scrolls or clips sideways although it lies inside the output area: its content is wider.
@@ -56,7 +62,8 @@
       if (clips && el.scrollWidth > el.clientWidth + 1 && !(el instanceof SVGElement)) {
         reported.push(el);
         const textLike = style.textOverflow === "ellipsis" || el.children.length === 0;
-        const kind = style.overflowX === "auto" || style.overflowX === "scroll" ? "scrolls sideways" : "clips its content";
+        const scrolls = style.overflowX === "auto" || style.overflowX === "scroll";
+        const kind = scrolls ? "scrolls sideways" : "clips its content";
         (textLike ? report.cut : report.overflow).push({
           cell, element: describe(el), by_px: el.scrollWidth - el.clientWidth, what: textLike ? "text cut" : kind,
         });
@@ -70,14 +77,17 @@
       const room = select.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
       const need = ctx.measureText(option.text).width;
       if (need > room + 1) {
-        report.cut.push({ cell, element: `select "${option.text}"`, by_px: Math.round(need - room), what: "dropdown narrower than its choice" });
+        report.cut.push({
+          cell, element: `select "${option.text}"`, by_px: Math.round(need - room), what: "dropdown narrower than its choice",
+        });
       }
     }
     for (const pre of out.querySelectorAll(".jp-RenderedText pre")) {
       // Monospace: a line longer than the column's characters wraps. Prose may; aligned columns may not.
       const style = getComputedStyle(pre);
       ctx.font = `${style.fontWeight} ${style.fontSize} ${style.fontFamily}`;
-      const perLine = Math.floor((pre.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight)) / ctx.measureText("0").width);
+      const width = pre.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+      const perLine = Math.floor(width / ctx.measureText("0").width);
       const lines = pre.textContent.split("\n");
       const wrapped = lines.filter((line) => line.length > perLine && /\S {2,}\S/.test(line.trim()));
       if (wrapped.length) {
@@ -94,17 +104,20 @@
       const [shown, hidden] = lightTheme ? [light, dark] : [dark, light];
       const alt = (shown || light || figure).getAttribute("alt") || "";
       if (!shown || !visible(shown) || (hidden && visible(hidden))) {
-        report.figures.push({ cell, element: `figure "${alt}"`, what: `the ${lightTheme ? "light" : "dark"} rendering is not the one shown` });
+        report.figures.push({ cell, element: `figure "${alt}"`, what: `the ${theme} rendering is not the one shown` });
         continue;
       }
+      report.figures_checked += 1;
       const lightness = corner(shown);
       if (lightTheme ? lightness < 0.8 : lightness > 0.25) {
-        report.figures.push({ cell, element: `figure "${alt}"`, what: `background lightness ${lightness.toFixed(2)} in the ${lightTheme ? "light" : "dark"} theme` });
+        report.figures.push({
+          cell, element: `figure "${alt}"`, what: `background lightness ${lightness.toFixed(2)} in the ${theme} theme`,
+        });
       }
     }
     for (const img of out.querySelectorAll("img, svg")) {
       if (img.closest(".pkv-figure") || !visible(img)) continue;
-      if (img.tagName.toLowerCase() === "svg" && (img.closest(".jupyter-widgets") || img.closest(".jp-RenderedHTMLCommon"))) continue;
+      // An <svg> is a figure only as an image/svg+xml output (widgets and HTML draw their own).
       if (img.tagName.toLowerCase() === "svg" && !out.matches('[data-mime-type="image/svg+xml"]')) continue;
       const lightness = img.tagName.toLowerCase() === "img" ? corner(img) : null;
       report.bare_figures.push({
