@@ -261,7 +261,7 @@ def test_puzzle_checker_accepts_right_and_names_the_rule_a_wrong_entry_breaks(
     entry = re.search(r"(\w+)\[([\d, ]+)\] is (\S+)", wrong.message)
     assert entry is not None, wrong.message
     worked = _revealed(capsys)
-    assert worked.startswith(f"06: puzzle") and "worked out" in worked, worked
+    assert worked.startswith("06: puzzle") and "worked out" in worked, worked
     # The worked answer ends with the expected value of that entry, which the message never shows.
     expected = re.findall(r"(-?\d[\d.]*(?:e-?\d+)?|-inf)\.?$", worked.strip())
     assert expected and expected[-1] != entry.group(3), worked
