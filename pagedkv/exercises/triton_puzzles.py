@@ -79,10 +79,11 @@ def _describe(inputs: dict[str, Any]) -> str:
 def _memory_rules(table: torch.Tensor, seq_lens: list[int], caches: dict[str, torch.Size], out: str) -> dict[str, Any]:
     """The memory rules of an attention puzzle: program (r, ...) loads only the cache rows that hold
     request r's keys, and every row `out[r]` of the output is written."""
-    page_size = next(iter(caches.values()))[1]
+    blocks_and_rows = tuple(next(iter(caches.values()))[:2])  # [num_blocks, page_size] of every cache
+    page_size = blocks_and_rows[1]
     owned = {}
     for r, n in enumerate(seq_lens):
-        rows = np.zeros(tuple(next(iter(caches.values()))[:2]), dtype=bool)
+        rows = np.zeros(blocks_and_rows, dtype=bool)
         for p in range(n):
             rows[int(table[r, p // page_size]), p % page_size] = True
         owned[r] = rows
