@@ -241,6 +241,11 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("pagedkv: interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:
+        # The reader went away (`pagedkv workbook --list | head`): stop quietly, as other tools do, and
+        # point stdout at /dev/null so Python's flush at exit does not fail on the closed pipe again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
     except Exception as error:
         if args.debug or os.environ.get("PAGEDKV_DEBUG") == "1":
             raise
