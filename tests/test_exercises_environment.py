@@ -44,8 +44,9 @@ def test_environment_report_and_workbook_map() -> None:
 
 
 def test_html_table_escapes_and_follows_the_theme() -> None:
-    table = html_table(["name", "n"], [("a<b", 3)], align="lr")
-    assert "a&lt;b" in table and "text-align:right\">3<" in table
+    table = html_table(["name", "n"], [("a<b", 3), ("a long cell that may wrap inside the table", 4)], align="lr")
+    assert "a&lt;b" in table and "text-align:right; white-space:nowrap;\">3<" in table
+    assert "text-align:left;\">a long cell" in table  # only long cells wrap
     assert "var(--jp-ui-font-color1" in table and "#fff" not in table.lower()
 
 

@@ -90,13 +90,15 @@ def html_table(header: Sequence[str], rows: Iterable[Sequence[object]], align: s
     """Rows as an HTML table that fits a notebook column and follows the JupyterLab theme.
 
     A printed fixed-width table wraps every row in a narrow window; an HTML table wraps inside its
-    cells. `align` holds one letter per column, "l" or "r" (default: all left).
+    cells, and only in long ones (a short cell such as "MHA 32/32" stays on one line). `align`
+    holds one letter per column, "l" or "r" (default: all left).
     """
 
     def row(cells: Sequence[object], tag: str, style: str) -> str:
         sides = ["right" if align[i:i + 1] == "r" else "left" for i in range(len(cells))]
-        return "<tr>" + "".join(f'<{tag} style="{style} text-align:{side}">{esc(cell)}</{tag}>'
-                                for cell, side in zip(cells, sides)) + "</tr>"
+        return "<tr>" + "".join(
+            f'<{tag} style="{style} text-align:{side};{" white-space:nowrap;" if len(str(cell)) <= 24 else ""}">'
+            f"{esc(cell)}</{tag}>" for cell, side in zip(cells, sides)) + "</tr>"
 
     cell = f"padding:2px 8px; border-bottom:1px solid {BORDER_LIGHT}; vertical-align:top;"
     body = "".join(row(r, "td", cell) for r in rows)
