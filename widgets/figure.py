@@ -113,8 +113,8 @@ def _recolor(artist: Artist) -> None:
             artist.set_markerfacecolor(dark_color(face))
         if not (isinstance(edge, str) and edge in ("none", "auto")):
             artist.set_markeredgecolor(dark_color(edge))
-    elif isinstance(artist, Patch):
-        artist.set_facecolor(_background(artist.get_facecolor()))
+    elif isinstance(artist, Patch):  # bars, spans, spines, legend handles (backgrounds are set apart)
+        artist.set_facecolor(dark_color(artist.get_facecolor()))
         artist.set_edgecolor(dark_color(artist.get_edgecolor()))
     elif isinstance(artist, Collection):
         faces, edges = artist.get_facecolor(), artist.get_edgecolor()
@@ -187,7 +187,7 @@ def themed_figure_html(fig: Figure, *, dpi: float = 80, alt: str = "") -> str:
 
 def _title(fig: Figure) -> str:
     """The figure's suptitle, else its axes' titles, for the widget's repr and the images' alt text."""
-    suptitle = fig._suptitle.get_text() if getattr(fig, "_suptitle", None) is not None else ""
+    suptitle = fig.get_suptitle() if hasattr(fig, "get_suptitle") else ""  # matplotlib >= 3.8
     return suptitle or "; ".join(t for ax in fig.axes if (t := ax.get_title())) or "figure"
 
 
