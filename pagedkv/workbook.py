@@ -126,7 +126,23 @@ def copy_workbook(dest_dir: Path, *, force: bool = False) -> CopyReport:
             dest.parent.mkdir(parents=True, exist_ok=True)
             replace_file(dest, src.read_bytes())
             report.copied.append(rel)
+    trust_notebooks([dest_dir / rel for rel in report.copied if rel.suffix == ".ipynb"])
     return report
+
+
+def trust_notebooks(paths: list[Path]) -> None:
+    """Sign the notebooks just copied as trusted, as `jupyter trust` does: JupyterLab then draws their
+    saved widgets and HTML (tables, figures that follow the theme) the first time a student opens
+    them, instead of hiding them until the notebook runs. Only the shipped files are signed; a copy
+    the student changed is never re-signed. Nothing to do where Jupyter is not installed."""
+    try:
+        import nbformat
+        from nbformat.sign import NotebookNotary
+    except ImportError:
+        return
+    notary = NotebookNotary()
+    for path in paths:
+        notary.sign(nbformat.read(path, as_version=4))
 
 
 def replace_file(dest: Path, data: bytes) -> None:
@@ -226,6 +242,7 @@ def execute_workbook(dest_dir: Path, notebooks: list[Path], *, cuda: bool,
             if client.ctrl_c:  # pressed just as the last cell finished: stop all the same
                 raise KeyboardInterrupt
             replace_file(path, nbformat.writes(nb).encode("utf-8"))
+            trust_notebooks([path])  # its outputs are this run's, as if the student had run it in the lab
             cell_bar.update(cell_bar.total - cell_bar.n)
             notebook_bar.update()
             yield NotebookRun(path.name, time.perf_counter() - start)

@@ -312,3 +312,23 @@ def test_lab_as_root_passes_allow_root(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(SystemExit):
         workbook.open_lab(tmp_path)
     assert argvs == [["notebooks/00_start_here.ipynb", *(["--allow-root"] if uid == 0 else [])]]
+
+
+def test_copied_notebooks_are_trusted_and_a_kept_one_is_not_resigned(
+        tmp_path: Path, shipped: dict[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """JupyterLab draws a notebook's saved widgets only when it trusts it: the copies are signed in the
+    Jupyter data folder, where the server looks; a copy the student edited keeps its own standing."""
+    import nbformat
+    from nbformat.sign import NotebookNotary
+
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter-data"))
+    dest = tmp_path / "wb"
+    report = workbook.copy_workbook(dest)
+    notebooks = [dest / rel for rel in report.copied if rel.suffix == ".ipynb"]
+    assert notebooks and all(NotebookNotary().check_signature(nbformat.read(p, as_version=4)) for p in notebooks)
+
+    edited = nbformat.read(notebooks[0], as_version=4)
+    edited.cells.append(nbformat.v4.new_code_cell("print('mine')"))
+    nbformat.write(edited, notebooks[0])
+    assert workbook.copy_workbook(dest).kept == [notebooks[0].relative_to(dest)]
+    assert not NotebookNotary().check_signature(nbformat.read(notebooks[0], as_version=4))
