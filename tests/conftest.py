@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,17 @@ def needs_triton_on_cpu(what: str) -> pytest.MarkDecorator:
     except ImportError as exc:  # no triton package
         problem = str(exc)
     return pytest.mark.skipif(problem is not None, reason=f"{what} on CPU tensors: {problem}")
+
+
+@pytest.fixture(autouse=True)
+def fresh_tries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts with no wrong tries counted and nothing to reveal, whatever ran before it.
+
+    Only where pagedkv.exercises is imported: before that, its registry is fresh anyway (and the other tests
+    need not import it)."""
+    exercises = sys.modules.get("pagedkv.exercises")
+    if exercises is not None:
+        monkeypatch.setattr(exercises, "_TRIES", exercises._Tries())
 
 
 def edit_config_json(model_dir: Path, **changes: object) -> None:

@@ -4,11 +4,9 @@ the rule they break (never the right values), and rejects the package's own atte
 
 from __future__ import annotations
 
-import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,9 +19,15 @@ from pagedkv.attention.backend import (
     CommonAttentionMetadata,
 )
 from pagedkv.attention.selector import unregister_backend
-from pagedkv.exercises import _TRIES, PASS_MARK, reveal
+from pagedkv.exercises import reveal
 from pagedkv.exercises.backends import check_backend
-from tests.exercise_checks import assert_rejected
+from tests.exercise_checks import (
+    assert_rejected,
+    notebook_cells,
+    run_solution,
+    saved_outputs_show_no_pass,
+    worked_solutions,
+)
 
 
 @dataclass
@@ -239,7 +243,6 @@ def test_backend_rejects_the_reference_on_a_thread_and_frame_reading() -> None:
 
 def test_backend_message_holds_no_right_values_and_reveal_works_it_out(capsys: pytest.CaptureFixture[str]) -> None:
     try:
-        _TRIES.wrong.clear()
         results = [check_backend(_backend("TEST_NO_MASK_AGAIN", causal=False), device="cpu") for _ in range(3)]
         assert "reveal()" not in results[1].message and "reveal()" in results[2].message
         assert "should start" not in results[2].message and "[" not in results[2].message.split("wrong.")[1][:40]
@@ -255,26 +258,22 @@ def test_backend_message_holds_no_right_values_and_reveal_works_it_out(capsys: p
 def test_the_notebooks_worked_solution_passes_and_is_not_run() -> None:
     """The worked solution (NAIVE plus the window) sits in a collapsed markdown cell, not run by Run All, and
     passes the checker; no saved output shows a pass mark, so a pass on screen is the student's own."""
-    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "04_attention_backends.ipynb").read_text())["cells"]
-    solutions = [c for c in cells if "Worked solution" in "".join(c["source"])]
-    assert len(solutions) == 1 and solutions[0]["cell_type"] == "markdown"
+    cells = notebook_cells("04_attention_backends.ipynb")
+    (solution,) = worked_solutions("04_attention_backends.ipynb")
     naive = [
         "".join(c["source"]) for c in cells
         if c["cell_type"] == "code"
         and any(f"class Naive{n}" in "".join(c["source"]) for n in ("Metadata", "Impl", "Backend"))
     ]
-    printed: list[object] = []
-    namespace: dict[str, Any] = {"check_backend": check_backend, "print": printed.append, "torch": torch}
+    namespace: dict[str, Any] = {"check_backend": check_backend, "torch": torch}
     try:
         for source in naive:
             exec(source, namespace)  # noqa: S102
-        exec("".join(solutions[0]["source"]).split("```python\n")[1].split("```")[0], namespace)  # noqa: S102
+        assert run_solution(solution, namespace)
     finally:
         unregister_backend("NAIVE")
         unregister_backend("WINDOWED")
-    assert printed[-1], printed[-1]
-    outputs = [o.get("text", "") for c in cells if c["cell_type"] == "code" for o in c["outputs"]]
-    assert not any(PASS_MARK in "".join(text) for text in outputs)
+    assert saved_outputs_show_no_pass("04_attention_backends.ipynb")
     source = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
     assert all("enable_prefix_caching=False" in line or "LLM(" not in line or "def " in line
                for line in source.replace(",\n", ", ").splitlines())

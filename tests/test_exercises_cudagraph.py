@@ -9,20 +9,17 @@ after three wrong tries of that exercise.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import re
-from pathlib import Path
 
 import pytest
 
-import pagedkv.exercises as exercises
 import pagedkv.exercises.cudagraph as cudagraph
 from pagedkv.attention.backend import AttentionCGSupport
 from pagedkv.compilation import CUDAGraphMode
 from pagedkv.exercises import reveal
 from pagedkv.exercises.cudagraph import LOWERING_EXERCISES, check_lowering, check_raising, resolve_explained
-from tests.exercise_checks import assert_rejected
+from tests.exercise_checks import StrEqualToAnything, assert_rejected, assert_worked_solutions_pass
 
 M, S = CUDAGraphMode, AttentionCGSupport
 
@@ -45,11 +42,6 @@ WRONG = [
     (5, M.FULL, "the rules only take full graphs away, they never add one"),
     (5, M.PIECEWISE, "breaks rule 5"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def fresh_tries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(exercises, "_TRIES", exercises._Tries())
 
 
 def names(text: str, mode: CUDAGraphMode) -> bool:
@@ -93,18 +85,10 @@ def test_no_wrong_answer_is_told_the_resolved_mode(number: int) -> None:
         assert result.reveal is not None
 
 
-class YesStr(str):
-    """A name that says it equals anything (an int like it fooled the checkers of notebooks 10-12)."""
-
-    def __eq__(self, other: object) -> bool:
-        return True
-
-    __hash__ = str.__hash__
-
-
 def test_an_answer_that_equals_anything_fails() -> None:
-    assert_rejected(check_lowering(2, YesStr("NONE")), "Exercise 2: NONE breaks no rule")
-    assert_rejected(check_raising({(YesStr("NONE"), YesStr("ALWAYS"))}), "('NONE', 'ALWAYS') does not raise")
+    assert_rejected(check_lowering(2, StrEqualToAnything("NONE")), "Exercise 2: NONE breaks no rule")
+    pair = (StrEqualToAnything("NONE"), StrEqualToAnything("ALWAYS"))
+    assert_rejected(check_raising({pair}), "('NONE', 'ALWAYS') does not raise")
 
 
 def test_each_exercise_counts_its_own_tries_and_reveal_works_it_out(capsys: pytest.CaptureFixture[str]) -> None:
@@ -183,12 +167,5 @@ def test_check_raising(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
-    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "08_cuda_graphs_and_torch_compile.ipynb").read_text())
-    solutions = [c for c in cells["cells"] if "Worked solution" in "".join(c["source"])]
-    assert len(solutions) == 6 and all(c["cell_type"] == "markdown" for c in solutions)  # Run All skips them
-    printed: list[object] = []
-    for cell in solutions:
-        code = "".join(cell["source"]).split("```python\n")[1].split("```")[0]
-        checkers = {"check_lowering": check_lowering, "check_raising": check_raising}
-        exec(code, {**checkers, "print": printed.append})  # noqa: S102
-    assert len(printed) == 6 and all(printed), printed
+    checkers = {"check_lowering": check_lowering, "check_raising": check_raising}
+    assert_worked_solutions_pass("08_cuda_graphs_and_torch_compile.ipynb", 6, checkers)

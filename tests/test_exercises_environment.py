@@ -18,7 +18,7 @@ from pagedkv.exercises import reveal
 from pagedkv.exercises import environment
 from pagedkv.exercises.environment import check_choose_backend, environment_report, html_table, runs_here
 from pagedkv.workbook import list_notebooks
-from tests.exercise_checks import assert_rejected
+from tests.exercise_checks import StrEqualToAnything, assert_rejected
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +120,5 @@ def test_choose_backend_offers_reveal_after_three_tries(tiny: LLM, capsys: pytes
 
 
 def test_choose_backend_is_not_fooled_by_a_str_that_equals_everything(tiny: LLM) -> None:
-    class Anything(str):
-        def __eq__(self, other: object) -> bool:
-            return True
-
-        def __ne__(self, other: object) -> bool:
-            return False
-
-        __hash__ = str.__hash__
-
-    assert_rejected(check_choose_backend(tiny, lambda p, r: Anything(p[0])), "return the name of a backend (a str)")
+    assert_rejected(check_choose_backend(tiny, lambda p, r: StrEqualToAnything(p[0])),
+                    "return the name of a backend (a str)")

@@ -4,10 +4,8 @@ from a wrong answer's message, a constant) fail with a message that never holds 
 
 from __future__ import annotations
 
-import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,15 +15,10 @@ import pagedkv.exercises as exercises
 from pagedkv.exercises import reveal
 from pagedkv.exercises.flash_attention import NOTEBOOK_CASE, check_kernel_block_rows
 from pagedkv.worker.attn_utils import to_kernel_block_table
-from tests.exercise_checks import assert_rejected
+from tests.exercise_checks import EqualToAnything, ListEqualToAnything, assert_rejected, assert_worked_solutions_pass
 
 NOTEBOOK_ROW = "[15, 16, 17, 3, 4, 5, 36, 37, 38]"
 """[5, 1, 12] in blocks of 48 read as pages of 16, worked out by hand: k = 3, b -> 3b, 3b+1, 3b+2."""
-
-
-@pytest.fixture(autouse=True)
-def fresh_tries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(exercises, "_TRIES", exercises._Tries())
 
 
 def right(row: list[int], block_size: int, kernel_block_size: int) -> list[int]:
@@ -70,26 +63,11 @@ def test_the_package_rewrite_fails_however_it_is_called() -> None:
     assert_rejected(check_kernel_block_rows(on_a_thread), "calls to_kernel_block_table")
 
 
-class Yes(int):
-    """An int that says it equals anything (fooled the checkers of notebooks 10-12)."""
-
-    def __eq__(self, other: object) -> bool:
-        return True
-
-    def __ne__(self, other: object) -> bool:
-        return False
-
-    __hash__ = int.__hash__
-
-
-class YesList(list):
-    def __eq__(self, other: object) -> bool:
-        return True
-
-
 def test_answers_that_equal_anything_fail() -> None:
-    assert_rejected(check_kernel_block_rows(lambda row, b, kb: [Yes(0)] * (len(row) * (b // kb))), "entry 0")
-    assert_rejected(check_kernel_block_rows(lambda row, b, kb: YesList([0] * (len(row) * (b // kb)))), "entry 0")
+    assert_rejected(check_kernel_block_rows(lambda row, b, kb: [EqualToAnything(0)] * (len(row) * (b // kb))),
+                    "entry 0")
+    assert_rejected(check_kernel_block_rows(lambda row, b, kb: ListEqualToAnything([0] * (len(row) * (b // kb)))),
+                    "entry 0")
 
 
 def test_reading_the_checkers_frames_fails() -> None:
@@ -125,10 +103,5 @@ def test_reveal_after_three_wrong_tries(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_the_notebooks_worked_solution_passes_and_is_not_run() -> None:
-    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "07_flash_attention.ipynb").read_text())["cells"]
-    (cell,) = [c for c in cells if "Worked solution" in "".join(c["source"])]
-    assert cell["cell_type"] == "markdown"  # Run All does not execute it: a pass on display is the student's own
-    code = "".join(cell["source"]).split("```python\n")[1].split("```")[0]
-    printed: list[object] = []
-    exec(code, {"check_kernel_block_rows": check_kernel_block_rows, "print": printed.append})  # noqa: S102
-    assert len(printed) == 1 and printed[0], printed
+    # Run All does not execute it: a pass on display is the student's own.
+    assert_worked_solutions_pass("07_flash_attention.ipynb", 1, {"check_kernel_block_rows": check_kernel_block_rows})

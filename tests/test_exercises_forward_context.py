@@ -4,20 +4,25 @@ reached (handed back, called, called on a thread, or its answer read from the ch
 
 from __future__ import annotations
 
-import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+import pagedkv.exercises as exercises
 from pagedkv import LLM
 from pagedkv.attention.layer import get_attention_context
-from pagedkv.exercises import _TRIES, PASS_MARK, reveal
+from pagedkv.exercises import reveal
 from pagedkv.exercises.forward_context import check_attention_context
 from pagedkv.forward_context import get_forward_context
-from tests.exercise_checks import assert_rejected
+from tests.exercise_checks import (
+    assert_rejected,
+    notebook_cells,
+    run_solution,
+    saved_outputs_show_no_pass,
+    worked_solutions,
+)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +120,6 @@ def test_three_wrong_tries_offer_reveal_with_the_worked_lookup(tiny: LLM, capsys
         layer = ctx.no_compile_layers[name]
         return ctx.attn_metadata, layer, layer.kv_cache, ctx.slot_mapping.get(name)
 
-    _TRIES.wrong.clear()
     messages = [check_attention_context(tiny, whole_dict).message for _ in range(3)]
     assert "reveal()" not in messages[1] and "reveal()" in messages[2]
     reveal()
@@ -124,23 +128,18 @@ def test_three_wrong_tries_offer_reveal_with_the_worked_lookup(tiny: LLM, capsys
     assert "ctx.attn_metadata[layer_name]" in worked and "layer.kv_cache" in worked
     assert "slot_mapping.get(layer_name)" in worked and "shape [2, 32, 16, 2, 16]" in worked
     assert check_attention_context(tiny, right)  # a pass resets the count
-    assert "03: resolve a layer name" not in _TRIES.wrong
+    assert "03: resolve a layer name" not in exercises._TRIES.wrong
 
 
 def test_the_notebooks_worked_solution_passes_and_is_not_run(tiny: LLM) -> None:
     """The worked solution sits in a collapsed markdown cell (Run All does not execute it) and passes the
     checker; no saved output shows a pass mark, so a pass on screen is the student's own."""
-    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "03_the_forward_context.ipynb").read_text())["cells"]
-    solutions = [c for c in cells if "Worked solution" in "".join(c["source"])]
-    assert len(solutions) == 1 and solutions[0]["cell_type"] == "markdown"
-    code = "".join(solutions[0]["source"]).split("```python\n")[1].split("```")[0]
-    printed: list[object] = []
+    (code,) = worked_solutions("03_the_forward_context.ipynb")
     namespace = {"check_attention_context": check_attention_context, "get_forward_context": get_forward_context,
-                 "llm": tiny, "print": printed.append}
-    exec(code, namespace)  # noqa: S102
-    assert len(printed) == 1 and printed[0], printed
-    outputs = [o.get("text", "") for c in cells if c["cell_type"] == "code" for o in c["outputs"]]
-    assert not any(PASS_MARK in "".join(text) for text in outputs)
+                 "llm": tiny}
+    assert run_solution(code, namespace)
+    assert saved_outputs_show_no_pass("03_the_forward_context.ipynb")
+    cells = notebook_cells("03_the_forward_context.ipynb")
     source = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
     assert "getsource(get_attention_context)" not in source  # the lookup's code is the exercise
     assert all("enable_prefix_caching=False" in line for line in source.splitlines() if "LLM(" in line)

@@ -4,11 +4,9 @@ answers copied as constants) fail with a message that holds no expected value.""
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,26 +14,9 @@ import torch
 
 import pagedkv.exercises as exercises
 from pagedkv.attention.mla.common import split_decodes_and_prefills
-from pagedkv.exercises import PASS_MARK, mla, reveal
+from pagedkv.exercises import mla, reveal
 from pagedkv.kv_cache.spec import MLAAttentionSpec
-from tests.exercise_checks import assert_rejected
-
-
-@pytest.fixture(autouse=True)
-def fresh_tries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(exercises, "_TRIES", exercises._Tries())
-
-
-class EqualToAnything(int):
-    """An int that says it equals whatever it is compared with."""
-
-    def __eq__(self, other: object) -> bool:
-        return True
-
-    def __ne__(self, other: object) -> bool:
-        return False
-
-    __hash__ = int.__hash__
+from tests.exercise_checks import EqualToAnything, assert_rejected, assert_worked_solutions_pass
 
 
 def right_bytes(layers: int, rank: int, rope: int, tokens: int) -> int:
@@ -209,18 +190,9 @@ def test_reveal_works_out_the_size_and_the_query(capsys: pytest.CaptureFixture[s
 def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
     """Each worked solution sits in a collapsed markdown cell (Run All does not execute it) and passes its
     checker; no saved output of the notebook shows a pass mark, so a pass on screen is the student's own."""
-    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "11_mla.ipynb").read_text())["cells"]
-    solutions = [c for c in cells if "Worked solution" in "".join(c["source"])]
-    assert len(solutions) == 3 and all(c["cell_type"] == "markdown" for c in solutions)
-    for cell in solutions:
-        code = "".join(cell["source"]).split("```python\n")[1].split("```")[0]
-        printed: list[object] = []
-        checkers = {name: getattr(mla, name) for name in ("check_absorbed_query", "check_mla_cache_bytes",
-                                                          "check_decode_split")}
-        exec(code, {"torch": torch, **checkers, "print": printed.append})  # noqa: S102
-        assert len(printed) == 1 and printed[0], printed
-    outputs = [o.get("text", "") for c in cells if c["cell_type"] == "code" for o in c["outputs"]]
-    assert not any(PASS_MARK in "".join(text) for text in outputs)
+    checkers = {name: getattr(mla, name) for name in ("check_absorbed_query", "check_mla_cache_bytes",
+                                                      "check_decode_split")}
+    assert_worked_solutions_pass("11_mla.ipynb", 3, {"torch": torch, **checkers})
 
 
 def test_values_that_equal_anything_fail() -> None:

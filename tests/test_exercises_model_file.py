@@ -15,7 +15,7 @@ import pytest
 from pagedkv.exercises import model_file, reveal
 from pagedkv.exercises.model_file import MODEL_HEADS, TP_SIZES, build_attention, check_head_layout, check_qkv_width
 from pagedkv.models.layers import head_layout
-from tests.exercise_checks import assert_rejected
+from tests.exercise_checks import EqualToAnything, assert_rejected
 
 
 def right_width(hidden_size: int, hq: int, hkv: int, head_dim: int, tp: int) -> int:
@@ -191,11 +191,5 @@ def test_head_layout_offers_reveal_after_three_tries(capsys: pytest.CaptureFixtu
 
 
 def test_an_int_that_equals_everything_is_only_its_value() -> None:
-    class AlwaysEqual(int):
-        def __eq__(self, other: object) -> bool:
-            return True
-
-        __hash__ = int.__hash__
-
-    assert_rejected(check_qkv_width(lambda h, hq, hkv, d, tp: AlwaysEqual(0), num_hidden=0), "0 is not it")
-    assert_rejected(check_head_layout(lambda hq, hkv, tp: tuple(AlwaysEqual(0) for _ in range(3))), "is not it")
+    assert_rejected(check_qkv_width(lambda h, hq, hkv, d, tp: EqualToAnything(0), num_hidden=0), "0 is not it")
+    assert_rejected(check_head_layout(lambda hq, hkv, tp: tuple(EqualToAnything(0) for _ in range(3))), "is not it")

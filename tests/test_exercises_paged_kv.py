@@ -17,7 +17,7 @@ import pytest
 from pagedkv import LLM, SamplingParams
 from pagedkv.exercises import paged_kv, reveal
 from pagedkv.exercises.paged_kv import check_blocks_held, check_next_slot_mapping
-from tests.exercise_checks import assert_rejected
+from tests.exercise_checks import ListEqualToAnything, assert_rejected
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 RIGHT_SLOTS = [28, 17, 27]
@@ -106,12 +106,7 @@ def test_next_slot_mapping_copying_the_messages_numbers_does_not_pass(paged: LLM
 
 def test_next_slot_mapping_is_not_fooled_by_an_answer_that_reads_frames(paged: LLM) -> None:
     assert_rejected(check_next_slot_mapping(paged, [FrameReader(0)] * 3), "whole number")
-
-    class AlwaysEqual(list):
-        def __eq__(self, other: object) -> bool:
-            return True
-
-    assert_rejected(check_next_slot_mapping(paged, AlwaysEqual([0, 0, 0])), "a list of slot numbers")
+    assert_rejected(check_next_slot_mapping(paged, ListEqualToAnything([0, 0, 0])), "a list of slot numbers")
 
 
 def test_no_reference_answer_to_import() -> None:

@@ -6,42 +6,22 @@ no expected value."""
 from __future__ import annotations
 
 import functools
-import json
 import math
 import random
 import sys
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-import pagedkv.exercises as exercises
-from pagedkv.exercises import PASS_MARK, prefix_caching, reveal
+from pagedkv.exercises import prefix_caching, reveal
 from pagedkv.exercises.prefix_caching import (
     RULE_CASES, SHOWN_EVICTION_CASES, SHOWN_HIT_CASES, check_hit_length, check_next_block,
 )
 from pagedkv.kv_cache.block_pool import hash_request_blocks
 from pagedkv.kv_cache.manager import KVCacheManager
-from tests.exercise_checks import assert_rejected
-
-
-@pytest.fixture(autouse=True)
-def fresh_tries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(exercises, "_TRIES", exercises._Tries())
-
-
-class EqualToAnything(int):
-    """An int that says it equals whatever it is compared with."""
-
-    def __eq__(self, other: object) -> bool:
-        return True
-
-    def __ne__(self, other: object) -> bool:
-        return False
-
-    __hash__ = int.__hash__
+from tests.exercise_checks import EqualToAnything, assert_rejected, assert_worked_solutions_pass
 
 
 def replay_on_the_package(events: list[tuple[Any, ...]], num_blocks: int, block_size: int) -> int:
@@ -306,17 +286,8 @@ def test_an_answer_that_raises_on_a_later_case_is_told_about_its_first_wrong_one
 def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
     """Each worked solution sits in a collapsed markdown cell (Run All does not execute it) and passes its
     checker; no saved output of the notebook shows a pass mark, so a pass on screen is the student's own."""
-    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "12_prefix_caching.ipynb").read_text())["cells"]
-    solutions = [c for c in cells if "Worked solution" in "".join(c["source"])]
-    assert len(solutions) == 2 and all(c["cell_type"] == "markdown" for c in solutions)
-    for cell in solutions:
-        code = "".join(cell["source"]).split("```python\n")[1].split("```")[0]
-        printed: list[object] = []
-        checkers = {"check_hit_length": check_hit_length, "check_next_block": check_next_block}
-        exec(code, {**checkers, "print": printed.append})  # noqa: S102
-        assert len(printed) == 1 and printed[0], printed
-    outputs = [o.get("text", "") for c in cells if c["cell_type"] == "code" for o in c["outputs"]]
-    assert not any(PASS_MARK in "".join(text) for text in outputs)
+    checkers = {"check_hit_length": check_hit_length, "check_next_block": check_next_block}
+    assert_worked_solutions_pass("12_prefix_caching.ipynb", 2, checkers)
 
 
 def test_an_int_that_equals_anything_fails() -> None:

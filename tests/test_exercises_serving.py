@@ -9,23 +9,20 @@ the engine's state between two steps, which async scheduling has moved on alread
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-import pagedkv.exercises as exercises
 from pagedkv import LLM, SamplingParams
 from pagedkv.exercises import reveal
 from pagedkv.exercises.serving import check_next_schedule
-from tests.exercise_checks import assert_rejected
+from tests.exercise_checks import (
+    EqualToAnything,
+    assert_rejected,
+    run_solution,
+    saved_outputs_show_no_pass,
+    worked_solutions,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True)
-def fresh_tries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(exercises, "_TRIES", exercises._Tries())
 
 
 @pytest.fixture
@@ -71,22 +68,11 @@ def test_exercise_2(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
     assert "preempted ['2']" in worked
 
 
-class Yes(int):
-    """An int that says it equals anything (fooled the checkers of notebooks 10-12)."""
-
-    def __eq__(self, other: object) -> bool:
-        return True
-
-    def __ne__(self, other: object) -> bool:
-        return False
-
-    __hash__ = int.__hash__
-
-
 def test_an_int_that_equals_anything_fails(llm: LLM) -> None:
-    assert_rejected(check_next_schedule(llm, {"0": Yes(1), "1": Yes(1), "2": Yes(1)}, []), "request 2: you wrote 1")
+    lies = {"0": EqualToAnything(1), "1": EqualToAnything(1), "2": EqualToAnything(1)}
+    assert_rejected(check_next_schedule(llm, lies, []), "request 2: you wrote 1")
     llm.step()
-    assert_rejected(check_next_schedule(llm, {"0": 1, "1": 1}, [Yes(0)]), "preempted: ['0'] is not it")
+    assert_rejected(check_next_schedule(llm, {"0": 1, "1": 1}, [EqualToAnything(0)]), "preempted: ['0'] is not it")
 
 
 def test_form_of_the_answer(llm: LLM) -> None:
@@ -99,12 +85,9 @@ def test_form_of_the_answer(llm: LLM) -> None:
 
 
 def test_the_notebooks_worked_solutions_pass_and_are_not_run(llm: LLM) -> None:
-    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "09_serving_end_to_end.ipynb").read_text())["cells"]
-    solutions = [c for c in cells if "Worked solution" in "".join(c["source"])]
-    assert len(solutions) == 2 and all(c["cell_type"] == "markdown" for c in solutions)  # Run All skips them
-    printed: list[object] = []
-    for cell in solutions:  # exercise 1, then one more step, exercise 2 (as in the notebook)
-        code = "".join(cell["source"]).split("```python\n")[1].split("```")[0]
-        exec(code, {"check_next_schedule": check_next_schedule, "ex": llm, "print": printed.append})  # noqa: S102
+    solutions = worked_solutions("09_serving_end_to_end.ipynb")
+    assert len(solutions) == 2
+    for code in solutions:  # exercise 1, then one more step, exercise 2 (as in the notebook)
+        assert run_solution(code, {"check_next_schedule": check_next_schedule, "ex": llm})
         llm.step()
-    assert len(printed) == 2 and all(printed), printed
+    assert saved_outputs_show_no_pass("09_serving_end_to_end.ipynb")

@@ -4,38 +4,19 @@ frame read, the notebook's answers copied as constants) fail with a message that
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 import pagedkv.exercises as exercises
-from pagedkv.exercises import PASS_MARK, reveal
+from pagedkv.exercises import reveal
 from pagedkv.exercises.model_file import build_attention
 from pagedkv.exercises.tensor_parallel import SHOWN_CASES, check_kv_cache_bytes, check_rank_heads
 from pagedkv.models.layers import head_layout, rank_heads
 from pagedkv.widgets.tensor_parallel import SHAPES, TensorParallelLayoutView, layout_table
-from tests.exercise_checks import assert_rejected
-
-
-@pytest.fixture(autouse=True)
-def fresh_tries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(exercises, "_TRIES", exercises._Tries())
-
-
-class EqualToAnything(int):
-    """An int that says it equals whatever it is compared with."""
-
-    def __eq__(self, other: object) -> bool:
-        return True
-
-    def __ne__(self, other: object) -> bool:
-        return False
-
-    __hash__ = int.__hash__
+from tests.exercise_checks import EqualToAnything, assert_rejected, assert_worked_solutions_pass
 
 
 def heads_by_hand(hq: int, hkv: int, tp: int, rank: int) -> tuple[list[int], list[int]]:
@@ -221,17 +202,8 @@ def test_layout_table_kv_bytes_match_the_real_layer(tp: int) -> None:
 def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
     """Each worked solution sits in a collapsed markdown cell (Run All does not execute it) and passes its
     checker; no saved output of the notebook shows a pass mark, so a pass on screen is the student's own."""
-    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "10_tensor_parallelism.ipynb").read_text())["cells"]
-    solutions = [c for c in cells if "Worked solution" in "".join(c["source"])]
-    assert len(solutions) == 2 and all(c["cell_type"] == "markdown" for c in solutions)
-    for cell in solutions:
-        code = "".join(cell["source"]).split("```python\n")[1].split("```")[0]
-        printed: list[object] = []
-        checkers = {"check_rank_heads": check_rank_heads, "check_kv_cache_bytes": check_kv_cache_bytes}
-        exec(code, {**checkers, "print": printed.append})  # noqa: S102
-        assert len(printed) == 1 and printed[0], printed
-    outputs = [o.get("text", "") for c in cells if c["cell_type"] == "code" for o in c["outputs"]]
-    assert not any(PASS_MARK in "".join(text) for text in outputs)
+    checkers = {"check_rank_heads": check_rank_heads, "check_kv_cache_bytes": check_kv_cache_bytes}
+    assert_worked_solutions_pass("10_tensor_parallelism.ipynb", 2, checkers)
 
 
 def test_an_int_that_equals_anything_fails() -> None:
