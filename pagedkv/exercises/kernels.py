@@ -137,7 +137,7 @@ class _LaunchWatch:
         if op not in LAUNCHER_OPS:
             why = _WHY.get(op, "computes with torch")
             self.note(f"the launcher {why} (aten.{op}) outside the kernel: a launcher only allocates, views and "
-                      "copies; the work belongs in the @triton.jit kernel")
+                      "converts; the work belongs in the @triton.jit kernel")
             return
         if self.foreign(_tensors((args, kwargs))):
             self.note(f"the launcher uses a tensor the checker did not give it (aten.{op}): a precomputed "
