@@ -734,7 +734,8 @@ def test_without_triton_the_first_cell_says_what_to_install_and_the_source_cells
     )
     cell_1 = no_triton + "try:\n" + "".join("    " + line + "\n" for line in first.splitlines()) + (
         "except ModuleNotFoundError as exc:\n    print('raised:', exc)\n")
-    done = _run_fresh([cell_1, no_triton + source], tmp_path)
+    shown_as_text = "import IPython.display\nIPython.display.display = lambda obj: print(obj.data)\n"  # the listing's HTML
+    done = _run_fresh([cell_1, no_triton + shown_as_text + source], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert 'raised: notebook 06 runs Triton kernels: pip install triton (or "pagedkv[notebooks]")' in done.stdout
     assert "slot = tl.load(slot_mapping_ptr + token)" in done.stdout
