@@ -37,6 +37,12 @@ import triton.language as tl  # noqa: E402
 from pagedkv.kernels.reshape_and_cache import _reshape_and_cache_kernel  # noqa: E402
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "06_triton_kernels.ipynb"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter_only = pytest.mark.skipif(
+    not INTERPRETED,
+    reason="checks what only Triton's interpreter shows (recorded loads and stores, its own torch ops, programs run "
+           "in order, host pointers); compiled on a GPU the checker has none of these",
+)
 
 
 # Each kernel takes BUG: a compile-time switch to a typical mistake, so right and wrong share code.
@@ -250,6 +256,8 @@ def test_puzzle_checker_accepts_right_and_names_the_rule_a_wrong_entry_breaks(
 ) -> None:
     """A wrong kernel's message names the entry, its value and the rule, not the expected value;
     the third wrong try offers reveal(), which works that entry out (the expected value included)."""
+    if name == "scatter" and not INTERPRETED:
+        pytest.skip("the wrong scatter's entry depends on which program stores last: in order only under the interpreter")
     _, kernels, make_launch, wrong_text = PUZZLES[name]
     right = _check(name, kernels, make_launch(False))
     assert right.ok and repr(right).startswith(PASS_MARK), right.message
@@ -363,6 +371,7 @@ def test_a_launcher_that_computes_in_torch_and_copies_with_a_kernel_is_refused()
     assert_rejected(result, "the launcher computes with torch (aten.", "outside the kernel")
 
 
+@interpreter_only
 def test_a_launcher_that_launches_a_kernel_it_was_not_given_is_refused() -> None:
     def launch(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
         _launch_attention(False, False)(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale)
@@ -474,6 +483,7 @@ def test_a_precomputed_answer_copied_in_is_refused() -> None:
     assert_rejected(P.check_online_softmax(_copy, by_torch), "uses a tensor the checker did not give it")
 
 
+@interpreter_only
 def test_reading_values_into_python_or_writing_the_outputs_is_refused() -> None:
     def through_numpy(kernel, key, value, k_cache, v_cache, slots):
         for t, slot in enumerate(slots.numpy()):  # .numpy() shares memory: a write would skip torch
@@ -535,6 +545,7 @@ def test_python_math_passed_as_launch_arguments_is_refused() -> None:
     assert_rejected(P.check_block_table_row(store, per_entry), "the launcher launched store 48 times; launch it once")
 
 
+@interpreter_only
 def test_a_kernel_that_calls_torch_is_refused() -> None:
     """Under the interpreter a kernel body is Python and could call torch; on a GPU it would not compile."""
     @triton.jit
@@ -569,6 +580,7 @@ def test_a_launcher_that_calls_pagedkv_or_reads_the_checkers_frames_is_refused()
     assert_rejected(P.check_online_softmax(_copy, frames), "reading the checker's frames")
 
 
+@interpreter_only
 def test_triton_interpreter_runs_torch_ops_while_launching_and_they_are_allowed() -> None:
     """The other direction: the interpreter itself copies each tensor to the host and back with
     aten ops; those run inside the launch and are not the launcher's (a right answer passes)."""
@@ -589,6 +601,7 @@ def test_triton_interpreter_runs_torch_ops_while_launching_and_they_are_allowed(
     assert P.check_online_softmax(_attention, _launch_attention(False, False)).ok
 
 
+@interpreter_only
 def test_a_launcher_that_writes_the_answer_around_torch_is_caught_by_the_idle_run() -> None:
     """A write through the tensor's address (ctypes) runs no aten op and escapes the dispatch mode;
     running the launcher once more with launches that do nothing catches it."""
@@ -602,6 +615,7 @@ def test_a_launcher_that_writes_the_answer_around_torch_is_caught_by_the_idle_ru
     assert_rejected(P.check_block_table_row(_slots, launch), "gets the right answer without running the kernel")
 
 
+@interpreter_only
 def test_right_values_with_loads_of_keys_the_request_does_not_own_fail_the_memory_check() -> None:
     """Point 7 of issue 32: the loads and stores are part of the verdict. Scores masked to -inf give
     the right values even when the kernel loads the rows past seq_len (another request's keys, or
@@ -614,6 +628,7 @@ def test_right_values_with_loads_of_keys_the_request_does_not_own_fail_the_memor
     assert "Every memory rule the kernel broke:\n_scores program (0, 1)" in result.reveal()
 
 
+@interpreter_only
 def test_two_programs_storing_one_entry_fail_the_memory_check() -> None:
     """A padding token written into slot 0 gives the right values when the token that owns slot 0
     happens to run later (the interpreter runs programs in order; a GPU does not)."""
@@ -640,6 +655,7 @@ def test_a_launcher_with_the_first_cases_sizes_written_in_fails_a_later_case() -
         assert_rejected(result, "page size 8, head size 32")
 
 
+@interpreter_only
 def test_a_write_before_the_cache_is_caught_in_a_guard_block() -> None:
     """That write used to land in memory the cache does not own (the checker's process later
     aborted in free()). The recorder drops a store outside every tensor and names it; without the
@@ -734,7 +750,12 @@ def test_without_triton_the_first_cell_says_what_to_install_and_the_source_cells
     )
     cell_1 = no_triton + "try:\n" + "".join("    " + line + "\n" for line in first.splitlines()) + (
         "except ModuleNotFoundError as exc:\n    print('raised:', exc)\n")
-    shown_as_text = "import IPython.display\nIPython.display.display = lambda obj: print(obj.data)\n"  # the listing's HTML
+    shown_as_text = (  # IPython stood in for by a module whose display prints the listing's HTML
+        "import sys, types\n"
+        "shown = types.ModuleType('IPython.display')\n"
+        "shown.HTML, shown.display = str, print\n"
+        "sys.modules.update({'IPython': types.ModuleType('IPython'), 'IPython.display': shown})\n"
+    )
     done = _run_fresh([cell_1, no_triton + shown_as_text + source], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert 'raised: notebook 06 runs Triton kernels: pip install triton (or "pagedkv[notebooks]")' in done.stdout
