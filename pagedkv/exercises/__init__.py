@@ -186,9 +186,9 @@ def watch_calls(functions: Iterable[Callable[..., Any]]) -> Iterator[list[str]]:
     set_all = getattr(threading, "setprofile_all_threads", None)  # Python 3.12+
     previous, previous_threads = sys.getprofile(), threading.getprofile()
     with _tripwires(functions, note):
-        (set_all or threading.setprofile)(profile)
-        sys.setprofile(profile)
-        try:
+        try:  # set inside the try: an interrupt between the two calls still restores both
+            (set_all or threading.setprofile)(profile)
+            sys.setprofile(profile)
             yield called
         finally:
             sys.setprofile(previous)
