@@ -101,7 +101,8 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _backends(args: argparse.Namespace) -> None:
     from pagedkv.attention.selector import backend_report
-    from pagedkv.engine.checks import check_device, check_dtype, check_int, check_model
+    from pagedkv.checks import check_int
+    from pagedkv.engine.checks import check_device, check_dtype, check_model
     from pagedkv.models.loader import PRESETS, TRAINED_PRESETS, load_config
 
     # The engine's own checks: a device that is not here, or a block size below 1, is refused as LLM() refuses it.

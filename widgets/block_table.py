@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedkv.engine.checks import check_int
+from pagedkv.checks import check_int
 from pagedkv.trace import BlockPoolRecord, KVCacheGroupInfo, StepRecord, StepTrace
 from pagedkv.widgets.common import (
     ACCENT, BASE_STYLE, BG, BG_SOLID, BORDER, FG, FG_MUTED, SVG_STYLE, TraceView, esc, request_color, short_layer,

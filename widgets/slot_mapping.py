@@ -7,7 +7,7 @@ from typing import Any
 
 import ipywidgets
 
-from pagedkv.engine.checks import check_int
+from pagedkv.checks import check_int
 from pagedkv.trace import StepRecord, StepTrace
 from pagedkv.widgets.common import BASE_STYLE, BORDER_LIGHT, TraceView, esc, request_color
 

@@ -1,21 +1,16 @@
-"""Argument checks for `SamplingParams` and `LLM`: no silent conversions.
-
-A wrong *type* is a `TypeError`, a wrong *value* a `ValueError`; both name the argument, show
-the value and say what would work. Integers are Python ints or integer numpy / torch scalars
-(`bool` is refused although Python counts it as an int: `max_tokens=True` is a mistake, not 1);
-reals are ints or floats, and must be finite.
+"""Argument checks for `SamplingParams` and `LLM` that know the engine: token ids, models,
+devices, dtypes, compilation and tensor parallelism. The generic int / float / bool checks
+live in `pagedkv.checks`.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
-import operator
 import os
 import reprlib
 
 import torch
 
+from pagedkv.checks import check_bool, check_int, check_optional_int, describe
 from pagedkv.config import CompilationConfig, CUDAGraphMode, parse_dtype
 from pagedkv.models.layers import head_layout
 from pagedkv.models.loader import HFConfig, resolve_model
@@ -24,68 +19,11 @@ from pagedkv.platforms import default_device
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _describe(value: object) -> str:
-    return f"{reprlib.repr(value)} ({type(value).__name__})"
-
-
-def _range_text(low: float | None, high: float | None, low_open: bool = False) -> str:
-    if high is None:
-        return f"{'>' if low_open else '>='} {low}"
-    if low is None:
-        return f"<= {high}"
-    return f"in {'(' if low_open else '['}{low}, {high}]"
-
-
-def check_int(name: str, value: object, low: int | None = None, high: int | None = None, hint: str = "") -> int:
-    """`value` as a Python int in [low, high] (either bound may be None)."""
-    is_bool = isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool)
-    try:
-        if is_bool:
-            raise TypeError
-        number = operator.index(value)  # ints, numpy / torch integer scalars; never floats or strings
-    except TypeError:
-        raise TypeError(f"{name} must be an int{hint}, got {_describe(value)}.") from None
-    if (low is not None and number < low) or (high is not None and number > high):
-        raise ValueError(f"{name} must be an int {_range_text(low, high)}{hint}, got {reprlib.repr(value)}.")
-    return number
-
-
-def check_optional_int(
-    name: str, value: object, low: int | None = None, high: int | None = None, hint: str = ""
-) -> int | None:
-    """None, or `check_int`."""
-    return None if value is None else check_int(name, value, low, high, hint)
-
-
-def check_float(
-    name: str, value: object, low: float | None = None, high: float | None = None, *, low_open: bool = False,
-    hint: str = "",
-) -> float:
-    """`value` (an int or a float, not a bool) as a finite float in the range; `low_open` excludes low."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number{hint}, got {_describe(value)}.")
-    number = float(value)
-    below = low is not None and (number <= low if low_open else number < low)
-    above = high is not None and number > high
-    if not math.isfinite(number) or below or above:
-        raise ValueError(
-            f"{name} must be a finite number {_range_text(low, high, low_open)}{hint}, got {reprlib.repr(value)}."
-        )
-    return number
-
-
-def check_bool(name: str, value: object) -> bool:
-    """Exactly True or False (1, "no" and None are mistakes, not flags)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {_describe(value)}.")
-    return value
-
-
 def check_token_ids(name: str, value: object) -> list[int]:
     """A list or tuple of token ids (ints >= 0) as a list of Python ints."""
     if not isinstance(value, (list, tuple)):
         raise TypeError(
-            f"{name} must be a list of token ids (ints), got {_describe(value)}. Write [5] for a single id; "
+            f"{name} must be a list of token ids (ints), got {describe(value)}. Write [5] for a single id; "
             "convert an array with .tolist()."
         )
     checked = []
@@ -156,7 +94,7 @@ def check_cudagraph_mode(value: object) -> CUDAGraphMode:
     if not isinstance(value, (CUDAGraphMode, str)):
         raise TypeError(
             f"cudagraph_mode must be a CUDAGraphMode or one of its names ({', '.join(CUDAGraphMode.__members__)}), "
-            f"got {_describe(value)}."
+            f"got {describe(value)}."
         )
     return CUDAGraphMode.parse(value)
 

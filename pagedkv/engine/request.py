@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pagedkv.engine.checks import check_bool, check_float, check_int, check_optional_int, check_token_ids
+from pagedkv.checks import check_bool, check_float, check_int, check_optional_int
+from pagedkv.engine.checks import check_token_ids
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 
 
