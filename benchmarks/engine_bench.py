@@ -31,7 +31,7 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # PYTHONPATH first: lets an older checkout be timed
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
-from pagedkv.compilation import CUDAGraphMode  # noqa: E402
+from pagedkv.config import CUDAGraphMode  # noqa: E402
 from pagedkv.engine.request import RequestOutput  # noqa: E402
 
 DEVICE = "cuda"

@@ -14,7 +14,7 @@ from torch import fx
 from pagedkv.attention import Attention
 from pagedkv.attention.backend import AttentionCGSupport as S
 from pagedkv.attention.backends.torch_ref import TorchRefBackend
-from pagedkv.compilation import CUDAGraphMode as M
+from pagedkv.config import CUDAGraphMode as M
 from pagedkv.compilation import resolve_cudagraph_mode
 from pagedkv.compilation.split import structure_key
 from pagedkv.config import EngineConfig, ModelConfig, set_current_engine_config

@@ -32,7 +32,7 @@ from pagedkv.__main__ import main as cli
 from pagedkv.attention.backend import AttentionCGSupport as S
 from pagedkv.attention.backends.torch_ref import TorchRefBackend
 from pagedkv.attention.backends.triton_attn import TritonAttentionBackend
-from pagedkv.compilation import CUDAGraphMode as M
+from pagedkv.config import CUDAGraphMode as M
 from pagedkv.config import CompilationConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedkv.forward_context import BatchDescriptor as D
 from pagedkv.forward_context import set_forward_context

@@ -16,7 +16,7 @@ import pytest
 
 import pagedkv.exercises.cudagraph as cudagraph
 from pagedkv.attention.backend import AttentionCGSupport
-from pagedkv.compilation import CUDAGraphMode
+from pagedkv.config import CUDAGraphMode
 from pagedkv.exercises import reveal
 from pagedkv.exercises.cudagraph import LOWERING_EXERCISES, check_lowering, check_raising, resolve_explained
 from tests.exercise_checks import StrEqualToAnything, assert_rejected, assert_worked_solutions_pass

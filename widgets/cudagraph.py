@@ -19,7 +19,7 @@ import ipywidgets
 
 from pagedkv.attention.backend import AttentionCGSupport
 from pagedkv.attention.selector import load_backend, registered_backends
-from pagedkv.compilation import CUDAGraphMode
+from pagedkv.config import CUDAGraphMode
 from pagedkv.exercises.cudagraph import Resolution, resolve_explained
 from pagedkv.widgets.common import BASE_STYLE, esc, short_layer
 

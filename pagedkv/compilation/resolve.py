@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 
 from pagedkv.attention.backend import AttentionCGSupport
-from pagedkv.compilation.modes import CUDAGraphMode
+from pagedkv.config import CUDAGraphMode
 
 logger = logging.getLogger("pagedkv")
 

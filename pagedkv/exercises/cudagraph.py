@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.attention.backend import AttentionCGSupport
-from pagedkv.compilation import CUDAGraphMode, resolve_cudagraph_mode
+from pagedkv.compilation import resolve_cudagraph_mode
+from pagedkv.config import CUDAGraphMode
 from pagedkv.exercises import CheckResult, exercise
 
 RAISES = "ValueError"

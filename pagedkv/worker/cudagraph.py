@@ -36,7 +36,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils._pytree import tree_map_only
 
-from pagedkv.compilation import CUDAGraphMode, resolve_cudagraph_mode
+from pagedkv.compilation import resolve_cudagraph_mode
+from pagedkv.config import CUDAGraphMode
 from pagedkv.compilation.backend import CompiledPiece
 from pagedkv.compilation.wrapper import attention_compiled_piecewise
 from pagedkv.config import EngineConfig

@@ -24,7 +24,7 @@ import torch
 
 from pagedkv.attention.backend import CommonAttentionMetadata
 from pagedkv.attention.layer import Attention
-from pagedkv.compilation import CUDAGraphMode
+from pagedkv.config import CUDAGraphMode
 from pagedkv.compilation.wrapper import CompiledForward, compile_model
 from pagedkv.config import EngineConfig, set_current_engine_config
 from pagedkv.forward_context import BatchDescriptor, set_forward_context

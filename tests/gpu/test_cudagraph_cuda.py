@@ -35,7 +35,7 @@ from pagedkv.attention.backend import AttentionCGSupport, CommonAttentionMetadat
 from pagedkv.attention.backends.flash_attn import flash_attn_version  # noqa: E402
 from pagedkv.attention.backends.torch_ref import paged_attention_reference  # noqa: E402
 from pagedkv.attention.selector import load_backend  # noqa: E402
-from pagedkv.compilation import CUDAGraphMode  # noqa: E402
+from pagedkv.config import CUDAGraphMode  # noqa: E402
 from pagedkv.config import EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from pagedkv.engine.request import RequestOutput  # noqa: E402
 from pagedkv.forward_context import BatchDescriptor  # noqa: E402

@@ -14,7 +14,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
-from pagedkv.compilation import CUDAGraphMode  # noqa: E402
+from pagedkv.config import CUDAGraphMode  # noqa: E402
 from pagedkv.models.fused_moe import FusedMoE  # noqa: E402
 from tests.conftest import write_hf_deepseek  # noqa: E402
 from tests.reference import LogitsRecorder, reference_logits  # noqa: E402
