@@ -221,9 +221,7 @@ def test_piece_wrapper_receives_every_piece_and_is_what_runs() -> None:
     with torch.inference_mode(), set_forward_context(None, config):
         hidden = runner.model(ids, positions)
         torch.testing.assert_close(hidden, compiled.eager_forward(ids, positions))
-        assert [(p.index, p.is_first, p.is_last) for p in received] == [
-            (0, True, False), (1, False, False), (2, False, False), (3, False, True)
-        ]
+        assert [(p.index, p.is_last) for p in received] == [(0, False), (1, False), (2, False), (3, True)]
         assert calls == [0, 1, 2, 3]
         runner.model(ids[:2], positions[:2])
     assert calls == [0, 1, 2, 3] * 2 and len(received) == 4

@@ -44,10 +44,6 @@ class CompiledPiece:
     """The compiled piece: call it with the piece's inputs (tensors and token-count SymInts)."""
 
     @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
     def is_last(self) -> bool:
         """The last piece's outputs leave the model (a graph wrapper must not reuse them)."""
         return self.index == self.num_pieces - 1
