@@ -5,17 +5,36 @@
     print(llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text)
 """
 
+import sys as _sys
+from importlib.abc import MetaPathFinder as _MetaPathFinder
+from importlib.machinery import ModuleSpec as _ModuleSpec
+from importlib.util import spec_from_file_location as _spec_from_file_location
 from pathlib import Path as _Path
 
-# A clone used without installing it (PYTHONPATH=<clone>) or installed editable: `pagedkv.widgets`
-# and the workbook's data live in the repository's top level (widgets/, notebooks/), which an
-# installed wheel has inside the package (pyproject.toml maps them). Searching the repository
-# root for pagedkv's subpackages too makes `import pagedkv.widgets` work the same way in a clone.
-_root = _Path(__file__).resolve().parent.parent
-if (_root / "pyproject.toml").is_file() and (_root / "widgets" / "__init__.py").is_file():
-    __path__.append(str(_root))
 
-from pagedkv.config import (  # noqa: E402
+class _CloneWidgetsFinder(_MetaPathFinder):
+    """Finds `pagedkv.widgets` in a clone run without installing (PYTHONPATH=<clone>).
+
+    The views' source is the repository's top-level `widgets/` folder; pyproject.toml's package-dir
+    maps it to `pagedkv.widgets` in a wheel and an editable install. This finder gives a bare clone
+    the same one mapping, and nothing else of the repository (tests/, benchmarks/) becomes a
+    pagedkv subpackage.
+    """
+
+    def __init__(self, folder: _Path) -> None:
+        self.folder = folder
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> _ModuleSpec | None:
+        if fullname != "pagedkv.widgets":
+            return None
+        return _spec_from_file_location(fullname, self.folder / "__init__.py", submodule_search_locations=[str(self.folder)])
+
+
+_clone_widgets = _Path(__file__).resolve().parent.parent / "widgets"
+if not (_Path(__file__).parent / "widgets").is_dir() and (_clone_widgets / "__init__.py").is_file():
+    _sys.meta_path.append(_CloneWidgetsFinder(_clone_widgets))
+
+from pagedkv.config import (
     CacheConfig,
     CompilationConfig,
     CUDAGraphMode,
@@ -24,9 +43,9 @@ from pagedkv.config import (  # noqa: E402
     ParallelConfig,
     SchedulerConfig,
 )
-from pagedkv.engine.events import EngineStats, StepEvent  # noqa: E402
-from pagedkv.engine.llm import LLM  # noqa: E402
-from pagedkv.engine.request import CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
+from pagedkv.engine.events import EngineStats, StepEvent
+from pagedkv.engine.llm import LLM
+from pagedkv.engine.request import CompletionOutput, RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
 

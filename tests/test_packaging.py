@@ -22,6 +22,32 @@ def test_every_package_under_pagedkv_is_listed() -> None:
     assert "widgets" not in listed  # nothing claims the top-level import name
 
 
+@pytest.mark.parametrize("installed", [False, True], ids=["bare-clone", "editable-install"])
+def test_only_widgets_is_mapped_into_pagedkv_from_the_repository(installed: bool, tmp_path: Path) -> None:
+    """`pagedkv.widgets` is the top-level widgets/ folder; tests/, benchmarks/ and notebooks/ of a clone
+    are not pagedkv subpackages (they were, while pagedkv.__path__ held the repository root). The bare
+    clone runs without site's .pth files, so the editable install's finder is not there to help."""
+    code = (
+        "import importlib, sys\nimport pagedkv\n"
+        "import pagedkv.widgets.block_table as b\n"
+        f"assert b.__file__ == {str(REPO / 'widgets' / 'block_table.py')!r}, b.__file__\n"
+        f"assert pagedkv.__path__ == [{str(REPO / 'pagedkv')!r}], pagedkv.__path__\n"
+        "for name in ('pagedkv.tests', 'pagedkv.benchmarks', 'pagedkv.notebooks.conftest'):\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ModuleNotFoundError:\n"
+        "        continue\n"
+        "    raise AssertionError(name + ' imports')\n"
+    )
+    if installed:
+        command = [sys.executable, "-c", code]
+    else:
+        site = [p for p in sys.path if p.endswith("site-packages")]
+        command = [sys.executable, "-S", "-c", f"import sys; sys.path[:0] = {[str(REPO)]!r} + {site!r}\n" + code]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_version_comes_from_one_place() -> None:
     import pagedkv
 

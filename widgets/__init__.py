@@ -2,7 +2,7 @@
 
 Imported as `pagedkv.widgets` (needs the `notebooks` extra). The source sits in the repository's
 top-level `widgets/` folder; pyproject.toml installs it as `pagedkv/widgets`, and a clone used
-without installing finds it through `pagedkv.__path__` (see pagedkv/__init__.py).
+without installing maps it by a small finder (see pagedkv/__init__.py).
 
 Every view draws one step of a `pagedkv.trace.StepTrace`; the same code draws a step live
 (the trace is attached to a running `LLM`) and replayed (a trace loaded from JSON):
