@@ -16,11 +16,24 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from pagedkv.config import CUDAGraphMode, EngineConfig
+
+T = TypeVar("T")
+
+
+def get_layers_from_config(config: EngineConfig, layer_type: type[T]) -> dict[str, T]:
+    """The layers of the static forward context that are `layer_type`s, by name, in registration order.
+
+    Attention layers and FusedMoE layers both register there (vLLM's get_layers_from_vllm_config,
+    vllm/config/__init__.py): whoever wants one kind asks for it by type instead of assuming every
+    entry is an attention layer.
+    """
+    registry = config.compilation_config.static_forward_context
+    return {name: layer for name, layer in registry.items() if isinstance(layer, layer_type)}
 
 
 @dataclass(frozen=True)
@@ -30,7 +43,6 @@ class BatchDescriptor:
     num_tokens: int
     uniform_decode: bool = False
     """Every request has exactly one query token."""
-    has_lora: bool = False
 
 
 @dataclass

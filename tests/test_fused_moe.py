@@ -107,3 +107,28 @@ def test_rows_grouped_mm_cannot_stride_take_the_dense_way() -> None:
     experts = FusedMoE(2, 12, 7)  # 48-byte rows of x, but 28-byte rows of the activations
     experts.process_weights_after_loading()
     assert not experts.use_grouped_mm
+
+
+def test_a_moe_models_experts_register_and_are_found_by_type() -> None:
+    """FusedMoE layers register in the static forward context under their prefix, as attention layers
+    do; a lookup by type finds each kind, and the runner's attention layers are the attention ones only."""
+    from pagedkv import LLM
+    from pagedkv.attention.layer import Attention
+    from pagedkv.forward_context import get_layers_from_config
+
+    llm = LLM("tiny-mla", num_kv_blocks=16)
+    experts = get_layers_from_config(llm.config, FusedMoE)
+    assert list(experts) == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]  # layer 0 is dense
+    assert all(llm.runner.model.get_submodule(name) is layer for name, layer in experts.items())
+    attention = get_layers_from_config(llm.config, Attention)
+    assert list(attention) == list(llm.runner.attn_layers) == [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    assert set(llm.config.compilation_config.static_forward_context) == set(attention) | set(experts)
+
+
+def test_experts_names_are_unique() -> None:
+    from pagedkv.config import EngineConfig, ModelConfig, set_current_engine_config
+
+    with set_current_engine_config(EngineConfig(ModelConfig(model="standalone"))):
+        FusedMoE(E, H, I, prefix="model.layers.1.mlp.experts")
+        with pytest.raises(ValueError, match=r"Duplicate layer name: model\.layers\.1\.mlp\.experts"):
+            FusedMoE(E, H, I, prefix="model.layers.1.mlp.experts")

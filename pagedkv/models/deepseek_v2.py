@@ -307,10 +307,11 @@ class DeepseekV2MoE(nn.Module):
     """Shared experts for every token, plus each token's routed experts weighted by the gate
     (stacked in `FusedMoE`)."""
 
-    def __init__(self, config: DeepseekV2Config) -> None:
+    def __init__(self, config: DeepseekV2Config, prefix: str) -> None:
         super().__init__()
         self.gate = DeepseekV2Gate(config)
-        self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
+                                prefix=f"{prefix}.experts")
         self.shared_experts = LlamaMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
                                        bias=config.mlp_bias)
 
@@ -326,7 +327,7 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DeepseekV2Attention(config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp: nn.Module = (DeepseekV2MoE(config) if layer_idx >= config.first_k_dense_replace
+        self.mlp: nn.Module = (DeepseekV2MoE(config, f"{prefix}.mlp") if layer_idx >= config.first_k_dense_replace
                                else LlamaMLP(config.hidden_size, config.intermediate_size, config.mlp_bias))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.config import get_current_engine_config
 from pagedkv.models.layers import SiluAndMul
 from pagedkv.models.parallel_layers import ShardId, copy_checked
 
@@ -93,8 +94,17 @@ def grouped_mm_traceable(device: torch.device, dtype: torch.dtype) -> bool:
 class FusedMoE(nn.Module):
     """All routed experts of one layer in two stacked weights; `forward` runs each token's experts."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, prefix: str = "") -> None:
         super().__init__()
+        if prefix:
+            # Registered by name, as attention layers are (vLLM's FusedMoE, vllm/model_executor/layers/
+            # fused_moe/layer.py): runners and compilers find it with `get_layers_from_config(config, FusedMoE)`.
+            # Stand-alone experts (no prefix, as in tests) register nowhere.
+            static_forward_context = get_current_engine_config().compilation_config.static_forward_context
+            if prefix in static_forward_context:
+                raise ValueError(f"Duplicate layer name: {prefix}")
+            static_forward_context[prefix] = self
+        self.prefix = prefix
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
                                        requires_grad=False)

@@ -27,7 +27,7 @@ from pagedkv.attention.layer import Attention
 from pagedkv.config import CUDAGraphMode
 from pagedkv.compilation.wrapper import CompiledForward, compile_model
 from pagedkv.config import EngineConfig, set_current_engine_config
-from pagedkv.forward_context import BatchDescriptor, set_forward_context
+from pagedkv.forward_context import BatchDescriptor, get_layers_from_config, set_forward_context
 from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, get_kv_cache_config
 from pagedkv.models.loader import CausalLM, HFConfig, load_model, weight_bytes
 from pagedkv.worker import cudagraph
@@ -118,8 +118,7 @@ class ModelRunner:
         self.buffers: cudagraph.InputBuffers | None = None
         """Persistent step inputs, once graphs are captured (eager steps use fresh tensors, so a
         recorded step keeps its own values)."""
-        static = config.compilation_config.static_forward_context
-        self.attn_layers: dict[str, Attention] = {n: m for n, m in static.items() if isinstance(m, Attention)}
+        self.attn_layers: dict[str, Attention] = get_layers_from_config(config, Attention)
         self.kv_cache_config: KVCacheConfig
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.attn_groups: list[list[AttentionGroup]] = []
