@@ -19,10 +19,6 @@ class Platform:
         """Call attention through one opaque custom op (CPU and CUDA do: torch.compile splits there)."""
         return self.device_type in ("cpu", "cuda")
 
-    @property
-    def is_cuda(self) -> bool:
-        return self.device_type == "cuda"
-
 
 # MHA backends first, then MLA ones: each kind rejects the other's layers, so a layer gets
 # the first backend of its own kind.
