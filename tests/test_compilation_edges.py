@@ -117,7 +117,7 @@ def test_piecewise_needs_the_cache_write_split_out_too() -> None:
     assert not attention_compiled_piecewise(CompilationConfig(compile=False, splitting_ops=list(ATTENTION_OPS)))
 
 
-# ---- the custom ops' lookups (attention/layer.py: get_attention_context) ----------------------
+# ---- the custom ops' lookups (attention/ops.py: get_attention_context) ------------------------
 
 
 def test_lookups_of_unknown_names_explain_themselves() -> None:
@@ -137,3 +137,27 @@ def test_lookups_of_unknown_names_explain_themselves() -> None:
         KeyError, match="The forward context has no attention metadata for layer 'm.0.attn' \\(it has 1 entries\\)"
     ):
         get_attention_context("m.0.attn")
+
+
+def test_lookups_take_a_list_of_per_micro_batch_dicts_and_refuse_other_metadata() -> None:
+    """Dual-batch overlap (and speculative decoding) hand the ops a list of per-ubatch dicts:
+    index 0 is the one (vllm/model_executor/layers/attention/attention.py:713). Anything else
+    but a dict or None is refused in one line, a string without its characters counted."""
+    from pagedkv.attention import get_attention_context
+    from pagedkv.forward_context import set_forward_context
+
+    cfg = EngineConfig(ModelConfig(model="test"))
+    with set_current_engine_config(cfg):
+        layer = Attention(2, 4, 0.5, prefix="m.0.attn")
+    with set_forward_context([{"m.0.attn": "UBATCH0"}, {"m.0.attn": "UBATCH1"}], cfg):  # type: ignore[arg-type]
+        assert get_attention_context("m.0.attn")[:2] == ("UBATCH0", layer)
+    with set_forward_context([{"other": 1}], cfg), pytest.raises(  # type: ignore[arg-type]
+        KeyError, match="no attention metadata for layer 'm.0.attn' \\(it has 1 entries\\)"
+    ):
+        get_attention_context("m.0.attn")
+    for metadata, kind in (("m.0.attn", "str"), (("m.0.attn",), "tuple"), ([], "list")):
+        with set_forward_context(metadata, cfg), pytest.raises(TypeError) as info:  # type: ignore[arg-type]
+            get_attention_context("m.0.attn")
+        message = str(info.value)
+        assert "\n" not in message and "entries" not in message
+        assert (f"got a {kind}." in message) if kind != "list" else ("empty list" in message)

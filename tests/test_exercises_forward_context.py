@@ -12,7 +12,7 @@ import pytest
 
 import pagedkv.exercises as exercises
 from pagedkv import LLM
-from pagedkv.attention.layer import get_attention_context
+from pagedkv.attention.ops import get_attention_context
 from pagedkv.exercises import reveal
 from pagedkv.exercises.forward_context import check_attention_context
 from pagedkv.forward_context import get_forward_context

@@ -10,8 +10,9 @@ from pagedkv.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from pagedkv.attention.layer import Attention, get_attention_context
+from pagedkv.attention.layer import Attention
 from pagedkv.attention.mla import MLAAttention
+from pagedkv.attention.ops import get_attention_context
 from pagedkv.attention.selector import get_attn_backend, register_backend
 
 __all__ = [

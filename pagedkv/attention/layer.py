@@ -7,7 +7,7 @@ backend impl and the cache contract. It never receives per-step state as argumen
       -> views [tokens, heads, head_size]
       -> torch.ops.pagedkv.unified_kv_cache_update(k, v, name)        (write new K/V)
       -> torch.ops.pagedkv.unified_attention_with_output(q, k, v, out, name, dep)
-           -> get_attention_context(name): metadata, layer, kv_cache, slot mapping
+           -> get_attention_context(name): metadata, layer, kv_cache, slot mapping   (ops.py)
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedkv.attention import ops  # also registers torch.ops.pagedkv.*, which forward calls
 from pagedkv.attention.backend import AttentionBackend, AttentionImpl, AttentionType
 from pagedkv.attention.selector import get_attn_backend
 from pagedkv.config import get_current_engine_config
-from pagedkv.forward_context import get_forward_context
 from pagedkv.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedkv.platforms import get_platform
 
@@ -145,26 +145,6 @@ class Attention(nn.Module):
         )
 
 
-def get_attention_context(layer_name: str) -> tuple[Any, Attention, torch.Tensor, torch.Tensor | None]:
-    """Resolve a layer name in the current forward context.
-
-    Returns (attn_metadata or None in the profile run, the layer, its KV cache,
-    its slot mapping or None).
-    """
-    forward_context = get_forward_context()
-    if layer_name not in forward_context.no_compile_layers:
-        raise KeyError(f"No layer named {layer_name!r} is registered in the static forward context.")
-    metadata = forward_context.attn_metadata
-    if metadata is not None and layer_name not in metadata:
-        raise KeyError(
-            f"The forward context has no attention metadata for layer {layer_name!r} "
-            f"(it has {len(metadata)} entries); build_attn_metadata covers every layer of every attention group."
-        )
-    attn_metadata = metadata[layer_name] if metadata is not None else None
-    layer: Attention = forward_context.no_compile_layers[layer_name]
-    return attn_metadata, layer, layer.kv_cache, forward_context.slot_mapping.get(layer_name)
-
-
 def _layer_index(layer_name: str) -> int:
     match = re.search(r"\.(\d+)\.", f".{layer_name}.")
     if match is None:
@@ -193,6 +173,3 @@ def validate_kv_sharing_target(
             f"({type(layer).__name__}, {layer.attn_type.value}); "
             f"it is ({type(target).__name__}, {target.attn_type.value})."
         )
-
-
-from pagedkv.attention import ops  # noqa: E402  (registers torch.ops.pagedkv.*; needs get_attention_context)

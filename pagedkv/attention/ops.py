@@ -13,11 +13,51 @@ change every step, and the compiler can split the graph at these ops.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from pagedkv.attention.layer import get_attention_context
+from pagedkv.attention.backend import AttentionImpl, AttentionLayer
+from pagedkv.forward_context import get_forward_context
+
+
+class AttentionOpLayer(AttentionLayer, Protocol):
+    """What the ops use of the layer a name resolves to (`Attention`, `MLAAttention`): its impl
+    and its view of the KV cache. A protocol, so the ops need not import the layer that calls them."""
+
+    impl: AttentionImpl[Any]
+    kv_cache: torch.Tensor
+
+
+def get_attention_context(layer_name: str) -> tuple[Any, AttentionOpLayer, torch.Tensor, torch.Tensor | None]:
+    """Resolve a layer name in the current forward context.
+
+    Returns (attn_metadata or None in the profile run, the layer, its KV cache,
+    its slot mapping or None).
+    """
+    forward_context = get_forward_context()
+    if layer_name not in forward_context.no_compile_layers:
+        raise KeyError(f"No layer named {layer_name!r} is registered in the static forward context.")
+    metadata = forward_context.attn_metadata
+    if isinstance(metadata, list):
+        # One dict per micro-batch (dual-batch overlap) or per model (speculative decoding):
+        # index 0 is the base model's, as in vllm/model_executor/layers/attention/attention.py:709-715.
+        if not metadata:
+            raise TypeError("The forward context's attention metadata is an empty list: no micro-batch has any.")
+        metadata = metadata[0]
+    if metadata is not None and not isinstance(metadata, dict):
+        raise TypeError(
+            "The forward context's attention metadata must be a dict (layer name -> metadata), a list of such "
+            f"dicts or None, got a {type(metadata).__name__}."
+        )
+    if metadata is not None and layer_name not in metadata:
+        raise KeyError(
+            f"The forward context has no attention metadata for layer {layer_name!r} "
+            f"(it has {len(metadata)} entries); build_attn_metadata covers every layer of every attention group."
+        )
+    attn_metadata = metadata[layer_name] if metadata is not None else None
+    layer: AttentionOpLayer = forward_context.no_compile_layers[layer_name]
+    return attn_metadata, layer, layer.kv_cache, forward_context.slot_mapping.get(layer_name)
 
 
 def kv_cache_update(key: torch.Tensor, value: torch.Tensor, layer_name: str) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.attention.layer import get_attention_context
+from pagedkv.attention.ops import get_attention_context
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.request import SamplingParams
 from pagedkv.exercises import CheckResult, call_answer, exercise, package_answer

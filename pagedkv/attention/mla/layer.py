@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedkv.attention import ops
 from pagedkv.attention.backend import AttentionBackend, AttentionImpl
 from pagedkv.attention.layer import Attention
 from pagedkv.attention.mla.common import MLACommonImpl, MLADims
@@ -96,6 +97,3 @@ class MLAAttention(Attention):
             f"qk_nope={d.qk_nope_head_dim}, qk_rope={d.qk_rope_head_dim}, v={d.v_head_dim}, "
             f"backend={self.attn_backend.get_name()}"
         )
-
-
-from pagedkv.attention import ops  # noqa: E402
