@@ -54,15 +54,18 @@ def test_heads_must_divide(config: EngineConfig) -> None:
         Attention(6, 8, 0.35, 4, prefix="x.0.attn")
 
 
-@pytest.mark.parametrize(("args", "kwargs", "message"), [
-    ((4, 16, 0.25, 0), {}, r"num_kv_heads must be a positive int, got 0"),  # was a ZeroDivisionError
-    ((-4, 16, 0.25), {}, r"num_heads must be a positive int, got -4"),  # was accepted
-    (("4", 16, 0.25), {}, r"num_heads must be a positive int, got '4'"),
-    ((4, 12.5, 0.25), {}, r"head_size must be a positive int, got 12.5"),
-    ((4, 16, 0.25), dict(sliding_window=-5), r"sliding_window must be a positive int, got -5"),
+@pytest.mark.parametrize(("args", "kwargs", "error", "message"), [
+    ((4, 16, 0.25, 0), {}, ValueError, r"num_kv_heads must be an int >= 1, got 0"),  # was a ZeroDivisionError
+    ((-4, 16, 0.25), {}, ValueError, r"num_heads must be an int >= 1, got -4"),  # was accepted
+    (("4", 16, 0.25), {}, TypeError, r"num_heads must be an int, got '4' \(str\)"),
+    ((4, 12.5, 0.25), {}, TypeError, r"head_size must be an int, got 12.5 \(float\)"),
+    ((4, True, 0.25), {}, TypeError, r"head_size must be an int, got True \(bool\)"),
+    ((4, 16, 0.25), dict(sliding_window=-5), ValueError, r"sliding_window must be an int >= 1, got -5"),
 ])
-def test_sizes_must_be_positive_ints(config: EngineConfig, args: tuple, kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=r"Attention layer 'x\.0\.attn': " + message):
+def test_sizes_must_be_positive_ints(
+    config: EngineConfig, args: tuple, kwargs: dict, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=r"^Attention layer 'x\.0\.attn': " + message):
         Attention(*args, prefix="x.0.attn", **kwargs)
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from pagedkv.attention import ops  # also registers torch.ops.pagedkv.*, which forward calls
 from pagedkv.attention.backend import AttentionBackend, AttentionImpl, AttentionType
 from pagedkv.attention.selector import get_attn_backend
+from pagedkv.checks import check_int, check_optional_int
 from pagedkv.config import get_current_engine_config
 from pagedkv.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedkv.platforms import get_platform
@@ -44,11 +45,11 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         config = get_current_engine_config()
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_size", head_size),
-                            ("sliding_window", 1 if sliding_window is None else sliding_window)):
-            if type(value) is not int or value < 1:  # bool is an int subclass, not an int here
-                raise ValueError(f"Attention layer {prefix!r}: {name} must be a positive int, got {value!r}.")
+        where = f"Attention layer {prefix!r}: "
+        num_heads = check_int(where + "num_heads", num_heads, low=1)
+        num_kv_heads = num_heads if num_kv_heads is None else check_int(where + "num_kv_heads", num_kv_heads, low=1)
+        head_size = check_int(where + "head_size", head_size, low=1)
+        sliding_window = check_optional_int(where + "sliding_window", sliding_window, low=1)
         if num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads}): "
