@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.attention.mla.layer import MLAAttention
-from pagedkv.models.deepseek_v2 import DeepseekV2Config, DeepseekV2Gate
+from pagedkv.models.configs import DeepseekV2Config
+from pagedkv.models.deepseek_v2 import DeepseekV2Gate
 from pagedkv.models.layers import RotaryEmbedding, rope_inv_freq
 from pagedkv.models.loader import PRESETS, load_config
 from tests.conftest import edit_config_json, write_hf_deepseek

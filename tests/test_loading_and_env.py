@@ -195,7 +195,7 @@ def test_config_json_numbers_are_checked_by_name(tmp_path: Path, changes: dict, 
 
 
 def test_deepseek_config_json_numbers_are_checked_by_name() -> None:
-    from pagedkv.models.deepseek_v2 import DeepseekV2Config
+    from pagedkv.models.configs import DeepseekV2Config
 
     with pytest.raises(ValueError, match=r"config\.json: kv_lora_rank must be an int >= 1, got 0"):
         DeepseekV2Config.from_hf_dict(dict(kv_lora_rank=0), "deepseek_v2")

@@ -3,15 +3,31 @@ defaults, stop ids with ignore_eos, the greedy threshold, and the detokeniser's 
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
 import torch
 
+import pagedkv.models
 from pagedkv import LLM, SamplingParams
 from tests.conftest import write_hf_llama
 
 transformers = pytest.importorskip("transformers")
+
+
+# ---- model files: the model, its config elsewhere ----------------------------------------
+
+@pytest.mark.parametrize("name, first", [
+    ("llama", "LlamaAttention"), ("qwen3", "Qwen3Attention"), ("deepseek_v2", "DeepseekV2Attention")])
+def test_model_file_starts_at_its_attention_class(name: str, first: str) -> None:
+    """Notebook 01 reads the model files: after the docstring and imports each one opens with its
+    attention module; the config.json dataclasses and their defaults are in pagedkv/models/configs.py."""
+    path = Path(pagedkv.models.__file__).parent / f"{name}.py"
+    body = [node for node in ast.parse(path.read_text()).body
+            if not isinstance(node, (ast.Import, ast.ImportFrom, ast.Expr))]  # Expr: the docstring
+    assert isinstance(body[0], ast.ClassDef) and body[0].name == first, \
+        f"{path.name} opens with {ast.unparse(body[0]).splitlines()[0]!r}, not class {first}"
 
 
 # ---- loader: older checkpoints ----------------------------------------------------------

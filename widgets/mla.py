@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.kv_cache.spec import MLAAttentionSpec
-from pagedkv.models.deepseek_v2 import DeepseekV2Config
+from pagedkv.models.configs import DeepseekV2Config
 from pagedkv.trace import AttentionGroupInfo, MLASplitRecord, RequestRecord, StepRecord
 from pagedkv.widgets.common import (
     ACCENT,

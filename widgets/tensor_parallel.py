@@ -6,8 +6,8 @@ from typing import Any
 
 import ipywidgets
 
+from pagedkv.models.configs import LlamaConfig
 from pagedkv.models.layers import head_layout, rank_heads
-from pagedkv.models.llama import LlamaConfig
 from pagedkv.widgets.common import ACCENT, BASE_STYLE, BG_HEADER, BORDER, FG_MUTED, esc
 
 # Shapes of public checkpoints (config.json values), to pick from.

@@ -12,9 +12,10 @@ import torch
 
 from pagedkv.config import EngineConfig, ModelConfig, ParallelConfig, set_current_engine_config
 from pagedkv.exercises import CheckResult, call_on_cases, exercise, package_answer
+from pagedkv.models.configs import LlamaConfig
 from pagedkv.models.layers import HeadLayout, head_layout
+from pagedkv.models.llama import LlamaAttention
 from pagedkv.models.parallel_layers import QKVParallelLinear
-from pagedkv.models.llama import LlamaAttention, LlamaConfig
 
 # (total query heads, total KV heads): MHA, GQA as in Llama-3-8B and -70B, an uneven GQA, MQA.
 MODEL_HEADS: list[tuple[int, int]] = [(32, 32), (32, 8), (64, 8), (28, 4), (32, 1)]

@@ -15,24 +15,23 @@ cache and the attention; this file holds the projections a checkpoint defines, a
 The MLP of the first `first_k_dense_replace` layers is dense; after that a router sends each token
 to `num_experts_per_tok` of `n_routed_experts` experts, and every token also goes through the
 shared experts. V3 is the same model with another router (sigmoid scores and a load-balancing
-bias) and, optionally, RoPE on the two halves instead of neighbouring pairs.
+bias) and, optionally, RoPE on the two halves instead of neighbouring pairs. What a config.json
+says of all this is read into `DeepseekV2Config` (pagedkv/models/configs.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.attention.mla.layer import MLAAttention
+from pagedkv.models.configs import DeepseekV2Config
 from pagedkv.models.fused_moe import FusedMoE, expert_params_mapping
-from pagedkv.models.layers import (
-    RMSNorm, check_config_numbers, get_rope, hf_rope_parameters, rope_type, share_rotary_embeddings, yarn_mscale,
-)
+from pagedkv.models.layers import RMSNorm, get_rope, share_rotary_embeddings
 from pagedkv.models.llama import LlamaMLP
 from pagedkv.models.parallel_layers import (
     ColumnParallelLinear,
@@ -42,175 +41,6 @@ from pagedkv.models.parallel_layers import (
     VocabParallelEmbedding,
     load_hf_weights,
 )
-
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-# transformers' DeepseekV3Config defaults where they differ from V2's (the dataclass's): what a V3
-# config.json means by leaving one of these keys out.
-V3_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
-    num_attention_heads=128, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=3,
-    n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=4096,
-    bos_token_id=0, num_nextn_predict_layers=1,
-)
-
-
-@dataclass
-class DeepseekV2Config:
-    """The fields of a Hugging Face DeepSeek-V2 / V3 `config.json` that this model reads, plus the
-    names the engine reads off any model config (num_key_value_heads, head_dim, sliding_window)."""
-
-    supports_tensor_parallel: ClassVar[bool] = False
-    """MLA heads and experts are not split over ranks here: the engine refuses tensor_parallel_size > 1."""
-    use_mla: ClassVar[bool] = True
-    """Attention layers are `MLAAttention`: MLA backends (TORCH_REF_MLA, TRITON_MLA) serve them."""
-
-    architecture: str = "DeepseekV2ForCausalLM"
-    """The model class that serves it (`loader.MODEL_REGISTRY`): DeepseekV2ForCausalLM or DeepseekV3ForCausalLM."""
-    vocab_size: int = 102400
-    hidden_size: int = 4096
-    intermediate_size: int = 11008
-    """Width of the dense MLP of the first `first_k_dense_replace` layers."""
-    moe_intermediate_size: int = 1407
-    """Width of one routed expert; the shared experts are one MLP `n_shared_experts` times as wide."""
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    q_lora_rank: int | None = 1536
-    """Queries pass through a bottleneck this wide (q_a_proj -> q_a_layernorm -> q_b_proj); None: one q_proj."""
-    kv_lora_rank: int = 512
-    """Width of the latent c_kv, cached instead of K and V."""
-    qk_nope_head_dim: int = 128
-    """Per-head query and key dims that carry no position; the key part comes from c_kv through kv_b_proj."""
-    qk_rope_head_dim: int = 64
-    """Per-head query dims with RoPE; the key side is one k_pe per token, shared by all heads."""
-    v_head_dim: int = 128
-    n_routed_experts: int = 64
-    num_experts_per_tok: int = 6
-    """Routed experts per token (top-k)."""
-    n_shared_experts: int = 2
-    first_k_dense_replace: int = 0
-    """Layers below this index have a dense MLP, the others a MoE."""
-    topk_method: str = "greedy"
-    """V2: "greedy" or "group_limited_greedy" over softmax scores; V3: "noaux_tc" (sigmoid scores,
-    group-limited, experts chosen with `e_score_correction_bias` added)."""
-    n_group: int | None = None
-    """Expert groups for the group-limited methods; only the best `topk_group` groups are searched."""
-    topk_group: int | None = None
-    norm_topk_prob: bool = False
-    """Renormalise the chosen experts' weights to sum to 1 (before `routed_scaling_factor`)."""
-    routed_scaling_factor: float = 1.0
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    """Usually YaRN: it also scales the softmax (see `softmax_scale`)."""
-    rope_interleave: bool = True
-    """RoPE on neighbouring pairs (x0, x1), (x2, x3), ... (V2 always; V3's default); False: the two halves."""
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    """Biases on q_a_proj, kv_a_proj_with_mqa and o_proj."""
-    mlp_bias: bool = False
-    """Biases on the dense MLP and the shared experts (V2 only; routed experts never have one)."""
-    hidden_act: str = "silu"
-    num_nextn_predict_layers: int = 0
-    """Multi-token-prediction layers (V3) that the checkpoint stores after the last decoder layer, as
-    `model.layers.{num_hidden_layers + i}.*`: for speculative decoding, which this engine does not
-    do, so their tensors are skipped at loading."""
-    bos_token_id: int | None = 1
-    eos_token_id: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        check_config_numbers(
-            self, counts=("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"),
-            floats=("rms_norm_eps", "rope_theta", "routed_scaling_factor"), positive=(
-                "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                "v_head_dim", "n_routed_experts", "num_experts_per_tok", "max_position_embeddings"))
-        if self.hidden_act != "silu":
-            raise NotImplementedError(f"hidden_act={self.hidden_act!r} is not supported; DeepSeek models use 'silu'.")
-        if self.topk_method not in TOPK_METHODS:
-            raise NotImplementedError(f"topk_method={self.topk_method!r} is not supported; supported: {TOPK_METHODS}.")
-        if self.topk_method != "greedy":
-            groups, picked = self.n_group, self.topk_group
-            if not groups or not picked or self.n_routed_experts % groups or picked > groups:
-                raise ValueError(f"topk_method={self.topk_method!r} needs n_group dividing n_routed_experts "
-                                 f"({self.n_routed_experts}) and 1 <= topk_group <= n_group; got n_group={groups}, "
-                                 f"topk_group={picked}.")
-            if self.topk_method == "noaux_tc" and self.n_routed_experts // groups < 2:
-                raise ValueError(f"topk_method='noaux_tc' scores each group by its two best experts: n_group={groups} "
-                                 f"leaves {self.n_routed_experts // groups} of the {self.n_routed_experts} experts per "
-                                 f"group; use n_group <= {self.n_routed_experts // 2}.")
-            if self.topk_method == "noaux_tc" and self.num_experts_per_tok > picked * self.n_routed_experts // groups:
-                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of the "
-                                 f"topk_group ({picked}) groups it may choose from (noaux_tc would weigh experts of "
-                                 f"dropped groups by their scores): use num_experts_per_tok <= "
-                                 f"{picked * self.n_routed_experts // groups} or a larger topk_group.")
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def num_key_value_heads(self) -> int:
-        """KV heads of the cache: one latent row per token, shared by all query heads."""
-        return 1
-
-    @property
-    def head_dim(self) -> int:
-        """Width of that row: c_kv and k_pe (vLLM's get_head_size for MLA)."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def sliding_window(self) -> None:
-        """Every layer attends to the whole context."""
-        return None
-
-    @property
-    def softmax_scale(self) -> float:
-        """1 / sqrt(qk_head_dim); under a RoPE scaling with `mscale_all_dim` (YaRN, in DeepSeek's own
-        configs) times mscale(factor, mscale_all_dim)^2, as DeepSeek and transformers do for any
-        scaling type: the slowed-down positions flatten attention, and this sharpens it back."""
-        scale = self.qk_head_dim**-0.5
-        scaling = self.rope_scaling or {}
-        if rope_type(scaling) != "default" and scaling.get("mscale_all_dim"):
-            scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
-        return scale
-
-    @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any], model_type: str = "deepseek_v2") -> DeepseekV2Config:
-        """Read a `config.json` of transformers 4 (rope_theta + rope_scaling) or 5 (rope_parameters),
-        the way the installed transformers' DeepseekV2 / DeepseekV3 model (`model_type`) uses it."""
-        if hf.get("moe_layer_freq", 1) != 1:  # DeepSeek's own code: MoE only where layer % freq == 0
-            raise NotImplementedError(
-                f"moe_layer_freq={hf['moe_layer_freq']}: every layer from first_k_dense_replace on is a MoE layer "
-                "here (moe_layer_freq 1, as in every released DeepSeek-V2/V3 checkpoint; transformers ignores the key)."
-            )
-        # A null means what DeepSeek's own modelling code makes of it: no query bottleneck
-        # (q_lora_rank, V2-Lite), no expert groups, no shared experts (`if n_shared_experts is not
-        # None`), False for a flag (as transformers' `if config.flag:`); other nulls mean the default.
-        null_means: dict[str, Any] = {"q_lora_rank": None, "n_group": None, "topk_group": None, "n_shared_experts": 0}
-        null_means |= {k: False for k, f in cls.__dataclass_fields__.items() if isinstance(f.default, bool)}
-        present = {k: null_means[k] if hf[k] is None else hf[k] for k in cls.__dataclass_fields__
-                   if k in hf and (hf[k] is not None or k in null_means)}
-        kwargs = {**(V3_DEFAULTS if model_type == "deepseek_v3" else {}), **present}
-        kwargs["rope_theta"], kwargs["rope_scaling"] = hf_rope_parameters(
-            hf, cls.rope_theta, kwargs.get("max_position_embeddings", cls.max_position_embeddings))
-        eos = hf.get("eos_token_id")
-        kwargs["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        if model_type == "deepseek_v3":  # transformers' V3 routes so whatever topk_method says; no MLP biases
-            kwargs.update(architecture="DeepseekV3ForCausalLM", topk_method="noaux_tc", mlp_bias=False)
-        else:
-            if kwargs.get("topk_method") == "noaux_tc":
-                raise NotImplementedError(
-                    "topk_method='noaux_tc' is DeepSeek-V3's router (sigmoid scores and e_score_correction_bias); "
-                    "a deepseek_v2 config.json cannot use it: set model_type 'deepseek_v3' for a V3 checkpoint."
-                )
-            kwargs["rope_interleave"] = True  # V2 rotates neighbouring pairs (as complex numbers)
-            if kwargs.get("norm_topk_prob"):
-                raise NotImplementedError(
-                    "DeepSeek-V2 with norm_topk_prob=true: transformers ignores the flag while DeepSeek's own code "
-                    "renormalises (and then skips routed_scaling_factor); no released V2 checkpoint sets it."
-                )
-        return cls(**kwargs)
 
 
 class DeepseekV2Attention(nn.Module):

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from pagedkv.models.configs import Qwen3Config
 from pagedkv.models.llama import LlamaForCausalLM
-from pagedkv.models.qwen3 import Qwen3Config
 
 
 def to_transformers(

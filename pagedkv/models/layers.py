@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,50 +24,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-def check_config_numbers(
-    config: object, *, positive: Sequence[str] = (), counts: Sequence[str] = (), floats: Sequence[str] = (),
-) -> None:
-    """The config.json numbers a model is built from, named when wrong (else a wrong type or a 0
-    surfaces as a torch or ZeroDivisionError deep in the model's construction): `positive` ints
-    >= 1, `counts` ints >= 0, `floats` numbers > 0. None (a field that may be absent) passes."""
-    for names, low in ((positive, 1), (counts, 0)):
-        for name in names:
-            value = getattr(config, name)
-            if value is not None and (type(value) is not int or value < low):
-                raise ValueError(f"config.json: {name} must be an int >= {low}, got {value!r}.")
-    for name in floats:
-        value = getattr(config, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
-            raise ValueError(f"config.json: {name} must be a number > 0, got {value!r}.")
-
-
-def hf_rope_parameters(
-    hf: dict[str, Any], default_theta: float, max_positions: int
-) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) of a `config.json`: transformers 5's `rope_parameters`, or 4's
-    `rope_theta` and `rope_scaling`. The scaling is None for plain RoPE.
-
-    Read as transformers 5 reads them: a `rope_scaling` (the older spelling, still in many hub
-    configs) wins over `rope_parameters`, and a top-level `rope_theta` fills in a theta that the
-    winner lacks. A Llama-3 or YaRN scaling without `original_max_position_embeddings` (the
-    context the model was pretrained for) takes the config's top-level value of that name, or else
-    `max_positions` (the config's max_position_embeddings); YaRN without a `factor` takes the
-    ratio of the two lengths.
-    """
-    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
-    if hf.get("rope_theta") is not None:
-        rope.setdefault("rope_theta", hf["rope_theta"])
-    kind = rope_type(rope)
-    if kind in ("llama3", "yarn"):
-        if hf.get("original_max_position_embeddings") is not None:
-            rope["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
-        elif rope.get("original_max_position_embeddings") is None:
-            rope["original_max_position_embeddings"] = max_positions
-        if kind == "yarn" and rope.get("factor") is None:
-            rope["factor"] = max_positions / rope["original_max_position_embeddings"]
-    return rope.get("rope_theta") or default_theta, rope if kind != "default" else None
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:

@@ -8,22 +8,21 @@ output projection -- and hands the rest to the generic `Attention` layer:
                        └─ v ────────┘
 
 No block table, slot mapping or batch shape appears here: `self.attn` finds them in the
-forward context by its name, e.g. "model.layers.3.self_attn.attn".
+forward context by its name, e.g. "model.layers.3.self_attn.attn". The sizes come from a
+`LlamaConfig` (pagedkv/models/configs.py: the fields read off a checkpoint's config.json).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from pagedkv.attention.layer import Attention
-from pagedkv.models.layers import (
-    RMSNorm, SiluAndMul, check_config_numbers, get_rope, hf_rope_parameters, share_rotary_embeddings,
-)
+from pagedkv.models.configs import LlamaConfig
+from pagedkv.models.layers import RMSNorm, SiluAndMul, get_rope, share_rotary_embeddings
 from pagedkv.models.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -32,145 +31,6 @@ from pagedkv.models.parallel_layers import (
     VocabParallelEmbedding,
     load_hf_weights,
 )
-
-
-@dataclass
-class LlamaConfig:
-    """The architecture fields of a Hugging Face Llama `config.json` that this model reads."""
-
-    architecture: ClassVar[str] = "LlamaForCausalLM"
-    """The model class that serves it (`loader.MODEL_REGISTRY`), for Mistral and Qwen2 too (Qwen3: its own)."""
-    supports_tensor_parallel: ClassVar[bool] = True
-    use_mla: ClassVar[bool] = False
-    """Attention layers are MHA / GQA / MQA (`Attention`), not MLA: MHA backends serve them."""
-
-    vocab_size: int = 32000
-    hidden_size: int = 4096
-    intermediate_size: int = 11008
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    """Biases on q/k/v and o_proj (Llama's flag)."""
-    qkv_bias: bool | None = None
-    """Biases on q/k/v only (Qwen2); None follows `attention_bias`."""
-    mlp_bias: bool = False
-    hidden_act: str = "silu"
-    sliding_window: int | None = None
-    layer_types: list[str] | None = None
-    """Per layer "full_attention" or "sliding_attention" (with `sliding_window`)."""
-    bos_token_id: int | None = 1
-    eos_token_id: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        check_config_numbers(self, floats=("rms_norm_eps", "rope_theta"), positive=(
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "max_position_embeddings"))
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:  # e.g. Qwen3's default of 32 KV heads
-            raise ValueError(f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads}): each KV head serves the same "
-                             "number of query heads.")
-        if self.qkv_bias is None:
-            self.qkv_bias = self.attention_bias
-        for name in ("attention_bias", "qkv_bias", "mlp_bias", "tie_word_embeddings"):
-            if not isinstance(getattr(self, name), bool):  # "yes" would build biases the checkpoint lacks
-                raise ValueError(f"config.json: {name} must be true or false, got {getattr(self, name)!r}.")
-        if self.hidden_act != "silu":
-            raise NotImplementedError(f"hidden_act={self.hidden_act!r} is not supported; Llama-family models use 'silu'.")
-        self._check_windows()
-
-    def _check_windows(self) -> None:
-        window = self.sliding_window
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"sliding_window must be a positive int or None, got {window!r}.")
-        if self.layer_types is None:
-            return
-        if not isinstance(self.layer_types, list) or len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types must be a list with one entry per layer ({self.num_hidden_layers}), "
-                f"got {self.layer_types!r}."
-            )
-        unknown = sorted({str(t) for t in self.layer_types} - set(LAYER_TYPES))
-        if unknown:
-            raise ValueError(f"layer_types has unsupported entries {unknown}; supported: {list(LAYER_TYPES)}.")
-
-    def layer_sliding_window(self, i: int) -> int | None:
-        """Layer `i`'s window: `sliding_window` on the "sliding_attention" layers, or on all if no layer_types."""
-        if self.layer_types is not None:
-            return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
-        return self.sliding_window
-
-    @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any], model_type: str = "llama") -> LlamaConfig:
-        """Read a `config.json` of transformers 4 (rope_theta + rope_scaling) or 5 (rope_parameters).
-
-        `model_type` is the family ("llama", "mistral", "qwen2" or "qwen3"): it decides the biases
-        and how the per-layer windows are read (see `_hf_windows`).
-        """
-        present = {k: hf[k] for k in cls.__dataclass_fields__ if k in hf and hf[k] is not None and k != "qkv_bias"}
-        kwargs = {**FAMILY_DEFAULTS.get(model_type, {}), **present}
-        kwargs["rope_theta"], kwargs["rope_scaling"] = hf_rope_parameters(
-            hf, cls.rope_theta, kwargs.get("max_position_embeddings", cls.max_position_embeddings))
-        eos = hf.get("eos_token_id")
-        kwargs["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        if kwargs.get("hidden_act") == "swish":  # another name of SiLU (transformers' ACT2FN has both)
-            kwargs["hidden_act"] = "silu"
-        # Mistral has no biases and Qwen2 biases on q/k/v only, whatever bias keys the file has;
-        # Qwen3 reads attention_bias (q/k/v and o_proj, as Llama) but never has MLP biases.
-        if model_type == "mistral":
-            kwargs.update(attention_bias=False, mlp_bias=False)
-        elif model_type == "qwen2":
-            kwargs.update(qkv_bias=True, attention_bias=False, mlp_bias=False)
-        elif model_type == "qwen3":
-            kwargs.update(mlp_bias=False)
-        kwargs["sliding_window"], kwargs["layer_types"] = _hf_windows(hf, model_type)
-        return cls(**kwargs)
-
-
-FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    # transformers' defaults for keys a config.json leaves out, where Mistral's and Qwen2's differ
-    # from Llama's (the dataclass defaults above); the windows are in `_hf_windows`.
-    "mistral": dict(intermediate_size=14336, num_key_value_heads=8, max_position_embeddings=131072),
-    "qwen2": dict(vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768, bos_token_id=None),
-}
-
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def _hf_windows(hf: dict[str, Any], model_type: str) -> tuple[int | None, list[str] | None]:
-    """(sliding_window, layer_types) of a `config.json`, as the installed transformers reads them.
-
-    llama:   no window, whatever the file says.
-    mistral: `sliding_window` (4096 when the key is absent, none when null) on every layer; with
-             `layer_types` (AutoModel then loads it as Ministral) only on the "sliding_attention" ones.
-    qwen2, qwen3: windows only when `use_sliding_window` is true (default false); `layer_types` when
-             present, else full attention on layers below `max_window_layers` (default 28) and
-             the window from there on (what transformers 4 wrote had no layer_types).
-    """
-    if model_type == "llama":
-        return None, None
-    window = hf.get("sliding_window", 4096)
-    layer_types = hf.get("layer_types")
-    if model_type == "mistral":
-        return window, layer_types
-    if not hf.get("use_sliding_window", False):
-        return None, None
-    if layer_types is None and window is not None:
-        num_layers = hf.get("num_hidden_layers", LlamaConfig.num_hidden_layers)
-        first_windowed = hf.get("max_window_layers", 28)
-        layer_types = [LAYER_TYPES[i >= first_windowed] for i in range(num_layers)]
-    return window, layer_types
 
 
 class LlamaAttention(nn.Module):

@@ -17,10 +17,11 @@ import torch
 
 from pagedkv.config import CompilationConfig, get_current_engine_config, set_current_engine_config
 from pagedkv.distributed import get_tp_size, single_rank
-from pagedkv.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from pagedkv.models.configs import DeepseekV2Config, LlamaConfig, Qwen3Config
+from pagedkv.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedkv.models.layers import rope_inv_freq
-from pagedkv.models.llama import LlamaConfig, LlamaForCausalLM
-from pagedkv.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger("pagedkv")
 

@@ -9,38 +9,19 @@ projection and RoPE:
 
 Normalising each head keeps the attention logits q.k bounded however large the projections grow
 (the Qwen3 report's reason: stable training without Qwen2's q/k/v biases). Everything else --
-MLP, decoder layer, weight loading, tensor parallelism -- is Llama's (pagedkv/models/llama.py).
+MLP, decoder layer, weight loading, tensor parallelism -- is Llama's (pagedkv/models/llama.py); its
+`Qwen3Config` (pagedkv/models/configs.py) only changes the defaults of keys a config.json leaves out.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from pagedkv.models.configs import LlamaConfig
 from pagedkv.models.layers import RMSNorm
-from pagedkv.models.llama import LlamaAttention, LlamaConfig, LlamaForCausalLM
-
-
-@dataclass
-class Qwen3Config(LlamaConfig):
-    """Llama's fields, with the defaults of transformers' Qwen3Config for keys a config.json leaves out.
-
-    `head_dim` is a field of its own (128 by default), not hidden_size / num_attention_heads:
-    Qwen3-0.6B has 16 heads of 128 on a hidden size of 1024. `attention_bias` (default False)
-    puts biases on q/k/v and o_proj, as Llama's flag does; the MLP has none. Sliding windows are
-    read as Qwen2's (`_hf_windows`).
-    """
-
-    architecture: ClassVar[str] = "Qwen3ForCausalLM"
-
-    vocab_size: int = 151936
-    intermediate_size: int = 22016
-    num_key_value_heads: int | None = 32
-    head_dim: int | None = 128
-    max_position_embeddings: int = 32768
-    bos_token_id: int | None = None
+from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
