@@ -204,7 +204,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k, v projections fused, with this rank's query heads and KV heads (seed 003's layout).
+    """q, k, v projections fused, with this rank's query heads and KV heads (`head_layout`), as
+    vllm/model_executor/layers/linear.py's QKVParallelLinear splits them.
 
     Query heads split evenly. KV heads split too when there are at least as many as ranks;
     otherwise each rank holds one KV head, the one its query heads attend to, so a KV head is
