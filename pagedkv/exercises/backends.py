@@ -83,7 +83,7 @@ class _Geometry:
 
 
 @dataclass
-class _Step:
+class _StudentStep:
     """One step of the student's attention, as the checker saw it (what is needed to judge it afterwards)."""
 
     where: str
@@ -149,12 +149,12 @@ def _watched(fn: Callable[..., Any], called: list[str]) -> Callable[..., Any]:
 
 
 def _call_student(backend: type[AttentionBackend], impl_cls: type, builder_cls: type, rng: random.Random,
-                  device: torch.device, called: list[str]) -> tuple[list[_Step], str | None]:
+                  device: torch.device, called: list[str]) -> tuple[list[_StudentStep], str | None]:
     """Run the student's builder and impl on the made-up cases; (the steps, a failure message or None).
 
     What a step is judged on is kept on the CPU (copies: the student's code may change its tensors later).
     """
-    steps: list[_Step] = []
+    steps: list[_StudentStep] = []
     for number, (g, schedule) in enumerate(zip(_made_up_geometries(), _MADE_UP_STEPS), start=1):
         scale = g.head_size ** -0.5
         config = EngineConfig(ModelConfig("sandbox"))
@@ -197,7 +197,7 @@ def _call_student(backend: type[AttentionBackend], impl_cls: type, builder_cls: 
                                                 device=device),
                 slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             )
-            step = _Step(where, list(context_lens), list(query_lens), query.to("cpu", copy=True),
+            step = _StudentStep(where, list(context_lens), list(query_lens), query.to("cpu", copy=True),
                          [torch.cat(h) for h in history_k], [torch.cat(h) for h in history_v], scale,
                          g.sliding_window)
             steps.append(step)
@@ -276,7 +276,9 @@ def _inherited_work(impl_cls: type) -> str | None:
     return None
 
 
-def _serve(name: str, device: torch.device | str | None, called: list[str]) -> tuple[list[_Step], dict[str, str]]:
+def _serve(
+    name: str, device: torch.device | str | None, called: list[str]
+) -> tuple[list[_StudentStep], dict[str, str]]:
     """Serve the checker's prompts with backend `name`, recording what every attention layer got and gave."""
     llm = LLM(MODEL, attention_backend=name, device=device, **_ENGINE_KWARGS)
     layers = llm.runner.attn_layers
@@ -288,7 +290,7 @@ def _serve(name: str, device: torch.device | str | None, called: list[str]) -> t
         for group in groups:
             if group.backend.get_name() == name:
                 group.metadata_builder.build = _watched(group.metadata_builder.build, called)
-    steps: list[_Step] = []
+    steps: list[_StudentStep] = []
     seen: dict[str, tuple[torch.Tensor, ...]] = {}  # this step: layer name -> (query, key, value, output)
     histories: dict[tuple[str, str], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
@@ -314,7 +316,7 @@ def _serve(name: str, device: torch.device | str | None, called: list[str]) -> t
                 past_v.append(value[a:b])
                 keys.append(torch.cat(past_k))
                 values.append(torch.cat(past_v))
-            steps.append(_Step(f"Step {event.step} of {MODEL!r}, layer {layer_name!r}", context_lens, query_lens,
+            steps.append(_StudentStep(f"Step {event.step} of {MODEL!r}, layer {layer_name!r}", context_lens, query_lens,
                                query.view(-1, heads, size), keys, values, layer.scale, layer.sliding_window,
                                output=output.view(-1, heads, size)))
         seen.clear()
@@ -374,7 +376,7 @@ def check_backend(backend: Any, device: torch.device | str | None = None) -> Che
         return used_package(called, "the attention")
 
     # Your code has run: only now is the attention worked out, in float64.
-    def attend(step: _Step, request: int) -> torch.Tensor:
+    def attend(step: _StudentStep, request: int) -> torch.Tensor:
         """softmax(q k^T * scale + mask) v of one request: [query_len, heads, head_size], float64."""
         context_len, query_len = step.context_lens[request], step.query_lens[request]
         start = sum(step.query_lens[:request])
@@ -418,7 +420,7 @@ def check_backend(backend: Any, device: torch.device | str | None = None) -> Che
     )
 
 
-def _diagnose(step: _Step, right: torch.Tensor) -> str:
+def _diagnose(step: _StudentStep, right: torch.Tensor) -> str:
     """Name the most likely cause of a difference in one step's output (never the right values)."""
     got = step.output.double()  # type: ignore[union-attr]
     where = f"{step.where} ({_describe(step)})"
@@ -471,7 +473,7 @@ def _diagnose(step: _Step, right: torch.Tensor) -> str:
     return f"{where} {cause}"
 
 
-def _describe(step: _Step) -> str:
+def _describe(step: _StudentStep) -> str:
     parts = []
     for i, (c, q) in enumerate(zip(step.context_lens, step.query_lens)):
         kind = "decode" if q == 1 and c > 0 else ("prefill chunk" if c > 0 else "prefill")
@@ -479,7 +481,7 @@ def _describe(step: _Step) -> str:
     return "; ".join(parts)
 
 
-def _worked_step(step: _Step, right: torch.Tensor) -> str:
+def _worked_step(step: _StudentStep, right: torch.Tensor) -> str:
     """How the first wrong row of a step is worked out, with its numbers (head 0, first 4 values)."""
     got = step.output.double()  # type: ignore[union-attr]
     row = int(((got - right).abs().amax(dim=(1, 2)) > _ATOL).nonzero()[0, 0]) if torch.isfinite(got).all() else 0
@@ -500,7 +502,7 @@ def _worked_step(step: _Step, right: torch.Tensor) -> str:
     ])
 
 
-def _worked_cache_write(step: _Step) -> str:
+def _worked_cache_write(step: _StudentStep) -> str:
     """Where the step's new keys and values go, token by token (the first 4 tokens)."""
     return "\n".join([
         f"{step.where}: each new token t goes to slot = slot_mapping[t] = block * block_size + offset, where",
