@@ -12,8 +12,12 @@ from typing import TextIO
 from tqdm import tqdm
 
 from pagedkv import LLM, SamplingParams, StepEvent
+from pagedkv.engine.arg_utils import CLI_ARGS, add_cli_args
 from pagedkv.engine.llm import Prompt
 from pagedkv.workbook import DEFAULT_DIR as DEFAULT_WORKBOOK_DIR
+
+BACKENDS_ENGINE_ARGS = ["model", "device", "dtype", "block_size"]
+"""The `EngineArgs` that decide which backends can serve a layer (`backends` takes these)."""
 
 
 def _token_ids(text: str) -> list[int]:
@@ -71,14 +75,8 @@ def _stream(llm: LLM, prompts: list[Prompt], params: SamplingParams) -> None:
 def _generate(args: argparse.Namespace) -> None:
     prompts = _prompts(args)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    llm = LLM(
-        args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend,
-        max_num_batched_tokens=args.max_num_batched_tokens, cudagraph_mode=args.cudagraph_mode,
-        enforce_eager=args.enforce_eager, compile=args.compile, tensor_parallel_size=args.tensor_parallel_size,
-        # None, not True: a model that cannot cache prefixes (sliding windows) runs without, as in LLM().
-        enable_prefix_caching=False if args.no_prefix_caching else None,
-    )
+    # Every engine option, defaults included (EngineArgs' own, so the CLI picks none itself).
+    llm = LLM(args.model, **{name: getattr(args, name) for name in CLI_ARGS if name != "model"})
     if args.show_steps:
         _show_steps(llm)
     start = time.perf_counter()
@@ -169,7 +167,8 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of `python -m pagedkv`: one sub-command each for generate, backends and workbook."""
     parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
     debug_help = "show the traceback of an error instead of one line (or set PAGEDKV_DEBUG=1)"
     parser.add_argument("--debug", action="store_true", help=debug_help)
@@ -179,8 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", parents=[common],
-                         help="generate text, optionally streaming tokens or showing every engine step")
-    gen.add_argument("--model", default="tiny", help="preset name or Hugging Face model directory")
+                         help="generate text, optionally streaming tokens or showing every engine step",
+                         description="The engine options are LLM's arguments (pagedkv.engine.arg_utils.EngineArgs); "
+                                     "one left out keeps LLM's default, and \"None: ...\" says what that picks.")
+    add_cli_args(gen, CLI_ARGS)
     gen.add_argument("--prompt", dest="prompts", action="append", type=lambda text: ("text", text), default=[],
                      metavar="TEXT", help="a text prompt; may be given several times")
     gen.add_argument("--prompt-token-ids", dest="prompts", action="append", type=lambda ids: ("ids", ids),
@@ -189,28 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--n", type=int, default=1, help="repeat the prompts n times (a bigger batch)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--device", default=None)
-    gen.add_argument("--dtype", default=None)
-    gen.add_argument("--block-size", type=int, default=16)
-    gen.add_argument("--num-kv-blocks", type=int, default=None)
-    gen.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    gen.add_argument("--attention-backend", default=None)
-    gen.add_argument("--cudagraph-mode", default=None, metavar="MODE",
-                     help="CUDA graphs: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE (lowered at "
-                          "start-up to what the device and the attention backend allow; CUDA only). Default: "
-                          "FULL_AND_PIECEWISE on CUDA, NONE on the CPU or with --enforce-eager")
-    gen.add_argument("--enforce-eager", action="store_true",
-                     help="run every step eagerly, whatever the mode; without --compile, no torch.compile either")
-    # None (neither flag) is LLM's device default: compiled on CUDA, not on the CPU.
-    gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                     help="torch.compile the model, split at the attention ops (PIECEWISE graphs need it). "
-                          "Default: on with CUDA (unless --enforce-eager or --tensor-parallel-size > 1), off on the "
-                          "CPU; compiled pieces are cached in $PAGEDKV_CACHE_DIR (~/.cache/pagedkv/compile)")
-    gen.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                     help="split the model over N processes (gloo on CPU, NCCL with one GPU each)")
-    gen.add_argument("--no-prefix-caching", action="store_true",
-                     help="do not reuse the KV cache of prompt prefixes seen before (on by default, as in vLLM)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (SamplingParams.seed)")
     gen.add_argument("--show-steps", action="store_true",
                      help="print a table row per engine step (prefill: prompt tokens computed; cached: "
                           "tokens found in the prefix cache instead)")
@@ -220,10 +200,7 @@ def main(argv: list[str] | None = None) -> None:
 
     be = sub.add_parser("backends", parents=[common],
                         help="which attention backends can serve this model here, and why not")
-    be.add_argument("--model", default="tiny")
-    be.add_argument("--device", default=None)
-    be.add_argument("--dtype", default=None)
-    be.add_argument("--block-size", type=int, default=16)
+    add_cli_args(be, BACKENDS_ENGINE_ARGS)
     be.set_defaults(func=_backends)
 
     wb = sub.add_parser("workbook", parents=[common], help="copy the workbook into DIR, then open it in JupyterLab "
@@ -235,8 +212,11 @@ def main(argv: list[str] | None = None) -> None:
     wb.add_argument("--lab", action="store_true", help="always open JupyterLab")
     wb.add_argument("--execute", action="store_true", help="always execute every notebook (saved with outputs)")
     wb.set_defaults(func=_workbook)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     try:
         code = args.func(args)
     except KeyboardInterrupt:

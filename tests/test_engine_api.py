@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.__main__ import BACKENDS_ENGINE_ARGS, build_parser
 from pagedkv.__main__ import main as cli
-from pagedkv.engine.arg_utils import EngineArgs
+from pagedkv.config import CacheConfig, CompilationConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedkv.engine.arg_utils import CLI_ARGS, RESOLVED_AT_START_UP, EngineArgs
 from tests.reference import generate_checked
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -410,7 +412,8 @@ BAD_ENGINE_ARGS = [
     (dict(layer_attention_backends=["TORCH_REF"]), TypeError, "layer_attention_backends"),
     (dict(enable_prefix_caching=1), TypeError, "enable_prefix_caching"),
     (dict(tensor_parallel_size=0), ValueError, "tensor_parallel_size"),
-    (dict(max_num_seq=8), TypeError, r"\['max_num_seq'\].*'max_num_seqs'"),  # a typo names the real arguments
+    # A typo: Python's own message (LLM.__init__ has a real signature; help(LLM) lists the arguments).
+    (dict(max_num_seq=8), TypeError, r"unexpected keyword argument 'max_num_seq'"),
 ]
 
 
@@ -457,11 +460,36 @@ def test_engine_args_are_what_llm_builds_its_config_from() -> None:
 
 
 def test_llm_signature_lists_the_engine_args() -> None:
-    """help(LLM) and notebooks see every argument with its default, though LLM.__init__ takes **kwargs."""
+    """help(LLM) and notebooks see every argument with its type and default: LLM.__init__'s own signature."""
     params = inspect.signature(LLM).parameters
     assert [(p.name, p.default) for p in params.values()] == [(f.name, f.default) for f in dataclasses.fields(EngineArgs)]
+    assert [p.annotation for p in params.values()] == [f.type for f in dataclasses.fields(EngineArgs)]
     assert params["model"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
     assert {p.kind for name, p in params.items() if name != "model"} == {inspect.Parameter.KEYWORD_ONLY}
+
+
+CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, CompilationConfig, EngineConfig)
+
+
+def test_each_default_is_written_once() -> None:
+    """An engine argument's default is its config field's (pagedkv/config.py), or None where
+    `create_engine_config` resolves it for the model / machine; the CLI's default is EngineArgs'
+    (one object: the CLI writes no default of its own)."""
+    args = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    shared = 0
+    for config in CONFIGS:
+        for field in dataclasses.fields(config):  # those with a default (ModelConfig.model has none)
+            has_default = field.default is not dataclasses.MISSING
+            if has_default and field.name in args and field.name not in RESOLVED_AT_START_UP:
+                assert args[field.name] == field.default, f"EngineArgs.{field.name} / {config.__name__}.{field.name}"
+                shared += 1
+    assert shared >= 12  # block_size, max_num_seqs, max_num_batched_tokens, memory_utilization, ...
+    assert all(args[name] is None for name in RESOLVED_AT_START_UP)
+    generate = vars(build_parser().parse_args(["generate"]))
+    backends = vars(build_parser().parse_args(["backends"]))
+    for name in CLI_ARGS:
+        assert generate[name] is args[name], name
+    assert all(backends[name] is args[name] for name in BACKENDS_ENGINE_ARGS)
 
 
 def test_max_model_len_none_means_the_models_limit() -> None:
@@ -511,6 +539,18 @@ def test_cli_streams_token_id_prompts(capsys: pytest.CaptureFixture[str]) -> Non
         tokens = [int(line.split()[1]) for line in out if re.match(rf"\[{req_id}\] \d+ ", line)]
         assert tokens == want.outputs[0].token_ids
         assert f"[{req_id}] done (length): {want.outputs[0].text!r}" in out
+
+
+def test_cli_options_are_the_engine_args() -> None:
+    """`generate` has an option per EngineArgs field with a flag, typed from the field's annotation."""
+    argv = ["generate", "--max-num-seqs", "3", "--memory-utilization", "0.5", "--no-enable-chunked-prefill",
+            "--cudagraph-mode", "full", "--no-prefix-caching", "--async-scheduling", "--max-model-len", "64"]
+    got = vars(build_parser().parse_args(argv))
+    assert {k: got[k] for k in ("max_num_seqs", "memory_utilization", "enable_chunked_prefill", "cudagraph_mode",
+                                "enable_prefix_caching", "async_scheduling", "max_model_len")} == dict(
+        max_num_seqs=3, memory_utilization=0.5, enable_chunked_prefill=False, cudagraph_mode="full",
+        enable_prefix_caching=False, async_scheduling=True, max_model_len=64)
+    assert set(CLI_ARGS) == {f.name for f in dataclasses.fields(EngineArgs)} - {"seed", "layer_attention_backends"}
 
 
 @pytest.mark.parametrize("argv", [

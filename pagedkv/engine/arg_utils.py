@@ -11,14 +11,23 @@ each naming the argument and saying what would work.
 
 from __future__ import annotations
 
+import argparse
+import ast
+import enum
 import inspect
+import itertools
 import os
+import textwrap
+import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 from pagedkv.config import (
     CacheConfig,
+    CompilationConfig,
     CUDAGraphMode,
     EngineConfig,
     ModelConfig,
@@ -36,7 +45,11 @@ ASYNC_SCHEDULING_ENV = "PAGEDKV_ASYNC_SCHEDULING"
 
 @dataclass
 class EngineArgs:
-    """The arguments of `LLM`, as the user gives them (see `create_engine_config` for the checks)."""
+    """The arguments of `LLM`, as the user gives them (see `create_engine_config` for the checks).
+
+    An argument a config also has takes that config's default (pagedkv/config.py writes each default
+    once), except those in `RESOLVED_AT_START_UP`, whose None means "pick for this model / machine".
+    """
 
     model: str = "tiny"
     """A preset name (`pagedkv.models.loader.PRESETS`, `TRAINED_PRESETS`) or a local Hugging Face directory;
@@ -45,47 +58,47 @@ class EngineArgs:
     """Where the model runs; None: the GPU if there is one, else the CPU."""
     dtype: str | torch.dtype | None = None
     """Weights and activations ("float32", "bfloat16", ...); None: bf16 on a GPU, fp32 on the CPU."""
-    block_size: int = 16
+    block_size: int = CacheConfig.block_size
     """Tokens per KV cache block (page)."""
-    num_kv_blocks: int | None = None
+    num_kv_blocks: int | None = CacheConfig.num_kv_blocks
     """Blocks in the KV cache (block 0 is the reserved null block); None: sized from memory."""
-    max_num_seqs: int = 64
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     """Most requests in one step."""
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     """The token budget of one step (prompt chunks + one token per decode)."""
     max_model_len: int | None = None
     """Longest request (prompt + output); None: the model's max_position_embeddings."""
-    attention_backend: str | None = None
+    attention_backend: str | None = EngineConfig.attention_backend
     """Backend of every attention layer ("TRITON_ATTN", "TORCH_REF", ...); None: $PAGEDKV_ATTENTION_BACKEND,
     else the selector's choice per layer."""
     layer_attention_backends: dict[str, str] | None = None
     """Per-layer overrides, layer name -> backend name (e.g. {"model.layers.3.self_attn.attn": "TORCH_REF"})."""
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     """Split long prompts over several steps; off, a whole prompt must fit one step's budget."""
-    kv_cache_memory: int | None = None
+    kv_cache_memory: int | None = CacheConfig.kv_cache_memory
     """Bytes for the KV cache; None: on a GPU what `memory_utilization` leaves after the weights and
     a profile run, on the CPU a fixed default (either way no more than max_num_seqs requests of
     max_model_len tokens can use)."""
-    memory_utilization: float = 0.9
+    memory_utilization: float = CacheConfig.memory_utilization
     """Share in (0, 1] of the GPU's memory the engine may use in all (vLLM's gpu_memory_utilization)."""
-    seed: int = 0
+    seed: int = ModelConfig.seed
     """Seed of a preset's random weights (sampling seeds are per request: SamplingParams.seed)."""
     cudagraph_mode: CUDAGraphMode | str | None = None
     """CUDA graph mode (pagedkv.worker.cudagraph), lowered at start-up to what the attention backends
     allow; None: FULL_AND_PIECEWISE on CUDA (FULL_DECODE_ONLY where compile is off, e.g. with
     tensor_parallel_size > 1), NONE on the CPU or with enforce_eager. A replayed graph runs none
     of the model's Python (hooks, the forward context): pass enforce_eager=True to inspect it."""
-    enforce_eager: bool = False
+    enforce_eager: bool = CompilationConfig.enforce_eager
     """Run every step eagerly, whatever cudagraph_mode says (no graph is captured); with
     compile=None it also leaves the model uncompiled."""
     compile: bool | None = None
     """Trace the forward with torch.compile, split at the attention ops (piecewise graphs need it);
     None: on with CUDA (unless enforce_eager, or tensor_parallel_size > 1, which refuses it), off
     on the CPU. Compiled pieces are cached in $PAGEDKV_CACHE_DIR (pagedkv.compilation.cache)."""
-    max_cudagraph_capture_size: int | None = None
+    max_cudagraph_capture_size: int | None = CompilationConfig.max_cudagraph_capture_size
     """Largest batch (tokens) that gets a graph; None: min(2 x max_num_seqs, 512), never more than
     max_num_batched_tokens."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     """Processes, each holding a shard of the model (tensor parallelism)."""
     enable_prefix_caching: bool | None = None
     """Share the KV cache blocks of equal prompt prefixes; None: on where the model allows it."""
@@ -180,20 +193,58 @@ def resolve_async_scheduling(value: bool | None, device: torch.device) -> bool:
     return env == "1" if env else device.type == "cuda"
 
 
-def engine_args(model: str, kwargs: dict[str, object]) -> EngineArgs:
-    """`EngineArgs(model, **kwargs)`, with an unknown keyword named along with the known ones."""
-    known = [f.name for f in fields(EngineArgs)]
-    unknown = sorted(set(kwargs) - set(known))
-    if unknown:
-        raise TypeError(f"LLM got unexpected keyword argument(s) {unknown}; the arguments are {known}.")
-    return EngineArgs(model, **kwargs)  # type: ignore[arg-type]
+RESOLVED_AT_START_UP = ("device", "dtype", "max_model_len", "cudagraph_mode", "compile", "async_scheduling")
+"""Arguments whose default, None, `create_engine_config` resolves from the model or the machine; the
+config field of the same name holds the resolved value (its own default serves configs built by hand)."""
+
+CLI_FLAGS: dict[str, str | None] = {
+    "enable_prefix_caching": "--prefix-caching",  # with --no-prefix-caching, the flag the CLI always had
+    "seed": None,  # `pagedkv generate --seed` is the sampling seed (SamplingParams.seed)
+    "layer_attention_backends": None,  # a dict: Python only
+}
+"""The command-line flag of the arguments not spelled `--` + the name with dashes; None: no flag."""
 
 
-def engine_args_signature() -> inspect.Signature:
-    """The signature `LLM(model, *, device=..., ...)` shows to `help()` and notebooks: EngineArgs'
-    fields with their defaults, keyword-only after `model` (LLM itself takes `**kwargs`)."""
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    for f in fields(EngineArgs):
-        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name == "model" else inspect.Parameter.KEYWORD_ONLY
-        params.append(inspect.Parameter(f.name, kind, default=f.default, annotation=f.type))
-    return inspect.Signature(params, return_annotation="None")
+def attribute_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, whitespace collapsed (as vllm/config/utils.py's
+    get_attr_docs reads them from the source: Python keeps no attribute docstrings)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(body, ast.ClassDef)
+    docs: dict[str, str] = {}
+    for field, doc in itertools.pairwise(body.body):
+        if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+            docs[field.target.id] = " ".join(doc.value.value.split())
+    return docs
+
+
+def cli_flag(name: str) -> str | None:
+    """The command-line flag of the `EngineArgs` field `name` (None: it has none)."""
+    return CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def add_cli_args(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
+    """One option per `EngineArgs` field in `names` (`--block-size` for block_size), typed from the
+    field's annotation, with the field's default and docstring as its default and help. A bool is a
+    pair (`--compile` / `--no-compile`; neither: the field's default)."""
+    hints = typing.get_type_hints(EngineArgs)
+    docs = attribute_docs(EngineArgs)
+    defaults = {f.name: f.default for f in fields(EngineArgs)}
+    for name in names:
+        flag = cli_flag(name)
+        assert flag is not None, f"EngineArgs.{name} has no command-line flag"
+        kinds = set(typing.get_args(hints[name]) or [hints[name]]) - {type(None)}
+        help_text = docs[name].replace("%", "%%")
+        enums = [k for k in kinds if isinstance(k, type) and issubclass(k, enum.Enum)]
+        if enums:
+            help_text += f" ({', '.join(enums[0].__members__)}, in any case)"
+        kwargs: dict[str, Any] = {"dest": name, "default": defaults[name], "help": help_text}
+        if bool in kinds:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = int if int in kinds else float if float in kinds else str
+        parser.add_argument(flag, **kwargs)
+
+
+CLI_ARGS = [f.name for f in fields(EngineArgs) if cli_flag(f.name) is not None]
+"""The `EngineArgs` that have a command-line flag, in the order of the fields."""

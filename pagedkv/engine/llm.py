@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pagedkv.engine.arg_utils import engine_args, engine_args_signature
+from pagedkv.config import CUDAGraphMode
+from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.checks import check_token_ids
 from pagedkv.engine.detokenizer import IncrementalDetokenizer, detokenize_batch
 from pagedkv.engine.events import EngineStats, StepEvent, StepListener
@@ -71,12 +72,45 @@ class LLM:
     """A small paged-KV serving engine: continuous batching over one model on one device.
 
     Its arguments are the fields of `EngineArgs` (pagedkv.engine.arg_utils, each documented
-    there), all checked before anything is built: a wrong type is a `TypeError`, a value out of
-    range a `ValueError`, each naming the argument.
+    there, with its defaults), all checked before anything is built: a wrong type is a `TypeError`,
+    a value out of range a `ValueError`, each naming the argument.
     """
 
-    def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
-        args = engine_args(model, kwargs)
+    def __init__(
+        self,
+        model: str = EngineArgs.model,
+        *,
+        device: str | torch.device | None = EngineArgs.device,
+        dtype: str | torch.dtype | None = EngineArgs.dtype,
+        block_size: int = EngineArgs.block_size,
+        num_kv_blocks: int | None = EngineArgs.num_kv_blocks,
+        max_num_seqs: int = EngineArgs.max_num_seqs,
+        max_num_batched_tokens: int = EngineArgs.max_num_batched_tokens,
+        max_model_len: int | None = EngineArgs.max_model_len,
+        attention_backend: str | None = EngineArgs.attention_backend,
+        layer_attention_backends: dict[str, str] | None = EngineArgs.layer_attention_backends,
+        enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill,
+        kv_cache_memory: int | None = EngineArgs.kv_cache_memory,
+        memory_utilization: float = EngineArgs.memory_utilization,
+        seed: int = EngineArgs.seed,
+        cudagraph_mode: CUDAGraphMode | str | None = EngineArgs.cudagraph_mode,
+        enforce_eager: bool = EngineArgs.enforce_eager,
+        compile: bool | None = EngineArgs.compile,
+        max_cudagraph_capture_size: int | None = EngineArgs.max_cudagraph_capture_size,
+        tensor_parallel_size: int = EngineArgs.tensor_parallel_size,
+        enable_prefix_caching: bool | None = EngineArgs.enable_prefix_caching,
+        async_scheduling: bool | None = EngineArgs.async_scheduling,
+    ) -> None:
+        args = EngineArgs(
+            model, device=device, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            attention_backend=attention_backend, layer_attention_backends=layer_attention_backends,
+            enable_chunked_prefill=enable_chunked_prefill, kv_cache_memory=kv_cache_memory,
+            memory_utilization=memory_utilization, seed=seed, cudagraph_mode=cudagraph_mode,
+            enforce_eager=enforce_eager, compile=compile, max_cudagraph_capture_size=max_cudagraph_capture_size,
+            tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching,
+            async_scheduling=async_scheduling,
+        )
         self.config, model_cfg = args.create_engine_config()
         self.model_config = model_cfg
         model = self.config.model_config.model
@@ -462,5 +496,3 @@ class LLM:
         # The Request objects hold the final state, also of one aborted meanwhile (by a listener, say).
         return self._outputs(requests)
 
-
-LLM.__init__.__signature__ = engine_args_signature()  # type: ignore[attr-defined]  # help(LLM) lists the arguments
