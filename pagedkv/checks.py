@@ -73,3 +73,10 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {describe(value)}.")
     return value
+
+
+def check_optional_bool(name: str, value: object, hint: str = "") -> bool | None:
+    """None (`hint` says what it picks), True or False."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be True, False or None{hint}, got {describe(value)}.")
+    return value

@@ -14,6 +14,7 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.__main__ import BACKENDS_ENGINE_ARGS, build_parser
+from pagedkv.checks import check_optional_bool
 from pagedkv.__main__ import main as cli
 from pagedkv.config import CacheConfig, CompilationConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedkv.engine.arg_utils import CLI_ARGS, RESOLVED_AT_START_UP, EngineArgs
@@ -490,6 +491,14 @@ def test_each_default_is_written_once() -> None:
     for name in CLI_ARGS:
         assert generate[name] is args[name], name
     assert all(backends[name] is args[name] for name in BACKENDS_ENGINE_ARGS)
+
+
+def test_check_optional_bool_takes_none_true_false_only() -> None:
+    """The check of enable_prefix_caching, generate's use_tqdm and the block table's show_caching."""
+    assert [check_optional_bool("x", v) for v in (None, True, False)] == [None, True, False]
+    for value in (1, 0, "yes", 1.0):
+        with pytest.raises(TypeError, match=r"^x must be True, False or None \(None: auto\), got .*\.$"):
+            check_optional_bool("x", value, hint=" (None: auto)")
 
 
 def test_max_model_len_none_means_the_models_limit() -> None:

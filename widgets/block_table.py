@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedkv.checks import check_int
+from pagedkv.checks import check_int, check_optional_bool
 from pagedkv.trace import BlockPoolRecord, KVCacheGroupInfo, StepRecord, StepTrace
 from pagedkv.widgets.common import (
     ACCENT, BASE_STYLE, BG, BG_SOLID, BORDER, FG, FG_MUTED, SVG_STYLE, TraceView, esc, request_color, short_layer,
@@ -55,10 +55,7 @@ class BlockTableView(TraceView):
     ) -> None:
         self.max_blocks = check_int("max_blocks", max_blocks, 1, hint=" (blocks drawn per KV cache group)")
         self.columns = check_int("columns", columns, 1, hint=" (blocks per row of the grid)")
-        if show_caching is not None and not isinstance(show_caching, bool):
-            raise TypeError(f"show_caching must be True, False or None (= when the engine caches), "
-                            f"got {show_caching!r}.")
-        self.show_caching = show_caching
+        self.show_caching = check_optional_bool("show_caching", show_caching, hint=" (None: when the engine caches)")
         super().__init__(trace, **kwargs)
 
     @property

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets
 import traitlets
 
+from pagedkv.checks import check_float
 from pagedkv.trace import EngineInfo, StepRecord, StepTrace
 
 if TYPE_CHECKING:
@@ -112,11 +113,9 @@ class LiveRedraw:
     """
 
     def __init__(self, draw: Callable[[], None], at_cell_end_only: bool = False, min_frame_s: float = 0.0) -> None:
-        if not min_frame_s >= 0:
-            raise ValueError(f"min_frame_s must be a number of seconds >= 0, got {min_frame_s!r}.")
         self.draw = draw
         self.at_cell_end_only = at_cell_end_only
-        self.min_frame_s = float(min_frame_s)
+        self.min_frame_s = check_float("min_frame_s", min_frame_s, 0, hint=" (seconds)")
         self.drawn_at = float("-inf")
         """`time.monotonic()` when `draw` last ran."""
         self.waiting = False

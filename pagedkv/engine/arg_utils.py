@@ -34,7 +34,7 @@ from pagedkv.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from pagedkv.checks import check_bool, check_float, check_int, check_optional_int
+from pagedkv.checks import check_bool, check_float, check_int, check_optional_bool, check_optional_int
 from pagedkv.engine.checks import check_compilation, check_device, check_dtype, check_model, check_tensor_parallel
 from pagedkv.engine.request import SEED_RANGE
 from pagedkv.models.loader import PRESETS, TRAINED_PRESETS, HFConfig, load_config
@@ -146,8 +146,8 @@ class EngineArgs:
             self.cudagraph_mode, self.enforce_eager, self.compile, self.max_cudagraph_capture_size,
             device, tensor_parallel_size,
         )
-        if self.enable_prefix_caching is not None:
-            check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_optional_bool("enable_prefix_caching", self.enable_prefix_caching,
+                            hint=" (None: on where the model allows it)")
         async_scheduling = resolve_async_scheduling(self.async_scheduling, device)
 
         model_cfg = load_config(model)

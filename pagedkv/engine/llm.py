@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from pagedkv.checks import check_optional_bool
 from pagedkv.config import CUDAGraphMode
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.checks import check_token_ids
@@ -462,8 +463,7 @@ class LLM:
         if not isinstance(sampling_params, (list, tuple)):  # its items are checked with their prompts
             raise TypeError("sampling_params must be a SamplingParams, a list of them (one per prompt) or None, "
                             f"got {sampling_params!r}.")
-        if use_tqdm is not None and not isinstance(use_tqdm, bool):
-            raise TypeError(f"use_tqdm must be True, False or None (a bar from 8 prompts on), got {use_tqdm!r}.")
+        use_tqdm = check_optional_bool("use_tqdm", use_tqdm, hint=" (None: a bar from 8 prompts on)")
         show_progress = use_tqdm if use_tqdm is not None else len(prompts) >= 8
         if len(sampling_params) != len(prompts):
             raise ValueError(f"Got {len(prompts)} prompts but {len(sampling_params)} sampling params.")
