@@ -138,7 +138,8 @@ def test_colours_follow_the_jupyterlab_theme() -> None:
         (dict(mode="SOMETIMES"), ValueError, "Unknown cudagraph_mode"),
         (dict(backend="NO_SUCH"), ValueError, "backend 'NO_SUCH' is not registered"),
         (dict(support="MOSTLY"), ValueError, "support must be an AttentionCGSupport"),
-        (dict(uniform_decode_query_len=0), ValueError, "uniform_decode_query_len must be an int from 1 to 4"),
+        (dict(uniform_decode_query_len=0), ValueError, r"uniform_decode_query_len must be an int in \[1, 4\]"),
+        (dict(uniform_decode_query_len=True), TypeError, "uniform_decode_query_len must be an int"),
     ],
 )
 def test_bad_arguments(kwargs: dict, error: type[Exception], needle: str) -> None:

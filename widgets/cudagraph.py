@@ -19,6 +19,7 @@ import ipywidgets
 
 from pagedkv.attention.backend import AttentionCGSupport
 from pagedkv.attention.selector import load_backend, registered_backends
+from pagedkv.checks import check_int
 from pagedkv.config import CUDAGraphMode
 from pagedkv.exercises.cudagraph import Resolution, resolve_explained
 from pagedkv.widgets.common import BASE_STYLE, esc, short_layer
@@ -97,8 +98,7 @@ class CudaGraphModeExplorer(ipywidgets.VBox):
     ) -> None:
         if backend is not None and backend not in registered_backends():
             raise ValueError(f"backend {backend!r} is not registered; use None or one of {registered_backends()}.")
-        if isinstance(uniform_decode_query_len, bool) or uniform_decode_query_len not in range(1, 5):
-            raise ValueError(f"uniform_decode_query_len must be an int from 1 to 4, got {uniform_decode_query_len!r}.")
+        check_int("uniform_decode_query_len", uniform_decode_query_len, 1, 4, hint=" (the slider's range)")
         def sized(width: str) -> dict[str, Any]:
             return {"style": {"description_width": "initial"}, "layout": ipywidgets.Layout(width=width)}
 
