@@ -70,8 +70,8 @@ def launches(llm: LLM) -> list:
     seen = []
     execute = llm.runner.execute_model
 
-    def recording(scheduled, block_ids, previous=None):
-        result = execute(scheduled, block_ids, previous)
+    def recording(scheduled, previous=None):
+        result = execute(scheduled, previous)
         seen.append((scheduled, result.batch.input_ids.clone()))
         return result
 

@@ -83,7 +83,7 @@ def test_weights_that_do_not_fit_are_refused_before_allocating(capsys: pytest.Ca
     """DeepSeek-V2-Lite has 15.7B parameters (its model card): 58.5 GiB in float32, more than the
     16 GiB this machine is made to have. Before, the engine allocated them (48 lines of traceback,
     or the kernel's OOM killer on a machine that overcommits)."""
-    monkeypatch.setattr("pagedkv.worker.model_runner.available_memory", lambda device: 16 * 2**30)
+    monkeypatch.setattr("pagedkv.worker.memory.available_memory", lambda device: 16 * 2**30)
     code, line = error_line(capsys, [*GENERATE, "--model", "deepseek-v2-lite"])
     assert code == 2
     assert re.fullmatch(r"pagedkv: error: Model 'deepseek-v2-lite' \(15\.7\dB parameters, float32 while loading\) "

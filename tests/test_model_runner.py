@@ -19,6 +19,7 @@ from pagedkv.config import EngineConfig, ModelConfig, set_current_engine_config
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.loader import PRESETS
 from pagedkv.worker.attn_utils import select_kernel_block_size
+from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, HostBatch, ScheduledTokens
 from pagedkv.worker.model_runner import CPU_DEFAULT_KV_CACHE_BYTES, ModelRunner
 from tests.conftest import needs_triton_on_cpu
 
@@ -290,3 +291,30 @@ def test_layers_share_one_rope_table_per_model() -> None:
     assert len(tables) == 1
     rope_a, rope_b = a.model.model.layers[0].self_attn.rotary_emb, b.model.model.layers[0].self_attn.rotary_emb
     assert rope_a is not rope_b and rope_a.cos_sin_cache.dtype == torch.float32
+
+
+def test_host_batch_packs_scheduled_tokens_with_their_block_ids() -> None:
+    """input_batch.py's example: decodes A (5 cached) and B (2 cached), then C's prefill chunk of 3
+    (not its last: nothing sampled); B's token is a placeholder. Block rows come with each request."""
+    scheduled = [
+        ScheduledTokens("A", [7], 5, True, [[3, 8]]),
+        ScheduledTokens("B", [PLACEHOLDER_TOKEN_ID], 2, True, [[2]]),
+        ScheduledTokens("C", [4, 5, 6], 0, False, [[5]]),
+    ]
+    host = HostBatch.from_scheduled(scheduled)
+    assert (host.token_ids, host.positions) == ([7, PLACEHOLDER_TOKEN_ID, 4, 5, 6], [5, 2, 0, 1, 2])
+    assert (host.query_lens, host.seq_lens) == ([1, 1, 3], [6, 3, 3])
+    assert host.block_ids == [[[3, 8], [2], [5]]]  # per KV cache group, per request
+    assert (host.logits_indices, host.sampling_req_ids) == ([0, 1], ["A", "B"])
+    assert host.placeholders == [(1, "B")] and host.writes_kv_cache
+
+
+def test_the_scheduler_sends_each_requests_block_rows() -> None:
+    """Block ids travel inside ScheduledTokens: the rows the KV cache manager holds at planning time."""
+    llm = LLM("tiny", num_kv_blocks=32, block_size=4, enable_prefix_caching=False)
+    llm.add_request({"prompt_token_ids": [1, 2, 3, 4, 5, 6]}, GREEDY)
+    plan = llm.scheduler.schedule()
+    sent = plan.runner_input()
+    assert [s.block_ids for s in sent] == [llm.kv_cache_manager.get_block_ids(s.req_id) for s in sent]
+    assert len(sent[0].block_ids[0]) == 2  # 6 tokens in blocks of 4
+    llm.scheduler.undo(plan)

@@ -118,7 +118,7 @@ def test_killed_worker_is_an_error_not_a_hang() -> None:
         llm.step()
     assert time.monotonic() - start < 10
     with pytest.raises(RuntimeError, match="cannot continue"):  # the engine says it cannot go on
-        llm._executor.execute_model(None, {})  # type: ignore[arg-type]
+        llm._executor.execute_model(None)  # type: ignore[arg-type]
     assert_no_workers_left()
 
 

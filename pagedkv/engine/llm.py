@@ -356,11 +356,10 @@ class LLM:
                 self.stats.num_preemptions += len(sched.preempted_req_ids)
             if not sched.scheduled:
                 return False
-            block_ids = {s.request.request_id: self.kv_cache_manager.get_block_ids(s.request.request_id)
-                         for s in sched.scheduled}
+            block_ids = {s.request.request_id: s.block_ids for s in sched.scheduled}
             start = time.perf_counter()
             previous = self._launched[-1].sampled_tokens if self._launched else None
-            result = (self._executor or self.runner).execute_model(sched.runner_input(), block_ids, previous)
+            result = (self._executor or self.runner).execute_model(sched.runner_input(), previous)
             requests = [self._requests[r] for r in result.batch.sampling_req_ids]
             sampled = self.sampler(result.logits, [r.request_id for r in requests],
                                    [r.sampling_params for r in requests])

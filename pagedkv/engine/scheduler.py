@@ -63,6 +63,9 @@ class ScheduledRequest:
     blocks (new or resumed; with caching off the lookup finds nothing), else 0."""
     admitted_from: RequestStatus | None = None
     """The status it was admitted from in this step (WAITING or PREEMPTED); None if it was running."""
+    block_ids: list[list[int]] = field(default_factory=list)
+    """Per KV cache group, its block table row once the step is planned (a copy: later steps'
+    allocations do not change it). Filled by `Scheduler.schedule`."""
 
     def __post_init__(self) -> None:
         self.num_computed_tokens = self.request.num_computed_tokens
@@ -99,7 +102,8 @@ class SchedulerOutput:
             end = s.num_computed_tokens + s.num_new_tokens
             token_ids = s.request.token_ids_between(s.num_computed_tokens, end)
             token_ids += [PLACEHOLDER_TOKEN_ID] * (s.num_new_tokens - len(token_ids))
-            scheduled.append(ScheduledTokens(s.request.request_id, token_ids, s.num_computed_tokens, s.samples))
+            scheduled.append(ScheduledTokens(s.request.request_id, token_ids, s.num_computed_tokens, s.samples,
+                                             s.block_ids))
         return scheduled
 
 
@@ -206,6 +210,8 @@ class Scheduler:
 
         # Decodes first: kernels (and MLA) split the batch at num_decode_tokens.
         scheduled.sort(key=lambda s: not s.is_decode)
+        for s in scheduled:  # the rows the step reads, once every allocation of the plan is made
+            s.block_ids = kv.get_block_ids(s.request.request_id)
         return SchedulerOutput(scheduled, preempted)
 
     def _preempt(self, request: Request) -> None:

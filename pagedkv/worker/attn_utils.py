@@ -1,4 +1,4 @@
-"""Attention groups, and the per-step metadata built once per group.
+"""Attention groups, the KV cache they read, and the per-step metadata built once per group.
 
     KV cache group 0 (sliding window)          KV cache group 1 (full attention)
       attention group (TORCH_REF, spec, 4 heads)   attention group (TORCH_REF, spec', 4 heads)
@@ -19,6 +19,7 @@ rewritten into kernel block ids (`to_kernel_block_table`); block_size 64, kernel
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,8 +34,9 @@ from pagedkv.attention.backend import (
     MultipleOf,
 )
 from pagedkv.attention.layer import Attention
-from pagedkv.config import EngineConfig
-from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheSpec
+from pagedkv.config import CacheConfig, EngineConfig
+from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+from pagedkv.worker.memory import check_fits
 
 
 @dataclass
@@ -130,9 +132,12 @@ def init_attn_groups(
 ) -> list[list[AttentionGroup]]:
     """Per KV cache group, its attention groups, each with one metadata builder.
 
-    The kernel block size is chosen here, once per KV cache group: the runner shapes the
-    cache views with it, so this runs before the cache is allocated.
+    The kernel block size is chosen here, once per KV cache group: `init_kv_cache` shapes the
+    cache views with it, so this runs before the cache is allocated. Where kernel blocks are
+    smaller, the group gets its persistent kernel block table here too.
     """
+    max_reqs = config.scheduler_config.max_num_seqs
+    max_blocks = math.ceil(config.model_config.max_model_len / config.cache_config.block_size)
     all_groups: list[list[AttentionGroup]] = []
     for group_id, group_spec in enumerate(kv_cache_config.kv_cache_groups):
         members = group_spec.layer_names + [
@@ -156,8 +161,80 @@ def init_attn_groups(
             group.metadata_builder = group.backend.get_builder_cls()(
                 group.kernel_kv_cache_spec, group.layer_names, config, device
             )
+            k = spec.block_size // kernel_block_size
+            if k > 1:
+                group.kernel_block_table = torch.zeros(max_reqs, max_blocks * k, dtype=torch.int32, device=device)
         all_groups.append(list(groups.values()))
     return all_groups
+
+
+def init_kv_cache(
+    layers: dict[str, Attention],
+    kv_cache_config: KVCacheConfig,
+    attn_groups: list[list[AttentionGroup]],
+    cache_config: CacheConfig,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Allocate the KV cache and bind it: one zeroed buffer per KV cache group, a view per layer in
+    the group's kernel blocks (vLLM: initialize_kv_cache_tensors in vllm/v1/worker/gpu_model_runner.py,
+    init_kv_cache in vllm/v1/worker/gpu/attn_utils.py). Layer name -> its view (KV-sharing layers
+    have none of their own: they are bound to their target's)."""
+    kv_caches: dict[str, torch.Tensor] = {}
+    for group_spec, groups in zip(kv_cache_config.kv_cache_groups, attn_groups):
+        kv_caches.update(
+            _allocate_kv_cache_group(layers, group_spec, groups[0].kernel_block_size, kv_cache_config.num_blocks,
+                                     cache_config, device)
+        )
+    bind_kv_cache(kv_caches, layers)
+    return kv_caches
+
+
+def _allocate_kv_cache_group(
+    layers: dict[str, Attention],
+    group_spec: KVCacheGroupSpec,
+    kernel_block_size: int,
+    num_blocks: int,
+    cache_config: CacheConfig,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """One zeroed buffer for the group; each layer's slice viewed as pages of the kernel's size.
+
+    The manager's `num_blocks` blocks of B tokens are `num_blocks * k` kernel blocks of B/k
+    tokens (k = B / kernel_block_size): the same bytes, cut finer. Manager block b is kernel
+    blocks b*k ... b*k + k-1, which is how the attention groups rewrite the block table.
+    """
+    spec = group_spec.kv_cache_spec
+    k = spec.block_size // kernel_block_size
+    shapes = [
+        layers[name].attn_backend.get_kv_cache_shape(num_blocks * k, kernel_block_size, spec.num_kv_heads,
+                                                     spec.head_size)
+        for name in group_spec.layer_names
+    ]
+    per_layer = math.prod(shapes[0])
+    check_fits(
+        f"The KV cache ({num_blocks} blocks of {spec.block_size} tokens for {len(shapes)} layers)",
+        per_layer * len(shapes) * spec.dtype.itemsize, device,
+        f"it was sized by num_kv_blocks={cache_config.num_kv_blocks}, kv_cache_memory={cache_config.kv_cache_memory}; "
+        "lower them, or leave both None to size it from free memory.",
+    )
+    buffer = torch.zeros(per_layer * len(shapes), dtype=spec.dtype, device=device)
+    return {
+        name: buffer[i * per_layer : (i + 1) * per_layer].view(shape)
+        for i, (name, shape) in enumerate(zip(group_spec.layer_names, shapes))
+    }
+
+
+def bind_kv_cache(kv_caches: dict[str, torch.Tensor], layers: dict[str, Attention]) -> None:
+    """Give every attention layer its cache view, by name; a KV-sharing layer gets its target's
+    (vLLM: bind_kv_cache in vllm/v1/worker/utils.py)."""
+    for name, layer in layers.items():
+        target = layer.kv_sharing_target_layer_name
+        layer.bind_kv_cache(kv_caches[target if target is not None else name])
+
+
+def layer_kv_groups(attn_groups: list[list[AttentionGroup]]) -> dict[str, int]:
+    """Layer name -> its KV cache group: whose slot mapping the layer reads each step."""
+    return {name: group.kv_cache_group_id for groups in attn_groups for group in groups for name in group.layer_names}
 
 
 def build_attn_metadata(

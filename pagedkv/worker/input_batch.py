@@ -16,7 +16,6 @@ Three requests, decodes first, block_size 4:
 from __future__ import annotations
 
 import itertools
-
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,6 +105,74 @@ class ScheduledTokens:
     """Tokens already in the KV cache (the request's context_len this step)."""
     samples: bool
     """The last of these tokens is the request's newest: the step samples its next one."""
+    block_ids: list[list[int]]
+    """Per KV cache group, the request's block table row after the scheduler's allocation for this
+    step: physical block ids, 0 = the null block (vLLM sends them in SchedulerOutput too)."""
+
+
+@dataclass
+class HostBatch:
+    """One step's scheduled tokens as host-side lists, request after request, before padding: what
+    `ModelRunner` copies to the device as an `InputBatch` (vLLM keeps the same on its InputBatch's CPU
+    tensors, vllm/v1/worker/gpu_input_batch.py)."""
+
+    req_ids: list[str]
+    token_ids: list[int]
+    """Every scheduled token's id, packed; PLACEHOLDER_TOKEN_ID where the previous step's sample goes."""
+    positions: list[int]
+    """Each token's position in its sequence."""
+    query_lens: list[int]
+    """Per request, its tokens this step."""
+    seq_lens: list[int]
+    """Per request, its length once this step's tokens are in the KV cache."""
+    block_ids: list[list[list[int]]]
+    """Per KV cache group, per request: its block table row."""
+    logits_indices: list[int]
+    """Packed index of the last token of each request that samples."""
+    sampling_req_ids: list[str]
+    """The requests that sample, in the order of `logits_indices`."""
+    writes_kv_cache: bool = True
+    """False for a CUDA graph capture's dummy batch: every slot is -1, nothing is written."""
+
+    @classmethod
+    def from_scheduled(cls, scheduled: list[ScheduledTokens]) -> HostBatch:
+        """Pack the scheduler's requests: each one's new tokens after its cached ones."""
+        batch = cls([], [], [], [], [], [[] for _ in scheduled[0].block_ids], [], [])
+        for s in scheduled:
+            start, end = s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids)
+            batch.req_ids.append(s.req_id)
+            batch.token_ids += s.token_ids
+            batch.positions += range(start, end)
+            batch.query_lens.append(end - start)
+            batch.seq_lens.append(end)
+            for rows, row in zip(batch.block_ids, s.block_ids):
+                rows.append(row)
+            if s.samples:
+                batch.logits_indices.append(len(batch.token_ids) - 1)
+                batch.sampling_req_ids.append(s.req_id)
+        return batch
+
+    @classmethod
+    def for_capture(cls, query_lens: list[int], num_kv_cache_groups: int) -> HostBatch:
+        """A dummy batch of these query lengths for a CUDA graph capture: token id 0 everywhere,
+        no blocks (kernels read the null block), nothing written to the cache, nothing sampled."""
+        return cls(
+            req_ids=[f"<capture {i}>" for i in range(len(query_lens))],
+            token_ids=[0] * sum(query_lens),
+            positions=[p for n in query_lens for p in range(n)],
+            query_lens=query_lens,
+            seq_lens=query_lens,
+            block_ids=[[[] for _ in query_lens] for _ in range(num_kv_cache_groups)],
+            logits_indices=[],
+            sampling_req_ids=[],
+            writes_kv_cache=False,
+        )
+
+    @property
+    def placeholders(self) -> list[tuple[int, str]]:
+        """(packed index, request) of every placeholder token: each is its request's last token."""
+        ends = itertools.accumulate(self.query_lens)
+        return [(end - 1, r) for r, end in zip(self.req_ids, ends) if self.token_ids[end - 1] == PLACEHOLDER_TOKEN_ID]
 
 
 @dataclass

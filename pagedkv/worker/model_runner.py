@@ -17,7 +17,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,45 +27,29 @@ from pagedkv.config import CUDAGraphMode
 from pagedkv.compilation.wrapper import CompiledForward, compile_model
 from pagedkv.config import EngineConfig, set_current_engine_config
 from pagedkv.forward_context import BatchDescriptor, get_layers_from_config, set_forward_context
-from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, get_kv_cache_config
+from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheSpec, get_kv_cache_config
 from pagedkv.models.loader import CausalLM, HFConfig, load_model, weight_bytes
 from pagedkv.worker import cudagraph
-from pagedkv.worker.attn_utils import AttentionGroup, build_attn_metadata, init_attn_groups
+from pagedkv.worker.attn_utils import (
+    AttentionGroup,
+    build_attn_metadata,
+    init_attn_groups,
+    init_kv_cache,
+    layer_kv_groups,
+)
 from pagedkv.worker.input_batch import (
-    PLACEHOLDER_TOKEN_ID,
     BlockTable,
+    HostBatch,
     InputBatch,
     SampledTokens,
     ScheduledTokens,
     compute_slot_mapping,
 )
+from pagedkv.worker.memory import check_fits
 
 logger = logging.getLogger("pagedkv")
 
 CPU_DEFAULT_KV_CACHE_BYTES = 64 * 2**20
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Bytes that can still be allocated on `device`: the GPU's free memory plus what torch's
-    caching allocator holds unused; on the CPU Linux's MemAvailable; None where unknown."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-    except OSError:
-        return None
-    kib = next((line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:")), None)
-    return None if kib is None else int(kib) * 1024
-
-
-def check_fits(what: str, nbytes: int, device: torch.device, hint: str) -> None:
-    """Refuse, before allocating, `nbytes` that `device` does not have (the allocator's own error is
-    a page long, and Linux may grant a CPU allocation that it later kills the process for touching)."""
-    available = available_memory(device)
-    if available is not None and nbytes > available:
-        raise ValueError(f"{what} needs {nbytes / 2**30:.2f} GiB on {device}, but only {available / 2**30:.2f} GiB "
-                         f"is available: {hint}")
 
 
 @dataclass
@@ -168,57 +151,18 @@ class ModelRunner:
         return config
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        """Attention groups first (they choose the kernel block size), then one zeroed backing
-        buffer per KV cache group, a view per layer in kernel blocks, bound by name."""
+        """Attention groups first (they choose the kernel block size), then the KV cache, allocated
+        and bound by name (attn_utils.py), then one block table per KV cache group."""
         self.kv_cache_config = kv_cache_config
         self.attn_groups = init_attn_groups(self.attn_layers, kv_cache_config, self.config, self.device)
-        for group_spec, groups in zip(kv_cache_config.kv_cache_groups, self.attn_groups):
-            self.kv_caches.update(self._allocate_kv_cache_group(group_spec, groups[0].kernel_block_size))
-        for name, layer in self.attn_layers.items():
-            target = layer.kv_sharing_target_layer_name
-            layer.bind_kv_cache(self.kv_caches[target if target is not None else name])
-        self.layer_kv_group = {
-            name: group.kv_cache_group_id for groups in self.attn_groups for group in groups for name in group.layer_names
-        }
+        self.kv_caches = init_kv_cache(self.attn_layers, kv_cache_config, self.attn_groups, self.config.cache_config,
+                                       self.device)
+        self.layer_kv_group = layer_kv_groups(self.attn_groups)
         max_blocks = math.ceil(self.config.model_config.max_model_len / self.block_size)
-        max_reqs = self.config.scheduler_config.max_num_seqs
         self.block_tables = [
-            BlockTable(max_reqs, max_blocks, g.kv_cache_spec.block_size, self.device)
+            BlockTable(self.config.scheduler_config.max_num_seqs, max_blocks, g.kv_cache_spec.block_size, self.device)
             for g in kv_cache_config.kv_cache_groups
         ]
-        for group in (g for groups in self.attn_groups for g in groups):
-            k = group.kv_cache_spec.block_size // group.kernel_block_size
-            if k > 1:
-                group.kernel_block_table = torch.zeros(max_reqs, max_blocks * k, dtype=torch.int32, device=self.device)
-
-    def _allocate_kv_cache_group(self, group_spec: KVCacheGroupSpec, kernel_block_size: int) -> dict[str, torch.Tensor]:
-        """One zeroed buffer for the group; each layer's slice viewed as pages of the kernel's size.
-
-        The manager's `num_blocks` blocks of B tokens are `num_blocks * k` kernel blocks of B/k
-        tokens (k = B / kernel_block_size): the same bytes, cut finer. Manager block b is kernel
-        blocks b*k ... b*k + k-1, which is how the attention groups rewrite the block table.
-        """
-        spec = group_spec.kv_cache_spec
-        k = spec.block_size // kernel_block_size
-        shapes = [
-            self.attn_layers[name].attn_backend.get_kv_cache_shape(
-                self.kv_cache_config.num_blocks * k, kernel_block_size, spec.num_kv_heads, spec.head_size
-            )
-            for name in group_spec.layer_names
-        ]
-        per_layer = math.prod(shapes[0])
-        cache = self.config.cache_config
-        check_fits(
-            f"The KV cache ({self.kv_cache_config.num_blocks} blocks of {spec.block_size} tokens for {len(shapes)} "
-            "layers)", per_layer * len(shapes) * spec.dtype.itemsize, self.device,
-            f"it was sized by num_kv_blocks={cache.num_kv_blocks}, kv_cache_memory={cache.kv_cache_memory}; lower "
-            "them, or leave both None to size it from free memory.",
-        )
-        buffer = torch.zeros(per_layer * len(shapes), dtype=spec.dtype, device=self.device)
-        return {
-            name: buffer[i * per_layer : (i + 1) * per_layer].view(shape)
-            for i, (name, shape) in enumerate(zip(group_spec.layer_names, shapes))
-        }
 
     # ---- CUDA graphs ----------------------------------------------------------------
 
@@ -269,14 +213,9 @@ class ModelRunner:
         A FULL graph keeps the capture metadata (`build_for_cudagraph_capture`: host-side
         bounds valid for every batch it will replay); PIECEWISE graphs leave attention out.
         """
-        max_num_seqs = self.config.scheduler_config.max_num_seqs
-        query_lens = cudagraph.capture_query_lens(descriptor, max_num_seqs)
-        positions = [p for n in query_lens for p in range(n)]
-        batch = self._stage_batch(
-            [f"<capture {i}>" for i in range(len(query_lens))], [0] * len(positions), positions, query_lens,
-            seq_lens=query_lens, block_rows=[[[]] * len(query_lens) for _ in self.block_tables], logits_indices=[],
-            sampling_req_ids=[], num_padded_tokens=descriptor.num_tokens, write_cache=False,
-        )
+        query_lens = cudagraph.capture_query_lens(descriptor, self.config.scheduler_config.max_num_seqs)
+        host = HostBatch.for_capture(query_lens, len(self.block_tables))
+        batch = self._stage_batch(host, num_padded_tokens=descriptor.num_tokens)
         full = runtime_mode is CUDAGraphMode.FULL
         metadata, slot_mapping = self._build_metadata(batch, descriptor.num_tokens, for_cudagraph_capture=full)
         for step_mode in (CUDAGraphMode.NONE, runtime_mode):
@@ -295,7 +234,6 @@ class ModelRunner:
     def prepare_inputs(
         self,
         scheduled: list[ScheduledTokens],
-        block_ids: dict[str, list[list[int]]],
         num_padded_tokens: int | None = None,
         num_padded_reqs: int | None = None,
         previous: SampledTokens | None = None,
@@ -303,37 +241,17 @@ class ModelRunner:
         """Pack the scheduled tokens of all requests into flat tensors (see input_batch.py),
         padded to `num_padded_tokens` tokens and `num_padded_reqs` requests for a graph.
         Placeholder tokens take their ids from `previous` (the last step's samples) on the device."""
-        token_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sampling_req_ids: list[str] = []
-        for s in scheduled:
-            start, end = s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids)
-            token_ids += s.token_ids
-            positions += range(start, end)
-            query_lens.append(end - start)
-            seq_lens.append(end)
-            if s.samples:
-                logits_indices.append(len(token_ids) - 1)
-                sampling_req_ids.append(s.req_id)
-        req_ids = [s.req_id for s in scheduled]
-        block_rows = [[block_ids[r][g] for r in req_ids] for g in range(len(self.block_tables))]
-        batch = self._stage_batch(
-            req_ids, token_ids, positions, query_lens, seq_lens, block_rows, logits_indices, sampling_req_ids,
-            num_padded_tokens=num_padded_tokens, num_padded_reqs=num_padded_reqs,
-        )
-        placeholders = [(i, s.req_id) for s, i in zip(scheduled, itertools.accumulate(len(s.token_ids) for s in scheduled))
-                        if s.token_ids[-1] == PLACEHOLDER_TOKEN_ID]
+        host = HostBatch.from_scheduled(scheduled)
+        batch = self._stage_batch(host, num_padded_tokens, num_padded_reqs)
+        placeholders = host.placeholders
         if placeholders:
             self._fill_placeholders(batch.input_ids, placeholders, previous)
         return batch
 
     def _fill_placeholders(self, input_ids: torch.Tensor, placeholders: list[tuple[int, str]],
                            previous: SampledTokens | None) -> None:
-        """Copy the ids the previous step sampled into the placeholders (each a request's last
-        token, at packed index end - 1), device to device: the host never waits for them."""
+        """Copy the ids the previous step sampled into the placeholders (packed index, request),
+        device to device: the host never waits for them."""
         if previous is None:
             raise ValueError(f"{len(placeholders)} scheduled token(s) are placeholders, but no previous step's "
                              "samples were given (execute_model's `previous`).")
@@ -341,27 +259,16 @@ class ModelRunner:
         missing = [r for _, r in placeholders if r not in row]
         if missing:
             raise ValueError(f"Requests {missing} have a placeholder token, but the previous step sampled none for them.")
-        index = torch.tensor([end - 1 for end, _ in placeholders], dtype=torch.long)
+        index = torch.tensor([i for i, _ in placeholders], dtype=torch.long)
         rows = torch.tensor([row[r] for _, r in placeholders], dtype=torch.long)
         input_ids[index.to(self.device, non_blocking=True)] = previous.token_ids[rows.to(self.device, non_blocking=True)]
 
     def _stage_batch(
-        self,
-        req_ids: list[str],
-        token_ids: list[int],
-        positions: list[int],
-        query_lens: list[int],
-        seq_lens: list[int],
-        block_rows: list[list[list[int]]],
-        logits_indices: list[int],
-        sampling_req_ids: list[str],
-        *,
-        num_padded_tokens: int | None = None,
-        num_padded_reqs: int | None = None,
-        write_cache: bool = True,
+        self, host: HostBatch, num_padded_tokens: int | None = None, num_padded_reqs: int | None = None
     ) -> InputBatch:
         """Host lists -> the step's device tensors. Padding tokens are id 0 at position 0 with
         slot -1; padding requests have no query tokens and sequence length 0."""
+        token_ids, positions, query_lens, seq_lens = host.token_ids, host.positions, host.query_lens, host.seq_lens
         num_tokens, num_reqs = len(token_ids), len(query_lens)
         pad_tokens = (num_padded_tokens or num_tokens) - num_tokens
         pad_reqs = (num_padded_reqs or num_reqs) - num_reqs
@@ -370,8 +277,8 @@ class ModelRunner:
         req_indices = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(query_lens))
         slot_mappings = []
         for g, table in enumerate(self.block_tables):
-            table.set_rows(block_rows[g] + [[]] * pad_reqs)
-            if write_cache:
+            table.set_rows(host.block_ids[g] + [[]] * pad_reqs)
+            if host.writes_kv_cache:
                 slots = compute_slot_mapping(table.get_cpu_tensor(), req_indices, positions_cpu, table.block_size,
                                              num_tokens + pad_tokens)
             else:
@@ -383,7 +290,7 @@ class ModelRunner:
         padding = [0] * pad_tokens
         ids_cpu, positions_padded = (torch.tensor(x + padding, dtype=torch.long) for x in (token_ids, positions))
         return InputBatch(
-            req_ids=req_ids,
+            req_ids=host.req_ids,
             input_ids=self._to_device(ids_cpu, buffers and buffers.input_ids),
             positions=self._to_device(positions_padded, buffers and buffers.positions),
             query_start_loc=self._to_device(qsl_cpu, buffers and buffers.query_start_loc),
@@ -395,8 +302,8 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             block_tables=[t.get_device_tensor() for t in self.block_tables],
             slot_mappings=slot_mappings,
-            logits_indices=self._to_device(torch.tensor(logits_indices, dtype=torch.long), None),
-            sampling_req_ids=sampling_req_ids,
+            logits_indices=self._to_device(torch.tensor(host.logits_indices, dtype=torch.long), None),
+            sampling_req_ids=host.sampling_req_ids,
         )
 
     def _to_device(self, values: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
@@ -434,8 +341,7 @@ class ModelRunner:
         return attn_metadata, slot_mapping
 
     @torch.inference_mode()
-    def execute_model(self, scheduled: list[ScheduledTokens], block_ids: dict[str, list[list[int]]],
-                      previous: SampledTokens | None = None) -> StepResult:
+    def execute_model(self, scheduled: list[ScheduledTokens], previous: SampledTokens | None = None) -> StepResult:
         """Run the model on the scheduled tokens; return logits of the requests that sample.
         Placeholder tokens (async scheduling) take their ids from `previous`, on the device."""
         num_tokens = sum(len(s.token_ids) for s in scheduled)
@@ -445,13 +351,13 @@ class ModelRunner:
             mode, descriptor = self.dispatcher.dispatch(num_tokens, uniform_decode)
         full = mode is CUDAGraphMode.FULL
         num_reqs = cudagraph.capture_num_reqs(descriptor, self.config.scheduler_config.max_num_seqs) if full else None
-        batch = self.prepare_inputs(scheduled, block_ids, descriptor.num_tokens, num_reqs, previous)
+        batch = self.prepare_inputs(scheduled, descriptor.num_tokens, num_reqs, previous)
         # Built in FULL steps too: builders rewrite their persistent buffers (graphs read those).
         attn_metadata, slot_mapping = self._build_metadata(batch, descriptor.num_tokens if full else num_tokens)
         if full:
             assert self.full_graph is not None
             # The inputs are in the buffers the graph reads: no model code runs, so nothing
-            # looks anything up, and no forward context is set (seed 000, step 7).
+            # looks anything up, and no forward context is set.
             hidden = self.full_graph.replay(descriptor)
         else:
             with set_forward_context(

@@ -291,8 +291,7 @@ class TensorParallelExecutor:
         if lost:
             raise EngineDeadError(f"Tensor-parallel start-up failed: {lost}.")
 
-    def execute_model(self, scheduled: list[ScheduledTokens], block_ids: dict[str, list[list[int]]],
-                      previous: SampledTokens | None = None) -> StepResult:
+    def execute_model(self, scheduled: list[ScheduledTokens], previous: SampledTokens | None = None) -> StepResult:
         """Run one step on every rank. The ranks get plain values from the driver, so placeholder
         tokens (async scheduling) are filled in here on the host: the driver waits for the last
         step's samples, and async scheduling overlaps nothing under tensor parallelism (vLLM
@@ -308,8 +307,8 @@ class TensorParallelExecutor:
         # and the engine runs the step again).
         with deferred_interrupts(), tensor_parallel(self.group):
             try:
-                broadcast_object(self.group, (scheduled, block_ids))
-                return self.runner.execute_model(scheduled, block_ids)
+                broadcast_object(self.group, (scheduled,))
+                return self.runner.execute_model(scheduled)
             except Exception as error:
                 self._fail(error)
 
