@@ -16,9 +16,10 @@ import pytest
 
 import pagedkv.exercises.cudagraph as cudagraph
 from pagedkv.attention.backend import AttentionCGSupport
+from pagedkv.compilation.resolve import resolve_explained
 from pagedkv.config import CUDAGraphMode
 from pagedkv.exercises import reveal
-from pagedkv.exercises.cudagraph import LOWERING_EXERCISES, check_lowering, check_raising, resolve_explained
+from pagedkv.exercises.cudagraph import LOWERING_EXERCISES, check_lowering, check_raising
 from tests.exercise_checks import StrEqualToAnything, assert_rejected, assert_worked_solutions_pass
 
 M, S = CUDAGraphMode, AttentionCGSupport

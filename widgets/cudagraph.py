@@ -1,9 +1,9 @@
 """Notebook 08's views: CUDA graph modes and the piecewise split.
 
 `CudaGraphModeExplorer`: choose a CUDA graph mode and a backend's support, see what runs.
-The verdict comes from the engine's own `resolve_cudagraph_mode` (through
-`pagedkv.exercises.cudagraph.resolve_explained`, which also keeps the warnings it logs), so
-the widget can never disagree with what `LLM` would do at start-up.
+The verdict comes from the engine's own rules (`pagedkv.compilation.resolve.resolve_explained`,
+which `resolve_cudagraph_mode` wraps, with the warnings it would log), so the widget can never
+disagree with what `LLM` would do at start-up.
 
 `PiecewiseSplitView`: the pieces of a model compiled by `compile_model`, and the attention ops
 run eagerly between them.
@@ -20,8 +20,8 @@ import ipywidgets
 from pagedkv.attention.backend import AttentionCGSupport
 from pagedkv.attention.selector import load_backend, registered_backends
 from pagedkv.checks import check_int
+from pagedkv.compilation.resolve import Resolution, resolve_explained
 from pagedkv.config import CUDAGraphMode
-from pagedkv.exercises.cudagraph import Resolution, resolve_explained
 from pagedkv.widgets.common import BASE_STYLE, esc, short_layer
 
 if TYPE_CHECKING:

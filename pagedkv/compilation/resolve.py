@@ -2,7 +2,7 @@
 
 The runner asks every attention group's metadata builder how much capture it allows
 (`AttentionCGSupport`, NEVER < UNIFORM_SINGLE_TOKEN_DECODE < UNIFORM_BATCH < ALWAYS) and
-keeps the weakest answer. `resolve_cudagraph_mode` then applies these rules, in order:
+keeps the weakest answer. `resolve_explained` then applies these rules, in order:
 
     1. enforce_eager                                          -> NONE
     2. mixed routine FULL, support below ALWAYS:  NEVER raises; else FULL_AND_PIECEWISE if
@@ -14,13 +14,16 @@ keeps the weakest answer. `resolve_cudagraph_mode` then applies these rules, in 
     5. a piecewise routine, attention not compiled piecewise  -> that routine run eagerly
     6. a FULL routine left with support NEVER raises (a last guard: rules 2-3 leave none)
 
-Every change logs a warning that names the backend, so a slower-than-expected start-up
-can be traced to the backend that forced it.
+and records each change as a `LoweringStep`. `resolve_cudagraph_mode`, what the engine calls,
+logs every step as a warning that names the backend, so a slower-than-expected start-up can be
+traced to the backend that forced it, and raises the error.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 from pagedkv.attention.backend import AttentionCGSupport
 from pagedkv.config import CUDAGraphMode
@@ -28,7 +31,52 @@ from pagedkv.config import CUDAGraphMode
 logger = logging.getLogger("pagedkv")
 
 
-def resolve_cudagraph_mode(
+@dataclass(frozen=True)
+class LoweringStep:
+    """One change of mode: the rule that made it, and why."""
+
+    rule: int
+    before: CUDAGraphMode
+    after: CUDAGraphMode
+    cause: str
+    """The backend and its support."""
+    reason: str
+
+    @property
+    def message(self) -> str:
+        """The warning the engine logs for this step."""
+        return (
+            f"cudagraph_mode {self.before.name} -> {self.after.name} with the {self.cause}: {self.reason}."
+        )
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What the lowering rules made of one configuration, step by step."""
+
+    configured: CUDAGraphMode
+    resolved: CUDAGraphMode | None
+    """None when the configuration is refused."""
+    steps: tuple[LoweringStep, ...]
+    """One per change of mode, in the order the rules made them."""
+    error: str | None
+    """Why the configuration is refused (the ValueError `resolve_cudagraph_mode` raises)."""
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """The warnings `resolve_cudagraph_mode` logs, in order."""
+        return tuple(step.message for step in self.steps)
+
+    def describe(self) -> str:
+        """The resolved mode, or the error, and the path through the rules as logged."""
+        outcome = f"raises ValueError: {self.error}" if self.error else f"resolves to {self.resolved.name}"
+        log = "".join(f"\n  log: {message}" for message in self.warnings)
+        if not log and not self.error:
+            log = "\n  (no warning: the mode is unchanged)"
+        return f"{self.configured.name} {outcome}{log}"
+
+
+def resolve_explained(
     mode: CUDAGraphMode | str,
     support: AttentionCGSupport,
     *,
@@ -36,8 +84,11 @@ def resolve_cudagraph_mode(
     attention_compiled_piecewise: bool,
     uniform_decode_query_len: int = 1,
     enforce_eager: bool = False,
-) -> CUDAGraphMode:
-    """The mode the engine can really run, given the weakest backend's support.
+) -> Resolution:
+    """The lowering rules applied to one configuration: every step, and the mode or the error.
+
+    Logs nothing (notebook widgets call it on every click); `resolve_cudagraph_mode` is the
+    engine's call.
 
     Args:
         mode: the configured mode (or its name).
@@ -50,54 +101,72 @@ def resolve_cudagraph_mode(
         enforce_eager: run every step eagerly.
 
     Raises:
-        ValueError: full graphs were asked for every batch (FULL) with a backend that cannot
-            capture any, or an argument is malformed.
+        TypeError, ValueError: an argument is malformed (a refused configuration is no
+            exception here: it is `Resolution.error`).
     """
-    mode = CUDAGraphMode.parse(mode)
+    configured = mode = CUDAGraphMode.parse(mode)
     _check_arguments(support, backend_name, uniform_decode_query_len)
+    steps: list[LoweringStep] = []
+    by_backend = f"{backend_name} backend (support: {support.name})"
 
-    def lower(new: CUDAGraphMode, reason: str) -> CUDAGraphMode:
-        logger.warning(
-            "cudagraph_mode %s -> %s with the %s backend (support: %s): %s.",
-            mode.name, new.name, backend_name, support.name, reason,
-        )
+    def lower(rule: int, new: CUDAGraphMode, cause: str, reason: str) -> CUDAGraphMode:
+        steps.append(LoweringStep(rule, mode, new, cause, reason))
         return new
 
+    def refused() -> Resolution:
+        error = f"CUDAGraphMode.{mode.name} is not supported with {by_backend}; please try cudagraph_mode=PIECEWISE"
+        return Resolution(configured, None, tuple(steps), error)
+
     if enforce_eager:
-        return mode if mode is CUDAGraphMode.NONE else lower(CUDAGraphMode.NONE, "enforce_eager=True")
+        if mode is not CUDAGraphMode.NONE:
+            lower(1, CUDAGraphMode.NONE, by_backend, "enforce_eager=True")
+        return Resolution(configured, CUDAGraphMode.NONE, tuple(steps), None)
     split = "attention is compiled piecewise" if attention_compiled_piecewise else "attention is not compiled piecewise"
     if mode.mixed_mode() is CUDAGraphMode.FULL and support is not AttentionCGSupport.ALWAYS:
         if support is AttentionCGSupport.NEVER:
-            raise ValueError(_unsupported(mode, backend_name, support))
+            return refused()
         fallback = CUDAGraphMode.FULL_AND_PIECEWISE if attention_compiled_piecewise else CUDAGraphMode.FULL_DECODE_ONLY
-        mode = lower(fallback, f"full graphs of mixed batches need support ALWAYS; {split}")
+        mode = lower(2, fallback, by_backend, f"full graphs of mixed batches need support ALWAYS; {split}")
     if mode.decode_mode() is CUDAGraphMode.FULL and support is AttentionCGSupport.NEVER:
-        mode = lower(_piecewise_or_none(attention_compiled_piecewise), f"no full graphs at all; {split}")
+        mode = lower(3, _piecewise_or_none(attention_compiled_piecewise), by_backend, f"no full graphs at all; {split}")
     if (
         mode.decode_mode() is CUDAGraphMode.FULL
         and uniform_decode_query_len > 1
         and support.value < AttentionCGSupport.UNIFORM_BATCH.value
     ):
         mode = lower(
-            _piecewise_or_none(attention_compiled_piecewise),
+            4, _piecewise_or_none(attention_compiled_piecewise), by_backend,
             f"decode steps of {uniform_decode_query_len} query tokens need support UNIFORM_BATCH; {split}",
         )
     if mode.requires_piecewise_compilation() and not attention_compiled_piecewise:
-        mode = lower(mode.without_piecewise(), "piecewise graphs need the attention ops split out (compile=True)")
+        mode = lower(
+            5, mode.without_piecewise(), by_backend, "piecewise graphs need the attention ops split out (compile=True)",
+        )
     if mode.has_full_cudagraphs() and support is AttentionCGSupport.NEVER:
-        raise ValueError(_unsupported(mode, backend_name, support))
-    return mode
+        return refused()
+    return Resolution(configured, mode, tuple(steps), None)
+
+
+def resolve_cudagraph_mode(*args: Any, **kwargs: Any) -> CUDAGraphMode:
+    """The mode the engine can really run, given the weakest backend's support.
+
+    Takes `resolve_explained`'s arguments, passed on as they are (one parameter list, so the
+    two cannot drift apart), logs each of its steps as a warning and returns its mode.
+
+    Raises:
+        ValueError: full graphs were asked for every batch (FULL) with a backend that cannot
+            capture any, or an argument is malformed.
+    """
+    result = resolve_explained(*args, **kwargs)
+    for step in result.steps:
+        logger.warning("%s", step.message)
+    if result.resolved is None:
+        raise ValueError(result.error)
+    return result.resolved
 
 
 def _piecewise_or_none(attention_compiled_piecewise: bool) -> CUDAGraphMode:
     return CUDAGraphMode.PIECEWISE if attention_compiled_piecewise else CUDAGraphMode.NONE
-
-
-def _unsupported(mode: CUDAGraphMode, backend_name: str, support: AttentionCGSupport) -> str:
-    return (
-        f"CUDAGraphMode.{mode.name} is not supported with {backend_name} backend (support: {support.name}); "
-        "please try cudagraph_mode=PIECEWISE"
-    )
 
 
 def _check_arguments(support: AttentionCGSupport, backend_name: str, uniform_decode_query_len: int) -> None:

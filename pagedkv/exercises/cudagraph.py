@@ -3,25 +3,22 @@
     check_lowering(number, answer)   what `resolve_cudagraph_mode` makes of LOWERING_EXERCISES[number]
     check_raising(pairs)             which (mode, support) pairs make it raise
 
-The answers are values, not functions: each is checked against `resolve_cudagraph_mode` itself,
-run on the exercise's configuration after the answer is in, while its log warnings are captured
-(`resolve_explained`). A wrong answer is told which rule it missed, worded from the configuration
-and the answer (never the resolved mode); `reveal()` walks the resolver's path rule by rule.
-The notebook's `CudaGraphModeExplorer` widget uses the same `resolve_explained`.
+The answers are values, not functions: each is checked against the engine's own rules
+(`pagedkv.compilation.resolve.resolve_explained`, which `resolve_cudagraph_mode` wraps), run on
+the exercise's configuration after the answer is in. A wrong answer is told which rule it missed,
+worded from the configuration and the answer (never the resolved mode); `reveal()` walks the
+recorded steps rule by rule. The notebook's `CudaGraphModeExplorer` widget reads the same steps.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-import re
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.attention.backend import AttentionCGSupport
-from pagedkv.compilation import resolve_cudagraph_mode
+from pagedkv.compilation.resolve import Resolution, resolve_explained
 from pagedkv.config import CUDAGraphMode
 from pagedkv.exercises import CheckResult, exercise
 
@@ -46,83 +43,6 @@ RULES: dict[int, str] = {
        "already removed every such routine except FULL on mixed batches, which rule 2 refuses first.",
 }
 """The lowering rules in the order `resolve_cudagraph_mode` applies them."""
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """What `resolve_cudagraph_mode` made of one configuration, and what it logged."""
-
-    configured: CUDAGraphMode
-    resolved: CUDAGraphMode | None
-    """None when it raised."""
-    warnings: tuple[str, ...]
-    """The warnings it logged, in order: one per change of mode."""
-    error: str | None
-    """The ValueError's message when it raised."""
-
-    def describe(self) -> str:
-        """The resolved mode, or the error, and the path through the rules as logged."""
-        outcome = f"raises ValueError: {self.error}" if self.error else f"resolves to {self.resolved.name}"
-        log = "".join(f"\n  log: {message}" for message in self.warnings)
-        if not log and not self.error:
-            log = "\n  (no warning: the mode is unchanged)"
-        return f"{self.configured.name} {outcome}{log}"
-
-
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@contextmanager
-def _captured_warnings(logger: logging.Logger) -> Iterator[list[str]]:
-    """Collect the logger's warnings while inside, instead of printing them: the caller shows
-    them (a widget redrawn on every click would otherwise print each one again)."""
-    handler = _Collect()
-    level, propagate = logger.level, logger.propagate
-    if not logger.isEnabledFor(logging.WARNING):
-        logger.setLevel(logging.WARNING)  # someone silenced it: the messages are what we are after
-    logger.propagate = False
-    logger.addHandler(handler)
-    try:
-        yield handler.messages
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-        logger.propagate = propagate
-
-
-def resolve_explained(
-    mode: CUDAGraphMode | str,
-    support: AttentionCGSupport,
-    *,
-    backend_name: str,
-    attention_compiled_piecewise: bool,
-    uniform_decode_query_len: int = 1,
-    enforce_eager: bool = False,
-) -> Resolution:
-    """Run `resolve_cudagraph_mode` with these arguments and keep its result, warnings and error.
-
-    Malformed arguments still raise (TypeError / ValueError from the resolver's checks);
-    only the documented "not supported" ValueError becomes `Resolution.error`.
-    """
-    configured = CUDAGraphMode.parse(mode)
-    with _captured_warnings(logging.getLogger("pagedkv")) as messages:
-        try:
-            resolved = resolve_cudagraph_mode(
-                configured, support, backend_name=backend_name,
-                attention_compiled_piecewise=attention_compiled_piecewise,
-                uniform_decode_query_len=uniform_decode_query_len, enforce_eager=enforce_eager,
-            )
-        except ValueError as exc:
-            if "is not supported with" not in str(exc):
-                raise
-            return Resolution(configured, None, tuple(messages), str(exc))
-    return Resolution(configured, resolved, tuple(messages), None)
 
 
 @dataclass(frozen=True)
@@ -177,32 +97,6 @@ def _parse_answer(answer: Any) -> CUDAGraphMode | str | None:
         return None
 
 
-_STEP = re.compile(r"cudagraph_mode (\w+) -> (\w+) with .*?\): (.*)\.$")
-_RULE_OF_REASON = (("enforce_eager", 1), ("full graphs of mixed", 2), ("no full graphs at all", 3),
-                   ("decode steps of", 4), ("piecewise graphs need", 5))
-"""The start of each rule's reason in the resolver's warning, and the rule's number."""
-
-
-@dataclass(frozen=True)
-class _Step:
-    """One change of mode the resolver logged, and the rule that made it."""
-
-    rule: int
-    before: CUDAGraphMode
-    after: CUDAGraphMode
-    reason: str
-
-
-def _steps(result: Resolution) -> list[_Step]:
-    """The resolver's path through the rules, read from its warnings (one per change)."""
-    steps = []
-    for message in result.warnings:
-        before, after, reason = _STEP.match(message).groups()  # type: ignore[union-attr]
-        rule = next(number for start, number in _RULE_OF_REASON if reason.startswith(start))
-        steps.append(_Step(rule, CUDAGraphMode[before], CUDAGraphMode[after], reason))
-    return steps
-
-
 def _why(rule: int, exercise: LoweringExercise, mode: CUDAGraphMode) -> str:
     """Why `rule` applies to `mode` in this configuration, without the mode it leads to."""
     support, q = exercise.support.name, exercise.uniform_decode_query_len
@@ -238,7 +132,7 @@ def _broken_rule(answer: CUDAGraphMode, exercise: LoweringExercise) -> tuple[int
 
 def _missed(answer: CUDAGraphMode | str, result: Resolution, exercise: LoweringExercise) -> str:
     """Which rule a wrong answer missed, and a hint; never the resolved mode."""
-    configured, steps = exercise.mode, _steps(result)
+    configured, steps = exercise.mode, result.steps
     if answer == RAISES:
         if exercise.enforce_eager:
             return "nothing is refused here: rule 1 comes before every rule that raises, and enforce_eager=True."
@@ -288,7 +182,7 @@ def _missed(answer: CUDAGraphMode | str, result: Resolution, exercise: LoweringE
 def _worked(result: Resolution, exercise: LoweringExercise) -> str:
     """The resolver's path through the rules for this configuration, step by step."""
     lines = [str(exercise), "The rules that apply, in order:"]
-    lines += [f"  rule {step.rule}: {step.before.name} -> {step.after.name} ({step.reason})" for step in _steps(result)]
+    lines += [f"  rule {step.rule}: {step.before.name} -> {step.after.name} ({step.reason})" for step in result.steps]
     if result.error is not None:
         lines.append(f"  rule 2: {exercise.mode.name} raises ValueError ({result.error})")
     elif not result.warnings:
