@@ -188,9 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
                      metavar="1,2,3", help="one prompt as comma-separated token ids; may be given several "
                      "times (one prompt each), mixed with --prompt in the order given")
     gen.add_argument("--n", type=int, default=1, help="repeat the prompts n times (a bigger batch)")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None, help="sampling seed (SamplingParams.seed)")
+    # The CLI's own sampling defaults (greedy, 32 tokens: a reproducible look at a model); seed is SamplingParams'.
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy (default %(default)s)")
+    gen.add_argument("--seed", type=int, default=SamplingParams.seed, help="sampling seed (SamplingParams.seed)")
     gen.add_argument("--show-steps", action="store_true",
                      help="print a table row per engine step (prefill: prompt tokens computed; cached: "
                           "tokens found in the prefix cache instead)")
