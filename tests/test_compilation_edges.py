@@ -37,7 +37,10 @@ def test_no_full_graphs_without_split_lowers_straight_to_none(caplog: pytest.Log
     assert resolved is M.NONE
     messages = [r.getMessage() for r in caplog.records if r.name == "pagedkv"]
     assert len(messages) == 1, messages
-    assert messages[0].startswith(f"cudagraph_mode {mode.name} -> NONE with the TORCH_REF backend")
+    assert messages[0].startswith(
+        f"CUDAGraphMode.{mode.name} is not supported with TORCH_REF backend (support: NEVER); "
+        "setting cudagraph_mode=NONE"
+    )
 
 
 # ---- split.py: structure_key ------------------------------------------------------------------

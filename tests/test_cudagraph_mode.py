@@ -10,12 +10,13 @@ from __future__ import annotations
 import ast
 import itertools
 import logging
+import re
 from pathlib import Path
 
 import pytest
 
 from pagedkv.attention.backend import AttentionCGSupport
-from pagedkv.compilation import resolve_cudagraph_mode
+from pagedkv.compilation import resolve_cudagraph_mode, resolve_explained
 from pagedkv.config import CUDAGraphMode
 
 M = CUDAGraphMode
@@ -94,12 +95,14 @@ def test_resolution_table(
     resolved = resolve_cudagraph_mode(mode, support, **kwargs)
     assert resolved is M[expected]
     warnings = [r for r in caplog.records if r.name == "pagedkv" and r.levelno == logging.WARNING]
-    # A change is always announced, naming the backend; no change, no warning.
+    # A change is always announced, in the words vLLM's warnings use; no change, no warning.
     assert bool(warnings) == (resolved is not mode)
     for record in warnings:
-        assert BACKEND in record.getMessage()
+        assert re.fullmatch(r"CUDAGraphMode\.\w+ is not supported with .+; setting cudagraph_mode=\w+ \(.+\)",
+                            record.getMessage())
     if warnings:
-        assert f"-> {resolved.name} " in warnings[-1].getMessage()
+        assert f"CUDAGraphMode.{mode.name} is not supported with " in warnings[0].getMessage()
+        assert f"; setting cudagraph_mode={resolved.name} (" in warnings[-1].getMessage()
 
 
 def test_full_with_a_backend_that_never_captures_raises_the_documented_message() -> None:
@@ -123,10 +126,55 @@ def test_each_lowering_step_logs_its_own_warning(caplog: pytest.LogCaptureFixtur
     assert resolved is M.PIECEWISE
     messages = [r.getMessage() for r in caplog.records if r.name == "pagedkv"]
     assert len(messages) == 2
-    assert messages[0].startswith("cudagraph_mode FULL -> FULL_AND_PIECEWISE with the FLASH_ATTN backend")
+    assert messages[0].startswith(
+        "CUDAGraphMode.FULL is not supported with FLASH_ATTN backend (support: UNIFORM_SINGLE_TOKEN_DECODE); "
+        "setting cudagraph_mode=FULL_AND_PIECEWISE ("
+    )
     assert "support ALWAYS" in messages[0]
-    assert messages[1].startswith("cudagraph_mode FULL_AND_PIECEWISE -> PIECEWISE with the FLASH_ATTN backend")
+    assert messages[1].startswith(
+        "CUDAGraphMode.FULL_AND_PIECEWISE is not supported with FLASH_ATTN backend "
+        "(support: UNIFORM_SINGLE_TOKEN_DECODE); setting cudagraph_mode=PIECEWISE ("
+    )
     assert "2 query tokens" in messages[1]
+
+
+# Each lowering rule's warning, written out by hand: every one holds "is not supported with", the
+# phrase vLLM's warnings share (vllm/config/compilation.py) and a log is grepped for; the three
+# rules a backend's support forces name the backend and its support, as vLLM's do.
+RULE_WARNINGS = [
+    (1, dict(mode=M.FULL, support=S.NEVER, backend_name="TORCH_REF", attention_compiled_piecewise=False,
+             enforce_eager=True),
+     "CUDAGraphMode.FULL is not supported with enforce_eager=True; setting cudagraph_mode=NONE "
+     "(every step runs eagerly)"),
+    (2, dict(mode=M.FULL, support=S.UNIFORM_BATCH, backend_name="FLASH_ATTN", attention_compiled_piecewise=True),
+     "CUDAGraphMode.FULL is not supported with FLASH_ATTN backend (support: UNIFORM_BATCH); setting "
+     "cudagraph_mode=FULL_AND_PIECEWISE (full graphs of mixed batches need support ALWAYS; attention is compiled "
+     "piecewise)"),
+    (3, dict(mode=M.FULL_DECODE_ONLY, support=S.NEVER, backend_name="TORCH_REF", attention_compiled_piecewise=False),
+     "CUDAGraphMode.FULL_DECODE_ONLY is not supported with TORCH_REF backend (support: NEVER); setting "
+     "cudagraph_mode=NONE (no full graphs at all; attention is not compiled piecewise)"),
+    (4, dict(mode=M.FULL_DECODE_ONLY, support=S.UNIFORM_SINGLE_TOKEN_DECODE, backend_name=BACKEND,
+             attention_compiled_piecewise=True, uniform_decode_query_len=2),
+     "CUDAGraphMode.FULL_DECODE_ONLY is not supported with MY_TEST_BACKEND backend (support: "
+     "UNIFORM_SINGLE_TOKEN_DECODE); setting cudagraph_mode=PIECEWISE (decode steps of 2 query tokens need support "
+     "UNIFORM_BATCH; attention is compiled piecewise)"),
+    (5, dict(mode=M.FULL_AND_PIECEWISE, support=S.ALWAYS, backend_name=BACKEND, attention_compiled_piecewise=False),
+     "CUDAGraphMode.FULL_AND_PIECEWISE is not supported with a model not split at the attention ops; setting "
+     "cudagraph_mode=FULL_DECODE_ONLY (piecewise graphs need the attention ops split out, as compile=True does)"),
+]
+
+
+@pytest.mark.parametrize(("rule", "kwargs", "message"), RULE_WARNINGS, ids=[f"rule{r[0]}" for r in RULE_WARNINGS])
+def test_each_rule_warns_in_words_a_log_can_be_grepped_for(
+    caplog: pytest.LogCaptureFixture, rule: int, kwargs: dict, message: str
+) -> None:
+    caplog.set_level(logging.WARNING, logger="pagedkv")
+    args = dict(kwargs)
+    resolve_cudagraph_mode(args.pop("mode"), args.pop("support"), **args)
+    assert [r.getMessage() for r in caplog.records if r.name == "pagedkv"] == [message]
+    args = dict(kwargs)
+    (step,) = resolve_explained(args.pop("mode"), args.pop("support"), **args).steps
+    assert step.rule == rule and step.message == message
 
 
 def test_enforce_eager_is_announced_and_beats_the_error(caplog: pytest.LogCaptureFixture) -> None:
@@ -136,8 +184,9 @@ def test_enforce_eager_is_announced_and_beats_the_error(caplog: pytest.LogCaptur
     )
     assert resolved is M.NONE
     (record,) = caplog.records
-    assert "FULL -> NONE" in record.getMessage() and "TORCH_REF" in record.getMessage()
-    assert "enforce_eager" in record.getMessage()
+    assert record.getMessage().startswith(
+        "CUDAGraphMode.FULL is not supported with enforce_eager=True; setting cudagraph_mode=NONE"
+    )
 
 
 @pytest.mark.parametrize(

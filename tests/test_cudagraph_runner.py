@@ -294,7 +294,10 @@ def test_piecewise_with_a_backend_that_cannot_capture(emulated_graphs: None, cap
     llm = LLM("tiny", cudagraph_mode="full_and_piecewise", compile=True, **engine)
     steps = _run(llm)
     assert llm.runner.cudagraph_mode is M.PIECEWISE
-    assert "cudagraph_mode FULL_AND_PIECEWISE -> PIECEWISE with the TORCH_REF backend (support: NEVER)" in caplog.text
+    assert (
+        "CUDAGraphMode.FULL_AND_PIECEWISE is not supported with TORCH_REF backend (support: NEVER); "
+        "setting cudagraph_mode=PIECEWISE" in caplog.text
+    )
     assert [(m, d.num_tokens, calls) for m, d, calls, _ in steps] == [
         ("PIECEWISE", 8, 1), ("PIECEWISE", 8, 1), ("PIECEWISE", 4, 1), ("PIECEWISE", 4, 1), ("PIECEWISE", 2, 1),
         ("PIECEWISE", 1, 1),
@@ -317,7 +320,7 @@ def test_cpu_engines_run_eagerly_and_say_why(caplog: pytest.LogCaptureFixture) -
 def test_enforce_eager_wins(caplog: pytest.LogCaptureFixture) -> None:
     llm = LLM("tiny", cudagraph_mode="FULL_DECODE_ONLY", enforce_eager=True, **ENGINE)
     assert llm.runner.cudagraph_mode is M.NONE and llm.runner.full_graph is None
-    expected = "cudagraph_mode FULL_DECODE_ONLY -> NONE with the TRITON_ATTN backend (support: ALWAYS): enforce_eager"
+    expected = "CUDAGraphMode.FULL_DECODE_ONLY is not supported with enforce_eager=True; setting cudagraph_mode=NONE"
     assert expected in caplog.text
 
 

@@ -67,7 +67,7 @@ def test_right_answer_in_any_spelling(number: int) -> None:
     for answer in (right, right.name, right.name.lower(), f" {right.name} "):
         result = check_lowering(number, answer)
         assert result.ok, result.message
-        assert f"resolves to {right.name}" in result.message and "log: cudagraph_mode" in result.message
+        assert f"resolves to {right.name}" in result.message and "log: CUDAGraphMode." in result.message
 
 
 @pytest.mark.parametrize(("number", "wrong", "phrase"), WRONG)
@@ -124,9 +124,10 @@ def test_resolve_explained_keeps_warnings_without_printing(
                                attention_compiled_piecewise=True, uniform_decode_query_len=2)
     assert caplog.records == [] and logger.propagate
     assert result.resolved is M.PIECEWISE  # rule 2 (-> FULL_AND_PIECEWISE), then rule 4 (-> PIECEWISE)
-    assert [w.split(" with ")[0] for w in result.warnings] == [
-        "cudagraph_mode FULL -> FULL_AND_PIECEWISE", "cudagraph_mode FULL_AND_PIECEWISE -> PIECEWISE",
+    assert [(step.rule, step.before, step.after) for step in result.steps] == [
+        (2, M.FULL, M.FULL_AND_PIECEWISE), (4, M.FULL_AND_PIECEWISE, M.PIECEWISE),
     ]
+    assert result.warnings == tuple(step.message for step in result.steps)
     assert logger.handlers == handlers and capsys.readouterr().err == ""
     with pytest.raises(ValueError, match="uniform_decode_query_len must be >= 1"):  # bad input still raises
         resolve_explained(M.FULL, S.ALWAYS, backend_name="B", attention_compiled_piecewise=True,

@@ -15,8 +15,10 @@ keeps the weakest answer. `resolve_explained` then applies these rules, in order
     6. a FULL routine left with support NEVER raises (a last guard: rules 2-3 leave none)
 
 and records each change as a `LoweringStep`. `resolve_cudagraph_mode`, what the engine calls,
-logs every step as a warning that names the backend, so a slower-than-expected start-up can be
-traced to the backend that forced it, and raises the error.
+logs every step as a warning and raises the error. Every warning reads "CUDAGraphMode.X is
+not supported with ...; setting cudagraph_mode=Y (why)", as vLLM's do (vllm/config/compilation.py,
+vllm/v1/worker/gpu_model_runner.py), so grepping a log for "is not supported with" finds every
+change of mode, and the ones a backend forced name it.
 """
 
 from __future__ import annotations
@@ -33,20 +35,21 @@ logger = logging.getLogger("pagedkv")
 
 @dataclass(frozen=True)
 class LoweringStep:
-    """One change of mode: the rule that made it, and why."""
+    """One change of mode: the rule that made it, what it was made by, and why."""
 
     rule: int
     before: CUDAGraphMode
     after: CUDAGraphMode
     cause: str
-    """The backend and its support."""
+    """What `before` is not supported with: the backend and its support, enforce_eager, or the split."""
     reason: str
 
     @property
     def message(self) -> str:
         """The warning the engine logs for this step."""
         return (
-            f"cudagraph_mode {self.before.name} -> {self.after.name} with the {self.cause}: {self.reason}."
+            f"CUDAGraphMode.{self.before.name} is not supported with {self.cause}; "
+            f"setting cudagraph_mode={self.after.name} ({self.reason})"
         )
 
 
@@ -119,7 +122,7 @@ def resolve_explained(
 
     if enforce_eager:
         if mode is not CUDAGraphMode.NONE:
-            lower(1, CUDAGraphMode.NONE, by_backend, "enforce_eager=True")
+            lower(1, CUDAGraphMode.NONE, "enforce_eager=True", "every step runs eagerly")
         return Resolution(configured, CUDAGraphMode.NONE, tuple(steps), None)
     split = "attention is compiled piecewise" if attention_compiled_piecewise else "attention is not compiled piecewise"
     if mode.mixed_mode() is CUDAGraphMode.FULL and support is not AttentionCGSupport.ALWAYS:
@@ -140,7 +143,8 @@ def resolve_explained(
         )
     if mode.requires_piecewise_compilation() and not attention_compiled_piecewise:
         mode = lower(
-            5, mode.without_piecewise(), by_backend, "piecewise graphs need the attention ops split out (compile=True)",
+            5, mode.without_piecewise(), "a model not split at the attention ops",
+            "piecewise graphs need the attention ops split out, as compile=True does",
         )
     if mode.has_full_cudagraphs() and support is AttentionCGSupport.NEVER:
         return refused()
