@@ -11,7 +11,7 @@ import torch
 
 import pagedkv.models.llama as llama
 from pagedkv import LLM, SamplingParams
-from pagedkv.attention.backend import AttentionBackend, MultipleOf
+from pagedkv.attention.backend import AttentionBackend, AttentionType, MultipleOf
 from pagedkv.attention.backends.torch_ref import TorchRefBackend
 from pagedkv.attention.layer import Attention
 from pagedkv.attention.selector import register_backend, unregister_backend
@@ -318,3 +318,27 @@ def test_the_scheduler_sends_each_requests_block_rows() -> None:
     assert [s.block_ids for s in sent] == [llm.kv_cache_manager.get_block_ids(s.req_id) for s in sent]
     assert len(sent[0].block_ids[0]) == 2  # 6 tokens in blocks of 4
     llm.scheduler.undo(plan)
+
+
+def test_causal_is_set_per_kv_cache_group_from_its_layers_attention_type() -> None:
+    """CommonAttentionMetadata.causal comes from the KV cache group's layers: decoder self-attention
+    is causal, encoder-only (bidirectional) attention is not; a group mixing the two is refused."""
+    llm = LLM("tiny-hybrid", num_kv_blocks=32, enable_prefix_caching=False)
+    runner = llm.runner
+    assert runner.kv_group_causal == [True, True]
+    events: list[Any] = []
+    llm.add_step_listener(events.append)
+    llm.generate(["Hi"], GREEDY)
+    assert all(metadata.causal for metadata in events[0].result.attn_metadata.values())
+
+    group0 = {name for group in runner.attn_groups[0] for name in group.layer_names}
+    for name in group0:
+        runner.attn_layers[name].attn_type = AttentionType.ENCODER_ONLY
+    runner.initialize_kv_cache(runner.kv_cache_config)
+    assert runner.kv_group_causal == [False, True]
+    batch = runner.prepare_inputs([ScheduledTokens("r", [1, 2, 3], 0, True, [[1], [2]])])
+    assert [runner.common_attn_metadata(batch, g).causal for g in range(2)] == [False, True]
+
+    runner.attn_layers[min(group0)].attn_type = AttentionType.DECODER
+    with pytest.raises(ValueError, match=r"KV cache group 0 mixes attention types \['decoder', 'encoder_only'\]"):
+        runner.initialize_kv_cache(runner.kv_cache_config)

@@ -30,6 +30,7 @@ from pagedkv.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
     AttentionMetadataBuilder,
+    AttentionType,
     CommonAttentionMetadata,
     MultipleOf,
 )
@@ -235,6 +236,21 @@ def bind_kv_cache(kv_caches: dict[str, torch.Tensor], layers: dict[str, Attentio
 def layer_kv_groups(attn_groups: list[list[AttentionGroup]]) -> dict[str, int]:
     """Layer name -> its KV cache group: whose slot mapping the layer reads each step."""
     return {name: group.kv_cache_group_id for groups in attn_groups for group in groups for name in group.layer_names}
+
+
+def kv_group_causal(attn_groups: list[list[AttentionGroup]], layers: dict[str, Attention]) -> list[bool]:
+    """Per KV cache group, whether its attention is causal: decoder self-attention is, encoder-only
+    (bidirectional) attention is not (`CommonAttentionMetadata.causal`, as in vllm/v1/attention/backends/
+    utils.py). A group's layers share one `CommonAttentionMetadata`, so they must agree (vLLM gives
+    encoder-only layers a KV cache group of their own)."""
+    causal: list[bool] = []
+    for groups in attn_groups:
+        types = {layers[name].attn_type for group in groups for name in group.layer_names}
+        if len(types) > 1:
+            raise ValueError(f"KV cache group {groups[0].kv_cache_group_id} mixes attention types "
+                             f"{sorted(t.value for t in types)}; its layers share one metadata.")
+        causal.append(types != {AttentionType.ENCODER_ONLY})
+    return causal
 
 
 def build_attn_metadata(

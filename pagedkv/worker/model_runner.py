@@ -35,6 +35,7 @@ from pagedkv.worker.attn_utils import (
     build_attn_metadata,
     init_attn_groups,
     init_kv_cache,
+    kv_group_causal,
     layer_kv_groups,
 )
 from pagedkv.worker.input_batch import (
@@ -107,6 +108,8 @@ class ModelRunner:
         self.attn_groups: list[list[AttentionGroup]] = []
         self.layer_kv_group: dict[str, int] = {}
         """Layer name -> its KV cache group: whose slot mapping the layer reads each step."""
+        self.kv_group_causal: list[bool] = []
+        """Per KV cache group, whether its layers attend causally (`CommonAttentionMetadata.causal`)."""
         self.block_tables: list[BlockTable] = []
 
     # ---- start-up -------------------------------------------------------------------
@@ -158,6 +161,7 @@ class ModelRunner:
         self.kv_caches = init_kv_cache(self.attn_layers, kv_cache_config, self.attn_groups, self.config.cache_config,
                                        self.device)
         self.layer_kv_group = layer_kv_groups(self.attn_groups)
+        self.kv_group_causal = kv_group_causal(self.attn_groups, self.attn_layers)
         max_blocks = math.ceil(self.config.model_config.max_model_len / self.block_size)
         self.block_tables = [
             BlockTable(self.config.scheduler_config.max_num_seqs, max_blocks, g.kv_cache_spec.block_size, self.device)
@@ -329,6 +333,7 @@ class ModelRunner:
             max_seq_len=batch.max_seq_len,
             block_table_tensor=batch.block_tables[kv_group],
             slot_mapping=batch.slot_mappings[kv_group],
+            causal=self.kv_group_causal[kv_group],
         )
 
     def _build_metadata(
