@@ -336,7 +336,8 @@ def test_causal_is_set_per_kv_cache_group_from_its_layers_attention_type() -> No
         runner.attn_layers[name].attn_type = AttentionType.ENCODER_ONLY
     runner.initialize_kv_cache(runner.kv_cache_config)
     assert runner.kv_group_causal == [False, True]
-    batch = runner.prepare_inputs([ScheduledTokens("r", [1, 2, 3], 0, True, [[1], [2]])])
+    with torch.inference_mode():  # as in execute_model: on a GPU the inputs go to the graphs' buffers
+        batch = runner.prepare_inputs([ScheduledTokens("r", [1, 2, 3], 0, True, [[1], [2]])])
     assert [runner.common_attn_metadata(batch, g).causal for g in range(2)] == [False, True]
 
     runner.attn_layers[min(group0)].attn_type = AttentionType.DECODER
