@@ -1,5 +1,5 @@
 """Compilation and CUDA graph edges no model or runner path reaches today, checked against the
-rules of seed 002 and hand-worked cases: lowering logs, the compiled-piece key, decode graphs
+lowering rules of pagedkv/compilation/resolve.py and hand-worked cases: lowering logs, the compiled-piece key, decode graphs
 of several tokens, attention groups by query-head count, what counts as split piecewise, and
 lookups of unknown layer names."""
 
@@ -29,7 +29,7 @@ from pagedkv.worker.attn_utils import init_attn_groups
 
 @pytest.mark.parametrize("mode", [M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE])
 def test_no_full_graphs_without_split_lowers_straight_to_none(caplog: pytest.LogCaptureFixture, mode: M) -> None:
-    """Seed 002, rule 2 (here rule 3): support NEVER, decode FULL -> "PIECEWISE if attention is
+    """Rule 3 of pagedkv/compilation/resolve.py: support NEVER, decode FULL -> "PIECEWISE if attention is
     compiled piecewise, else NONE". Not split: one change, announced once, FULL... -> NONE; the
     log must not claim a PIECEWISE mode the engine can never run."""
     caplog.set_level(logging.WARNING, logger="pagedkv")
@@ -82,7 +82,7 @@ def test_decode_graphs_cover_max_num_seqs_requests_of_several_tokens() -> None:
 
 
 def test_layers_with_other_query_head_counts_get_their_own_group() -> None:
-    """Seed 002, step 3: layers with the same backend, the same KV cache spec and the same number
+    """Attention groups as vllm/v1/worker/gpu_model_runner.py forms them: layers with the same backend, the same KV cache spec and the same number
     of query heads form one attention group; a different query-head count (same KV heads, so the
     same spec and KV cache group) gets its own group and builder."""
     cfg = EngineConfig(ModelConfig(model="test"))

@@ -309,8 +309,8 @@ def test_cpu_engines_run_eagerly_and_say_why(caplog: pytest.LogCaptureFixture) -
     caplog.set_level(logging.INFO, logger="pagedkv")
     llm = LLM("tiny", device="cpu", num_kv_blocks=16, cudagraph_mode="FULL_AND_PIECEWISE")
     assert llm.runner.cudagraph_mode is M.NONE and llm.runner.dispatcher is None
-    assert "cudagraph_mode FULL_AND_PIECEWISE -> NONE: every step runs eagerly (CUDA graphs need a CUDA device; " \
-           "this engine runs on cpu)" in caplog.text
+    assert "CUDAGraphMode.FULL_AND_PIECEWISE is not supported with a cpu device; setting cudagraph_mode=NONE " \
+           "(every step runs eagerly: CUDA graphs need a CUDA device; this engine runs on cpu)" in caplog.text
     caplog.clear()
     LLM("tiny", device="cpu", num_kv_blocks=16)
     assert "cudagraph_mode NONE: every step runs eagerly (CUDA graphs need a CUDA device" in caplog.text

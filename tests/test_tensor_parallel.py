@@ -4,8 +4,9 @@ Every engine is pinned to the CPU, so these tests run the same on a machine with
 ranks on GPUs: tests/gpu/test_tensor_parallel_cuda.py).
 
 Every engine here spawns worker processes; each test ends them (context manager or shutdown) and
-checks that none is left. Models are tiny Hugging Face directories with the head layouts of
-seed 003: GQA split, KV heads replicated (MQA, and GQA with tp > num_kv_heads), MHA.
+checks that none is left. Models are tiny Hugging Face directories with the head layouts
+`pagedkv.models.layers.head_layout` handles (vllm/model_executor/layers/linear.py, QKVParallelLinear):
+GQA split, KV heads replicated (MQA, and GQA with tp > num_kv_heads), MHA.
 """
 
 from __future__ import annotations

@@ -97,8 +97,13 @@ def resolve_engine_mode(
     configured = compilation.cudagraph_mode
     unavailable = cuda_graphs_unavailable_reason(device)
     if unavailable is not None and not compilation.enforce_eager:
-        lowered = "" if configured is CUDAGraphMode.NONE else " -> NONE"
-        logger.info("cudagraph_mode %s%s: every step runs eagerly (%s).", configured.name, lowered, unavailable)
+        if configured is CUDAGraphMode.NONE:
+            logger.info("cudagraph_mode NONE: every step runs eagerly (%s).", unavailable)
+        else:  # worded as resolve_cudagraph_mode's lowerings, so one grep finds every change of mode
+            logger.info(
+                "CUDAGraphMode.%s is not supported with a %s device; setting cudagraph_mode=NONE "
+                "(every step runs eagerly: %s).", configured.name, device.type, unavailable,
+            )
         return CUDAGraphMode.NONE
     support, backend = min_cudagraph_support(attn_groups)
     piecewise = attention_compiled_piecewise(compilation)
