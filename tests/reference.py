@@ -10,7 +10,7 @@ reference's logits at the position before that token.
     outputs = llm.generate(prompts, greedy)
     check_against_reference(llm, outputs, recorder, atol=FP32_ATOL)
 
-`tests/test_broken_backends.py` runs the engine tests' scenarios with deliberately broken
+`tests/attention/test_broken_backends.py` runs the engine tests' scenarios with deliberately broken
 backends to show that this check catches them.
 """
 

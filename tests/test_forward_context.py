@@ -132,3 +132,46 @@ def test_model_outside_forward_context_fails() -> None:
     llm = LLM("tiny", device="cpu", num_kv_blocks=8)
     with pytest.raises(RuntimeError, match="Forward context is not set"):
         llm.model(torch.tensor([1, 2]), torch.tensor([0, 1]))
+
+
+def test_lookups_of_unknown_names_explain_themselves() -> None:
+    """An op naming an unregistered layer, or a registered layer without this step's metadata,
+    fails with the message that says which table lacks it (not a bare KeyError('name'))."""
+    from pagedkv.attention import get_attention_context
+    from pagedkv.forward_context import set_forward_context
+
+    cfg = EngineConfig(ModelConfig(model="test"))
+    with set_current_engine_config(cfg):
+        Attention(2, 4, 0.5, prefix="m.0.attn")
+    with set_forward_context(None, cfg), pytest.raises(KeyError, match="No layer named 'm.9.attn' is registered"):
+        get_attention_context("m.9.attn")
+    with set_forward_context({"other": 1}, cfg), pytest.raises(KeyError, match="No layer named 'm.9.attn'"):
+        get_attention_context("m.9.attn")
+    with set_forward_context({"other": 1}, cfg), pytest.raises(
+        KeyError, match="The forward context has no attention metadata for layer 'm.0.attn' \\(it has 1 entries\\)"
+    ):
+        get_attention_context("m.0.attn")
+
+
+def test_lookups_take_a_list_of_per_micro_batch_dicts_and_refuse_other_metadata() -> None:
+    """Dual-batch overlap (and speculative decoding) hand the ops a list of per-ubatch dicts:
+    index 0 is the one (vllm/model_executor/layers/attention/attention.py:713). Anything else
+    but a dict or None is refused in one line, a string without its characters counted."""
+    from pagedkv.attention import get_attention_context
+    from pagedkv.forward_context import set_forward_context
+
+    cfg = EngineConfig(ModelConfig(model="test"))
+    with set_current_engine_config(cfg):
+        layer = Attention(2, 4, 0.5, prefix="m.0.attn")
+    with set_forward_context([{"m.0.attn": "UBATCH0"}, {"m.0.attn": "UBATCH1"}], cfg):  # type: ignore[arg-type]
+        assert get_attention_context("m.0.attn")[:2] == ("UBATCH0", layer)
+    with set_forward_context([{"other": 1}], cfg), pytest.raises(  # type: ignore[arg-type]
+        KeyError, match="no attention metadata for layer 'm.0.attn' \\(it has 1 entries\\)"
+    ):
+        get_attention_context("m.0.attn")
+    for metadata, kind in (("m.0.attn", "str"), (("m.0.attn",), "tuple"), ([], "list")):
+        with set_forward_context(metadata, cfg), pytest.raises(TypeError) as info:  # type: ignore[arg-type]
+            get_attention_context("m.0.attn")
+        message = str(info.value)
+        assert "\n" not in message and "entries" not in message
+        assert (f"got a {kind}." in message) if kind != "list" else ("empty list" in message)

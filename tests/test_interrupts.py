@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from pagedkv import LLM, SamplingParams
-from tests.test_engine_api import assert_idle, nan_logits_for
+from tests.engine.test_engine_api import assert_idle, nan_logits_for
 
 # Prompts sharing a 12-token prefix (3 blocks of 4): a rerun looks them up in the prefix cache.
 SHARED = [(5 + 11 * j) % 250 + 1 for j in range(12)]

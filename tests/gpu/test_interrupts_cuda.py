@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
-from tests.test_engine_api import assert_idle
+from tests.engine.test_engine_api import assert_idle
 from tests.test_interrupts import PROMPTS, patch_point, tokens
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")

@@ -9,7 +9,7 @@ import torch
 
 from pagedkv.engine.request import SamplingParams
 from pagedkv.engine.sampler import Sampler
-from tests.test_sampler import FILTERS, LOGITS, draw, reference_probs
+from tests.engine.test_sampler import FILTERS, LOGITS, draw, reference_probs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 

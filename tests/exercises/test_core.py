@@ -1,0 +1,93 @@
+"""The exercise framework itself (pagedkv.exercises): the provenance guard on every thread, frame
+readers turned away, package functions restored after a check, and reveal() after three tries."""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pagedkv.exercises import CheckResult, call_answer, exercise, reveal, watch_calls
+from pagedkv.models.layers import head_layout
+from tests.exercises.checks import assert_rejected
+
+
+def layout(a: int, b: int, c: int) -> tuple[int, int, int]:
+    """What a student should write: the answer worked out by hand (32 query, 8 KV heads, 2 ranks)."""
+    return (a // c, b // c, 1)
+
+
+def test_own_code_passes_and_the_package_on_this_thread_does_not() -> None:
+    assert call_answer(layout, (32, 8, 2), [head_layout], "the layout", "f()") == ((16, 4, 1), None)
+    got, rejected = call_answer(lambda *a: head_layout(*a), (32, 8, 2), [head_layout], "the layout", "f()")
+    assert_rejected(rejected, "head_layout", "write the layout yourself")
+
+
+def test_a_thread_pool_started_before_the_check_is_watched_too() -> None:
+    pool = ThreadPoolExecutor(1)
+    pool.submit(lambda: None).result()  # its thread runs before the check begins
+
+    def through_pool(*args: int) -> object:
+        try:
+            return pool.submit(head_layout, *args).result()
+        except Exception:  # a student swallowing the tripwire's exception is still caught
+            return layout(*args)
+
+    _, rejected = call_answer(through_pool, (32, 8, 2), [head_layout], "the layout", "f()")
+    assert_rejected(rejected, "head_layout")
+    # and a pool started inside the answer
+    _, rejected = call_answer(lambda *a: ThreadPoolExecutor().submit(head_layout, *a).result(), (32, 8, 2),
+                              [head_layout], "the layout", "f()")
+    assert_rejected(rejected, "head_layout")
+    pool.shutdown()
+
+
+def test_the_package_function_is_itself_again_after_the_check_even_after_an_interrupt() -> None:
+    code, kwdefaults = head_layout.__code__, head_layout.__kwdefaults__
+
+    def interrupted(*args: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        call_answer(interrupted, (32, 8, 2), [head_layout], "the layout", "f()")
+    assert head_layout.__code__ is code and head_layout.__kwdefaults__ == kwdefaults
+    assert head_layout(32, 8, 2).num_heads == 16
+
+
+def test_reading_the_checkers_frames_is_turned_away() -> None:
+    def peek(*args: int) -> object:
+        return sys._getframe(1).f_locals.get("expected")
+
+    _, rejected = call_answer(peek, (32, 8, 2), [head_layout], "the layout", "f()")
+    assert_rejected(rejected, "reading the checker's frames")
+
+
+def test_a_function_with_a_closure_is_watched_by_the_profiler() -> None:
+    seen = []
+
+    def with_closure(x: int) -> int:
+        seen.append(x)  # `seen` makes this a closure: no tripwire, the profiler still notices it
+        return x
+
+    with watch_calls([with_closure]) as called:
+        with_closure(1)
+    assert called == ["test_a_function_with_a_closure_is_watched_by_the_profiler.<locals>.with_closure"]
+    assert seen == [1]
+
+
+def test_reveal_only_after_three_wrong_tries(capsys: pytest.CaptureFixture[str]) -> None:
+    @exercise("test: the answer is 4")
+    def check(answer: int) -> CheckResult:
+        if answer == 4:
+            return CheckResult(True, "correct.")
+        return CheckResult(False, "not the sum of two and two.", reveal=lambda: "2 + 2 = 4")
+
+    for tries in (1, 2):
+        assert "reveal()" not in check(tries).message
+        reveal()
+        assert "2 + 2 = 4" not in capsys.readouterr().out
+    assert "reveal()" in check(3).message
+    reveal()
+    assert "2 + 2 = 4" in capsys.readouterr().out
+    assert check(4)
