@@ -32,7 +32,7 @@ class _CloneWidgetsFinder(_MetaPathFinder):
 
 _clone_widgets = _Path(__file__).resolve().parent.parent / "widgets"
 if not (_Path(__file__).parent / "widgets").is_dir() and (_clone_widgets / "__init__.py").is_file():
-    _sys.meta_path.append(_CloneWidgetsFinder(_clone_widgets))
+    _sys.meta_path.insert(0, _CloneWidgetsFinder(_clone_widgets))  # before an editable install's finder
 
 from pagedkv.config import (
     CacheConfig,

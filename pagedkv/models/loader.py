@@ -305,7 +305,7 @@ def init_preset_weights(net: CausalLM, model: str, seed: int) -> None:
       greedy choices are rarely near a tie.
 
     Replacing attention by zeros, or never writing the KV cache, then changes the greedy
-    continuation of every prompt of the engine tests (tests/test_broken_backends.py checks it).
+    continuation of every prompt of the engine tests (tests/attention/test_broken_backends.py checks it).
     The tiny presets are drawn on the CPU, so every device gets the same weights; the others
     (benchmark shapes, billions of weights) are drawn on their device with N(0, 0.02).
     """

@@ -5,7 +5,7 @@ Multi-head latent attention (DeepSeek-V2/V3) caches one latent row per token,
 
     k_nope[h] = W_UK[h] @ c_kv        v[h] = W_UV[h] @ c_kv        (kv_b_proj = [W_UK; W_UV] per head)
 
-Two ways to attend, with the same result (tests/test_mla.py checks that they agree):
+Two ways to attend, with the same result (tests/attention/test_mla.py checks that they agree):
 
     forward_mha (prefills: many query tokens, compute-bound)
         up-project every cached latent to per-head K and V, ordinary causal attention
