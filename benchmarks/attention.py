@@ -179,7 +179,7 @@ def run_case(case: Case, tunings: dict[str, Tuning | None], with_peers: bool) ->
     row: dict[str, object] = {"case": case.name, "kind": case.kind, "bytes": kv_bytes(case),
                               "flops": causal_flops(case), "copies": copies}
     for name, tuning in tunings.items():
-        row[name] = measure(lambda i: triton_fn(batches[i], tuning), copies)
+        row[name] = measure(lambda i, tuning=tuning: triton_fn(batches[i], tuning), copies)
     if with_peers:
         if fa4_available() is None:
             row["fa4"] = measure(lambda i: fa4_fn(batches[i], 1), copies)
@@ -206,9 +206,9 @@ def profile_all(rows: list[dict[str, object]], chosen: list[Case], tunings: dict
         if not isinstance(fa4, dict) or "bench_us" not in fa4 or "graph_us" in fa4:
             continue  # FA4 did not run at all, or it ran in a graph (compared by graph time)
         batches = paged_batches(case)
-        fa4.update(profiled(lambda i: fa4_fn(batches[i], 1), len(batches)))
+        fa4.update(profiled(lambda i, batches=batches: fa4_fn(batches[i], 1), len(batches)))
         for name, tuning in tunings.items():
-            row[name].update(profiled(lambda i: triton_fn(batches[i], tuning), len(batches)))
+            row[name].update(profiled(lambda i, b=batches, t=tuning: triton_fn(b[i], t), len(batches)))
         batches.clear()
         torch.cuda.empty_cache()
 

@@ -125,7 +125,7 @@ def run_case(case: Case, block_size: int, extra_splits: list[int]) -> dict[str, 
     # Every provider here runs in a graph, so the profiler never runs (it slows graph timings after it).
     row["triton"] = measure(lambda i: triton_fn(inputs[i], longest, None), copies)
     for n in extra_splits:
-        row[f"triton_s{n}"] = measure(lambda i: triton_fn(inputs[i], longest, n), copies)
+        row[f"triton_s{n}"] = measure(lambda i, n=n: triton_fn(inputs[i], longest, n), copies)
     row["torch_ref"] = measure(lambda i: torch_fn(inputs[i]), min(copies, 2))
     try:  # sanity: both agree (bf16 outputs of an fp32 computation)
         diff = (triton_fn(inputs[0], longest, None)().float() - torch_fn(inputs[0])().float())

@@ -89,7 +89,7 @@ def main() -> None:
         with torch.no_grad():
             reference = peers(moe)["routed_loop"][0](x, weights, ids).float()
             for name, (fn, capturable) in peers(moe).items():
-                call = lambda fn=fn: fn(x, weights, ids)  # noqa: E731
+                call = lambda fn=fn, x=x, weights=weights, ids=ids: fn(x, weights, ids)  # noqa: E731
                 row[name] = {"bench_us": bench_us(call), "graph1_us": graph1_us(call) if capturable else None,
                              "max_abs_diff": (call().float() - reference).abs().max().item()}
         rows.append(row)

@@ -16,9 +16,8 @@ import pstats
 import time
 from collections.abc import Callable
 
-import torch
-
 import engine_bench
+import torch
 
 
 def profiled(fn: Callable[[], object], top: int, title: str) -> dict[str, float]:

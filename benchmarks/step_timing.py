@@ -20,11 +20,11 @@ import statistics
 import time
 from dataclasses import replace
 
-from pagedkv import LLM, SamplingParams
-
 import engine_bench
 from profiling import gpu_kernel_seconds
 from workloads import Workload
+
+from pagedkv import LLM, SamplingParams
 
 
 def decode_latency(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, float]:

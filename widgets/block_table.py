@@ -7,7 +7,18 @@ from typing import Any
 from pagedkv.checks import check_int, check_optional_bool
 from pagedkv.trace import BlockPoolRecord, KVCacheGroupInfo, StepRecord, StepTrace
 from pagedkv.widgets.common import (
-    ACCENT, BASE_STYLE, BG, BG_SOLID, BORDER, FG, FG_MUTED, SVG_STYLE, TraceView, esc, request_color, short_layer,
+    ACCENT,
+    BASE_STYLE,
+    BG,
+    BG_SOLID,
+    BORDER,
+    FG,
+    FG_MUTED,
+    SVG_STYLE,
+    TraceView,
+    esc,
+    request_color,
+    short_layer,
 )
 
 CELL_W, CELL_H, GAP = 56, 40, 4

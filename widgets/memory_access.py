@@ -14,7 +14,13 @@ import ipywidgets
 import numpy as np
 
 from pagedkv.exercises.memory_access import (
-    Access, AccessLog, KernelLaunch, Program, TensorInfo, count_text, where_outside,
+    Access,
+    AccessLog,
+    KernelLaunch,
+    Program,
+    TensorInfo,
+    count_text,
+    where_outside,
 )
 from pagedkv.widgets.common import BASE_STYLE, BG, BORDER_LIGHT, FG_MUTED, PALETTE, SVG_STYLE, esc
 

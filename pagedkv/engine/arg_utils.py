@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.checks import check_bool, check_float, check_int, check_optional_bool, check_optional_int
 from pagedkv.config import (
     CacheConfig,
     CompilationConfig,
@@ -34,7 +35,6 @@ from pagedkv.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from pagedkv.checks import check_bool, check_float, check_int, check_optional_bool, check_optional_int
 from pagedkv.engine.checks import check_compilation, check_device, check_dtype, check_model, check_tensor_parallel
 from pagedkv.engine.request import SEED_RANGE
 from pagedkv.models.loader import PRESETS, TRAINED_PRESETS, HFConfig, load_config

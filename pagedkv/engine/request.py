@@ -9,7 +9,6 @@ from pagedkv.checks import check_bool, check_float, check_int, check_optional_in
 from pagedkv.engine.checks import check_token_ids
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 
-
 SAMPLING_EPS = 1e-5
 """A temperature below this samples greedily, as in vLLM: logits divided by a temperature of 1e-38
 overflow to inf, and their softmax is NaN."""

@@ -427,7 +427,7 @@ def check_launches(
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             return CheckResult(False, f"{what}: the right values, but {problems[0]}{more}.\nCase: {case.description}."
                                       f"\nHint: {ACCESS_HINT}",
-                               reveal=lambda: "Every memory rule the kernel broke:\n" + "\n".join(problems))
+                               reveal=lambda problems=problems: "Every memory rule the kernel broke:\n" + "\n".join(problems))
     case = make_cases[0]()
     _, rejected = _run_launcher(kernels, launch, case, what, run=False)
     expected = case.reference()

@@ -100,7 +100,7 @@ def check_next_slot_mapping(llm: LLM, answer: object, group: int = 0) -> CheckRe
 
     def mistake(got: int, p: int, row: list[int], held: int) -> str:
         """Which step of the lookup a wrong slot `got` skipped or got wrong (without the right slot)."""
-        j, offset = p // bs, p % bs
+        j = p // bs
         if got == p:  # = j * block_size + offset: the logical block where the physical one belongs
             return ("position used directly (that is the logical block, not the physical one): the cache is not "
                     "one contiguous array per request; look the token's block up in the request's block table row")

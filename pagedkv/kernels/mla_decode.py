@@ -41,7 +41,14 @@ import triton.language as tl
 
 from pagedkv.kernels.attention_config import _num_splits
 from pagedkv.kernels.common import (
-    cdiv, check_attention_dtype, check_pages_on_cpu, check_tensors, interpreting, next_power_of_2, num_compute_units, supports_pdl,
+    cdiv,
+    check_attention_dtype,
+    check_pages_on_cpu,
+    check_tensors,
+    interpreting,
+    next_power_of_2,
+    num_compute_units,
+    supports_pdl,
 )
 from pagedkv.kernels.split_kv import SplitKVWorkspace, merge_splits
 from pagedkv.kernels.unified_attention import LOG2_E, _dot

@@ -33,7 +33,12 @@ import triton.language as tl
 
 from pagedkv.kernels.attention_config import KernelConfig, choose_config
 from pagedkv.kernels.common import (
-    check_attention_dtype, check_head_size, check_pages_on_cpu, check_tensors, interpreting, next_power_of_2,
+    check_attention_dtype,
+    check_head_size,
+    check_pages_on_cpu,
+    check_tensors,
+    interpreting,
+    next_power_of_2,
 )
 from pagedkv.kernels.split_kv import SplitKVWorkspace, merge_splits
 

@@ -33,7 +33,6 @@ from pagedkv.distributed import (
 )
 from pagedkv.models.layers import head_layout, rank_heads
 
-
 logger = logging.getLogger("pagedkv")
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"

@@ -37,10 +37,9 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from pagedkv.compilation import resolve_cudagraph_mode
-from pagedkv.config import CUDAGraphMode
 from pagedkv.compilation.backend import CompiledPiece
 from pagedkv.compilation.wrapper import attention_compiled_piecewise
-from pagedkv.config import EngineConfig
+from pagedkv.config import CUDAGraphMode, EngineConfig
 from pagedkv.forward_context import BatchDescriptor, get_forward_context
 from pagedkv.worker.attn_utils import AttentionGroup, min_cudagraph_support
 

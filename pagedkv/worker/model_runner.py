@@ -23,9 +23,8 @@ import torch
 
 from pagedkv.attention.backend import CommonAttentionMetadata
 from pagedkv.attention.layer import Attention
-from pagedkv.config import CUDAGraphMode
 from pagedkv.compilation.wrapper import CompiledForward, compile_model
-from pagedkv.config import EngineConfig, set_current_engine_config
+from pagedkv.config import CUDAGraphMode, EngineConfig, set_current_engine_config
 from pagedkv.forward_context import BatchDescriptor, get_layers_from_config, set_forward_context
 from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheSpec, get_kv_cache_config
 from pagedkv.models.loader import CausalLM, HFConfig, load_model, weight_bytes

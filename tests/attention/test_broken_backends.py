@@ -19,11 +19,16 @@ import pytest
 from pagedkv import LLM, SamplingParams
 from pagedkv.attention.backends.torch_ref import TorchRefBackend, TorchRefImpl
 from pagedkv.attention.selector import register_backend, unregister_backend
-from tests.gpu.test_backends_cuda import PROMPTS as GPU_PROMPTS
-from tests.engine.test_engine import (
-    CHUNKED_PROMPTS, HYBRID_PROMPTS, PREEMPTED_PROMPTS, run_chunked_and_whole, run_hybrid_small_cache, run_preemption,
-)
 from tests.attention.test_selector import STUDENT_PROMPTS, run_students_backend
+from tests.engine.test_engine import (
+    CHUNKED_PROMPTS,
+    HYBRID_PROMPTS,
+    PREEMPTED_PROMPTS,
+    run_chunked_and_whole,
+    run_hybrid_small_cache,
+    run_preemption,
+)
+from tests.gpu.test_backends_cuda import PROMPTS as GPU_PROMPTS
 
 
 class ZeroAttentionImpl(TorchRefImpl):

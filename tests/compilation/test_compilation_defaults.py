@@ -17,8 +17,7 @@ import pytest
 import torch
 
 import pagedkv.__main__ as cli
-from pagedkv.config import CUDAGraphMode
-from pagedkv.config import CompilationConfig
+from pagedkv.config import CompilationConfig, CUDAGraphMode
 from pagedkv.engine.arg_utils import EngineArgs
 
 M = CUDAGraphMode

@@ -14,8 +14,8 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.__main__ import BACKENDS_ENGINE_ARGS, build_parser
-from pagedkv.checks import check_optional_bool
 from pagedkv.__main__ import main as cli
+from pagedkv.checks import check_optional_bool
 from pagedkv.config import CacheConfig, CompilationConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedkv.engine.arg_utils import CLI_ARGS, RESOLVED_AT_START_UP, EngineArgs
 from tests.reference import generate_checked
@@ -367,7 +367,7 @@ def test_generate_needs_an_idle_engine() -> None:
 
 def test_records_do_not_grow_with_add_request_and_step() -> None:
     llm = small_llm()
-    for round_ in range(5):
+    for _ in range(5):
         for s in range(3):
             llm.add_request(ids(3, start=s), SamplingParams(temperature=0, max_tokens=2))
         run_steps(llm)

@@ -12,8 +12,8 @@ import torch
 from pagedkv import LLM, SamplingParams
 from pagedkv.attention.mla.layer import MLAAttention
 from tests.conftest import needs_triton_on_cpu, write_hf_deepseek
-from tests.reference import LogitsRecorder, reference_logits
 from tests.models.test_deepseek_vs_transformers import ATOL, GREEDY, engine, hf_model, logit_errors
+from tests.reference import LogitsRecorder, reference_logits
 
 pytest.importorskip("transformers")
 needs_triton = needs_triton_on_cpu("TRITON_MLA")

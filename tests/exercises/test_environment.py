@@ -14,8 +14,7 @@ import torch
 
 from pagedkv import LLM
 from pagedkv.attention.selector import get_attn_backend
-from pagedkv.exercises import reveal
-from pagedkv.exercises import environment
+from pagedkv.exercises import environment, reveal
 from pagedkv.exercises.environment import check_choose_backend, environment_report, html_table, runs_here
 from pagedkv.workbook import list_notebooks
 from tests.exercises.checks import StrEqualToAnything, assert_rejected

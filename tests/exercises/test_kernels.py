@@ -486,7 +486,7 @@ def test_a_precomputed_answer_copied_in_is_refused() -> None:
 @interpreter_only
 def test_reading_values_into_python_or_writing_the_outputs_is_refused() -> None:
     def through_numpy(kernel, key, value, k_cache, v_cache, slots):
-        for t, slot in enumerate(slots.numpy()):  # .numpy() shares memory: a write would skip torch
+        for _ in slots.numpy():  # .numpy() shares memory: a write would skip torch
             pass
         _launch_scatter(0)(kernel, key, value, k_cache, v_cache, slots)
 
@@ -572,7 +572,7 @@ def test_a_launcher_that_calls_pagedkv_or_reads_the_checkers_frames_is_refused()
         ThreadPoolExecutor(1).submit(package, *args).result()
 
     def frames(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
-        sys._getframe(1).f_locals
+        _ = sys._getframe(1).f_locals
         _launch_copy(kernel, out, out)
 
     for launch in (package, package_on_a_thread):

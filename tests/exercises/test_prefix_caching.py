@@ -17,7 +17,11 @@ import pytest
 
 from pagedkv.exercises import prefix_caching, reveal
 from pagedkv.exercises.prefix_caching import (
-    RULE_CASES, SHOWN_EVICTION_CASES, SHOWN_HIT_CASES, check_hit_length, check_next_block,
+    RULE_CASES,
+    SHOWN_EVICTION_CASES,
+    SHOWN_HIT_CASES,
+    check_hit_length,
+    check_next_block,
 )
 from pagedkv.kv_cache.block_pool import hash_request_blocks
 from pagedkv.kv_cache.manager import KVCacheManager

@@ -35,8 +35,12 @@ from pagedkv.attention.backend import AttentionCGSupport, CommonAttentionMetadat
 from pagedkv.attention.backends.flash_attn import flash_attn_version  # noqa: E402
 from pagedkv.attention.backends.torch_ref import paged_attention_reference  # noqa: E402
 from pagedkv.attention.selector import load_backend  # noqa: E402
-from pagedkv.config import CUDAGraphMode  # noqa: E402
-from pagedkv.config import EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from pagedkv.config import (  # noqa: E402
+    CUDAGraphMode,  # noqa: E402
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from pagedkv.engine.request import RequestOutput  # noqa: E402
 from pagedkv.forward_context import BatchDescriptor  # noqa: E402
 from pagedkv.kv_cache.spec import FullAttentionSpec  # noqa: E402

@@ -11,7 +11,12 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 from pagedkv.attention.backends.torch_ref import paged_attention_reference  # noqa: E402
 from pagedkv.kernels import SplitKVWorkspace, reshape_and_cache, unified_attention  # noqa: E402
 from pagedkv.kernels.testing import (  # noqa: E402
-    PagedBatch, outside, overread_gap, poisoned, random_paged_batch, run_poisoned,
+    PagedBatch,
+    outside,
+    overread_gap,
+    poisoned,
+    random_paged_batch,
+    run_poisoned,
 )
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # ||out - ref|| / ||ref||

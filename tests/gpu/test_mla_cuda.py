@@ -16,12 +16,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.config import CUDAGraphMode  # noqa: E402
 from pagedkv.models.fused_moe import FusedMoE  # noqa: E402
-from tests.conftest import write_hf_deepseek  # noqa: E402
-from tests.reference import LogitsRecorder, reference_logits  # noqa: E402
-from tests.models.test_deepseek_vs_transformers import PROMPTS, V3_GROUPS, hf_model  # noqa: E402
 from tests.attention.test_mla import check_prefill_passes  # noqa: E402
+from tests.conftest import write_hf_deepseek  # noqa: E402
 from tests.kernels.test_mla_kernel import check, make_batch, reference  # noqa: E402
 from tests.kernels.test_mla_kernel import run as run_kernel  # noqa: E402
+from tests.models.test_deepseek_vs_transformers import PROMPTS, V3_GROUPS, hf_model  # noqa: E402
+from tests.reference import LogitsRecorder, reference_logits  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs ({torch.cuda.device_count()} visible)"
 )
 
-from tests.distributed.test_tensor_parallel import serve  # noqa: E402
 from tests.conftest import write_hf_llama  # noqa: E402
+from tests.distributed.test_tensor_parallel import serve  # noqa: E402
 
 
 @pytest.mark.parametrize("mode", ["NONE", "FULL", "FULL_DECODE_ONLY"])

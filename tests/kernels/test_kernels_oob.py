@@ -20,7 +20,12 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 from pagedkv.kernels import KernelConfig, reshape_and_cache  # noqa: E402
 from pagedkv.kernels.testing import (  # noqa: E402
-    PagedBatch, outside, overread_gap, poisoned, random_paged_batch, run_poisoned,
+    PagedBatch,
+    outside,
+    overread_gap,
+    poisoned,
+    random_paged_batch,
+    run_poisoned,
 )
 from tests.conftest import needs_triton_on_cpu  # noqa: E402
 from tests.kernels.test_kernels import assert_close, dense_reference  # noqa: E402  (float64, slot by slot)

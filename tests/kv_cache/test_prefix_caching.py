@@ -8,15 +8,14 @@ import logging
 import random
 
 import pytest
+import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.kv_cache.block_pool import BlockPool, hash_block_tokens, hash_request_blocks
 from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.kv_cache.spec import FullAttentionSpec, get_kv_cache_config
-from tests.reference import generate_checked
 from tests.conftest import needs_triton_on_cpu
-
-import torch
+from tests.reference import generate_checked
 
 BS = 4
 SPEC = FullAttentionSpec(BS, 1, 8, torch.float32)

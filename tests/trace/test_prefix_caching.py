@@ -11,7 +11,6 @@ import pytest
 from pagedkv import LLM, SamplingParams, StepEvent
 from pagedkv.kv_cache.block_pool import BlockPool
 from pagedkv.trace import SHORT_HASH_CHARS, StepTrace, block_pool_record
-
 from tests.trace.test_trace import run
 
 SYSTEM = list(range(1, 11))  # a 10-token "system prompt": two full blocks of 4, then 2 tokens

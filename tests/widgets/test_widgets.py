@@ -14,8 +14,6 @@ matplotlib.use("Agg")
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.trace import StepTrace  # noqa: E402
-from pagedkv.widgets.common import PALETTE  # noqa: E402
-from pagedkv.widgets.plots import FACECOLOR  # noqa: E402
 from pagedkv.widgets import (  # noqa: E402
     AttentionGroupsView,
     BlockTableView,
@@ -28,6 +26,8 @@ from pagedkv.widgets import (  # noqa: E402
     plot_request_timeline,
     plot_throughput,
 )
+from pagedkv.widgets.common import PALETTE  # noqa: E402
+from pagedkv.widgets.plots import FACECOLOR  # noqa: E402
 
 PARAMS = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 PROMPTS = ["hello world!", "abc", "a longer prompt"]
