@@ -78,12 +78,20 @@ def triton_fn(batch: PagedBatch, tuning: Tuning | None) -> Callable[[], object]:
     config = None
     if tuning is not None:
         config = choose_config(
-            device=batch.q.device, head_pad=D, dtype=DTYPE, num_queries_per_kv=HQ // HKV,
-            num_kv_heads=HKV, num_reqs=len(batch.query_lens), num_tokens=batch.q.shape[0],
-            max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len, tuning=tuning,
+            device=batch.q.device,
+            head_pad=D,
+            dtype=DTYPE,
+            num_queries_per_kv=HQ // HKV,
+            num_kv_heads=HKV,
+            num_reqs=len(batch.query_lens),
+            num_tokens=batch.q.shape[0],
+            max_query_len=batch.max_query_len,
+            max_seq_len=batch.max_seq_len,
+            tuning=tuning,
         )
-    return lambda: unified_attention(batch.q, batch.k_cache, batch.v_cache, out, **kwargs,
-                                     workspace=workspace, config=config)
+    return lambda: unified_attention(
+        batch.q, batch.k_cache, batch.v_cache, out, **kwargs, workspace=workspace, config=config
+    )
 
 
 def fa4_fn(batch: PagedBatch, num_splits: int) -> Callable[[], object]:
@@ -94,17 +102,26 @@ def fa4_fn(batch: PagedBatch, num_splits: int) -> Callable[[], object]:
     # once looked like "flash-attn 4 cannot be captured").
     max_seqlen_q, max_seqlen_k = batch.max_query_len, batch.max_seq_len
     return lambda: flash_attn_varlen_func(
-        batch.q, batch.k_cache, batch.v_cache, cu_seqlens_q=batch.query_start_loc,
-        seqused_k=batch.seq_lens, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        page_table=batch.block_table, causal=True, softmax_scale=D**-0.5, num_splits=num_splits,
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        cu_seqlens_q=batch.query_start_loc,
+        seqused_k=batch.seq_lens,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        page_table=batch.block_table,
+        causal=True,
+        softmax_scale=D**-0.5,
+        num_splits=num_splits,
     )
 
 
 def reference_fn(batch: PagedBatch) -> Callable[[], object]:
     out = torch.empty_like(batch.q)
     starts, seq_lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
-    return lambda: paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, out, starts,
-                                             seq_lens, batch.block_table, D**-0.5)
+    return lambda: paged_attention_reference(
+        batch.q, batch.k_cache, batch.v_cache, out, starts, seq_lens, batch.block_table, D**-0.5
+    )
 
 
 def sdpa_fn(case: Case, seed: int) -> Callable[[], object]:
@@ -118,10 +135,18 @@ def sdpa_fn(case: Case, seed: int) -> Callable[[], object]:
     decodes = [c + 1 for q, c in zip(case.query_lens, case.context_lens) if q == 1]
     prefills = [q for q in case.query_lens if q > 1]
     if decodes:  # the G query heads of one KV head are G query rows: GQA decode, K/V read once
-        dq, dk, dv = randn(len(decodes), HKV, HQ // HKV, D), randn(len(decodes), HKV, decodes[0], D), randn(len(decodes), HKV, decodes[0], D)
+        dq, dk, dv = (
+            randn(len(decodes), HKV, HQ // HKV, D),
+            randn(len(decodes), HKV, decodes[0], D),
+            randn(len(decodes), HKV, decodes[0], D),
+        )
         calls.append(lambda: F.scaled_dot_product_attention(dq, dk, dv))
     if prefills:  # compute-bound: K/V repeated per query head, so any fused SDPA kernel applies
-        pq, pk, pv = randn(len(prefills), HQ, prefills[0], D), randn(len(prefills), HQ, prefills[0], D), randn(len(prefills), HQ, prefills[0], D)
+        pq, pk, pv = (
+            randn(len(prefills), HQ, prefills[0], D),
+            randn(len(prefills), HQ, prefills[0], D),
+            randn(len(prefills), HQ, prefills[0], D),
+        )
         calls.append(lambda: F.scaled_dot_product_attention(pq, pk, pv, is_causal=True))
     return lambda: [call() for call in calls]
 
@@ -144,7 +169,8 @@ def profiled(make: Callable[[int], Callable[[], object]], copies: int) -> dict[s
 
 
 def _guarded(
-    make: Callable[[int], Callable[[], object]], copies: int,
+    make: Callable[[int], Callable[[], object]],
+    copies: int,
     times: Callable[[list[Callable[[], object]], dict[str, float | str]], None],
 ) -> dict[str, float | str]:
     """What `times` measured; a provider that cannot run this shape says why in the table."""
@@ -168,16 +194,32 @@ def fa4_available() -> str | None:
 
 def paged_batches(case: Case) -> list[PagedBatch]:
     """The case's input copies (seeded: the profiler pass rebuilds the same ones)."""
-    return [random_paged_batch(case.query_lens, case.context_lens, num_q_heads=HQ, num_kv_heads=HKV,
-                               head_size=D, block_size=BLOCK, dtype=DTYPE, device="cuda", seed=i)
-            for i in range(copies_for(kv_bytes(case)))]
+    return [
+        random_paged_batch(
+            case.query_lens,
+            case.context_lens,
+            num_q_heads=HQ,
+            num_kv_heads=HKV,
+            head_size=D,
+            block_size=BLOCK,
+            dtype=DTYPE,
+            device="cuda",
+            seed=i,
+        )
+        for i in range(copies_for(kv_bytes(case)))
+    ]
 
 
 def run_case(case: Case, tunings: dict[str, Tuning | None], with_peers: bool) -> dict[str, object]:
     batches = paged_batches(case)
     copies = len(batches)
-    row: dict[str, object] = {"case": case.name, "kind": case.kind, "bytes": kv_bytes(case),
-                              "flops": causal_flops(case), "copies": copies}
+    row: dict[str, object] = {
+        "case": case.name,
+        "kind": case.kind,
+        "bytes": kv_bytes(case),
+        "flops": causal_flops(case),
+        "copies": copies,
+    }
     for name, tuning in tunings.items():
         row[name] = measure(lambda i, tuning=tuning: triton_fn(batches[i], tuning), copies)
     if with_peers:
@@ -186,8 +228,7 @@ def run_case(case: Case, tunings: dict[str, Tuning | None], with_peers: bool) ->
             row["max_abs_diff_vs_fa4"] = max_diff(batches[0], tunings)
         else:
             row["fa4"] = {"error": fa4_available()}
-        row["torch_ref"] = measure(lambda i: reference_fn(batches[i]), min(copies, 2),
-                                   graph=case.kind != "prefill")
+        row["torch_ref"] = measure(lambda i: reference_fn(batches[i]), min(copies, 2), graph=case.kind != "prefill")
         row["sdpa_dense"] = measure(lambda i: sdpa_fn(case, i), copies)
     batches.clear()  # the tensors go now (the lambdas above keep the list itself)
     torch.cuda.empty_cache()
@@ -230,7 +271,9 @@ def run_reshape(tokens: int) -> dict[str, object]:
     row: dict[str, object] = {"case": f"reshape_and_cache {tokens}", "kind": "reshape", "bytes": 4 * key.numel() * 2}
     row["triton"] = measure(lambda i: lambda: reshape_and_cache(key, value, kv_cache[0], kv_cache[1], slots), 1)
     flat = kv_cache.view(2, -1, HKV, D)
-    row["torch_ref"] = measure(lambda i: lambda: (flat[0].index_copy_(0, slots, key), flat[1].index_copy_(0, slots, value)), 1)
+    row["torch_ref"] = measure(
+        lambda i: lambda: (flat[0].index_copy_(0, slots, key), flat[1].index_copy_(0, slots, value)), 1
+    )
     row["dense_copy"] = measure(lambda i: lambda: (dense[0].copy_(key), dense[1].copy_(value)), 1)
     row["copies"] = copies
     return row
@@ -253,19 +296,25 @@ def versus(row: dict[str, object], ours: str, peer: str) -> tuple[float | None, 
 
 
 def summarize(rows: list[dict[str, object]], ours: str, copy_gbps: float) -> list[str]:
-    lines = [f"{'case':<24}{'ours us':>9}{'FA4 us':>9}{'ref us':>10}{'SDPA us':>9}{'ours eager':>11}"
-             f"{'GB/s':>7}{'%HBM':>6}{'TFLOP/s':>8}{'xFA4':>6}{'xSDPA':>6}"]
+    lines = [
+        f"{'case':<24}{'ours us':>9}{'FA4 us':>9}{'ref us':>10}{'SDPA us':>9}{'ours eager':>11}"
+        f"{'GB/s':>7}{'%HBM':>6}{'TFLOP/s':>8}{'xFA4':>6}{'xSDPA':>6}"
+    ]
     speedups, checks = [], []
     for row in rows:
         t = us(row.get(ours))
         if row["kind"] == "reshape":
             dense = us(row.get("dense_copy"))
             gbps = row["bytes"] / (t * 1e-6) / 1e9 if t else float("nan")
-            lines.append(f"{row['case']:<24}{t or float('nan'):9.1f}{'':>9}{us(row.get('torch_ref')) or float('nan'):10.1f}"
-                         f"{dense or float('nan'):9.1f}{us(row.get(ours), 'bench_us') or float('nan'):11.1f}{gbps:7.0f}"
-                         f"{100 * gbps / copy_gbps:5.0f}%")
+            lines.append(
+                f"{row['case']:<24}{t or float('nan'):9.1f}{'':>9}{us(row.get('torch_ref')) or float('nan'):10.1f}"
+                f"{dense or float('nan'):9.1f}{us(row.get(ours), 'bench_us') or float('nan'):11.1f}{gbps:7.0f}"
+                f"{100 * gbps / copy_gbps:5.0f}%"
+            )
             if row["case"].endswith(" 8192"):
-                checks.append(f"reshape_and_cache 8192: {100 * gbps / copy_gbps:.0f}% of copy bandwidth (target >= 70%)")
+                checks.append(
+                    f"reshape_and_cache 8192: {100 * gbps / copy_gbps:.0f}% of copy bandwidth (target >= 70%)"
+                )
             continue
         sdpa, ref = us(row.get("sdpa_dense")), us(row.get("torch_ref"))
         ours_vs_fa4, fa4, method = versus(row, ours, "fa4")
@@ -273,10 +322,12 @@ def summarize(rows: list[dict[str, object]], ours: str, copy_gbps: float) -> lis
         tflops = row["flops"] / (t * 1e-6) / 1e12 if t else float("nan")
         x_fa4 = fa4 / ours_vs_fa4 if fa4 and ours_vs_fa4 else float("nan")
         x_sdpa = sdpa / t if sdpa and t else float("nan")
-        lines.append(f"{row['case']:<24}{t or float('nan'):9.1f}{fa4 or float('nan'):9.1f}{ref or float('nan'):10.1f}"
-                     f"{sdpa or float('nan'):9.1f}{us(row.get(ours), 'bench_us') or float('nan'):11.1f}{gbps:7.0f}"
-                     f"{100 * gbps / HBM_GBPS:5.0f}%{tflops:8.0f}{x_fa4:6.2f}{x_sdpa:6.2f}"
-                     f"{ {'graph1_us': ' (vs FA4: 1-call graphs)', 'kernel_us': ' (vs FA4: profiler kernel time)'}.get(method, '')}")
+        lines.append(
+            f"{row['case']:<24}{t or float('nan'):9.1f}{fa4 or float('nan'):9.1f}{ref or float('nan'):10.1f}"
+            f"{sdpa or float('nan'):9.1f}{us(row.get(ours), 'bench_us') or float('nan'):11.1f}{gbps:7.0f}"
+            f"{100 * gbps / HBM_GBPS:5.0f}%{tflops:8.0f}{x_fa4:6.2f}{x_sdpa:6.2f}"
+            f"{ {'graph1_us': ' (vs FA4: 1-call graphs)', 'kernel_us': ' (vs FA4: profiler kernel time)'}.get(method, '') }"
+        )
         if row["kind"] == "decode":
             speedups.append(x_fa4)
             b, n = (int(v) for v in row["case"].split()[1].split("x"))
@@ -284,7 +335,9 @@ def summarize(rows: list[dict[str, object]], ours: str, copy_gbps: float) -> lis
                 checks.append(f"{row['case']}: {x_sdpa:.2f}x dense SDPA (target >= 0.9)")
         if row["kind"] == "prefill":
             fa4_tflops = row["flops"] / (fa4 * 1e-6) / 1e12 if fa4 else float("nan")
-            checks.append(f"{row['case']}: {tflops:.0f} TFLOP/s, FA4 {fa4_tflops:.0f}: {x_fa4:.2f}x FA4 (target >= 0.7)")
+            checks.append(
+                f"{row['case']}: {tflops:.0f} TFLOP/s, FA4 {fa4_tflops:.0f}: {x_fa4:.2f}x FA4 (target >= 0.7)"
+            )
     valid = [s for s in speedups if s == s]
     if valid:
         geo = math.exp(sum(math.log(s) for s in valid) / len(valid))
@@ -298,22 +351,40 @@ def summarize(rows: list[dict[str, object]], ours: str, copy_gbps: float) -> lis
 
 def make_tuning(knobs: dict[str, object]) -> Tuning:
     """A Tuning from JSON-style knobs (tile settings as [block_m, block_n, warps, stages])."""
-    return dataclasses.replace(Tuning(), **{k: Tiles(*v) if isinstance(v, (list, tuple)) else v for k, v in knobs.items()})
+    return dataclasses.replace(
+        Tuning(), **{k: Tiles(*v) if isinstance(v, (list, tuple)) else v for k, v in knobs.items()}
+    )
 
 
 def sweep(kind: str, quick: bool) -> dict[str, object]:
     """Time candidate Tunings on every case of one kind; return them ranked by geometric mean."""
     if kind == "decode":
-        grid = [dict(decode_programs_per_sm=p, split_overhead_tiles=o) for p, o in itertools.product((3, 4, 5), (1, 2, 4))]
+        grid = [
+            dict(decode_programs_per_sm=p, split_overhead_tiles=o) for p, o in itertools.product((3, 4, 5), (1, 2, 4))
+        ]
     else:
         longs = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
         shorts = [(64, 32, 4, 2), (64, 64, 4, 2)]
         grid = [dict(long_prefill=a, short_prefill=b) for a, b in itertools.product(longs, shorts)]
     chosen = [c for c in cases(quick) if (c.kind == "decode") == (kind == "decode")]
     results = []
-    batches = {c.name: [random_paged_batch(c.query_lens, c.context_lens, num_q_heads=HQ, num_kv_heads=HKV,
-                                           head_size=D, block_size=BLOCK, dtype=DTYPE, device="cuda", seed=i)
-                        for i in range(copies_for(kv_bytes(c)))] for c in chosen}
+    batches = {
+        c.name: [
+            random_paged_batch(
+                c.query_lens,
+                c.context_lens,
+                num_q_heads=HQ,
+                num_kv_heads=HKV,
+                head_size=D,
+                block_size=BLOCK,
+                dtype=DTYPE,
+                device="cuda",
+                seed=i,
+            )
+            for i in range(copies_for(kv_bytes(c)))
+        ]
+        for c in chosen
+    }
     for knobs in grid:
         tuning = make_tuning(knobs)
         times = {}
@@ -326,7 +397,10 @@ def sweep(kind: str, quick: bool) -> dict[str, object]:
         ok = all(isinstance(t, float) for t in times.values())
         geo = math.exp(sum(math.log(t) for t in times.values()) / len(times)) if ok else float("inf")
         results.append({"knobs": knobs, "geomean_us": geo, "times_us": times})
-        print(f"{json.dumps(knobs):<70} geomean {geo:9.1f} us  {json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in times.items()})}", flush=True)
+        print(
+            f"{json.dumps(knobs):<70} geomean {geo:9.1f} us  {json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in times.items()})}",
+            flush=True,
+        )
     results.sort(key=lambda r: r["geomean_us"])
     return {"kind": kind, "best": results[0]["knobs"], "ranked": results}
 
@@ -367,9 +441,17 @@ def main() -> None:
         print(f"\n== TRITON_ATTN ({name}) — GPU time under a CUDA graph; 'eager' = do_bench with L2 flush ==")
         print("\n".join(summarize(rows_for, "triton", copy_gbps)))
     if args.json:
-        args.json.write_text(json.dumps({"copy_gbps": copy_gbps, "device": torch.cuda.get_device_name(),
-                                         "tunings": {k: dataclasses.asdict(v) if v else None for k, v in tunings.items()},
-                                         "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "copy_gbps": copy_gbps,
+                    "device": torch.cuda.get_device_name(),
+                    "tunings": {k: dataclasses.asdict(v) if v else None for k, v in tunings.items()},
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,11 @@ from pagedkv.kernels import unified_attention as current  # noqa: E402
 from pagedkv.kernels.testing import PagedBatch, random_paged_batch  # noqa: E402
 
 HQ, HKV, BLOCK, DTYPE, ROUNDS = 32, 8, 16, torch.bfloat16, 3
-CASES = {"decode 8x4096": ([1] * 8, [4095] * 8), "decode 32x4096": ([1] * 32, [4095] * 32),
-         "prefill 1x4096": ([4096], [0])}
+CASES = {
+    "decode 8x4096": ([1] * 8, [4095] * 8),
+    "decode 32x4096": ([1] * 32, [4095] * 32),
+    "prefill 1x4096": ([4096], [0]),
+}
 
 
 def load_module(path: Path) -> ModuleType:
@@ -54,8 +57,16 @@ def attention_call(kernel: Callable[..., torch.Tensor], batch: PagedBatch) -> Ca
 
 
 def compare(baseline: ModuleType, name: str, head_size: int) -> dict[str, object]:
-    batch = random_paged_batch(*CASES[name], num_q_heads=HQ, num_kv_heads=HKV, head_size=head_size,
-                               block_size=BLOCK, dtype=DTYPE, device="cuda", seed=head_size)
+    batch = random_paged_batch(
+        *CASES[name],
+        num_q_heads=HQ,
+        num_kv_heads=HKV,
+        head_size=head_size,
+        block_size=BLOCK,
+        dtype=DTYPE,
+        device="cuda",
+        seed=head_size,
+    )
     calls = {"before": attention_call(baseline.unified_attention, batch), "after": attention_call(current, batch)}
     diff = (calls["before"]().float() - calls["after"]().float()).abs().max().item()
     rounds: dict[str, list[float]] = {version: [] for version in calls}
@@ -65,9 +76,16 @@ def compare(baseline: ModuleType, name: str, head_size: int) -> dict[str, object
     times = {version: statistics.median(us) for version, us in rounds.items()}
     seq = sum(q + c for q, c in zip(*CASES[name]))
     kv_bytes = 2 * seq * HKV * head_size * 2 + 2 * batch.q.numel() * 2  # K, V once + q, out
-    return {"case": name, "head_size": head_size, "before_us": times["before"], "after_us": times["after"],
-            "after/before": times["after"] / times["before"], "after_gbps": kv_bytes / times["after"] / 1e3,
-            "max_abs_diff": diff, "rounds_us": rounds}
+    return {
+        "case": name,
+        "head_size": head_size,
+        "before_us": times["before"],
+        "after_us": times["after"],
+        "after/before": times["after"] / times["before"],
+        "after_gbps": kv_bytes / times["after"] / 1e3,
+        "max_abs_diff": diff,
+        "rounds_us": rounds,
+    }
 
 
 def main() -> None:
@@ -86,8 +104,11 @@ def main() -> None:
         for name in CASES:
             row = compare(baseline, name, head_size)
             rows.append(row)
-            print(f"{name:<16}{head_size:>5}{row['before_us']:>11.1f}{row['after_us']:>10.1f}"
-                  f"{row['after/before']:>13.3f}{row['after_gbps']:>7.0f}{row['max_abs_diff']:>11.1e}", flush=True)
+            print(
+                f"{name:<16}{head_size:>5}{row['before_us']:>11.1f}{row['after_us']:>10.1f}"
+                f"{row['after/before']:>13.3f}{row['after_gbps']:>7.0f}{row['max_abs_diff']:>11.1e}",
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 

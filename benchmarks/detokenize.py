@@ -34,7 +34,7 @@ def token_streams(tokenizer: Tokenizer, requests: int, length: int, seed: int = 
     ids = tokenizer.encode("\n".join(topics.values())[:400_000])
     rng = random.Random(seed)
     starts = [rng.randrange(len(ids) - length) for _ in range(requests)]
-    return [ids[s:s + length] for s in starts]
+    return [ids[s : s + length] for s in starts]
 
 
 def ms_per_step(streams: list[list[int]], make: Callable[[], Callable[[list[int]], str]]) -> float:
@@ -65,13 +65,22 @@ def main() -> None:
             streams = token_streams(tokenizer, args.requests, length)
             whole = ms_per_step(streams, lambda t=tokenizer: t.decode)
             incremental = ms_per_step(streams, lambda t=tokenizer: IncrementalDetokenizer(t).text)
-            rows.append({"tokenizer": name, "requests": args.requests, "length": length,
-                         "whole_decode_ms_per_step": whole, "incremental_ms_per_step": incremental})
+            rows.append(
+                {
+                    "tokenizer": name,
+                    "requests": args.requests,
+                    "length": length,
+                    "whole_decode_ms_per_step": whole,
+                    "incremental_ms_per_step": incremental,
+                }
+            )
     print(f"{'tokenizer':<44}{'requests x tokens':>18}{'whole ms/step':>15}{'incremental':>13}{'speed-up':>10}")
     for r in rows:
         shape = f"{r['requests']} x {r['length']}"
-        print(f"{r['tokenizer']:<44}{shape:>18}{r['whole_decode_ms_per_step']:15.2f}"
-              f"{r['incremental_ms_per_step']:13.2f}{r['whole_decode_ms_per_step'] / r['incremental_ms_per_step']:9.1f}x")
+        print(
+            f"{r['tokenizer']:<44}{shape:>18}{r['whole_decode_ms_per_step']:15.2f}"
+            f"{r['incremental_ms_per_step']:13.2f}{r['whole_decode_ms_per_step'] / r['incremental_ms_per_step']:9.1f}x"
+        )
     if args.json:
         args.json.write_text(json.dumps({"rows": rows}, indent=1))
 

@@ -80,9 +80,14 @@ def timed_generate(llm: LLM, workload: Workload) -> dict[str, object]:
     steps, _, cached = counters(llm)
     seconds, outs = generate_s(llm, workload.prompts, workload.params)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
-            "steps": llm.stats.num_steps - steps, "cached_prompt_tokens": llm.stats.num_cached_tokens - cached,
-            "first_tokens": outs[0].outputs[0].token_ids[:8]}
+    return {
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / seconds,
+        "steps": llm.stats.num_steps - steps,
+        "cached_prompt_tokens": llm.stats.num_cached_tokens - cached,
+        "first_tokens": outs[0].outputs[0].token_ids[:8],
+    }
 
 
 def timed_stream(llm: LLM, workload: Workload) -> dict[str, object]:
@@ -103,25 +108,33 @@ def timed_stream(llm: LLM, workload: Workload) -> dict[str, object]:
         _, prefill, _ = counters(llm)
         for out in llm.step():
             text = out.outputs[0].text
-            chars += len(text[sent[out.request_id]:])  # the delta a server would send
+            chars += len(text[sent[out.request_id] :])  # the delta a server would send
             sent[out.request_id] = len(text)
             if out.finished:
                 tokens += len(out.outputs[0].token_ids)
         now = time.perf_counter()
-        kind = kinds.setdefault("prefill" if llm.stats.num_prefill_tokens > prefill else "decode",
-                                {"steps": 0, "seconds": 0.0})
+        kind = kinds.setdefault(
+            "prefill" if llm.stats.num_prefill_tokens > prefill else "decode", {"steps": 0, "seconds": 0.0}
+        )
         kind["steps"] += 1
         kind["seconds"] += now - last
         last = now
     sync()
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
-            "steps": llm.stats.num_steps - steps0, "cached_prompt_tokens": llm.stats.num_cached_tokens - cached,
-            "text_chars_streamed": chars, "step_kinds": kinds}
+    return {
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / seconds,
+        "steps": llm.stats.num_steps - steps0,
+        "cached_prompt_tokens": llm.stats.num_cached_tokens - cached,
+        "text_chars_streamed": chars,
+        "step_kinds": kinds,
+    }
 
 
-def run_row(workload: Workload, backend: str | None, mode: str, row: dict[str, object],
-            args: argparse.Namespace) -> LLM:
+def run_row(
+    workload: Workload, backend: str | None, mode: str, row: dict[str, object], args: argparse.Namespace
+) -> LLM:
     """Fill `row` with one engine's figures on `workload` (see the module docstring); returns the engine."""
     kwargs = engine_kwargs(mode, backend, workload.engine)
     row["kwargs"] = kwargs
@@ -148,15 +161,24 @@ def run_row(workload: Workload, backend: str | None, mode: str, row: dict[str, o
     return llm
 
 
-def run_workload(workload: Workload, args: argparse.Namespace, record: dict[str, object],
-                 save: Callable[[], None]) -> None:
+def run_workload(
+    workload: Workload, args: argparse.Namespace, record: dict[str, object], save: Callable[[], None]
+) -> None:
     """Every backend x mode row, then the roofline and the peers on the last engine's weights, into
     `record` (`save` after each row: a run cut short keeps what it measured)."""
     rows: list[dict[str, object]] = []
-    record.update(name=workload.name, model=workload.model, num_requests=len(workload.prompts),
-                  prompt_tokens=sum(map(len, workload.prompts)), output_tokens=workload.output_tokens,
-                  full_size=workload.name == "W2" and len(workload.prompts) == 256 and args.max_tokens is None,
-                  temperature=workload.params[0].temperature, engine_args=workload.engine, roofline=None, rows=rows)
+    record.update(
+        name=workload.name,
+        model=workload.model,
+        num_requests=len(workload.prompts),
+        prompt_tokens=sum(map(len, workload.prompts)),
+        output_tokens=workload.output_tokens,
+        full_size=workload.name == "W2" and len(workload.prompts) == 256 and args.max_tokens is None,
+        temperature=workload.params[0].temperature,
+        engine_args=workload.engine,
+        roofline=None,
+        rows=rows,
+    )
     kept: LLM | None = None  # the last engine: its model gives the roofline and the peers' weights
     for backend in args.backends:
         for mode in args.modes:
@@ -204,11 +226,17 @@ def hf_rows(model: torch.nn.Module, workload: Workload, args: argparse.Namespace
     prompts, max_tokens = workload.prompts, workload.params[0].max_tokens  # W1: greedy, one length
     runs = []
     if args.hf_batch:
-        runs.append(("transformers generate_batch", "paged sdpa",
-                     lambda: hf_peers.generate_batch(hf, prompts, max_tokens)))
+        runs.append(
+            ("transformers generate_batch", "paged sdpa", lambda: hf_peers.generate_batch(hf, prompts, max_tokens))
+        )
     if args.hf_padded:
-        runs.append((f"transformers generate (padded, batch {args.hf_batch_size})", "sdpa",
-                     lambda: hf_peers.generate_padded(hf, prompts, max_tokens, args.hf_batch_size)))
+        runs.append(
+            (
+                f"transformers generate (padded, batch {args.hf_batch_size})",
+                "sdpa",
+                lambda: hf_peers.generate_padded(hf, prompts, max_tokens, args.hf_batch_size),
+            )
+        )
     rows = []
     for name, mode, run in runs:
         row: dict[str, object] = {"engine": name, "mode": mode}
@@ -244,14 +272,24 @@ def decode_table(args: argparse.Namespace) -> list[dict[str, object]]:
     rows = []
     for model in args.decode_models:
         for mode in args.modes:
-            engine = dict(max_num_seqs=max(args.decode_batches), max_num_batched_tokens=4096,
-                          max_model_len=args.decode_prompt_len + 1024, kv_cache_memory=8 * 2**30)
+            engine = dict(
+                max_num_seqs=max(args.decode_batches),
+                max_num_batched_tokens=4096,
+                max_model_len=args.decode_prompt_len + 1024,
+                kv_cache_memory=8 * 2**30,
+            )
             llm = None
             try:
                 llm = LLM(model, **engine_kwargs(mode, args.backends[0], engine))
                 for batch in args.decode_batches:
-                    rows.append({"model": model, "mode": mode, "resolved_mode": describe(llm)["cudagraph_mode"],
-                                 **decode_latency(llm, batch, args.decode_prompt_len, args.decode_steps)})
+                    rows.append(
+                        {
+                            "model": model,
+                            "mode": mode,
+                            "resolved_mode": describe(llm)["cudagraph_mode"],
+                            **decode_latency(llm, batch, args.decode_prompt_len, args.decode_steps),
+                        }
+                    )
                     print(json.dumps(rows[-1]), flush=True)
             except Exception as exc:
                 rows.append({"model": model, "mode": mode, "error": error_text(exc)})
@@ -271,11 +309,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (tiny models)")
     p.add_argument("--tables", nargs="+", default=["w1", "w2"], choices=["w1", "w2", "decode"])
-    p.add_argument("--modes", nargs="+", type=mode_arg, default=[["default"]],
-                   help="default, eager, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE, each optionally "
-                        "+async / +sync; 'all' = " + " ".join(engine_bench.ALL_MODES))
-    p.add_argument("--backends", nargs="+", default=["default"],
-                   help="attention backends (TRITON_ATTN, FLASH_ATTN, ...); 'default': the engine's choice")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        type=mode_arg,
+        default=[["default"]],
+        help="default, eager, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE, each optionally "
+        "+async / +sync; 'all' = " + " ".join(engine_bench.ALL_MODES),
+    )
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        default=["default"],
+        help="attention backends (TRITON_ATTN, FLASH_ATTN, ...); 'default': the engine's choice",
+    )
     p.add_argument("--w1-model", default="llama3-8b")
     p.add_argument("--w1-kv-cache-gib", type=float, default=16.0, help="KV cache of W1's engines")
     p.add_argument("--w2-models", nargs="+", default=["qwen3-0.6b"], help="any preset or model directory")
@@ -311,11 +358,25 @@ def main() -> None:
     print(json.dumps(result["meta"]), flush=True)
     todo: list[Workload] = []
     if "w1" in args.tables:
-        todo.append(workloads.w1(args.w1_model, load_config(args.w1_model).vocab_size, args.num_requests or 128,
-                                 args.max_tokens or 128, int(args.w1_kv_cache_gib * 2**30)))
+        todo.append(
+            workloads.w1(
+                args.w1_model,
+                load_config(args.w1_model).vocab_size,
+                args.num_requests or 128,
+                args.max_tokens or 128,
+                int(args.w1_kv_cache_gib * 2**30),
+            )
+        )
     for model in args.w2_models if "w2" in args.tables else []:
-        todo.append(workloads.w2(model, load_config(model).vocab_size, int(args.w2_kv_cache_gib * 2**30),
-                                 args.num_requests or 256, args.max_tokens))
+        todo.append(
+            workloads.w2(
+                model,
+                load_config(model).vocab_size,
+                int(args.w2_kv_cache_gib * 2**30),
+                args.num_requests or 256,
+                args.max_tokens,
+            )
+        )
 
     def save() -> None:
         if args.json:

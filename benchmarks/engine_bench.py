@@ -47,8 +47,10 @@ def mode_kwargs(mode: str) -> dict[str, object]:
     """`LLM` keyword arguments of a mode (see the module docstring); a ValueError names the valid ones."""
     name, plus, scheduling = mode.partition("+")
     if (name not in ("default", "eager", *GRAPH_MODES)) or (plus and scheduling not in ("async", "sync")):
-        raise ValueError(f"unknown mode {mode!r}: one of default, eager, {', '.join(GRAPH_MODES)}, "
-                         "optionally followed by +async or +sync")
+        raise ValueError(
+            f"unknown mode {mode!r}: one of default, eager, {', '.join(GRAPH_MODES)}, "
+            "optionally followed by +async or +sync"
+        )
     kwargs: dict[str, object] = {}
     if name == "eager":
         kwargs["enforce_eager"] = True
@@ -79,10 +81,15 @@ def describe(llm: LLM) -> dict[str, object]:
     compilation = llm.config.compilation_config
     mode = getattr(llm.runner, "cudagraph_mode", compilation.cudagraph_mode)
     backends = sorted({layer.attn_backend.get_name() for layer in llm.runner.attn_layers.values()})
-    return {"cudagraph_mode": getattr(mode, "name", str(mode)), "compile": compilation.compile,
-            "enforce_eager": compilation.enforce_eager, "async_scheduling": llm.async_scheduling,
-            "prefix_caching": llm.prefix_caching, "attention_backends": backends,
-            "dtype": str(llm.config.model_config.dtype).removeprefix("torch.")}
+    return {
+        "cudagraph_mode": getattr(mode, "name", str(mode)),
+        "compile": compilation.compile,
+        "enforce_eager": compilation.enforce_eager,
+        "async_scheduling": llm.async_scheduling,
+        "prefix_caching": llm.prefix_caching,
+        "attention_backends": backends,
+        "dtype": str(llm.config.model_config.dtype).removeprefix("torch."),
+    }
 
 
 def resolved_label(resolved: dict[str, object]) -> str:
@@ -114,8 +121,9 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
 
 
-def generate_s(llm: LLM, prompts: Sequence[list[int]],
-               params: SamplingParams | Sequence[SamplingParams]) -> tuple[float, list[RequestOutput]]:
+def generate_s(
+    llm: LLM, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams]
+) -> tuple[float, list[RequestOutput]]:
     """Wall seconds of one `llm.generate` over token-id prompts (GPU work included), and its outputs."""
     sync()
     start = time.perf_counter()
@@ -129,7 +137,8 @@ def run_metadata() -> dict[str, object]:
     meta: dict[str, object] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-        "python": platform.python_version(), "torch": torch.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if DEVICE == "cuda" else f"cpu ({os.cpu_count()} cores)",
         "torch_threads": torch.get_num_threads(),
     }
@@ -139,10 +148,20 @@ def run_metadata() -> dict[str, object]:
         except ImportError:
             meta[module] = None
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=10,
+        ).stdout.strip()
         meta["git_commit"] = (commit + (" (uncommitted changes)" if dirty else "")) or None
     except (OSError, subprocess.SubprocessError):
         meta["git_commit"] = None

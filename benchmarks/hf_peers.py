@@ -59,14 +59,22 @@ def generate_batch(hf: torch.nn.Module, prompts: Sequence[list[int]], max_tokens
     failed and the call returned no tokens).
     """
     hf.generate_batch(inputs=[list(p) for p in prompts[:4]], generation_config=_config(4, padded=False))
-    results, seconds = _timed(lambda: hf.generate_batch(inputs=[list(p) for p in prompts],
-                                                        generation_config=_config(max_tokens, padded=False)))
+    results, seconds = _timed(
+        lambda: hf.generate_batch(
+            inputs=[list(p) for p in prompts], generation_config=_config(max_tokens, padded=False)
+        )
+    )
     outputs = list(results.values())
     generated = [list(r.generated_tokens) for r in outputs]
     if not any(generated):
         raise RuntimeError("generate_batch returned no tokens (its log above says why)")
-    return {"seconds": seconds, "requests_returned": len(outputs), "output_tokens": sum(map(len, generated)),
-            "first_request": next(iter(results), None), "first_tokens": generated[0][:8] if generated else []}
+    return {
+        "seconds": seconds,
+        "requests_returned": len(outputs),
+        "output_tokens": sum(map(len, generated)),
+        "first_request": next(iter(results), None),
+        "first_tokens": generated[0][:8] if generated else [],
+    }
 
 
 @torch.inference_mode()
@@ -81,8 +89,8 @@ def generate_padded(
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.long)
         for i, p in enumerate(batch):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         return ids.to(device), mask.to(device)
 
     ids, mask = padded(prompts[:2])
@@ -93,7 +101,7 @@ def generate_padded(
         for start in range(0, len(prompts), batch_size):
             ids, mask = padded(prompts[start : start + batch_size])
             config = _config(max_tokens, padded=True)
-            outs.append(hf.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:])
+            outs.append(hf.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :])
         return outs
 
     outs, seconds = _timed(run)

@@ -67,8 +67,14 @@ def attention_call(batch: PagedBatch, *, precomputed: bool) -> Callable[[], obje
     config = None
     if precomputed:  # what the backend's metadata builder does once per step
         config = choose_config(
-            device=batch.q.device, head_pad=D, dtype=DTYPE, num_queries_per_kv=HQ // HKV, num_kv_heads=HKV,
-            num_reqs=len(batch.query_lens), num_tokens=batch.q.shape[0], max_query_len=batch.max_query_len,
+            device=batch.q.device,
+            head_pad=D,
+            dtype=DTYPE,
+            num_queries_per_kv=HQ // HKV,
+            num_kv_heads=HKV,
+            num_reqs=len(batch.query_lens),
+            num_tokens=batch.q.shape[0],
+            max_query_len=batch.max_query_len,
             max_seq_len=batch.max_seq_len,
         )
     k_cache, v_cache = batch.k_cache, batch.v_cache
@@ -76,10 +82,20 @@ def attention_call(batch: PagedBatch, *, precomputed: bool) -> Callable[[], obje
 
 
 def cases() -> dict[str, Callable[[], object]]:
-    one = random_paged_batch([1], [4095], num_q_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=BLOCK,
-                             dtype=DTYPE, device="cuda")
-    w1 = random_paged_batch([1] * 128, [1023] * 128, num_q_heads=HQ, num_kv_heads=HKV, head_size=D,
-                            block_size=BLOCK, dtype=DTYPE, device="cuda", seed=1)
+    one = random_paged_batch(
+        [1], [4095], num_q_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=BLOCK, dtype=DTYPE, device="cuda"
+    )
+    w1 = random_paged_batch(
+        [1] * 128,
+        [1023] * 128,
+        num_q_heads=HQ,
+        num_kv_heads=HKV,
+        head_size=D,
+        block_size=BLOCK,
+        dtype=DTYPE,
+        device="cuda",
+        seed=1,
+    )
     key = torch.randn(1, HKV, D, dtype=DTYPE, device="cuda")
     slot = torch.tensor([5], dtype=torch.int64, device="cuda")
     out = {
@@ -92,8 +108,16 @@ def cases() -> dict[str, Callable[[], object]]:
         from flash_attn.cute import flash_attn_varlen_func
 
         out["flash-attn 4 1x4096"] = lambda: flash_attn_varlen_func(
-            one.q, one.k_cache, one.v_cache, cu_seqlens_q=one.query_start_loc, seqused_k=one.seq_lens,
-            max_seqlen_q=1, max_seqlen_k=4096, page_table=one.block_table, causal=True, softmax_scale=D**-0.5,
+            one.q,
+            one.k_cache,
+            one.v_cache,
+            cu_seqlens_q=one.query_start_loc,
+            seqused_k=one.seq_lens,
+            max_seqlen_q=1,
+            max_seqlen_k=4096,
+            page_table=one.block_table,
+            causal=True,
+            softmax_scale=D**-0.5,
         )
     except ImportError:
         pass
@@ -131,8 +155,17 @@ def main() -> None:
         print("\ncProfile of 2000 engine-style 1x4096 calls (tottime, top 15):")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                         "triton": triton.__version__, "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "triton": triton.__version__,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

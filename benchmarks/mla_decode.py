@@ -95,9 +95,19 @@ def triton_fn(x: Inputs, max_seq_len: int, splits: int | None) -> Callable[[], t
     out = torch.empty(x.q.shape[0], HEADS, RANK, device="cuda", dtype=DTYPE)
     workspace = MLADecodeWorkspace(x.q.shape[0], HEADS, RANK, "cuda", max_splits=max(splits or 0, 32))
     # early_launch as TRITON_MLA calls it: the kernel before this one wrote neither seq_lens nor the block table
-    return lambda: mla_decode_attention(x.q, x.kv_cache, x.block_table, x.seq_lens, SCALE, RANK, out,
-                                        workspace=workspace, num_kv_splits=splits, max_seq_len=max_seq_len,
-                                        early_launch=True)
+    return lambda: mla_decode_attention(
+        x.q,
+        x.kv_cache,
+        x.block_table,
+        x.seq_lens,
+        SCALE,
+        RANK,
+        out,
+        workspace=workspace,
+        num_kv_splits=splits,
+        max_seq_len=max_seq_len,
+        early_launch=True,
+    )
 
 
 def torch_fn(x: Inputs) -> Callable[[], torch.Tensor]:
@@ -120,15 +130,22 @@ def run_case(case: Case, block_size: int, extra_splits: list[int]) -> dict[str, 
     inputs = [make_inputs(case, block_size, seed=i) for i in range(copies)]
     longest = max(case.seq_lens)  # the host-side bound the split count is chosen from
     splits = default_num_kv_splits(case.batch, HEADS, longest, block_size, DTYPE, torch.device("cuda"))
-    row: dict[str, object] = {"case": case.name, "batch": case.batch, "context": case.context, "mixed": case.mixed,
-                              "bytes": case.cache_bytes, "copies": copies, "splits": splits}
+    row: dict[str, object] = {
+        "case": case.name,
+        "batch": case.batch,
+        "context": case.context,
+        "mixed": case.mixed,
+        "bytes": case.cache_bytes,
+        "copies": copies,
+        "splits": splits,
+    }
     # Every provider here runs in a graph, so the profiler never runs (it slows graph timings after it).
     row["triton"] = measure(lambda i: triton_fn(inputs[i], longest, None), copies)
     for n in extra_splits:
         row[f"triton_s{n}"] = measure(lambda i, n=n: triton_fn(inputs[i], longest, n), copies)
     row["torch_ref"] = measure(lambda i: torch_fn(inputs[i]), min(copies, 2))
     try:  # sanity: both agree (bf16 outputs of an fp32 computation)
-        diff = (triton_fn(inputs[0], longest, None)().float() - torch_fn(inputs[0])().float())
+        diff = triton_fn(inputs[0], longest, None)().float() - torch_fn(inputs[0])().float()
         row["max_abs_diff_vs_torch"] = diff.abs().max().item()
     except Exception as exc:
         row["max_abs_diff_vs_torch"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
@@ -146,10 +163,13 @@ def compiled_kernels() -> dict[int, dict[str, object]]:
     try:  # Triton internals (3.6): device_caches[device][0] maps launch keys to compiled kernels
         for cache in mla_decode._mla_decode_kernel.device_caches.values():
             for kernel in cache[0].values():
-                found[id(kernel)] = {"n_regs": kernel.n_regs, "n_spills": kernel.n_spills,
-                                     "shared": kernel.metadata.shared,
-                                     # > 0: Triton's pipeliner prefetches tiles with cp.async
-                                     "async_copies": kernel.asm["ttgir"].count("async_copy_global_to_local")}
+                found[id(kernel)] = {
+                    "n_regs": kernel.n_regs,
+                    "n_spills": kernel.n_spills,
+                    "shared": kernel.metadata.shared,
+                    # > 0: Triton's pipeliner prefetches tiles with cp.async
+                    "async_copies": kernel.asm["ttgir"].count("async_copy_global_to_local"),
+                }
     except (AttributeError, KeyError, TypeError, IndexError):
         pass
     return found
@@ -161,10 +181,28 @@ def sweep(block_size: int) -> dict[str, object]:
 
     Each launch shape is also checked against the torch peer on one case (max abs difference).
     """
-    grid = [MLATiles(n, w, st, ppm) for n, w, st, ppm in [
-        (32, 4, 3, 2), (32, 4, 2, 2), (32, 4, 2, 3), (32, 4, 4, 1), (16, 4, 3, 2), (16, 4, 3, 3), (16, 4, 4, 2),
-        (32, 8, 3, 2), (64, 4, 2, 2)]]
-    chosen = [Case(8, 4096), Case(32, 4096), Case(64, 4096), Case(128, 4096), Case(32, 16384), Case(32, 4096, mixed=True)]
+    grid = [
+        MLATiles(n, w, st, ppm)
+        for n, w, st, ppm in [
+            (32, 4, 3, 2),
+            (32, 4, 2, 2),
+            (32, 4, 2, 3),
+            (32, 4, 4, 1),
+            (16, 4, 3, 2),
+            (16, 4, 3, 3),
+            (16, 4, 4, 2),
+            (32, 8, 3, 2),
+            (64, 4, 2, 2),
+        ]
+    ]
+    chosen = [
+        Case(8, 4096),
+        Case(32, 4096),
+        Case(64, 4096),
+        Case(128, 4096),
+        Case(32, 16384),
+        Case(32, 4096, mixed=True),
+    ]
     inputs = {c: [make_inputs(c, block_size, i) for i in range(copies_for(c.cache_bytes))] for c in chosen}
     copy_gbps = copy_bandwidth_gbps()
     check = chosen[0]
@@ -188,12 +226,25 @@ def sweep(block_size: int) -> dict[str, object]:
         builds = [v for k, v in compiled_kernels().items() if k not in before]
         ok = all(isinstance(t, float) for t in times.values())
         geo = math.exp(sum(math.log(t) for t in times.values()) / len(times)) if ok else float("inf")
-        pct = {c.name: round(100 * c.cache_bytes / (times[c.name] * 1e-6) / 1e9 / copy_gbps, 1)
-               for c in chosen if isinstance(times.get(c.name), float)}
-        results.append({"tiles": dataclasses.asdict(tiles), "geomean_us": geo, "times_us": times,
-                        "percent_of_copy": pct, "max_abs_diff_vs_torch": diff, "builds": builds})
-        print(f"{str(tiles):<110} geomean {geo:8.1f} us  diff {diff}  %copy {json.dumps(pct)}  {json.dumps(builds)}",
-              flush=True)
+        pct = {
+            c.name: round(100 * c.cache_bytes / (times[c.name] * 1e-6) / 1e9 / copy_gbps, 1)
+            for c in chosen
+            if isinstance(times.get(c.name), float)
+        }
+        results.append(
+            {
+                "tiles": dataclasses.asdict(tiles),
+                "geomean_us": geo,
+                "times_us": times,
+                "percent_of_copy": pct,
+                "max_abs_diff_vs_torch": diff,
+                "builds": builds,
+            }
+        )
+        print(
+            f"{str(tiles):<110} geomean {geo:8.1f} us  diff {diff}  %copy {json.dumps(pct)}  {json.dumps(builds)}",
+            flush=True,
+        )
     mla_decode.GPU_TILES = shipped
     results.sort(key=lambda r: r["geomean_us"])
     return {"best": results[0]["tiles"], "copy_gbps": copy_gbps, "block_size": block_size, "ranked": results}
@@ -204,8 +255,10 @@ def sweep(block_size: int) -> dict[str, object]:
 
 def summarize(rows: list[dict[str, object]], copy_gbps: float, extra_splits: list[int]) -> list[str]:
     extra = "".join(f"{f's={n} us':>9}" for n in extra_splits)
-    lines = [f"{'case':<26}{'splits':>7}{'ours us':>9}{'eager us':>9}{'ref us':>10}{'GB/s':>7}{'%copy':>7}"
-             f"{'x ref':>7}{'max diff':>10}{extra}"]
+    lines = [
+        f"{'case':<26}{'splits':>7}{'ours us':>9}{'eager us':>9}{'ref us':>10}{'GB/s':>7}{'%copy':>7}"
+        f"{'x ref':>7}{'max diff':>10}{extra}"
+    ]
     checks = []
     for row in rows:
         t, ref = us(row.get("triton")), us(row.get("torch_ref"))
@@ -224,9 +277,12 @@ def summarize(rows: list[dict[str, object]], copy_gbps: float, extra_splits: lis
                 lines.append(f"    {name}: {row[name]['error']}")
         if row["batch"] * row["context"] >= TARGET_TOKENS and not row.get("mixed"):  # the target is for equal lengths
             met = "met" if gbps >= TARGET * copy_gbps else "MISSED"
-            checks.append(f"{row['case']}: {100 * gbps / copy_gbps:.0f}% of copy bandwidth "
-                          f"(target >= {100 * TARGET:.0f}%): {met}")
-    lines.append(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write); GB/s above = cache bytes read / graph time")
+            checks.append(
+                f"{row['case']}: {100 * gbps / copy_gbps:.0f}% of copy bandwidth (target >= {100 * TARGET:.0f}%): {met}"
+            )
+    lines.append(
+        f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write); GB/s above = cache bytes read / graph time"
+    )
     return lines + checks
 
 
@@ -247,8 +303,11 @@ def main() -> None:
             args.json.write_text(json.dumps(result, indent=1))
         return
 
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {HEADS} heads x ({RANK} + {ROPE}), "
-          f"bf16, block size {args.block_size}", flush=True)
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {HEADS} heads x ({RANK} + {ROPE}), "
+        f"bf16, block size {args.block_size}",
+        flush=True,
+    )
     copy_gbps = copy_bandwidth_gbps()
     rows = []
     for case in cases(args.quick):
@@ -257,12 +316,24 @@ def main() -> None:
     print("\n== mla_decode_attention — GPU time under a CUDA graph; 'eager' = do_bench with L2 flush ==")
     print("\n".join(summarize(rows, copy_gbps, args.splits)))
     if args.json:
-        args.json.write_text(json.dumps({
-            "copy_gbps": copy_gbps, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "shape": {"heads": HEADS, "kv_lora_rank": RANK, "rope_dim": ROPE, "dtype": "bfloat16",
-                      "block_size": args.block_size},
-            "rows": rows,
-        }, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "copy_gbps": copy_gbps,
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "shape": {
+                        "heads": HEADS,
+                        "kv_lora_rank": RANK,
+                        "rope_dim": ROPE,
+                        "dtype": "bfloat16",
+                        "block_size": args.block_size,
+                    },
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -61,10 +61,15 @@ def peers(moe: FusedMoE) -> dict[str, tuple[Callable[..., torch.Tensor], bool]]:
         def call(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
             moe.use_grouped_mm = grouped
             return moe(x, weights, ids)
+
         return call
 
-    return {"grouped": (way(True), True), "dense": (way(False), True), "loop": (loop, True),
-            "routed_loop": (routed_loop, False)}
+    return {
+        "grouped": (way(True), True),
+        "dense": (way(False), True),
+        "loop": (loop, True),
+        "routed_loop": (routed_loop, False),
+    }
 
 
 def main() -> None:
@@ -90,20 +95,35 @@ def main() -> None:
             reference = peers(moe)["routed_loop"][0](x, weights, ids).float()
             for name, (fn, capturable) in peers(moe).items():
                 call = lambda fn=fn, x=x, weights=weights, ids=ids: fn(x, weights, ids)  # noqa: E731
-                row[name] = {"bench_us": bench_us(call), "graph1_us": graph1_us(call) if capturable else None,
-                             "max_abs_diff": (call().float() - reference).abs().max().item()}
+                row[name] = {
+                    "bench_us": bench_us(call),
+                    "graph1_us": graph1_us(call) if capturable else None,
+                    "max_abs_diff": (call().float() - reference).abs().max().item(),
+                }
         rows.append(row)
         print(json.dumps(row), flush=True)
     names = list(peers(moe))
     print(f"\n{'tokens':>7}" + "".join(f"{n + ' us':>16}" for n in names) + f"{'loop / grouped':>16}")
     for row in rows:
         time = {n: row[n]["graph1_us"] or row[n]["bench_us"] for n in names}  # type: ignore[index]
-        print(f"{row['tokens']:>7}" + "".join(f"{time[n]:16.1f}" for n in names) + f"{time['loop'] / time['grouped']:16.1f}")
+        print(
+            f"{row['tokens']:>7}"
+            + "".join(f"{time[n]:16.1f}" for n in names)
+            + f"{time['loop'] / time['grouped']:16.1f}"
+        )
     print("us: one call replayed from a CUDA graph; routed_loop (host syncs): do_bench")
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                         "shape": {"experts": EXPERTS, "hidden": HIDDEN, "intermediate": INTERMEDIATE,
-                                                   "top_k": TOP_K}, "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "shape": {"experts": EXPERTS, "hidden": HIDDEN, "intermediate": INTERMEDIATE, "top_k": TOP_K},
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

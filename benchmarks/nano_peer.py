@@ -40,8 +40,9 @@ def export(model: torch.nn.Module, path: Path) -> str | None:
         return f"nano-vllm serves Qwen3 only; this model exports as {type(hf).__name__}"
     hf.save_pretrained(path)
     vocab = {str(i): i for i in range(model.config.vocab_size)}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="0")),
-                                        eos_token=str(model.config.eos_token_id[0]))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="0")), eos_token=str(model.config.eos_token_id[0])
+    )
     tokenizer.save_pretrained(path)
     return None
 
@@ -50,15 +51,26 @@ def run(path: Path, workload: Workload) -> dict[str, object]:
     """nano-vllm's bench.py on `workload` (its engine limits are W2's: 512 sequences, 16384 tokens a step)."""
     from nanovllm import LLM, SamplingParams
 
-    llm = LLM(str(path), enforce_eager=False, max_model_len=4096, max_num_seqs=workload.engine["max_num_seqs"],
-              max_num_batched_tokens=workload.engine["max_num_batched_tokens"])
-    params = [SamplingParams(temperature=p.temperature, ignore_eos=True, max_tokens=p.max_tokens)
-              for p in workload.params]
+    llm = LLM(
+        str(path),
+        enforce_eager=False,
+        max_model_len=4096,
+        max_num_seqs=workload.engine["max_num_seqs"],
+        max_num_batched_tokens=workload.engine["max_num_batched_tokens"],
+    )
+    params = [
+        SamplingParams(temperature=p.temperature, ignore_eos=True, max_tokens=p.max_tokens) for p in workload.params
+    ]
     llm.generate([[1, 2, 3]], SamplingParams(), use_tqdm=False)
     torch.cuda.synchronize()
     start = time.perf_counter()
     outs = llm.generate(workload.prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start  # (nano-vllm ends its engine at exit: it runs last in the process)
     tokens = sum(len(o["token_ids"]) for o in outs)
-    return {"engine": "nano-vllm", "mode": "its defaults (CUDA graphs)", "seconds": seconds, "output_tokens": tokens,
-            "output_tokens_per_s": tokens / seconds}
+    return {
+        "engine": "nano-vllm",
+        "mode": "its defaults (CUDA graphs)",
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / seconds,
+    }

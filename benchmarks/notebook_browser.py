@@ -86,8 +86,12 @@ def main() -> None:
         page = browser.new_page(viewport={"width": 1280, "height": 2400})
         for name in args.notebooks:
             total, cells = browser_seconds(page, base, token, name)
-            row = {"notebook": name, "browser_s": total, "cells_done_at_s": cells,
-                   "headless_s": headless_seconds(root / name)}
+            row = {
+                "notebook": name,
+                "browser_s": total,
+                "cells_done_at_s": cells,
+                "headless_s": headless_seconds(root / name),
+            }
             print(f"{name:<44}{total:8.1f} s in the browser {row['headless_s']:8.1f} s headless", flush=True)
             if args.cells:
                 steps = [b - a for a, b in zip([0.0, *cells], cells)]

@@ -65,7 +65,8 @@ def timed_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, 
     return {
         "seconds": seconds,
         "output_tokens_per_s": sum(len(tokens[i]) for i in ids) / seconds,
-        "ttft_mean_s": statistics.mean(ttft), "ttft_median_s": statistics.median(ttft),
+        "ttft_mean_s": statistics.mean(ttft),
+        "ttft_median_s": statistics.median(ttft),
         "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
         "prefill_steps": prefill_steps,
         "prefill_tokens_computed": llm.stats.num_prefill_tokens - prefill_before,
@@ -76,15 +77,25 @@ def timed_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, 
 
 
 def measure(args: argparse.Namespace, caching: bool) -> dict[str, object]:
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.backend,
-              cudagraph_mode=args.cudagraph_mode, enable_prefix_caching=caching,
-              max_num_seqs=max(args.num_requests, 8), max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.prefix_len + args.suffix_len + args.max_tokens + 16,
-              kv_cache_memory=args.kv_cache_gib * 2**30)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.backend,
+        cudagraph_mode=args.cudagraph_mode,
+        enable_prefix_caching=caching,
+        max_num_seqs=max(args.num_requests, 8),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.prefix_len + args.suffix_len + args.max_tokens + 16,
+        kv_cache_memory=args.kv_cache_gib * 2**30,
+    )
     vocab = llm.model_config.vocab_size
     timed_run(llm, shared_prefix_prompts(args, vocab, seed=1), args.max_tokens)  # warm-up, another prefix
-    row = {"prefix_caching": caching, "resolved_mode": llm.runner.cudagraph_mode.name,
-           **timed_run(llm, shared_prefix_prompts(args, vocab, seed=0), args.max_tokens)}
+    row = {
+        "prefix_caching": caching,
+        "resolved_mode": llm.runner.cudagraph_mode.name,
+        **timed_run(llm, shared_prefix_prompts(args, vocab, seed=0), args.max_tokens),
+    }
     print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
     del llm
     release()
@@ -110,9 +121,21 @@ def main() -> None:
     if args.device != "cuda":
         args.cudagraph_mode = "NONE"
     result: dict[str, object] = {
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
-        "workload": {k: getattr(args, k) for k in ("model", "num_requests", "prefix_len", "suffix_len", "max_tokens",
-                                                   "max_num_batched_tokens", "cudagraph_mode", "dtype")},
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "workload": {
+            k: getattr(args, k)
+            for k in (
+                "model",
+                "num_requests",
+                "prefix_len",
+                "suffix_len",
+                "max_tokens",
+                "max_num_batched_tokens",
+                "cudagraph_mode",
+                "dtype",
+            )
+        },
     }
     rows = [measure(args, caching) for caching in (True, False)]
     on, off = rows
@@ -120,16 +143,24 @@ def main() -> None:
     # With and without caching the prefix's K/V come from differently shaped batches, so in bf16
     # rounding differs and a greedy run on random weights (many near-ties) may diverge: count them.
     result["identical_requests"] = sum(a == b for a, b in zip(on.pop("tokens"), off.pop("tokens")))
-    print(f"\n{args.model}: {args.num_requests} requests, shared prefix {args.prefix_len} + suffix {args.suffix_len}, "
-          f"{args.max_tokens} new tokens, {rows[0]['resolved_mode']}")
-    print(f"{'prefix caching':<16}{'s':>8}{'out tok/s':>11}{'TTFT mean':>11}{'median':>9}{'p90':>9}"
-          f"{'prefill steps':>15}{'computed':>10}{'cached':>9}")
+    print(
+        f"\n{args.model}: {args.num_requests} requests, shared prefix {args.prefix_len} + suffix {args.suffix_len}, "
+        f"{args.max_tokens} new tokens, {rows[0]['resolved_mode']}"
+    )
+    print(
+        f"{'prefix caching':<16}{'s':>8}{'out tok/s':>11}{'TTFT mean':>11}{'median':>9}{'p90':>9}"
+        f"{'prefill steps':>15}{'computed':>10}{'cached':>9}"
+    )
     for r in rows:
-        print(f"{'on' if r['prefix_caching'] else 'off':<16}{r['seconds']:8.2f}{r['output_tokens_per_s']:11.0f}"
-              f"{r['ttft_mean_s']:11.3f}{r['ttft_median_s']:9.3f}{r['ttft_p90_s']:9.3f}{r['prefill_steps']:15d}"
-              f"{r['prefill_tokens_computed']:10d}{r['cached_tokens']:9d}")
-    print(f"throughput with / without: {result['throughput_ratio']:.2f}x (target >= 2x); "
-          f"requests with identical tokens: {result['identical_requests']} of {args.num_requests}")
+        print(
+            f"{'on' if r['prefix_caching'] else 'off':<16}{r['seconds']:8.2f}{r['output_tokens_per_s']:11.0f}"
+            f"{r['ttft_mean_s']:11.3f}{r['ttft_median_s']:9.3f}{r['ttft_p90_s']:9.3f}{r['prefill_steps']:15d}"
+            f"{r['prefill_tokens_computed']:10d}{r['cached_tokens']:9d}"
+        )
+    print(
+        f"throughput with / without: {result['throughput_ratio']:.2f}x (target >= 2x); "
+        f"requests with identical tokens: {result['identical_requests']} of {args.num_requests}"
+    )
     result["rows"] = rows
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

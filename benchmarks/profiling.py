@@ -41,8 +41,18 @@ def profiled(fn: Callable[[], object], top: int, title: str) -> dict[str, float]
 
 def compile_counters(stats: pstats.Stats) -> dict[str, float]:
     """Calls and seconds of the compilation entry points, from cProfile's table."""
-    out = dict.fromkeys(("triton_compile_calls", "triton_compile_s", "dynamo_compile_calls", "dynamo_compile_s",
-                         "builtins_compile_calls", "builtins_compile_s", "sha256_calls"), 0.0)
+    out = dict.fromkeys(
+        (
+            "triton_compile_calls",
+            "triton_compile_s",
+            "dynamo_compile_calls",
+            "dynamo_compile_s",
+            "builtins_compile_calls",
+            "builtins_compile_s",
+            "sha256_calls",
+        ),
+        0.0,
+    )
     for (file, _, func), (_, calls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
         if file.endswith("triton/compiler/compiler.py") and func == "compile":
             out["triton_compile_calls"] += calls

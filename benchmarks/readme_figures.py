@@ -48,11 +48,22 @@ def workload_table(w: dict) -> Table:
     nano = next((_rate(r.get("generate")) for r in rows if r["engine"] == "nano-vllm"), None)
     recorded = RECORDED.get(w["model"]) if w.get("full_size") else None
     roof = w.get("roofline") or {}
-    columns = ["engine", "mode", "start-up cold / warm s", "generate s", "generate out tok/s", "stream out tok/s",
-               f"x nano-vllm ({recorded['output_tokens_per_s']:,.0f} tok/s recorded on {recorded['gpu']} "
-               f"{recorded['date']}, not this run)" if recorded else "x nano-vllm (recorded)",
-               "x nano-vllm (this run)", "x transformers generate_batch (this run)", "% roofline",
-               "decode step ms: wall / GPU-busy / host share"]
+    columns = [
+        "engine",
+        "mode",
+        "start-up cold / warm s",
+        "generate s",
+        "generate out tok/s",
+        "stream out tok/s",
+        f"x nano-vllm ({recorded['output_tokens_per_s']:,.0f} tok/s recorded on {recorded['gpu']} "
+        f"{recorded['date']}, not this run)"
+        if recorded
+        else "x nano-vllm (recorded)",
+        "x nano-vllm (this run)",
+        "x transformers generate_batch (this run)",
+        "% roofline",
+        "decode step ms: wall / GPU-busy / host share",
+    ]
     cells = []
     for r in rows:
         mode = r["mode"] + (f" -> {resolved_label(r['resolved'])}" if "resolved" in r else "")
@@ -65,29 +76,57 @@ def workload_table(w: dict) -> Table:
         if b:
             gpu = "" if b["gpu_busy_ms"] is None else f" / {b['gpu_busy_ms']:.2f} / {b['host_share']:.0%}"
             breakdown = f"{b['step_wall_ms']:.2f}{gpu}"
-        cells.append([
-            r["engine"], mode,
-            f"{s['cold']['init_s']:.1f} / {s['warm']['init_s']:.1f}" if s else "",
-            f"{gen['seconds']:.2f}", f"{rate:,.0f}", f"{_rate(stream):,.0f}" if stream else "",
-            _ratio(rate, recorded["output_tokens_per_s"] if recorded else None),
-            _ratio(rate, nano) if r["engine"] != "nano-vllm" else "",
-            _ratio(rate, hf), f"{100 * rate / roof['output_tokens_per_s']:.0f}%"
-            if roof.get("output_tokens_per_s") else "", breakdown])
+        cells.append(
+            [
+                r["engine"],
+                mode,
+                f"{s['cold']['init_s']:.1f} / {s['warm']['init_s']:.1f}" if s else "",
+                f"{gen['seconds']:.2f}",
+                f"{rate:,.0f}",
+                f"{_rate(stream):,.0f}" if stream else "",
+                _ratio(rate, recorded["output_tokens_per_s"] if recorded else None),
+                _ratio(rate, nano) if r["engine"] != "nano-vllm" else "",
+                _ratio(rate, hf),
+                f"{100 * rate / roof['output_tokens_per_s']:.0f}%" if roof.get("output_tokens_per_s") else "",
+                breakdown,
+            ]
+        )
     if roof.get("output_tokens_per_s"):
-        cells.append(["roofline", f"{roof['hbm_tbps']} TB/s, {roof['tflops']:.0f} TFLOP/s", "",
-                      f"{roof['seconds']:.2f}", f"{roof['output_tokens_per_s']:,.0f}"] + [""] * 6)
+        cells.append(
+            [
+                "roofline",
+                f"{roof['hbm_tbps']} TB/s, {roof['tflops']:.0f} TFLOP/s",
+                "",
+                f"{roof['seconds']:.2f}",
+                f"{roof['output_tokens_per_s']:,.0f}",
+            ]
+            + [""] * 6
+        )
     cached = sum(r[k].get("cached_prompt_tokens", 0) for r in rows for k in ("generate", "stream") if k in r)
-    title = (f"{w['name']} on {w['model']}: {w['num_requests']} requests, {w['prompt_tokens']:,} prompt tokens, "
-             f"{w['output_tokens']:,} output tokens, temperature {w['temperature']}, EOS ignored; "
-             f"{', '.join(f'{k}={v}' for k, v in w['engine_args'].items())}; "
-             + ("timed runs found none of their prompt tokens cached (prefix caching on)" if not cached
-                else f"WARNING: timed runs found {cached} prompt tokens cached"))
+    title = (
+        f"{w['name']} on {w['model']}: {w['num_requests']} requests, {w['prompt_tokens']:,} prompt tokens, "
+        f"{w['output_tokens']:,} output tokens, temperature {w['temperature']}, EOS ignored; "
+        f"{', '.join(f'{k}={v}' for k, v in w['engine_args'].items())}; "
+        + (
+            "timed runs found none of their prompt tokens cached (prefix caching on)"
+            if not cached
+            else f"WARNING: timed runs found {cached} prompt tokens cached"
+        )
+    )
     return title, columns, cells
 
 
 def decode_table(rows: list[dict]) -> Table:
-    cells = [[r["model"], r["mode"], str(r.get("batch", "")), f"{r['step_ms']:.2f}" if "step_ms" in r else
-              r.get("error", ""), r.get("resolved_mode", "")] for r in rows]
+    cells = [
+        [
+            r["model"],
+            r["mode"],
+            str(r.get("batch", "")),
+            f"{r['step_ms']:.2f}" if "step_ms" in r else r.get("error", ""),
+            r.get("resolved_mode", ""),
+        ]
+        for r in rows
+    ]
     return "decode step latency (median wall time of llm.step())", ["model", "mode", "batch", "ms", "resolved"], cells
 
 
@@ -106,8 +145,10 @@ def _drop_empty(columns: list[str], cells: list[list[str]]) -> tuple[list[str], 
 def render(result: dict, markdown: bool = True) -> str:
     """Every table of one end_to_end.py result, as markdown or aligned plain text."""
     meta = result["meta"]
-    lines = [f"{meta['date']}, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, transformers "
-             f"{meta['transformers']}, commit {meta.get('git_commit')}: `{meta['command']}`"]
+    lines = [
+        f"{meta['date']}, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, transformers "
+        f"{meta['transformers']}, commit {meta.get('git_commit')}: `{meta['command']}`"
+    ]
     for title, columns, cells in tables(result):
         columns, cells = _drop_empty(columns, cells)
         lines += ["", title, ""]

@@ -51,8 +51,9 @@ TARGETS = {"top_k_top_p": 1.3, "top_k_top_p_seeded": 2.5}
 WAYS: dict[str, Callable[[int, int], SamplingParams]] = {
     "greedy": lambda i, n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
     "top_k_top_p": lambda i, n: SamplingParams(temperature=0.8, top_k=50, top_p=0.95, max_tokens=n, ignore_eos=True),
-    "top_k_top_p_seeded": lambda i, n: SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=i, max_tokens=n,
-                                                      ignore_eos=True),
+    "top_k_top_p_seeded": lambda i, n: SamplingParams(
+        temperature=0.8, top_k=50, top_p=0.95, seed=i, max_tokens=n, ignore_eos=True
+    ),
     "temperature": lambda i, n: SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True),
 }
 """Way of sampling -> the parameters of request i (a distinct seed per request) with n new tokens."""
@@ -64,16 +65,31 @@ def write_model(path: Path) -> None:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      tie_word_embeddings=True, initializer_range=0.3, bos_token_id=1, eos_token_id=2)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(path)
 
 
 def timed_steps(llm: LLM, way: str, steps: int, seeds: itertools.count, rng: random.Random) -> list[float]:
     """Fresh requests sampled `way`; one prefill step; the wall times of `steps` pure decode steps."""
-    ids = [llm.add_request({"prompt_token_ids": [rng.randrange(3, VOCAB) for _ in range(PROMPT_LEN)]},
-                           WAYS[way](next(seeds), steps + 2)) for _ in range(BATCH)]
+    ids = [
+        llm.add_request(
+            {"prompt_token_ids": [rng.randrange(3, VOCAB) for _ in range(PROMPT_LEN)]},
+            WAYS[way](next(seeds), steps + 2),
+        )
+        for _ in range(BATCH)
+    ]
     try:
         llm.step()  # every prompt in one step
         times = []
@@ -102,22 +118,43 @@ def main() -> None:
     times: dict[str, list[float]] = {way: [] for way in WAYS}
     with tempfile.TemporaryDirectory(prefix="pagedkv-sampler-") as path:
         write_model(Path(path))
-        llm = LLM(path, device="cpu", dtype="float32", attention_backend="TORCH_REF", max_num_seqs=BATCH,
-                  max_num_batched_tokens=BATCH * PROMPT_LEN, kv_cache_memory=256 << 20)
+        llm = LLM(
+            path,
+            device="cpu",
+            dtype="float32",
+            attention_backend="TORCH_REF",
+            max_num_seqs=BATCH,
+            max_num_batched_tokens=BATCH * PROMPT_LEN,
+            kv_cache_memory=256 << 20,
+        )
         for round_ in range(args.rounds + 1):
             for way in WAYS if round_ % 2 else reversed(WAYS):
                 taken = timed_steps(llm, way, args.steps, seeds, rng)
                 if round_:  # round 0 warms up
                     times[way] += taken
     medians = {way: statistics.median(t) * 1e3 for way, t in times.items()}
-    result = {"meta": engine_bench.run_metadata(), "batch": BATCH, "vocab_size": VOCAB, "prompt_len": PROMPT_LEN,
-              "rounds": args.rounds, "steps_per_round": args.steps, "targets_x_greedy": TARGETS,
-              "ways": {way: {"median_ms": medians[way], "min_ms": min(times[way]) * 1e3,
-                             "x_greedy": medians[way] / medians["greedy"],
-                             "target_met": medians[way] / medians["greedy"] <= TARGETS[way] if way in TARGETS else None}
-                       for way in WAYS}}
-    print(f"one engine step, {BATCH} decoding requests, vocab {VOCAB}, 1 layer, CPU, "
-          f"{torch.get_num_threads()} thread(s); median of {args.rounds} x {args.steps} steps")
+    result = {
+        "meta": engine_bench.run_metadata(),
+        "batch": BATCH,
+        "vocab_size": VOCAB,
+        "prompt_len": PROMPT_LEN,
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
+        "targets_x_greedy": TARGETS,
+        "ways": {
+            way: {
+                "median_ms": medians[way],
+                "min_ms": min(times[way]) * 1e3,
+                "x_greedy": medians[way] / medians["greedy"],
+                "target_met": medians[way] / medians["greedy"] <= TARGETS[way] if way in TARGETS else None,
+            }
+            for way in WAYS
+        },
+    }
+    print(
+        f"one engine step, {BATCH} decoding requests, vocab {VOCAB}, 1 layer, CPU, "
+        f"{torch.get_num_threads()} thread(s); median of {args.rounds} x {args.steps} steps"
+    )
     for way, r in result["ways"].items():
         target = f"   target <= {TARGETS[way]}x: {'met' if r['target_met'] else 'MISSED'}" if way in TARGETS else ""
         print(f"  {way:<20}{r['median_ms']:9.2f} ms  {r['x_greedy']:5.2f}x greedy{target}")

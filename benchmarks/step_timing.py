@@ -35,8 +35,10 @@ def decode_latency(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[st
     # Requests whose prompts finish early decode while later prompts are prefilled: room for that.
     budget = steps + 16 + batch * prompt_len // 1024
     params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
-    ids = [llm.add_request({"prompt_token_ids": [rng.randrange(3, 250) for _ in range(prompt_len)]}, params)
-           for _ in range(batch)]
+    ids = [
+        llm.add_request({"prompt_token_ids": [rng.randrange(3, 250) for _ in range(prompt_len)]}, params)
+        for _ in range(batch)
+    ]
     times: list[float] = []
     try:
         warm = 0
@@ -68,8 +70,10 @@ def decode_breakdown(llm: LLM, workload: Workload, steps: int) -> dict[str, floa
     budget = workload.engine["max_num_batched_tokens"]
     prefill_steps = math.ceil(sum(map(len, workload.prompts)) / budget)  # type: ignore[operator]
     max_tokens = prefill_steps + 2 * steps + 16  # no request finishes before the last measured step
-    ids = [llm.add_request({"prompt_token_ids": p}, replace(params, max_tokens=max_tokens))
-           for p, params in zip(workload.prompts, workload.params, strict=True)]
+    ids = [
+        llm.add_request({"prompt_token_ids": p}, replace(params, max_tokens=max_tokens))
+        for p, params in zip(workload.prompts, workload.params, strict=True)
+    ]
 
     def step() -> tuple[float, bool]:
         """One step's wall time, and whether it decoded every request and prefilled nothing."""
@@ -99,6 +103,11 @@ def decode_breakdown(llm: LLM, workload: Workload, steps: int) -> dict[str, floa
         for req_id in ids:
             llm.abort_request(req_id)
     mean_ms = statistics.mean(w for w, _ in walls) * 1e3  # the kernel time is a mean too
-    return {"batch": batch, "steps": steps, "step_wall_ms": statistics.median(w for w, _ in walls) * 1e3,
-            "mean_wall_ms": mean_ms, "gpu_busy_ms": gpu_ms,
-            "host_share": None if gpu_ms is None else max(0.0, 1 - gpu_ms / mean_ms)}
+    return {
+        "batch": batch,
+        "steps": steps,
+        "step_wall_ms": statistics.median(w for w, _ in walls) * 1e3,
+        "mean_wall_ms": mean_ms,
+        "gpu_busy_ms": gpu_ms,
+        "host_share": None if gpu_ms is None else max(0.0, 1 - gpu_ms / mean_ms),
+    }

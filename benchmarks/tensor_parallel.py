@@ -36,8 +36,9 @@ def logits_check(device: str) -> float:
     for tp in (1, 2):
         with LLM("tiny", device=device, dtype="float32", num_kv_blocks=64, tensor_parallel_size=tp) as llm:
             llm.add_step_listener(lambda event, tp=tp: rows.setdefault(tp, []).append(event.result.logits.cpu()))
-            llm.generate(["tensor parallel", "a second prompt"], SamplingParams(temperature=0, max_tokens=8),
-                         use_tqdm=False)
+            llm.generate(
+                ["tensor parallel", "a second prompt"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+            )
     return max((a - b).abs().max().item() for a, b in zip(rows[1], rows[2]))
 
 
@@ -45,9 +46,16 @@ def measure(model: str, device: str, tp: int, args: argparse.Namespace) -> dict[
     dtype = "bfloat16" if device == "cuda" else "float32"
     row: dict[str, object] = {"tp": tp}
     prompts = w1_prompts(args.num_requests)
-    engine = dict(device=device, dtype=dtype, tensor_parallel_size=tp, cudagraph_mode=args.cudagraph_mode,
-                  max_num_seqs=max(args.num_requests, 64),
-                  max_num_batched_tokens=4096, max_model_len=2048, kv_cache_memory=args.kv_cache_gib * 2**30)
+    engine = dict(
+        device=device,
+        dtype=dtype,
+        tensor_parallel_size=tp,
+        cudagraph_mode=args.cudagraph_mode,
+        max_num_seqs=max(args.num_requests, 64),
+        max_num_batched_tokens=4096,
+        max_model_len=2048,
+        kv_cache_memory=args.kv_cache_gib * 2**30,
+    )
     with LLM(model, **engine) as llm:
         vocab = llm.model_config.vocab_size
         prompts = [[t % vocab for t in p] for p in prompts]
@@ -76,15 +84,24 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     engine_bench.DEVICE = args.device
-    result: dict[str, object] = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                                 "torch": torch.__version__, "model": args.model,
-                                 "cudagraph_mode": args.cudagraph_mode}
+    result: dict[str, object] = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "model": args.model,
+        "cudagraph_mode": args.cudagraph_mode,
+    }
     result["tiny_float32_max_logit_diff_tp2_vs_tp1"] = logits_check(args.device)
-    print(f"tiny, float32: tp = 2 logits within {result['tiny_float32_max_logit_diff_tp2_vs_tp1']:.2e} of tp = 1",
-          flush=True)
+    print(
+        f"tiny, float32: tp = 2 logits within {result['tiny_float32_max_logit_diff_tp2_vs_tp1']:.2e} of tp = 1",
+        flush=True,
+    )
     rows = [measure(args.model, args.device, tp, args) for tp in (1, 2)]
     result["rows"] = rows
-    print(f"\n{args.model}, {args.cudagraph_mode:<13}" + "".join(f"{'tp ' + str(r['tp']):>12}" for r in rows) + "   speed-up of tp 2")
+    print(
+        f"\n{args.model}, {args.cudagraph_mode:<13}"
+        + "".join(f"{'tp ' + str(r['tp']):>12}" for r in rows)
+        + "   speed-up of tp 2"
+    )
     for key in [k for k in rows[0] if k.startswith(("decode", "w1"))]:
         lower_is_better = not key.endswith("per_s")
         ratio = rows[0][key] / rows[1][key] if lower_is_better else rows[1][key] / rows[0][key]

@@ -56,8 +56,9 @@ class Workload:
         prompts, params = self.draw(seed)
         return self._fitted(prompts, params, len(self.prompts), max_tokens)
 
-    def _fitted(self, prompts: list[list[int]], params: list[SamplingParams], num: int,
-                max_tokens: int | None) -> Workload:
+    def _fitted(
+        self, prompts: list[list[int]], params: list[SamplingParams], num: int, max_tokens: int | None
+    ) -> Workload:
         prompts = [[t % self.vocab_size for t in p] for p in prompts[:num]]
         params = [replace(p, max_tokens=min(p.max_tokens, max_tokens or p.max_tokens)) for p in params[:num]]
         return replace(self, prompts=prompts, params=params)
@@ -69,8 +70,9 @@ def w1_prompts(num_requests: int = 128, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 128000) for _ in range(rng.randint(100, 1024))] for _ in range(128)][:num_requests]
 
 
-def w1(model: str, vocab_size: int, num_requests: int = 128, max_tokens: int = 128,
-       kv_cache_bytes: int = 16 << 30) -> Workload:
+def w1(
+    model: str, vocab_size: int, num_requests: int = 128, max_tokens: int = 128, kv_cache_bytes: int = 16 << 30
+) -> Workload:
     def draw(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         return w1_prompts(128, seed), [params] * 128
@@ -80,19 +82,24 @@ def w1(model: str, vocab_size: int, num_requests: int = 128, max_tokens: int = 1
     return base._fitted(*draw(0), num_requests, None)
 
 
-def w2_draw(seed: int, num_seqs: int = 256, max_input_len: int = 1024,
-            max_output_len: int = 1024) -> tuple[list[list[int]], list[SamplingParams]]:
+def w2_draw(
+    seed: int, num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024
+) -> tuple[list[list[int]], list[SamplingParams]]:
     """nano-vllm's bench.py, call for call (`random.seed(s)` seeds the same generator as `Random(s)`)."""
     rng = random.Random(seed)
-    prompt_token_ids = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))]
-                        for _ in range(num_seqs)]
-    sampling_params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, max_output_len))
-                       for _ in range(num_seqs)]
+    prompt_token_ids = [
+        [rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))] for _ in range(num_seqs)
+    ]
+    sampling_params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, max_output_len))
+        for _ in range(num_seqs)
+    ]
     return prompt_token_ids, sampling_params
 
 
-def w2(model: str, vocab_size: int, kv_cache_bytes: int, num_requests: int = 256,
-       max_tokens: int | None = None) -> Workload:
+def w2(
+    model: str, vocab_size: int, kv_cache_bytes: int, num_requests: int = 256, max_tokens: int | None = None
+) -> Workload:
     """W2; fewer requests are the first ones of the 256 (and `max_tokens` caps outputs): for smoke tests."""
     engine = dict(max_num_seqs=512, max_num_batched_tokens=16384, kv_cache_memory=kv_cache_bytes)
     base = Workload("W2", model, [], [], engine, w2_draw, (0, 10000), vocab_size)
@@ -134,6 +141,12 @@ def roofline(model: torch.nn.Module, workload: Workload, hbm_tbps: float, tflops
         decode_bytes += step_bytes
         decode_s += max(step_bytes / (hbm_tbps * 1e12), step_flops / (tflops * 1e12))
     seconds = prefill_flops / (tflops * 1e12) + decode_s
-    return {"weight_gb": weight_bytes / 1e9, "prefill_tflop": prefill_flops / 1e12, "decode_gb": decode_bytes / 1e9,
-            "hbm_tbps": hbm_tbps, "tflops": tflops, "seconds": seconds,
-            "output_tokens_per_s": workload.output_tokens / seconds}
+    return {
+        "weight_gb": weight_bytes / 1e9,
+        "prefill_tflop": prefill_flops / 1e12,
+        "decode_gb": decode_bytes / 1e9,
+        "hbm_tbps": hbm_tbps,
+        "tflops": tflops,
+        "seconds": seconds,
+        "output_tokens_per_s": workload.output_tokens / seconds,
+    }

@@ -1,8 +1,8 @@
 """pagedkv: a readable re-implementation of a paged-KV LLM server's attention stack.
 
-    from pagedkv import LLM, SamplingParams
-    llm = LLM(model="tiny")
-    print(llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text)
+from pagedkv import LLM, SamplingParams
+llm = LLM(model="tiny")
+print(llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text)
 """
 
 import sys as _sys
@@ -27,7 +27,9 @@ class _CloneWidgetsFinder(_MetaPathFinder):
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> _ModuleSpec | None:
         if fullname != "pagedkv.widgets":
             return None
-        return _spec_from_file_location(fullname, self.folder / "__init__.py", submodule_search_locations=[str(self.folder)])
+        return _spec_from_file_location(
+            fullname, self.folder / "__init__.py", submodule_search_locations=[str(self.folder)]
+        )
 
 
 _clone_widgets = _Path(__file__).resolve().parent.parent / "widgets"

@@ -49,8 +49,10 @@ def _show_steps(llm: LLM) -> None:
         free = event.num_free_blocks[0]
         used = llm.kv_cache_manager.num_usable_blocks - free
         cached = sum(s.num_cached_tokens for s in sched.scheduled)
-        print(f"{event.step:>4} {len(sched.scheduled):>4} {sched.num_prefill_tokens:>7} {cached:>6} "
-              f"{sched.num_decode_tokens:>6} {f'{used}/{free}':>16} {len(sched.preempted_req_ids):>7}")
+        print(
+            f"{event.step:>4} {len(sched.scheduled):>4} {sched.num_prefill_tokens:>7} {cached:>6} "
+            f"{sched.num_decode_tokens:>6} {f'{used}/{free}':>16} {len(sched.preempted_req_ids):>7}"
+        )
 
     llm.add_step_listener(show)
 
@@ -89,11 +91,16 @@ def _generate(args: argparse.Namespace) -> None:
                 print(f"# request {out.request_id} failed: {out.error}", file=sys.stderr)
     elapsed = time.perf_counter() - start
     s = llm.stats
-    caching = (f"{s.num_cached_tokens} prompt tokens from the prefix cache ({s.prefix_cache_hit_rate:.0%} hit rate)"
-               if llm.prefix_caching else "prefix caching off")
-    print(f"# {s.num_steps} steps, {s.num_prefill_tokens} prefill + {s.num_decode_tokens} decode tokens, {caching}, "
-          f"{s.num_preemptions} preemptions, {elapsed:.2f} s, cudagraph_mode {llm.runner.cudagraph_mode.name}",
-          file=sys.stderr)
+    caching = (
+        f"{s.num_cached_tokens} prompt tokens from the prefix cache ({s.prefix_cache_hit_rate:.0%} hit rate)"
+        if llm.prefix_caching
+        else "prefix caching off"
+    )
+    print(
+        f"# {s.num_steps} steps, {s.num_prefill_tokens} prefill + {s.num_decode_tokens} decode tokens, {caching}, "
+        f"{s.num_preemptions} preemptions, {elapsed:.2f} s, cudagraph_mode {llm.runner.cudagraph_mode.name}",
+        file=sys.stderr,
+    )
     llm.shutdown()
 
 
@@ -108,10 +115,18 @@ def _backends(args: argparse.Namespace) -> None:
     block_size = check_int("--block-size", args.block_size, 1, hint=" (tokens per KV cache block)")
     cfg = load_config(check_model(args.model, sorted([*PRESETS, *TRAINED_PRESETS])))
     dtype = check_dtype(args.dtype, device)
-    layer = dict(head_size=cfg.head_dim, dtype=dtype, kv_cache_dtype=dtype, block_size=block_size,
-                 sliding_window=cfg.sliding_window, use_mla=cfg.use_mla)
-    print(f"model {args.model}: {'MLA, latent row' if cfg.use_mla else 'head'} size {cfg.head_dim}, dtype {dtype}, "
-          f"block size {block_size}, sliding window {cfg.sliding_window}, device {device.type}")
+    layer = dict(
+        head_size=cfg.head_dim,
+        dtype=dtype,
+        kv_cache_dtype=dtype,
+        block_size=block_size,
+        sliding_window=cfg.sliding_window,
+        use_mla=cfg.use_mla,
+    )
+    print(
+        f"model {args.model}: {'MLA, latent row' if cfg.use_mla else 'head'} size {cfg.head_dim}, dtype {dtype}, "
+        f"block size {block_size}, sliding window {cfg.sliding_window}, device {device.type}"
+    )
     report = backend_report(device, **layer)
     width = max(map(len, report))
     for name, reasons in report.items():
@@ -156,7 +171,9 @@ def _workbook(args: argparse.Namespace) -> int:
             say(f"ran  {run.name} in {run.seconds:.1f} s")
     print(f"The executed notebooks are in {dest / 'notebooks'}; open them with: pagedkv workbook {args.dir} --lab")
     if failed:
-        print(f"pagedkv: error: {len(failed)} of {len(runnable)} notebooks failed: {', '.join(failed)}", file=sys.stderr)
+        print(
+            f"pagedkv: error: {len(failed)} of {len(runnable)} notebooks failed: {', '.join(failed)}", file=sys.stderr
+        )
         return 1
     return 0
 
@@ -177,37 +194,67 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", parents=[common],
-                         help="generate text, optionally streaming tokens or showing every engine step",
-                         description="The engine options are LLM's arguments (pagedkv.engine.arg_utils.EngineArgs); "
-                                     "one left out keeps LLM's default, and \"None: ...\" says what that picks.")
+    gen = sub.add_parser(
+        "generate",
+        parents=[common],
+        help="generate text, optionally streaming tokens or showing every engine step",
+        description="The engine options are LLM's arguments (pagedkv.engine.arg_utils.EngineArgs); "
+        'one left out keeps LLM\'s default, and "None: ..." says what that picks.',
+    )
     add_cli_args(gen, CLI_ARGS)
-    gen.add_argument("--prompt", dest="prompts", action="append", type=lambda text: ("text", text), default=[],
-                     metavar="TEXT", help="a text prompt; may be given several times")
-    gen.add_argument("--prompt-token-ids", dest="prompts", action="append", type=lambda ids: ("ids", ids),
-                     metavar="1,2,3", help="one prompt as comma-separated token ids; may be given several "
-                     "times (one prompt each), mixed with --prompt in the order given")
+    gen.add_argument(
+        "--prompt",
+        dest="prompts",
+        action="append",
+        type=lambda text: ("text", text),
+        default=[],
+        metavar="TEXT",
+        help="a text prompt; may be given several times",
+    )
+    gen.add_argument(
+        "--prompt-token-ids",
+        dest="prompts",
+        action="append",
+        type=lambda ids: ("ids", ids),
+        metavar="1,2,3",
+        help="one prompt as comma-separated token ids; may be given several "
+        "times (one prompt each), mixed with --prompt in the order given",
+    )
     gen.add_argument("--n", type=int, default=1, help="repeat the prompts n times (a bigger batch)")
     # The CLI's own sampling defaults (greedy, 32 tokens: a reproducible look at a model); seed is SamplingParams'.
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default %(default)s)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy (default %(default)s)")
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy (default %(default)s)"
+    )
     gen.add_argument("--seed", type=int, default=SamplingParams.seed, help="sampling seed (SamplingParams.seed)")
-    gen.add_argument("--show-steps", action="store_true",
-                     help="print a table row per engine step (prefill: prompt tokens computed; cached: "
-                          "tokens found in the prefix cache instead)")
-    gen.add_argument("--stream", action="store_true",
-                     help="print every token as its step produces it: [request id] token_id 'text'")
+    gen.add_argument(
+        "--show-steps",
+        action="store_true",
+        help="print a table row per engine step (prefill: prompt tokens computed; cached: "
+        "tokens found in the prefix cache instead)",
+    )
+    gen.add_argument(
+        "--stream", action="store_true", help="print every token as its step produces it: [request id] token_id 'text'"
+    )
     gen.set_defaults(func=_generate)
 
-    be = sub.add_parser("backends", parents=[common],
-                        help="which attention backends can serve this model here, and why not")
+    be = sub.add_parser(
+        "backends", parents=[common], help="which attention backends can serve this model here, and why not"
+    )
     add_cli_args(be, BACKENDS_ENGINE_ARGS)
     be.set_defaults(func=_backends)
 
-    wb = sub.add_parser("workbook", parents=[common], help="copy the workbook into DIR, then open it in JupyterLab "
-                        "(no display: execute every notebook)")
-    wb.add_argument("dir", nargs="?", default=str(DEFAULT_WORKBOOK_DIR),
-                    help=f"where the notebooks go (default ./{DEFAULT_WORKBOOK_DIR})")
+    wb = sub.add_parser(
+        "workbook",
+        parents=[common],
+        help="copy the workbook into DIR, then open it in JupyterLab (no display: execute every notebook)",
+    )
+    wb.add_argument(
+        "dir",
+        nargs="?",
+        default=str(DEFAULT_WORKBOOK_DIR),
+        help=f"where the notebooks go (default ./{DEFAULT_WORKBOOK_DIR})",
+    )
     wb.add_argument("--list", action="store_true", help="list the notebooks and which need a GPU, then stop")
     wb.add_argument("--force", action="store_true", help="replace copies in DIR that differ from the shipped ones")
     wb.add_argument("--lab", action="store_true", help="always open JupyterLab")

@@ -52,7 +52,12 @@ def check_optional_int(
 
 
 def check_float(
-    name: str, value: object, low: float | None = None, high: float | None = None, *, low_open: bool = False,
+    name: str,
+    value: object,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
     hint: str = "",
 ) -> float:
     """`value` (an int or a float, not a bool) as a finite float in the range; `low_open` excludes low."""

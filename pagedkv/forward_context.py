@@ -65,10 +65,7 @@ _forward_context: ForwardContext | None = None
 def get_forward_context() -> ForwardContext:
     """The context of the forward pass in progress."""
     if _forward_context is None:
-        raise RuntimeError(
-            "Forward context is not set. "
-            "Please use `set_forward_context` to set the forward context."
-        )
+        raise RuntimeError("Forward context is not set. Please use `set_forward_context` to set the forward context.")
     return _forward_context
 
 

@@ -50,8 +50,10 @@ def shipped_dirs() -> tuple[Path, Path]:
 def shipped_files() -> dict[Path, Path]:
     """Destination path relative to DIR -> the shipped file."""
     notebooks, results = shipped_dirs()
-    files = {Path("notebooks") / p.relative_to(notebooks): p
-             for p in [*notebooks.glob("[0-9][0-9]_*.ipynb"), *notebooks.glob("traces/*.json")]}
+    files = {
+        Path("notebooks") / p.relative_to(notebooks): p
+        for p in [*notebooks.glob("[0-9][0-9]_*.ipynb"), *notebooks.glob("traces/*.json")]
+    }
     files.update({Path("benchmarks/results") / p.name: p for p in results.glob("*.json")})
     if not any(dest.suffix == ".ipynb" for dest in files):
         raise FileNotFoundError(f"No notebooks found in {notebooks}: this pagedkv installation lacks its workbook.")
@@ -80,10 +82,19 @@ class NotebookInfo:
 def notebook_info(path: Path) -> NotebookInfo:
     nb = json.loads(path.read_text(encoding="utf-8"))
     meta = nb.get("metadata", {}).get("pagedkv", {})
-    title = next((line.lstrip("# ").strip() for cell in nb["cells"] if cell["cell_type"] == "markdown"
-                  for line in "".join(cell["source"]).splitlines() if line.startswith("#")), path.stem)
-    return NotebookInfo(path.stem, title, meta.get("topic", title), meta.get("needs", "cpu"),
-                        bool(meta.get("requires_gpu")))
+    title = next(
+        (
+            line.lstrip("# ").strip()
+            for cell in nb["cells"]
+            if cell["cell_type"] == "markdown"
+            for line in "".join(cell["source"]).splitlines()
+            if line.startswith("#")
+        ),
+        path.stem,
+    )
+    return NotebookInfo(
+        path.stem, title, meta.get("topic", title), meta.get("needs", "cpu"), bool(meta.get("requires_gpu"))
+    )
 
 
 def list_notebooks() -> list[NotebookInfo]:
@@ -106,15 +117,18 @@ def copy_workbook(dest_dir: Path, *, force: bool = False) -> CopyReport:
     """Copy the shipped files into `dest_dir`, never over a file that differs unless `force`, and
     never through a symbolic link: a file is written beside its place, then renamed onto it."""
     if dest_dir.exists() and not dest_dir.is_dir():
-        raise ValueError(f"{dest_dir} is a file, not a folder: give the folder to copy the workbook into "
-                         "(it is made if missing).")
+        raise ValueError(
+            f"{dest_dir} is a file, not a folder: give the folder to copy the workbook into (it is made if missing)."
+        )
     report = CopyReport()
     for rel, src in shipped_files().items():
         dest = dest_dir / rel
         for folder in reversed(rel.parents[:-1]):  # notebooks/, notebooks/traces/, ...
             if (dest_dir / folder).is_symlink():
-                raise ValueError(f"{dest_dir / folder} is a symbolic link: the workbook writes only into real "
-                                 f"folders of {dest_dir}; remove the link or choose another folder.")
+                raise ValueError(
+                    f"{dest_dir / folder} is a symbolic link: the workbook writes only into real "
+                    f"folders of {dest_dir}; remove the link or choose another folder."
+                )
         link = dest.is_symlink()
         if link and not force:
             report.links.append(rel)
@@ -197,8 +211,9 @@ def skip_reason(nb: Any, *, cuda: bool) -> str | None:
     return None
 
 
-def execute_workbook(dest_dir: Path, notebooks: list[Path], *, cuda: bool,
-                     progress: bool | None = None) -> Iterator[NotebookRun]:
+def execute_workbook(
+    dest_dir: Path, notebooks: list[Path], *, cuda: bool, progress: bool | None = None
+) -> Iterator[NotebookRun]:
     """Run each of `notebooks` (paths relative to `dest_dir`) top to bottom in a fresh kernel, as Run All
     does in JupyterLab, and save it with its outputs; one that fails is reported and left as it was, and
     the others still run. Ctrl-C stops the run (KeyboardInterrupt).
@@ -212,11 +227,20 @@ def execute_workbook(dest_dir: Path, notebooks: list[Path], *, cuda: bool,
 
     disable = None if progress is None else not progress  # tqdm's None: off unless stderr is a terminal
     bar_format = "{desc:<9} {n_fmt:>3}/{total_fmt:<3} |{bar:20}| {elapsed}{postfix}"
-    with (tempfile.TemporaryDirectory(prefix="pagedkv-kernels-") as sockets,
-          tqdm(total=len(notebooks), desc="notebooks", disable=disable, bar_format=bar_format,
-               position=0, dynamic_ncols=True) as notebook_bar,
-          tqdm(total=0, desc="cells", disable=disable, bar_format=bar_format, position=1, leave=False,
-               dynamic_ncols=True) as cell_bar):
+    with (
+        tempfile.TemporaryDirectory(prefix="pagedkv-kernels-") as sockets,
+        tqdm(
+            total=len(notebooks),
+            desc="notebooks",
+            disable=disable,
+            bar_format=bar_format,
+            position=0,
+            dynamic_ncols=True,
+        ) as notebook_bar,
+        tqdm(
+            total=0, desc="cells", disable=disable, bar_format=bar_format, position=1, leave=False, dynamic_ncols=True
+        ) as cell_bar,
+    ):
         for rel in notebooks:
             path = dest_dir / rel
             nb = nbformat.read(path, as_version=4)
@@ -227,9 +251,14 @@ def execute_workbook(dest_dir: Path, notebooks: list[Path], *, cuda: bool,
                 continue
             cell_bar.reset(total=len(nb.cells))
             cell_bar.set_postfix_str("", refresh=False)
-            client = workbook_client()(nb, cell_bar, timeout=1200, store_widget_state=True,
-                                       resources={"metadata": {"path": str(path.parent)}},
-                                       config=kernel_config(Path(sockets)))
+            client = workbook_client()(
+                nb,
+                cell_bar,
+                timeout=1200,
+                store_widget_state=True,
+                resources={"metadata": {"path": str(path.parent)}},
+                config=kernel_config(Path(sockets)),
+            )
             start = time.perf_counter()
             try:
                 client.execute()
@@ -312,9 +341,10 @@ def kernel_config(sockets: Path) -> Any:
 def first_line(source: str, width: int) -> str:
     """The first line of a cell's source that tells it apart, cut to `width` characters: not blank, not
     one of nbval's markers (`# NBVAL_CHECK_OUTPUT`, which many cells start with)."""
-    line = next((line.strip() for line in source.splitlines()
-                 if line.strip() and not line.strip().startswith("# NBVAL_")), "")
-    return line if len(line) <= width else line[:width - 3] + "..."
+    line = next(
+        (line.strip() for line in source.splitlines() if line.strip() and not line.strip().startswith("# NBVAL_")), ""
+    )
+    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -329,6 +359,9 @@ def _failure(nb: Any, index: int | None, exc: Exception) -> str:
         error = f"{exc.ename}: {exc.evalue}"
     else:  # a timeout, a dead kernel, one that did not start
         error = f"{type(exc).__name__}: {next(iter(str(exc).strip().splitlines()), '')}"
-    where = ("before its first cell" if index is None else
-             f"at cell {index + 1} of {len(nb.cells)} ({first_line(nb.cells[index].source, 60)!r})")
+    where = (
+        "before its first cell"
+        if index is None
+        else f"at cell {index + 1} of {len(nb.cells)} ({first_line(nb.cells[index].source, 60)!r})"
+    )
     return " ".join(ANSI_ESCAPE.sub("", f"{where}: {error}").split())

@@ -63,10 +63,18 @@ def write_hf_llama(path: Path, *, family: str = "Llama", seed: int = 0, **overri
     """
     transformers = pytest.importorskip("transformers")
     fields = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
         # A wide init makes logits peaked, so greedy argmax is far from ties.
-        initializer_range=0.3, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     fields.update(overrides)
     torch.manual_seed(seed)
@@ -91,14 +99,32 @@ def write_hf_deepseek(path: Path, *, version: int = 2, seed: int = 0, **override
     """
     transformers = pytest.importorskip("transformers")
     fields = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-        max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     fields.update(copy.deepcopy(overrides))  # transformers writes into the rope_scaling dict it is given
-    config_cls, model_cls = (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM) if version == 2 \
+    config_cls, model_cls = (
+        (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM)
+        if version == 2
         else (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)
+    )
     model = model_cls(config_cls(**fields)).eval()
     generator = torch.Generator().manual_seed(seed)
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}

@@ -67,7 +67,10 @@ def engine_and_reference(
 
 def reference_errors(llm: LLM, outputs: Sequence[RequestOutput], recorder: LogitsRecorder) -> dict[str, float]:
     """Per request, the largest |engine logit - reference logit| over its sampled tokens."""
-    return {out.request_id: (ours - ref).abs().max().item() for out, ours, ref in engine_and_reference(llm, outputs, recorder)}
+    return {
+        out.request_id: (ours - ref).abs().max().item()
+        for out, ours, ref in engine_and_reference(llm, outputs, recorder)
+    }
 
 
 def check_against_reference(

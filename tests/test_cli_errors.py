@@ -44,25 +44,41 @@ def kv_cache_gib(num_blocks: int, block_size: int, model: str) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    # Before, both listed backends as "ok".
-    (["backends", "--block-size", "0"], r"--block-size must be an int >= 1 \(tokens per KV cache block\), got 0\."),
-    pytest.param(["backends", "--device", "cuda"], r"device='cuda' was asked for, but no CUDA device is visible",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
-    # Before: accepted as the CPU.
-    ([*GENERATE[:1], "--device", "cpu:1", *GENERATE[3:]], r"device='cpu:1': there is one CPU device; use "
-                                                         r'device="cpu"\.'),
-    # Before: NotImplementedError tracebacks.
-    ([*GENERATE, "--model", "tiny-mla", "--tensor-parallel-size", "2"],
-     r"tensor_parallel_size=2: DeepseekV2ForCausalLM models run on one rank only here"),
-    ([*GENERATE, "--cudagraph-mode", "PIECEWISE", "--tensor-parallel-size", "2"],
-     r"tensor_parallel_size=2 captures whole-model CUDA graphs only .*got cudagraph_mode=PIECEWISE"),
-    # Before: the CPU allocator's message under a traceback (it tried 1,525,878 GiB).
-    ([*GENERATE, "--num-kv-blocks", "100000000000"],
-     r"The KV cache \(100000000000 blocks of 16 tokens for 4 layers\) needs "
-     + re.escape(kv_cache_gib(100000000000, 16, "tiny")) + r" on cpu, but only .* GiB is available: it was sized "
-     r"by num_kv_blocks=100000000000"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # Before, both listed backends as "ok".
+        (["backends", "--block-size", "0"], r"--block-size must be an int >= 1 \(tokens per KV cache block\), got 0\."),
+        pytest.param(
+            ["backends", "--device", "cuda"],
+            r"device='cuda' was asked for, but no CUDA device is visible",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible"),
+        ),
+        # Before: accepted as the CPU.
+        (
+            [*GENERATE[:1], "--device", "cpu:1", *GENERATE[3:]],
+            r"device='cpu:1': there is one CPU device; use "
+            r'device="cpu"\.',
+        ),
+        # Before: NotImplementedError tracebacks.
+        (
+            [*GENERATE, "--model", "tiny-mla", "--tensor-parallel-size", "2"],
+            r"tensor_parallel_size=2: DeepseekV2ForCausalLM models run on one rank only here",
+        ),
+        (
+            [*GENERATE, "--cudagraph-mode", "PIECEWISE", "--tensor-parallel-size", "2"],
+            r"tensor_parallel_size=2 captures whole-model CUDA graphs only .*got cudagraph_mode=PIECEWISE",
+        ),
+        # Before: the CPU allocator's message under a traceback (it tried 1,525,878 GiB).
+        (
+            [*GENERATE, "--num-kv-blocks", "100000000000"],
+            r"The KV cache \(100000000000 blocks of 16 tokens for 4 layers\) needs "
+            + re.escape(kv_cache_gib(100000000000, 16, "tiny"))
+            + r" on cpu, but only .* GiB is available: it was sized "
+            r"by num_kv_blocks=100000000000",
+        ),
+    ],
+)
 def test_user_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     code, line = error_line(capsys, argv)
     assert code == 2
@@ -72,23 +88,33 @@ def test_user_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list
 def test_python_m_pagedkv_is_one_line_and_exit_2() -> None:
     """The real entry point, in a process of its own (the other tests call main() in-process)."""
     env = {k: v for k, v in os.environ.items() if k != "PAGEDKV_DEBUG"}
-    done = subprocess.run([sys.executable, "-m", "pagedkv", "backends", "--block-size", "0"], capture_output=True,
-                          text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "pagedkv", "backends", "--block-size", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert (done.returncode, done.stderr.splitlines()) == (
-        2, ["pagedkv: error: --block-size must be an int >= 1 (tokens per KV cache block), got 0."])
+        2,
+        ["pagedkv: error: --block-size must be an int >= 1 (tokens per KV cache block), got 0."],
+    )
 
 
-def test_weights_that_do_not_fit_are_refused_before_allocating(capsys: pytest.CaptureFixture[str],
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_weights_that_do_not_fit_are_refused_before_allocating(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """DeepSeek-V2-Lite has 15.7B parameters (its model card): 58.5 GiB in float32, more than the
     16 GiB this machine is made to have. Before, the engine allocated them (48 lines of traceback,
     or the kernel's OOM killer on a machine that overcommits)."""
     monkeypatch.setattr("pagedkv.worker.memory.available_memory", lambda device: 16 * 2**30)
     code, line = error_line(capsys, [*GENERATE, "--model", "deepseek-v2-lite"])
     assert code == 2
-    assert re.fullmatch(r"pagedkv: error: Model 'deepseek-v2-lite' \(15\.7\dB parameters, float32 while loading\) "
-                        r"needs 58\.\d\d GiB on cpu, but only 16\.00 GiB is available: use a smaller model, or a GPU\.",
-                        line), line
+    assert re.fullmatch(
+        r"pagedkv: error: Model 'deepseek-v2-lite' \(15\.7\dB parameters, float32 while loading\) "
+        r"needs 58\.\d\d GiB on cpu, but only 16\.00 GiB is available: use a smaller model, or a GPU\.",
+        line,
+    ), line
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-mla"])
@@ -96,11 +122,15 @@ def test_weight_bytes_counts_what_is_built(model: str) -> None:
     """The meta-device count equals the float32 model the engine builds (before any cast)."""
     built = LLM(model, device="cpu", dtype="float32", num_kv_blocks=16).model
     tensors = [*built.parameters(), *built.buffers()]
-    assert weight_bytes(PRESETS[model]) == (sum(t.numel() * 4 for t in tensors), sum(p.numel() for p in built.parameters()))
+    assert weight_bytes(PRESETS[model]) == (
+        sum(t.numel() * 4 for t in tensors),
+        sum(p.numel() for p in built.parameters()),
+    )
 
 
-def test_keyboard_interrupt_is_one_short_line(capsys: pytest.CaptureFixture[str],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_keyboard_interrupt_is_one_short_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     def interrupted(args: object) -> None:
         raise KeyboardInterrupt
 
@@ -116,7 +146,9 @@ def test_other_failures_are_one_line_exit_1_and_debug_shows_the_traceback(
 
     monkeypatch.setattr(cli_module, "_generate", broken)
     assert error_line(capsys, GENERATE) == (
-        1, "pagedkv: error: RuntimeError: the engine broke somewhere (--debug or PAGEDKV_DEBUG=1 shows the traceback)")
+        1,
+        "pagedkv: error: RuntimeError: the engine broke somewhere (--debug or PAGEDKV_DEBUG=1 shows the traceback)",
+    )
     with pytest.raises(RuntimeError, match="the engine broke"):
         cli([*GENERATE, "--debug"])
     with pytest.raises(RuntimeError, match="the engine broke"):
@@ -151,8 +183,9 @@ def test_weights_that_are_not_floating_point_are_refused(tmp_path: Path, dtype: 
     tensors = safetensors_torch.load_file(str(path))
     tensors["model.norm.weight"] = tensors["model.norm.weight"].to(dtype)
     safetensors_torch.save_file(tensors, str(path), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=re.escape(f"{path}: tensor 'model.norm.weight' is {dtype}; weights must "
-                                                   "be floating point")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"{path}: tensor 'model.norm.weight' is {dtype}; weights must be floating point")
+    ):
         LLM(str(model_dir), device="cpu", num_kv_blocks=16)
 
 
@@ -162,28 +195,40 @@ def test_index_entries_outside_the_model_directory_are_refused(tmp_path: Path, s
     model_dir = write_hf_llama(tmp_path / "model")
     (model_dir / "model.safetensors").rename(tmp_path / "x.safetensors")
     index = model_dir / "model.safetensors.index.json"
-    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "model-00001-of-00001.safetensors",
-                                                "model.norm.weight": shard}}))
-    with pytest.raises(ValueError, match=re.escape(f"{index}: weight_map['model.norm.weight'] = {shard!r} is not a "
-                                                   f"file name inside {model_dir}")):
+    index.write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "model-00001-of-00001.safetensors", "model.norm.weight": shard}})
+    )
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"{index}: weight_map['model.norm.weight'] = {shard!r} is not a file name inside {model_dir}"),
+    ):
         LLM(str(model_dir), device="cpu", num_kv_blocks=16)
 
 
-def test_garbage_tokenizer_json_names_the_directory_and_file(capsys: pytest.CaptureFixture[str],
-                                                              pydoc_dir: Path) -> None:
+def test_garbage_tokenizer_json_names_the_directory_and_file(
+    capsys: pytest.CaptureFixture[str], pydoc_dir: Path
+) -> None:
     (pydoc_dir / "tokenizer.json").write_text("garbage")
     code, line = error_line(capsys, [*GENERATE, "--model", str(pydoc_dir)])
     assert code == 2
-    assert line.startswith(f"pagedkv: error: {pydoc_dir}: transformers' AutoTokenizer could not load the tokenizer "
-                           "from tokenizer.json, tokenizer_config.json (and config.json): "), line
+    assert line.startswith(
+        f"pagedkv: error: {pydoc_dir}: transformers' AutoTokenizer could not load the tokenizer "
+        "from tokenizer.json, tokenizer_config.json (and config.json): "
+    ), line
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("garbage", " is not valid JSON: "),
-    ('{"eos_token_id": -5}', ": eos_token_id -5 must be a token id or a list of them, ints in [0, 258)"),  # accepted
-    ('{"eos_token_id": [257, 258]}', ": eos_token_id [257, 258] must be"),
-    ('{"eos_token_id": "257"}', ": eos_token_id '257' must be"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("garbage", " is not valid JSON: "),
+        (
+            '{"eos_token_id": -5}',
+            ": eos_token_id -5 must be a token id or a list of them, ints in [0, 258)",
+        ),  # accepted
+        ('{"eos_token_id": [257, 258]}', ": eos_token_id [257, 258] must be"),
+        ('{"eos_token_id": "257"}', ": eos_token_id '257' must be"),
+    ],
+)
 def test_bad_generation_config_names_the_file(pydoc_dir: Path, text: str, message: str) -> None:
     gen = pydoc_dir / "generation_config.json"
     gen.write_text(text)
@@ -196,12 +241,18 @@ def test_generation_config_eos_ids_are_added(pydoc_dir: Path) -> None:
     assert LLM(str(pydoc_dir), device="cpu", num_kv_blocks=16).eos_token_ids == [7, 257]
 
 
-@pytest.mark.parametrize(("rope", "message"), [
-    # Before: `KeyError: 'factor'` from the model build, or transformers' own KeyError from the tokenizer load.
-    ({"rope_type": "linear", "rope_theta": 10000.0}, r"RoPE scaling \{.*'rope_type': 'linear'.*\} has no 'factor', "
-                                                     r"which its type needs"),
-    ({"rope_type": "bogus", "rope_theta": 10000.0}, r"RoPE scaling type 'bogus' is not supported"),  # named no file
-])
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        # Before: `KeyError: 'factor'` from the model build, or transformers' own KeyError from the tokenizer load.
+        (
+            {"rope_type": "linear", "rope_theta": 10000.0},
+            r"RoPE scaling \{.*'rope_type': 'linear'.*\} has no 'factor', "
+            r"which its type needs",
+        ),
+        ({"rope_type": "bogus", "rope_theta": 10000.0}, r"RoPE scaling type 'bogus' is not supported"),  # named no file
+    ],
+)
 def test_config_json_rope_scaling_is_checked_before_the_tokenizer_loads(
     capsys: pytest.CaptureFixture[str], pydoc_dir: Path, rope: dict, message: str
 ) -> None:
@@ -219,8 +270,15 @@ def test_config_json_eos_ids_are_checked(tmp_path: Path) -> None:
         load_config(str(model_dir))
 
 
-@pytest.mark.parametrize("text", ["not json", "[1, 2]", '{"format": "pagedkv-trace", "version": 1}',
-                                  '{"format": "pagedkv-trace", "version": 1, "engine": [], "steps": []}'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "not json",
+        "[1, 2]",
+        '{"format": "pagedkv-trace", "version": 1}',
+        '{"format": "pagedkv-trace", "version": 1, "engine": [], "steps": []}',
+    ],
+)
 def test_malformed_trace_file_names_the_file(tmp_path: Path, text: str) -> None:
     path = tmp_path / "trace.json"
     path.write_text(text)
@@ -242,7 +300,9 @@ def test_a_local_directory_named_like_a_preset_wins_and_is_named_once(
         LLM("tiny", device="cpu", num_kv_blocks=16)
     assert first.model_config.vocab_size == 128 != PRESETS["tiny"].vocab_size  # the directory's config
     warnings = [r.getMessage() for r in caplog.records if "not the preset" in r.getMessage()]
-    assert warnings == [f"Model 'tiny': reading the local directory ./tiny ({tmp_path / 'tiny'}), not the preset of "
-                        "that name; rename the directory to use the preset."]
+    assert warnings == [
+        f"Model 'tiny': reading the local directory ./tiny ({tmp_path / 'tiny'}), not the preset of "
+        "that name; rename the directory to use the preset."
+    ]
     (tmp_path / "tiny" / "config.json").unlink()  # a folder that holds no model does not count
     assert LLM("tiny", device="cpu", num_kv_blocks=16).model_config.vocab_size == PRESETS["tiny"].vocab_size

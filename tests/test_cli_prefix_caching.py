@@ -9,8 +9,22 @@ from pagedkv.__main__ import main as cli
 
 # The same 10-token prompt twice (--n 2), blocks of 4: the second copy, admitted right after the
 # first in step 1, finds the first's two full blocks (8 tokens) and computes only the last 2.
-ARGV = ["generate", "--device", "cpu", "--num-kv-blocks", "16", "--block-size", "4", "--max-tokens", "2",
-        "--prompt-token-ids", "1,2,3,4,5,6,7,8,9,10", "--n", "2", "--show-steps"]
+ARGV = [
+    "generate",
+    "--device",
+    "cpu",
+    "--num-kv-blocks",
+    "16",
+    "--block-size",
+    "4",
+    "--max-tokens",
+    "2",
+    "--prompt-token-ids",
+    "1,2,3,4,5,6,7,8,9,10",
+    "--n",
+    "2",
+    "--show-steps",
+]
 
 
 def table(out: str) -> list[dict[str, str]]:

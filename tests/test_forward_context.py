@@ -54,14 +54,17 @@ def test_heads_must_divide(config: EngineConfig) -> None:
         Attention(6, 8, 0.35, 4, prefix="x.0.attn")
 
 
-@pytest.mark.parametrize(("args", "kwargs", "error", "message"), [
-    ((4, 16, 0.25, 0), {}, ValueError, r"num_kv_heads must be an int >= 1, got 0"),  # was a ZeroDivisionError
-    ((-4, 16, 0.25), {}, ValueError, r"num_heads must be an int >= 1, got -4"),  # was accepted
-    (("4", 16, 0.25), {}, TypeError, r"num_heads must be an int, got '4' \(str\)"),
-    ((4, 12.5, 0.25), {}, TypeError, r"head_size must be an int, got 12.5 \(float\)"),
-    ((4, True, 0.25), {}, TypeError, r"head_size must be an int, got True \(bool\)"),
-    ((4, 16, 0.25), dict(sliding_window=-5), ValueError, r"sliding_window must be an int >= 1, got -5"),
-])
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "message"),
+    [
+        ((4, 16, 0.25, 0), {}, ValueError, r"num_kv_heads must be an int >= 1, got 0"),  # was a ZeroDivisionError
+        ((-4, 16, 0.25), {}, ValueError, r"num_heads must be an int >= 1, got -4"),  # was accepted
+        (("4", 16, 0.25), {}, TypeError, r"num_heads must be an int, got '4' \(str\)"),
+        ((4, 12.5, 0.25), {}, TypeError, r"head_size must be an int, got 12.5 \(float\)"),
+        ((4, True, 0.25), {}, TypeError, r"head_size must be an int, got True \(bool\)"),
+        ((4, 16, 0.25), dict(sliding_window=-5), ValueError, r"sliding_window must be an int >= 1, got -5"),
+    ],
+)
 def test_sizes_must_be_positive_ints(
     config: EngineConfig, args: tuple, kwargs: dict, error: type[Exception], message: str
 ) -> None:
@@ -147,8 +150,11 @@ def test_lookups_of_unknown_names_explain_themselves() -> None:
         get_attention_context("m.9.attn")
     with set_forward_context({"other": 1}, cfg), pytest.raises(KeyError, match="No layer named 'm.9.attn'"):
         get_attention_context("m.9.attn")
-    with set_forward_context({"other": 1}, cfg), pytest.raises(
-        KeyError, match="The forward context has no attention metadata for layer 'm.0.attn' \\(it has 1 entries\\)"
+    with (
+        set_forward_context({"other": 1}, cfg),
+        pytest.raises(
+            KeyError, match="The forward context has no attention metadata for layer 'm.0.attn' \\(it has 1 entries\\)"
+        ),
     ):
         get_attention_context("m.0.attn")
 
@@ -165,8 +171,11 @@ def test_lookups_take_a_list_of_per_micro_batch_dicts_and_refuse_other_metadata(
         layer = Attention(2, 4, 0.5, prefix="m.0.attn")
     with set_forward_context([{"m.0.attn": "UBATCH0"}, {"m.0.attn": "UBATCH1"}], cfg):  # type: ignore[arg-type]
         assert get_attention_context("m.0.attn")[:2] == ("UBATCH0", layer)
-    with set_forward_context([{"other": 1}], cfg), pytest.raises(  # type: ignore[arg-type]
-        KeyError, match="no attention metadata for layer 'm.0.attn' \\(it has 1 entries\\)"
+    with (
+        set_forward_context([{"other": 1}], cfg),
+        pytest.raises(  # type: ignore[arg-type]
+            KeyError, match="no attention metadata for layer 'm.0.attn' \\(it has 1 entries\\)"
+        ),
     ):
         get_attention_context("m.0.attn")
     for metadata, kind in (("m.0.attn", "str"), (("m.0.attn",), "tuple"), ([], "list")):

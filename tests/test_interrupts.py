@@ -25,15 +25,20 @@ from tests.engine.test_engine_api import assert_idle, nan_logits_for
 
 # Prompts sharing a 12-token prefix (3 blocks of 4): a rerun looks them up in the prefix cache.
 SHARED = [(5 + 11 * j) % 250 + 1 for j in range(12)]
-PROMPTS = [{"prompt_token_ids": SHARED + [(40 + 13 * j + i) % 250 + 1 for j in range(n)]}
-           for i, n in enumerate((9, 14, 3))]
+PROMPTS = [
+    {"prompt_token_ids": SHARED + [(40 + 13 * j + i) % 250 + 1 for j in range(n)]} for i, n in enumerate((9, 14, 3))
+]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=6, ignore_eos=True)
 
 
 def engine(**kwargs: Any) -> LLM:
-    return LLM("tiny", device="cpu", attention_backend="TORCH_REF",
-               **{"num_kv_blocks": 40, "block_size": 4, "max_num_batched_tokens": 64, **kwargs})
+    return LLM(
+        "tiny",
+        device="cpu",
+        attention_backend="TORCH_REF",
+        **{"num_kv_blocks": 40, "block_size": 4, "max_num_batched_tokens": 64, **kwargs},
+    )
 
 
 def tokens(outputs: list) -> list[list[int]]:
@@ -65,6 +70,7 @@ class Interrupt:
             if self.calls == self.at:
                 raise KeyboardInterrupt
             return fn(*args, **kwargs)
+
         return wrapped
 
 
@@ -138,8 +144,9 @@ def test_step_interrupted_then_called_again_finishes_with_the_uninterrupted_toke
     assert tokens(llm.generate(PROMPTS, params)) == expected[config]
 
 
-@pytest.mark.parametrize(("point", "at", "config"), [("attention 2", 1, "greedy"), ("cache write", 2, "chunked"),
-                                                      ("sampler", 1, "seeded")])
+@pytest.mark.parametrize(
+    ("point", "at", "config"), [("attention 2", 1, "greedy"), ("cache write", 2, "chunked"), ("sampler", 1, "seeded")]
+)
 def test_step_interrupted_then_aborted_leaves_nothing_unwritten_in_the_cache(
     point: str, at: int, config: str, expected: dict[str, list[list[int]]]
 ) -> None:
@@ -217,8 +224,14 @@ def test_real_sigint_at_random_moments_never_changes_the_tokens(tmp_path: Path) 
     script = tmp_path / "child.py"
     script.write_text(SIGINT_CHILD)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    child = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, env=env, cwd=Path(__file__).resolve().parent.parent)
+    child = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     rng = random.Random(0)
     results = []
     try:
@@ -243,6 +256,7 @@ def test_real_sigint_at_random_moments_never_changes_the_tokens(tmp_path: Path) 
 
 # ---- issue 30's smaller ones -------------------------------------------------------------------
 
+
 def test_greedy_on_nan_logits_finishes_the_request_with_an_error_and_the_others_go_on() -> None:
     llm = engine()
     reference = tokens(engine().generate(PROMPTS[1:], GREEDY))
@@ -264,10 +278,13 @@ def test_changing_a_streamed_prompt_token_ids_does_not_change_the_request() -> N
     assert [final.outputs[0].token_ids] == reference
 
 
-@pytest.mark.parametrize(("call", "error", "match"), [
-    (lambda llm: llm.generate(PROMPTS[:1], GREEDY, use_tqdm="yes"), TypeError, "use_tqdm"),
-    (lambda llm: llm.generate({"prompt_token_ids": [1, 2], "prompt": "x"}, GREEDY), ValueError, "'prompt'"),
-])
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda llm: llm.generate(PROMPTS[:1], GREEDY, use_tqdm="yes"), TypeError, "use_tqdm"),
+        (lambda llm: llm.generate({"prompt_token_ids": [1, 2], "prompt": "x"}, GREEDY), ValueError, "'prompt'"),
+    ],
+)
 def test_bad_generate_arguments_are_refused(call: Callable[[LLM], Any], error: type, match: str) -> None:
     llm = engine()
     with pytest.raises(error, match=match):

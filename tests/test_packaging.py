@@ -56,15 +56,24 @@ def test_version_comes_from_one_place() -> None:
     assert pagedkv.__version__.count(".") == 2
 
 
-@pytest.mark.parametrize(("system", "machine", "gets_triton"), [
-    ("Linux", "x86_64", True), ("Linux", "aarch64", True),  # where PyPI has triton wheels
-    ("Darwin", "arm64", False), ("Windows", "AMD64", False), ("Linux", "ppc64le", False),
-])
+@pytest.mark.parametrize(
+    ("system", "machine", "gets_triton"),
+    [
+        ("Linux", "x86_64", True),
+        ("Linux", "aarch64", True),  # where PyPI has triton wheels
+        ("Darwin", "arm64", False),
+        ("Windows", "AMD64", False),
+        ("Linux", "ppc64le", False),
+    ],
+)
 def test_the_notebooks_extra_brings_triton_where_it_has_wheels(system: str, machine: str, gets_triton: bool) -> None:
     """Before, `pip install "pagedkv[notebooks]"` had no triton, and notebook 06 failed in a cell."""
     requirements = pytest.importorskip("packaging.requirements")
-    triton = [r for r in map(requirements.Requirement, PYPROJECT["project"]["optional-dependencies"]["notebooks"])
-              if r.name == "triton"]
+    triton = [
+        r
+        for r in map(requirements.Requirement, PYPROJECT["project"]["optional-dependencies"]["notebooks"])
+        if r.name == "triton"
+    ]
     assert len(triton) == 1 and triton[0].marker is not None
     env = {"platform_system": system, "platform_machine": machine, "sys_platform": system.lower(), "extra": ""}
     assert triton[0].marker.evaluate(env) == gets_triton

@@ -45,8 +45,10 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # The build runs in an isolated env and the install test in a fresh venv: both fetch packages.
     probe = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--dest", str(out), "setuptools>=77"]
     if subprocess.run(probe, capture_output=True, timeout=300).returncode != 0:
-        pytest.skip("no package index reachable (`pip download setuptools` failed): building the wheel and "
-                    "installing it into a fresh venv need one")
+        pytest.skip(
+            "no package index reachable (`pip download setuptools` failed): building the wheel and "
+            "installing it into a fresh venv need one"
+        )
     for fetched in out.iterdir():
         fetched.unlink()
     _run([sys.executable, "-m", "build", "--outdir", str(out), str(REPO)], cwd=out)
@@ -64,9 +66,14 @@ def test_wheel_contents(dist: Path) -> None:
     wheel = next(dist.glob("*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert not [n for n in names if n.startswith("widgets/")], "a top-level widgets package would be installed"
-    for needed in ("pagedkv/widgets/__init__.py", "pagedkv/notebooks/00_start_here.ipynb",
-                   "pagedkv/notebooks/traces/h200_tiny-hybrid.json", "pagedkv/benchmark_results/attention_h200.json",
-                   "pagedkv/models/data/tiny-pydoc/model.safetensors", "pagedkv/workbook.py"):
+    for needed in (
+        "pagedkv/widgets/__init__.py",
+        "pagedkv/notebooks/00_start_here.ipynb",
+        "pagedkv/notebooks/traces/h200_tiny-hybrid.json",
+        "pagedkv/benchmark_results/attention_h200.json",
+        "pagedkv/models/data/tiny-pydoc/model.safetensors",
+        "pagedkv/workbook.py",
+    ):
         assert needed in names, needed
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     import pagedkv
@@ -96,8 +103,10 @@ def test_installed_wheel_runs_the_engine_and_the_workbook(dist: Path, venv: Path
     _run(["bash", str(INSTALL_TORCH), python], cwd=tmp_path)
     _run([python, "-m", "pip", "install", "-q", f"{wheel}[notebooks]"], cwd=tmp_path)
     # The notebooks extra brought triton (where it has wheels: Linux x86_64 / aarch64), and kept the CPU torch.
-    versions = ("import importlib.metadata as m, platform, torch\n"
-                "print(m.version('torch'), m.version('triton'), platform.machine(), torch.cuda.is_available())")
+    versions = (
+        "import importlib.metadata as m, platform, torch\n"
+        "print(m.version('torch'), m.version('triton'), platform.machine(), torch.cuda.is_available())"
+    )
     installed = _run([python, "-c", versions], cwd=tmp_path).split()
     torch_version, triton_version, machine, cuda = installed
     assert triton_version.startswith("3."), installed
@@ -126,9 +135,15 @@ def test_installed_wheel_runs_the_engine_and_the_workbook(dist: Path, venv: Path
     # nbval runs every notebook already; here one runs as a student runs it. The others are edited
     # copies, which `pagedkv workbook` keeps and skips (so this also checks that it never overwrites them).
     shipped = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    edited = {p.name: p.read_text().replace('"cells": [', '"cells": [{"cell_type": "markdown", "id": "mine", '
-                                             '"metadata": {}, "source": ["my notes"]}, ', 1)
-              for p in shipped if p.name != EXECUTED_NOTEBOOK}
+    edited = {
+        p.name: p.read_text().replace(
+            '"cells": [',
+            '"cells": [{"cell_type": "markdown", "id": "mine", "metadata": {}, "source": ["my notes"]}, ',
+            1,
+        )
+        for p in shipped
+        if p.name != EXECUTED_NOTEBOOK
+    }
     copies = student / "pagedkv-workbook" / "notebooks"
     copies.mkdir(parents=True)
     for name, text in edited.items():

@@ -50,11 +50,14 @@ def tiny_workbook(src: Path) -> dict[Path, Path]:
     (src / "traces" / "t.json").write_text("{}")
     return {
         Path("notebooks/00_fails.ipynb"): write_notebook(
-            src / "00_fails.ipynb", "x = 1",
+            src / "00_fails.ipynb",
+            "x = 1",
             "\n# NBVAL_CHECK_OUTPUT\n# the answer, checked\nraise ValueError(f'boom {x}\\nline two')",
-            "print('never')"),
-        Path("notebooks/01_ok.ipynb"): write_notebook(src / "01_ok.ipynb", "import sys", "print(6 * 7)",
-                                                      "print('to the cell', file=sys.stderr)"),
+            "print('never')",
+        ),
+        Path("notebooks/01_ok.ipynb"): write_notebook(
+            src / "01_ok.ipynb", "import sys", "print(6 * 7)", "print('to the cell', file=sys.stderr)"
+        ),
         Path("notebooks/02_no_kernel.ipynb"): write_notebook(src / "02_no_kernel.ipynb", "1", kernel="no-such-kernel"),
         Path("notebooks/traces/t.json"): src / "traces" / "t.json",
     }
@@ -98,9 +101,13 @@ def run_in_terminal(files: dict[Path, Path], dest: Path, ctrl_c_when: Path | Non
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "PAGEDKV_DEBUG")}
     env["PYTHONPATH"] = str(REPO)
-    with subprocess.Popen([sys.executable, "-c", RUN_CLI, json.dumps({str(k): str(v) for k, v in files.items()}),
-                           str(dest)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=follower,
-                          env=env) as proc:
+    with subprocess.Popen(
+        [sys.executable, "-c", RUN_CLI, json.dumps({str(k): str(v) for k, v in files.items()}), str(dest)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=follower,
+        env=env,
+    ) as proc:
         os.close(follower)
         terminal = b""
         while True:
@@ -132,16 +139,21 @@ def executed(tmp_path_factory: pytest.TempPathFactory) -> tuple[TerminalRun, dic
     return run_in_terminal(files, root / "wb"), files, root / "wb"
 
 
-def test_a_failing_notebook_names_its_cell_and_the_others_run(executed: tuple[TerminalRun, dict[Path, Path], Path]
-                                                              ) -> None:
+def test_a_failing_notebook_names_its_cell_and_the_others_run(
+    executed: tuple[TerminalRun, dict[Path, Path], Path],
+) -> None:
     """Before: one line naming a 0-based cell index and the error only, no source line to find the cell by."""
     run, shipped, dest = executed
     errors = [line for line in run.lines if line.startswith("pagedkv: error:")]
     assert errors == [
-        ("pagedkv: error: notebook 00_fails.ipynb failed at cell 3 of 4 ('# the answer, checked'): "
-         "ValueError: boom 1 line two (not saved)"),
-        ("pagedkv: error: notebook 02_no_kernel.ipynb failed before its first cell: "
-         "NoSuchKernel: No such kernel named no-such-kernel (not saved)"),
+        (
+            "pagedkv: error: notebook 00_fails.ipynb failed at cell 3 of 4 ('# the answer, checked'): "
+            "ValueError: boom 1 line two (not saved)"
+        ),
+        (
+            "pagedkv: error: notebook 02_no_kernel.ipynb failed before its first cell: "
+            "NoSuchKernel: No such kernel named no-such-kernel (not saved)"
+        ),
         "pagedkv: error: 2 of 3 notebooks failed: 00_fails.ipynb, 02_no_kernel.ipynb",
     ], run.terminal
     assert run.code == 1
@@ -155,7 +167,8 @@ def test_a_failing_notebook_names_its_cell_and_the_others_run(executed: tuple[Te
 
 
 def test_progress_bars_follow_the_notebooks_and_the_running_cell(
-        executed: tuple[TerminalRun, dict[Path, Path], Path]) -> None:
+    executed: tuple[TerminalRun, dict[Path, Path], Path],
+) -> None:
     """Before: nothing on the terminal while a notebook ran."""
     run, _, _ = executed
     bars = [line for line in run.lines if line.startswith(("notebooks", "cells"))]
@@ -178,10 +191,14 @@ def test_ctrl_c_stops_the_run(tmp_path: Path) -> None:
     """Before: Ctrl-C reached only the command (the kernel has a session of its own), where nbclient merely
     asked the kernel to shut down after the running cell; the cell and every other notebook ran on."""
     started = tmp_path / "started"
-    files = {Path("notebooks/00_slow.ipynb"): write_notebook(
-                 tmp_path / "00_slow.ipynb", "import pathlib, time", f"pathlib.Path({str(started)!r}).touch()\n"
-                 "time.sleep(120)"),
-             Path("notebooks/01_ok.ipynb"): write_notebook(tmp_path / "01_ok.ipynb", "print(1)")}
+    files = {
+        Path("notebooks/00_slow.ipynb"): write_notebook(
+            tmp_path / "00_slow.ipynb",
+            "import pathlib, time",
+            f"pathlib.Path({str(started)!r}).touch()\ntime.sleep(120)",
+        ),
+        Path("notebooks/01_ok.ipynb"): write_notebook(tmp_path / "01_ok.ipynb", "print(1)"),
+    }
     start = time.monotonic()
     run = run_in_terminal(files, tmp_path / "wb", ctrl_c_when=started)
     assert time.monotonic() - start < 100  # the two-minute cell was cut short
@@ -189,9 +206,9 @@ def test_ctrl_c_stops_the_run(tmp_path: Path) -> None:
     assert "01_ok" not in run.stdout and "Traceback" not in run.terminal
 
 
-def test_executed_notebooks_are_not_run_again(tmp_path: Path, shipped: dict[Path, Path],
-                                              monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-                                              ) -> None:
+def test_executed_notebooks_are_not_run_again(
+    tmp_path: Path, shipped: dict[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A copy that differs from the shipped one (run and saved, or edited) keeps its outputs: it is skipped."""
     dest = tmp_path / "wb"
     workbook.copy_workbook(dest)
@@ -201,26 +218,33 @@ def test_executed_notebooks_are_not_run_again(tmp_path: Path, shipped: dict[Path
     monkeypatch.setattr(workbook, "execute_workbook", lambda dest, notebooks, **_: asked.append(notebooks) or [])
     cli(["workbook", str(dest), "--execute"])
     assert "skip 01_ok.ipynb (your copy: its saved outputs are kept; --force replaces and runs it)" in (
-        capsys.readouterr().out)
+        capsys.readouterr().out
+    )
     assert asked == [[Path("notebooks/00_fails.ipynb"), Path("notebooks/02_no_kernel.ipynb")]]
     assert "6 * 9" in ran.read_text()
 
 
-def test_a_notebook_this_machine_cannot_run_is_skipped_saying_why(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_notebook_this_machine_cannot_run_is_skipped_saying_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Without triton (no wheel for this platform), notebook 06 failed with a ValueError deep in a cell."""
     gpu = write_notebook(tmp_path / "gpu.ipynb", "1")
     triton = write_notebook(tmp_path / "triton.ipynb", "1")
-    for path, meta in ((gpu, {"requires_gpu": True, "needs": "cpu"}), (triton, {"requires_gpu": False, "needs": "triton"})):
+    for path, meta in (
+        (gpu, {"requires_gpu": True, "needs": "cpu"}),
+        (triton, {"requires_gpu": False, "needs": "triton"}),
+    ):
         nb = nbformat.read(path, as_version=4)
         nb.metadata["pagedkv"] = meta
         nbformat.write(nb, path)
     monkeypatch.setattr(workbook.importlib.util, "find_spec", lambda name: None)  # no triton here
-    runs = list(workbook.execute_workbook(tmp_path, [Path("gpu.ipynb"), Path("triton.ipynb")], cuda=False,
-                                          progress=False))
+    runs = list(
+        workbook.execute_workbook(tmp_path, [Path("gpu.ipynb"), Path("triton.ipynb")], cuda=False, progress=False)
+    )
     assert [(run.name, run.skipped) for run in runs] == [
         ("gpu.ipynb", "needs a GPU"),
-        ("triton.ipynb", "needs triton, which is not installed (pip install triton, where it has a wheel)")]
+        ("triton.ipynb", "needs triton, which is not installed (pip install triton, where it has a wheel)"),
+    ]
 
 
 def test_shipped_notebooks_read_without_warnings() -> None:
@@ -249,8 +273,11 @@ def test_list_and_notebook_00s_map_come_from_the_notebooks_metadata(capsys: pyte
     start_here = json.loads((REPO / "notebooks/00_start_here.ipynb").read_text())
     [map_cell] = [c for c in start_here["cells"] if "list_notebooks()" in "".join(c["source"])]
     assert map_cell["cell_type"] == "code"
-    shown = "".join(text for out in map_cell["outputs"]
-                    for text in [*out.get("text", []), *out.get("data", {}).get("text/html", [])])
+    shown = "".join(
+        text
+        for out in map_cell["outputs"]
+        for text in [*out.get("text", []), *out.get("data", {}).get("text/html", [])]
+    )
     for nb in notebooks:  # the saved map is what list_notebooks() gives now (nbval does not compare it)
         assert nb.name in shown and (nb.topic in shown or html.escape(nb.topic) in shown), (nb.name, nb.topic)
 
@@ -287,8 +314,9 @@ def test_a_linked_folder_is_refused_naming_it(tmp_path: Path, shipped: dict[Path
     assert list(elsewhere.iterdir()) == []
 
 
-def test_a_file_as_the_folder_is_one_line(tmp_path: Path, shipped: dict[Path, Path],
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_file_as_the_folder_is_one_line(
+    tmp_path: Path, shipped: dict[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     """Before: a FileExistsError traceback."""
     path = tmp_path / "notes.txt"
     path.write_text("mine")
@@ -296,8 +324,11 @@ def test_a_file_as_the_folder_is_one_line(tmp_path: Path, shipped: dict[Path, Pa
         cli(["workbook", str(path), "--execute"])
     assert exited.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
-        (f"pagedkv: error: {path} is a file, not a folder: give the folder to copy the workbook into (it is made if "
-         "missing).")]
+        (
+            f"pagedkv: error: {path} is a file, not a folder: give the folder to copy the workbook into (it is made if "
+            "missing)."
+        )
+    ]
     assert path.read_text() == "mine"
 
 
@@ -315,7 +346,8 @@ def test_lab_as_root_passes_allow_root(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_copied_notebooks_are_trusted_and_a_kept_one_is_not_resigned(
-        tmp_path: Path, shipped: dict[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, shipped: dict[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """JupyterLab draws a notebook's saved widgets only when it trusts it: the copies are signed in the
     Jupyter data folder, where the server looks; a copy the student edited keeps its own standing."""
     import nbformat

@@ -79,8 +79,7 @@ try:
     import matplotlib  # noqa: F401
 except ImportError as error:  # the core package runs without Jupyter; the views need its extra
     raise ImportError(
-        f"pagedkv.widgets needs ipywidgets and matplotlib ({error.name} is missing): "
-        "pip install 'pagedkv[notebooks]'"
+        f"pagedkv.widgets needs ipywidgets and matplotlib ({error.name} is missing): pip install 'pagedkv[notebooks]'"
     ) from error
 
 from pagedkv.widgets.attention_groups import AttentionGroupsView

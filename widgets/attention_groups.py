@@ -39,7 +39,9 @@ def _box(column: str, y: float, h: float, lines: list[str], cls: str, fill: str,
 def _link(left: str, right: str, y: float) -> str:
     """A horizontal arrow from the right edge of one column to the left edge of the next, at height `y`."""
     x1, x2 = sum(COLUMNS[left]), COLUMNS[right][0]
-    return f'<line x1="{x1}" y1="{y:.0f}" x2="{x2}" y2="{y:.0f}" style="stroke:{FG_MUTED}" marker-end="url(#pkv-arrow)"/>'
+    return (
+        f'<line x1="{x1}" y1="{y:.0f}" x2="{x2}" y2="{y:.0f}" style="stroke:{FG_MUTED}" marker-end="url(#pkv-arrow)"/>'
+    )
 
 
 class AttentionGroupsView(TraceView):
@@ -65,33 +67,77 @@ class AttentionGroupsView(TraceView):
                 n = len(attn.layer_names)
                 h = max(n * ROW_H, GROUP_MIN_H)
                 for i, name in enumerate(attn.layer_names):
-                    parts.append(_box("layer", y + i * h / n, h / n, [short_layer(name)], "pkv-layer", LAYER_FILL,
-                                      f' data-layer="{esc(name)}"'))
+                    parts.append(
+                        _box(
+                            "layer",
+                            y + i * h / n,
+                            h / n,
+                            [short_layer(name)],
+                            "pkv-layer",
+                            LAYER_FILL,
+                            f' data-layer="{esc(name)}"',
+                        )
+                    )
                     parts.append(_link("layer", "kv", y + (i + 0.5) * h / n))
                 center = y + h / 2
                 parts.append(_link("kv", "attn", center))
-                parts.append(_box("attn", y, h, [
-                    f"attention group: {attn.backend}", attn.builder, f"{attn.num_heads} query heads, {n} layer(s)",
-                ], "pkv-attn-group", ATTN_FILL))
+                parts.append(
+                    _box(
+                        "attn",
+                        y,
+                        h,
+                        [
+                            f"attention group: {attn.backend}",
+                            attn.builder,
+                            f"{attn.num_heads} query heads, {n} layer(s)",
+                        ],
+                        "pkv-attn-group",
+                        ATTN_FILL,
+                    )
+                )
                 if record is not None:
                     # One box per distinct object the group's layers received: one, unless build() misbehaves.
                     for k in sorted({record.metadata_index(name) for name in attn.layer_names}):
                         meta = record.metadata[k]
                         parts.append(_link("attn", "meta", center))
-                        parts.append(_box("meta", y, h, [
-                            f"#{k} {meta.type_name}", f"metadata built once in step {record.step}",
-                            f"the same object in {len(meta.layer_names)} layer(s)",
-                        ], "pkv-metadata", META_FILL, f' data-metadata-index="{k}"'))
+                        parts.append(
+                            _box(
+                                "meta",
+                                y,
+                                h,
+                                [
+                                    f"#{k} {meta.type_name}",
+                                    f"metadata built once in step {record.step}",
+                                    f"the same object in {len(meta.layer_names)} layer(s)",
+                                ],
+                                "pkv-metadata",
+                                META_FILL,
+                                f' data-metadata-index="{k}"',
+                            )
+                        )
                 y += h
             window = f", window {spec.sliding_window}" if spec.sliding_window else ""
-            parts.insert(0, _box("kv", kv_top, y - kv_top, [
-                f"KV cache group {kv_group.group_id}", f"{spec.kind}{window}",
-                f"{spec.block_size} tok/block, {spec.num_kv_heads} kv heads x {spec.head_size}",
-            ], "pkv-kv-group", KV_FILL, f' data-group="{kv_group.group_id}"'))
+            parts.insert(
+                0,
+                _box(
+                    "kv",
+                    kv_top,
+                    y - kv_top,
+                    [
+                        f"KV cache group {kv_group.group_id}",
+                        f"{spec.kind}{window}",
+                        f"{spec.block_size} tok/block, {spec.num_kv_heads} kv heads x {spec.head_size}",
+                    ],
+                    "pkv-kv-group",
+                    KV_FILL,
+                    f' data-group="{kv_group.group_id}"',
+                ),
+            )
         caption = (
-            "no step yet: run the engine to see the metadata objects" if record is None
+            "no step yet: run the engine to see the metadata objects"
+            if record is None
             else f"step {record.step}: {len(record.metadata)} metadata object(s) built for "
-                 f"{len(record.attn_metadata_keys)} layers"
+            f"{len(record.attn_metadata_keys)} layers"
         )
         return (
             f'<div class="pkv-attention-groups" style="{BASE_STYLE}"><div>{esc(caption)}</div>'
@@ -99,5 +145,5 @@ class AttentionGroupsView(TraceView):
             f'xmlns="http://www.w3.org/2000/svg" font-family="ui-monospace, Menlo, Consolas, monospace">'
             '<defs><marker id="pkv-arrow" viewBox="0 0 6 6" refX="6" refY="3" markerWidth="6" '
             f'markerHeight="6" orient="auto"><path d="M0,0 L6,3 L0,6 z" style="fill:{FG_MUTED}"/></marker></defs>'
-            f'{"".join(parts)}</svg></div>'
+            f"{''.join(parts)}</svg></div>"
         )

@@ -61,7 +61,12 @@ class BlockTableView(TraceView):
     """
 
     def __init__(
-        self, trace: StepTrace, *, max_blocks: int = 256, columns: int = 16, show_caching: bool | None = None,
+        self,
+        trace: StepTrace,
+        *,
+        max_blocks: int = 256,
+        columns: int = 16,
+        show_caching: bool | None = None,
         **kwargs: Any,
     ) -> None:
         self.max_blocks = check_int("max_blocks", max_blocks, 1, hint=" (blocks drawn per KV cache group)")
@@ -96,8 +101,8 @@ class BlockTableView(TraceView):
         grids = "".join(self._grid(record, group) for group in engine.kv_cache_groups)
         return (
             f'<div class="pkv-block-table" data-step="{record.step}" style="{BASE_STYLE}">'
-            f'<div>{"<br>".join(lines)}</div>{grids}{self._rows(record)}{_LEGEND}'
-            f'{_CACHING_LEGEND if self.caching_shown else ""}</div>'
+            f"<div>{'<br>'.join(lines)}</div>{grids}{self._rows(record)}{_LEGEND}"
+            f"{_CACHING_LEGEND if self.caching_shown else ''}</div>"
         )
 
     def _grid(self, record: StepRecord, group: KVCacheGroupInfo) -> str:
@@ -129,12 +134,19 @@ class BlockTableView(TraceView):
             f'<div style="margin-top:8px">{esc(title)}</div>'
             f'<svg class="pkv-grid" data-group="{g}" data-num-blocks="{shown}" width="100%" '
             f'viewBox="0 0 {width} {height}" style="max-width:{width}px; {SVG_STYLE}" xmlns="http://www.w3.org/2000/svg">'
-            f'{"".join(cells)}</svg>{note}'
+            f"{''.join(cells)}</svg>{note}"
         )
 
     def _cell(
-        self, block: int, bs: int, owners: list[str], filled: int, written: set[int], group: int,
-        pool: BlockPoolRecord | None, place: int | None,
+        self,
+        block: int,
+        bs: int,
+        owners: list[str],
+        filled: int,
+        written: set[int],
+        group: int,
+        pool: BlockPoolRecord | None,
+        place: int | None,
     ) -> str:
         """One block: null, free (plain or cached), or held by one request or several."""
         x = (block % self.columns) * (CELL_W + GAP)
@@ -184,12 +196,12 @@ class BlockTableView(TraceView):
             owner_bar, frame = "", f'fill="{color}" fill-opacity="0.18" stroke="{color}" stroke-width="1.5"'
         return (
             f'<g {attrs} data-state="{"shared" if shared else "used"}" data-owner="{esc(",".join(owners))}"'
-            f'{_hash_attr(short_hash)}><title>{esc(tip)}</title>'
+            f"{_hash_attr(short_hash)}><title>{esc(tip)}</title>"
             f'<rect x="{x}" y="{y}" width="{CELL_W}" height="{CELL_H}" rx="3" {frame}/>{owner_bar}'
             f'<text x="{x + 4}" y="{y + 13}" font-size="10">{block}</text>'
             f'<text x="{x + CELL_W - 4}" y="{y + 13}" font-size="10" text-anchor="end">'
             f"{esc(label)}</text>"
-            f'{"".join(ticks)}</g>'
+            f"{''.join(ticks)}</g>"
         )
 
     def _free_cell(self, block: int, x: int, y: int, attrs: str, short_hash: str | None, place: int | None) -> str:
@@ -198,8 +210,9 @@ class BlockTableView(TraceView):
         is_next = place == 1
         mark = (
             f'<text x="{x + CELL_W - 4}" y="{y + 13}" font-size="10" text-anchor="end">'
-            f'{"next" if is_next else f"#{place}"}</text>'
-            if place is not None and (is_next or short_hash is not None) else ""
+            f"{'next' if is_next else f'#{place}'}</text>"
+            if place is not None and (is_next or short_hash is not None)
+            else ""
         )
         stroke = f"stroke:{ACCENT}; stroke-width:2.5" if is_next else f"stroke:{FG_MUTED if short_hash else BORDER}"
         where = f", #{place} in the free queue" if place is not None else ""
@@ -218,8 +231,10 @@ class BlockTableView(TraceView):
             f'style="stroke:{FG_MUTED}" stroke-width="1"/>'
             for i in range((CELL_W - 10) // 8)
         )
-        tip = (f"block {block}: free but cached (hash {short_hash}){where}: a request with this prefix takes it "
-               "back; an allocation that reaches it evicts it")
+        tip = (
+            f"block {block}: free but cached (hash {short_hash}){where}: a request with this prefix takes it "
+            "back; an allocation that reaches it evicts it"
+        )
         return (
             f'<g {attrs} data-state="cached"{_hash_attr(short_hash)}>'
             f"<title>{esc(tip)}</title>"
@@ -245,7 +260,7 @@ class BlockTableView(TraceView):
                     f'<span class="pkv-row-cell{" pkv-hit" if j < hits else ""}" '
                     f'title="logical block {j} -> physical block {b}{" (a prefix cache hit)" if j < hits else ""}" '
                     f'style="display:inline-block; min-width:22px; margin:1px; text-align:center; '
-                    f'border:{HIT_BORDER if j < hits else f"1px solid {color if b else BORDER}"}; '
+                    f"border:{HIT_BORDER if j < hits else f'1px solid {color if b else BORDER}'}; "
                     f'background:{BG if b else BG_SOLID}">'
                     f'<span style="font-size:9px; color:{FG_MUTED if b else FG}">{j}</span><br>{b}</span>'
                     for j, b in enumerate(row)
@@ -255,7 +270,7 @@ class BlockTableView(TraceView):
             out.append(
                 f'<tr><td style="padding-right:8px; white-space:nowrap"><span style="display:inline-block; width:9px; height:9px; background:{color}"></span> '
                 f"req {esc(r.req_id)}<br><span style='color:{FG_MUTED}'>{esc(what)}</span></td>"
-                f'<td>{"<br>".join(groups)}</td></tr>'
+                f"<td>{'<br>'.join(groups)}</td></tr>"
             )
         out.append("</table>")
         return "".join(out)
@@ -278,14 +293,15 @@ def _queue_line(pool: BlockPoolRecord | None, queue: list[int]) -> str:
         else:
             parts.append(([block], short_hash))
     texts = [
-        f"<b>{ids[0]}</b> <span style='color:{FG_MUTED}'>({esc(h)})</span>" if h is not None
+        f"<b>{ids[0]}</b> <span style='color:{FG_MUTED}'>({esc(h)})</span>"
+        if h is not None
         else (f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0]))
         for ids, h in parts
     ]
     more = f" &rarr; &hellip; {len(texts) - QUEUE_SHOWN} more" if len(texts) > QUEUE_SHOWN else ""
     return (
         f'<div class="pkv-free-queue">free queue after the step, the next block handed out first; '
-        f'bold = still cached (its hash): {" &rarr; ".join(texts[:QUEUE_SHOWN]) or "empty"}{more}</div>'
+        f"bold = still cached (its hash): {' &rarr; '.join(texts[:QUEUE_SHOWN]) or 'empty'}{more}</div>"
     )
 
 

@@ -22,8 +22,16 @@ if TYPE_CHECKING:
 # with a contrast of at least 3:1 against both JupyterLab backgrounds (white and #212121), so a
 # request's border or tick reads in the light and the dark theme. Text is never drawn in them.
 PALETTE = (
-    "#0072B2", "#D55E00", "#009E73", "#CC79A7", "#7B68EE",
-    "#B8860B", "#17A2B8", "#C2417A", "#999933", "#9467BD",
+    "#0072B2",
+    "#D55E00",
+    "#009E73",
+    "#CC79A7",
+    "#7B68EE",
+    "#B8860B",
+    "#17A2B8",
+    "#C2417A",
+    "#999933",
+    "#9467BD",
 )
 # JupyterLab theme variables, so every view follows the light / dark theme. The fallbacks are CSS
 # system colours, which follow the page's colour scheme outside JupyterLab.
@@ -87,7 +95,7 @@ def esc(value: object) -> str:
 
 
 def short_layer(name: str) -> str:
-    """"model.layers.3.self_attn.attn" -> "layers.3" (the part that differs between layers)."""
+    """ "model.layers.3.self_attn.attn" -> "layers.3" (the part that differs between layers)."""
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part == "layers":
@@ -97,8 +105,10 @@ def short_layer(name: str) -> str:
 
 def step_index_error(index: int, num_steps: int) -> IndexError:
     """The error for a step index outside a trace of `num_steps` steps (views and players)."""
-    return IndexError(f"index {index} is out of range for a trace of {num_steps} steps: use "
-                      f"0..{max(num_steps - 1, 0)}, or -1 for the newest step.")
+    return IndexError(
+        f"index {index} is out of range for a trace of {num_steps} steps: use "
+        f"0..{max(num_steps - 1, 0)}, or -1 for the newest step."
+    )
 
 
 class LiveRedraw:
@@ -170,9 +180,7 @@ class TraceView(ipywidgets.HTML):
     _stop_observing: Callable[[], None] = staticmethod(lambda: None)
     """Set once the view observes its trace (a failed __init__ has nothing to stop)."""
 
-    def __init__(
-        self, trace: StepTrace, *, index: int = -1, min_frame_s: float | None = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, trace: StepTrace, *, index: int = -1, min_frame_s: float | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.add_class("pkv-view")
         self.trace = trace

@@ -99,22 +99,44 @@ class CudaGraphModeExplorer(ipywidgets.VBox):
         if backend is not None and backend not in registered_backends():
             raise ValueError(f"backend {backend!r} is not registered; use None or one of {registered_backends()}.")
         check_int("uniform_decode_query_len", uniform_decode_query_len, 1, 4, hint=" (the slider's range)")
+
         def sized(width: str) -> dict[str, Any]:
             return {"style": {"description_width": "initial"}, "layout": ipywidgets.Layout(width=width)}
 
-        self.mode = ipywidgets.Dropdown(options=[m.name for m in CUDAGraphMode], value=CUDAGraphMode.parse(mode).name,
-                                        description="cudagraph_mode", **sized("300px"))
-        self.backend = ipywidgets.Dropdown(options=[ANY_CHOICE, *registered_backends()], value=backend or ANY_CHOICE,
-                                           description="backend", **sized("230px"))
-        self.support = ipywidgets.Dropdown(options=[s.name for s in SUPPORT_LEVELS], value=_support(support).name,
-                                           description="builder's cudagraph_support", **sized("480px"))
-        self.query_len = ipywidgets.IntSlider(value=uniform_decode_query_len, min=1, max=4,
-                                              description="decode query tokens per request", **sized("400px"))
-        self.piecewise = ipywidgets.Checkbox(value=attention_compiled_piecewise, indent=False,
-                                             description="attention compiled piecewise (compile=True)",
-                                             layout=ipywidgets.Layout(width="auto"))
-        self.enforce_eager = ipywidgets.Checkbox(value=enforce_eager, indent=False, description="enforce_eager",
-                                                 layout=ipywidgets.Layout(width="auto"))
+        self.mode = ipywidgets.Dropdown(
+            options=[m.name for m in CUDAGraphMode],
+            value=CUDAGraphMode.parse(mode).name,
+            description="cudagraph_mode",
+            **sized("300px"),
+        )
+        self.backend = ipywidgets.Dropdown(
+            options=[ANY_CHOICE, *registered_backends()],
+            value=backend or ANY_CHOICE,
+            description="backend",
+            **sized("230px"),
+        )
+        self.support = ipywidgets.Dropdown(
+            options=[s.name for s in SUPPORT_LEVELS],
+            value=_support(support).name,
+            description="builder's cudagraph_support",
+            **sized("480px"),
+        )
+        self.query_len = ipywidgets.IntSlider(
+            value=uniform_decode_query_len,
+            min=1,
+            max=4,
+            description="decode query tokens per request",
+            **sized("400px"),
+        )
+        self.piecewise = ipywidgets.Checkbox(
+            value=attention_compiled_piecewise,
+            indent=False,
+            description="attention compiled piecewise (compile=True)",
+            layout=ipywidgets.Layout(width="auto"),
+        )
+        self.enforce_eager = ipywidgets.Checkbox(
+            value=enforce_eager, indent=False, description="enforce_eager", layout=ipywidgets.Layout(width="auto")
+        )
         self.view = ipywidgets.HTML()
         # Rows that wrap: at a 1280 px window with the file browser open the output area is ~850 px,
         # less than the three dropdowns; a row that cannot wrap squeezes the last one's choice.
@@ -144,8 +166,11 @@ class CudaGraphModeExplorer(ipywidgets.VBox):
     def resolution(self) -> Resolution:
         """What `resolve_cudagraph_mode` makes of the current controls."""
         return resolve_explained(
-            self.mode.value, AttentionCGSupport[self.support.value], backend_name=self.backend_name,
-            attention_compiled_piecewise=self.piecewise.value, uniform_decode_query_len=self.query_len.value,
+            self.mode.value,
+            AttentionCGSupport[self.support.value],
+            backend_name=self.backend_name,
+            attention_compiled_piecewise=self.piecewise.value,
+            uniform_decode_query_len=self.query_len.value,
             enforce_eager=self.enforce_eager.value,
         )
 
@@ -164,18 +189,25 @@ class CudaGraphModeExplorer(ipywidgets.VBox):
     def render(self, result: Resolution) -> str:
         source = (
             f"{self.backend_name}: {load_backend(self.backend_name).get_builder_cls().__name__}.cudagraph_support"
-            if self.chosen_backend else f"{ANY_BACKEND}: the level chosen above"
+            if self.chosen_backend
+            else f"{ANY_BACKEND}: the level chosen above"
         )
         header = "".join(
             f'<th style="{CELL}">{esc(h)}</th>'
-            for h in ("", "mode", f"decode batches ({self.query_len.value} query token(s) per request)",
-                      "mixed batches (prefills, chunks, mixed)")
+            for h in (
+                "",
+                "mode",
+                f"decode batches ({self.query_len.value} query token(s) per request)",
+                "mixed batches (prefills, chunks, mixed)",
+            )
         )
         # Messages in the text colour, marked by a bar in the error / warning colour: JupyterLab
         # Light's warn-color1 (#f57c00) is 2.7:1 on white, too pale for text.
         if result.error:
-            messages = (f'<div class="pkv-cg-error" style="{MARK}var(--jp-error-color1, red)">'
-                        f"<b>ValueError</b>: {esc(result.error)}</div>")
+            messages = (
+                f'<div class="pkv-cg-error" style="{MARK}var(--jp-error-color1, red)">'
+                f"<b>ValueError</b>: {esc(result.error)}</div>"
+            )
         elif result.warnings:
             messages = "".join(
                 f'<div class="pkv-cg-warning" style="{MARK}var(--jp-warn-color1, orange)">'
@@ -187,7 +219,7 @@ class CudaGraphModeExplorer(ipywidgets.VBox):
         resolved = result.resolved.name if result.resolved else "ERROR"
         return (
             f'<div class="pkv-cudagraph" data-resolved="{resolved}" style="{BASE_STYLE}; {TEXT}; padding: 4px">'
-            f'<div>support {self.support.value} ({esc(source)}), the weakest over all attention groups</div>'
+            f"<div>support {self.support.value} ({esc(source)}), the weakest over all attention groups</div>"
             f'<table style="border-collapse: collapse; margin: 4px 0">'
             f"<tr>{header}</tr>{_mode_row('configured', result.configured)}{_mode_row('resolved', result.resolved)}"
             f"</table>{messages}</div>"
@@ -210,13 +242,17 @@ class CudaGraphModeExplorer(ipywidgets.VBox):
 # ---- the piecewise split of a compiled model ------------------------------------------------
 
 PIECE_COLORS = (
-    "var(--jp-brand-color1, currentColor)", "var(--jp-accent-color1, currentColor)",
-    "var(--jp-warn-color1, currentColor)", "var(--jp-error-color1, currentColor)",
+    "var(--jp-brand-color1, currentColor)",
+    "var(--jp-accent-color1, currentColor)",
+    "var(--jp-warn-color1, currentColor)",
+    "var(--jp-error-color1, currentColor)",
 )
 """Border colour per distinct compiled piece: pieces drawn alike share one compiled callable."""
 OP_LABELS = {
-    "unified_kv_cache_update": "KV cache write", "unified_attention_with_output": "attention",
-    "unified_mla_kv_cache_update": "MLA cache write", "unified_mla_attention_with_output": "MLA attention",
+    "unified_kv_cache_update": "KV cache write",
+    "unified_attention_with_output": "attention",
+    "unified_mla_kv_cache_update": "MLA cache write",
+    "unified_mla_attention_with_output": "MLA attention",
 }
 BOX = "display: inline-block; vertical-align: top; margin: 2px; padding: 3px 6px; border-radius: 4px"
 
@@ -263,8 +299,10 @@ class PiecewiseSplitView(ipywidgets.HTML):
 
         if not isinstance(backend, PiecewiseBackend):
             hint = " (pass its .backend)" if isinstance(getattr(backend, "backend", None), PiecewiseBackend) else ""
-            raise TypeError(f"PiecewiseSplitView draws a PiecewiseBackend, the `backend` of a CompiledForward; "
-                            f"got {type(backend).__name__}{hint}.")
+            raise TypeError(
+                f"PiecewiseSplitView draws a PiecewiseBackend, the `backend` of a CompiledForward; "
+                f"got {type(backend).__name__}{hint}."
+            )
         if not backend.items:
             raise ValueError(
                 "The backend has not traced the model yet: run one forward of at least 2 tokens "

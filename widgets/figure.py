@@ -57,6 +57,7 @@ _STYLE = (
 
 def _luminance(rgb: tuple[float, float, float]) -> float:
     """WCAG relative luminance of an sRGB colour with channels in 0..1."""
+
     def linear(c: float) -> float:
         return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
 

@@ -41,15 +41,17 @@ class ForwardContextView(TraceView):
                 f'<td style="{_CELL}">{esc(engine.kv_cache_shapes[name])}</td></tr>'
             )
         objects = "".join(
-            f"<li>#{k} {esc(m.type_name)}: "
-            + ", ".join(f"{esc(f)}={esc(v)}" for f, v in m.fields.items())
-            + "</li>"
+            f"<li>#{k} {esc(m.type_name)}: " + ", ".join(f"{esc(f)}={esc(v)}" for f, v in m.fields.items()) + "</li>"
             for k, m in enumerate(record.metadata)
         )
         header = "".join(
             f'<th style="{_CELL}; background:{BG_HEADER}">{h}</th>'
-            for h in ("layer name (the key)", "attn_metadata[name]", "slot_mapping[name]",
-                      "kv_cache shape (bound once)")
+            for h in (
+                "layer name (the key)",
+                "attn_metadata[name]",
+                "slot_mapping[name]",
+                "kv_cache shape (bound once)",
+            )
         )
         return (
             f'<div class="pkv-forward-context" data-step="{record.step}" style="{BASE_STYLE}">'

@@ -88,10 +88,14 @@ def _svg(info: TensorInfo, loaded: np.ndarray, stored: np.ndarray) -> tuple[str,
     parts = []
     for r in range(0, rows, every):
         y = top + r * cell + cell / 2 + 3.5
-        parts.append(f'<text x="{label_w - 4}" y="{y:.1f}" text-anchor="end" font-size="9" '
-                     f'style="fill:{FG_MUTED}">{r * rg * row_span}</text>')
-    parts.append(f'<rect x="{label_w}" y="{top}" width="{cols * cell}" height="{rows * cell}" '
-                 f'style="fill:url(#pkv-ma-cell-{cell}); stroke:{BORDER_LIGHT}"/>')
+        parts.append(
+            f'<text x="{label_w - 4}" y="{y:.1f}" text-anchor="end" font-size="9" '
+            f'style="fill:{FG_MUTED}">{r * rg * row_span}</text>'
+        )
+    parts.append(
+        f'<rect x="{label_w}" y="{top}" width="{cols * cell}" height="{rows * cell}" '
+        f'style="fill:url(#pkv-ma-cell-{cell}); stroke:{BORDER_LIGHT}"/>'
+    )
     inset = cell / 4
     edge = f"stroke:{BG}; stroke-width:0.5"  # neighbouring filled cells stay told apart
     for r, c in zip(*np.nonzero(np.nan_to_num(load_grid) + np.nan_to_num(store_grid))):
@@ -101,39 +105,49 @@ def _svg(info: TensorInfo, loaded: np.ndarray, stored: np.ndarray) -> tuple[str,
         size = cell - 2 * pad
         kind = "both" if fl and fs else "load" if fl else "store"
         if kind == "both":
-            parts.append(f'<rect class="pkv-ma-load" x="{x + pad:.1f}" y="{y + pad:.1f}" width="{size / 2:.1f}" '
-                         f'height="{size:.1f}" style="fill:{LOAD_COLOR}; {edge}"/>'
-                         f'<rect class="pkv-ma-store" x="{x + pad + size / 2:.1f}" y="{y + pad:.1f}" '
-                         f'width="{size / 2:.1f}" height="{size:.1f}" style="fill:{STORE_COLOR}; {edge}"/>')
+            parts.append(
+                f'<rect class="pkv-ma-load" x="{x + pad:.1f}" y="{y + pad:.1f}" width="{size / 2:.1f}" '
+                f'height="{size:.1f}" style="fill:{LOAD_COLOR}; {edge}"/>'
+                f'<rect class="pkv-ma-store" x="{x + pad + size / 2:.1f}" y="{y + pad:.1f}" '
+                f'width="{size / 2:.1f}" height="{size:.1f}" style="fill:{STORE_COLOR}; {edge}"/>'
+            )
         else:
             color = LOAD_COLOR if kind == "load" else STORE_COLOR
-            parts.append(f'<rect class="pkv-ma-{kind}" x="{x + pad:.1f}" y="{y + pad:.1f}" width="{size:.1f}" '
-                         f'height="{size:.1f}" style="fill:{color}; {edge}"/>')
+            parts.append(
+                f'<rect class="pkv-ma-{kind}" x="{x + pad:.1f}" y="{y + pad:.1f}" width="{size:.1f}" '
+                f'height="{size:.1f}" style="fill:{color}; {edge}"/>'
+            )
     width, height = label_w + cols * cell + 1, top + rows * cell + top
-    pattern = (f'<defs><pattern id="pkv-ma-cell-{cell}" x="{label_w}" y="{top}" width="{cell}" height="{cell}" '
-               f'patternUnits="userSpaceOnUse"><rect width="{cell}" height="{cell}" '
-               f'style="fill:{BG}; stroke:{BORDER_LIGHT}; stroke-width:0.5"/></pattern></defs>')
-    svg = (f'<svg class="pkv-ma-grid" data-tensor="{esc(info.name)}" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" style="max-width:100%; {SVG_STYLE}" '
-           f'xmlns="http://www.w3.org/2000/svg">{pattern}{"".join(parts)}</svg>')
+    pattern = (
+        f'<defs><pattern id="pkv-ma-cell-{cell}" x="{label_w}" y="{top}" width="{cell}" height="{cell}" '
+        f'patternUnits="userSpaceOnUse"><rect width="{cell}" height="{cell}" '
+        f'style="fill:{BG}; stroke:{BORDER_LIGHT}; stroke-width:0.5"/></pattern></defs>'
+    )
+    svg = (
+        f'<svg class="pkv-ma-grid" data-tensor="{esc(info.name)}" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" style="max-width:100%; {SVG_STYLE}" '
+        f'xmlns="http://www.w3.org/2000/svg">{pattern}{"".join(parts)}</svg>'
+    )
     return svg, what
 
 
 def _swatch(fill: str, partial: bool = False) -> str:
     """A legend key: a cell, filled (`fill`, a CSS background) whole or, `partial`, in its middle."""
     size, margin = (6, 2) if partial else (10, 0)
-    return (f'<span style="display:inline-block; width:12px; height:12px; vertical-align:middle; '
-            f'border:1px solid {BORDER_LIGHT}; background:{BG}; box-sizing:border-box">'
-            f'<span style="display:block; width:{size}px; height:{size}px; margin:{margin}px; '
-            f'background:{fill}"></span></span>')
+    return (
+        f'<span style="display:inline-block; width:12px; height:12px; vertical-align:middle; '
+        f'border:1px solid {BORDER_LIGHT}; background:{BG}; box-sizing:border-box">'
+        f'<span style="display:block; width:{size}px; height:{size}px; margin:{margin}px; '
+        f'background:{fill}"></span></span>'
+    )
 
 
 LEGEND = (
     f'<div class="pkv-ma-legend" style="margin: 2px 0 6px 0">{_swatch(LOAD_COLOR)} loaded &nbsp; '
-    f'{_swatch(STORE_COLOR)} stored &nbsp; '
-    f'{_swatch(f"linear-gradient(to right, {LOAD_COLOR} 50%, {STORE_COLOR} 50%)")} both &nbsp; '
-    f'{_swatch(LOAD_COLOR, partial=True)} part of the cell &nbsp; '
-    f'{_swatch(OUTSIDE_COLOR)} outside every tensor (listed under the nearest one)</div>'
+    f"{_swatch(STORE_COLOR)} stored &nbsp; "
+    f"{_swatch(f'linear-gradient(to right, {LOAD_COLOR} 50%, {STORE_COLOR} 50%)')} both &nbsp; "
+    f"{_swatch(LOAD_COLOR, partial=True)} part of the cell &nbsp; "
+    f"{_swatch(OUTSIDE_COLOR)} outside every tensor (listed under the nearest one)</div>"
 )
 
 
@@ -162,21 +176,28 @@ class MemoryAccessView(ipywidgets.HTML):
     for a 1-D grid's program, or None for every program of the launch.
     """
 
-    def __init__(self, log: AccessLog, *, launch: int = -1, program: Program | int | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, log: AccessLog, *, launch: int = -1, program: Program | int | None = None, **kwargs: Any
+    ) -> None:
         if not isinstance(log, AccessLog):
             raise TypeError(f"MemoryAccessView draws an AccessLog (from record_accesses), got {type(log).__name__}")
         if not log.launches:
             raise ValueError("the AccessLog holds no launch: launch a @triton.jit kernel inside record_accesses")
         if not -len(log.launches) <= launch < len(log.launches):
-            raise IndexError(f"launch {launch} is out of range for {len(log.launches)} launches: "
-                             f"use 0..{len(log.launches) - 1}, or -1 for the last")
+            raise IndexError(
+                f"launch {launch} is out of range for {len(log.launches)} launches: "
+                f"use 0..{len(log.launches) - 1}, or -1 for the last"
+            )
         super().__init__(**kwargs)
         self.access_log = log
         self.add_class("pkv-memory-access")
         options = [(f"{i}: {run.kernel}, grid {run.grid[: run.dims]}", i) for i, run in enumerate(log.launches)]
-        self.launch_picker = ipywidgets.Dropdown(options=options, value=launch % len(log.launches),
-                                                 description="launch", **_sized(max(len(text) for text, _ in options)))
+        self.launch_picker = ipywidgets.Dropdown(
+            options=options,
+            value=launch % len(log.launches),
+            description="launch",
+            **_sized(max(len(text) for text, _ in options)),
+        )
         longest = max(len(log.launches[i].program_text(log.launches[i].programs()[-1])) for _, i in options)
         self.program_picker = ipywidgets.Dropdown(description="program", **_sized(max(longest, len("all programs"))))
         self._filling = False
@@ -232,14 +253,15 @@ class MemoryAccessView(ipywidgets.HTML):
         run, program, launch = self.run, self.program, self.launch_picker.value
         who = "all programs" if program is None else run.program_text(program)
         accesses = run.accesses if program is None else run.of(program)
-        head = (f'<div><b>{esc(run.kernel)}</b>, grid {run.grid[: run.dims]}: {esc(who)}, '
-                f'{sum(a.kind == "load" for a in accesses)} loads, {sum(a.kind == "store" for a in accesses)} '
-                f'stores{" (an instruction on several tensors counts once per tensor)" if program is None else ""}'
-                "</div>")
+        head = (
+            f"<div><b>{esc(run.kernel)}</b>, grid {run.grid[: run.dims]}: {esc(who)}, "
+            f"{sum(a.kind == 'load' for a in accesses)} loads, {sum(a.kind == 'store' for a in accesses)} "
+            f"stores{' (an instruction on several tensors counts once per tensor)' if program is None else ''}"
+            "</div>"
+        )
         boxes = [self._tensor_box(info, program, launch, accesses) for info in self._tensors()]
         ops = self._op_list(accesses) if program is not None else ""
-        return (f'<div class="pkv-ma" style="{BASE_STYLE}; padding: 4px">{head}{LEGEND}'
-                f'{"".join(boxes)}{ops}</div>')
+        return f'<div class="pkv-ma" style="{BASE_STYLE}; padding: 4px">{head}{LEGEND}{"".join(boxes)}{ops}</div>'
 
     def _tensor_box(self, info: TensorInfo, program: Program | None, launch: int, accesses: list[Access]) -> str:
         loaded = self.access_log.touched(info.name, "load", program, launch)
@@ -254,30 +276,43 @@ class MemoryAccessView(ipywidgets.HTML):
         frame = OUTSIDE_COLOR if outside else BORDER_LIGHT
         args = [p for p, name in self.run.args.items() if name == info.name]
         given = f" &middot; passed as {esc(', '.join(args))}" if args else " &middot; not a kernel argument"
-        caption = (f'<div><b>{esc(info.name)}</b> {list(info.shape)} {esc(info.dtype)}{given} &middot; '
-                   f'<span style="color:{FG_MUTED}">{esc(what)}; {count_text(int(loaded.sum()))} loaded, '
-                   f'{int(stored.sum())} stored</span></div>')
-        return (f'<div class="pkv-ma-tensor" data-tensor="{esc(info.name)}" data-outside="{len(outside)}" '
-                f'style="border: 1px solid {frame}; border-radius: 3px; padding: 3px 5px; margin: 4px 0; '
-                f'max-width: 960px; box-sizing: border-box; overflow-x: auto">{caption}{svg}{flags}</div>')
+        caption = (
+            f"<div><b>{esc(info.name)}</b> {list(info.shape)} {esc(info.dtype)}{given} &middot; "
+            f'<span style="color:{FG_MUTED}">{esc(what)}; {count_text(int(loaded.sum()))} loaded, '
+            f"{int(stored.sum())} stored</span></div>"
+        )
+        return (
+            f'<div class="pkv-ma-tensor" data-tensor="{esc(info.name)}" data-outside="{len(outside)}" '
+            f'style="border: 1px solid {frame}; border-radius: 3px; padding: 3px 5px; margin: 4px 0; '
+            f'max-width: 960px; box-sizing: border-box; overflow-x: auto">{caption}{svg}{flags}</div>'
+        )
 
     def _op_list(self, accesses: list[Access]) -> str:
         lines = []
         for a in accesses[:OPS_LISTED]:
             info = self.access_log.tensors[a.tensor]
             where = _span_text(info, a.offsets) if a.inside else f"OUTSIDE: {where_outside(info, a.offsets)}"
-            lines.append(f"<li>op {a.op}: {a.kind}{' (atomic)' if a.atomic else ''} {count_text(a.offsets.size)}, "
-                         f"{esc(where)}</li>")
-        more = (f'<div style="color:{FG_MUTED}">... {len(accesses) - OPS_LISTED} more</div>'
-                if len(accesses) > OPS_LISTED else "")
-        return (f'<div class="pkv-ma-ops" style="margin-top: 4px">memory instructions of this program, in order:'
-                f'<ol style="margin: 2px 0; padding-left: 24px">{"".join(lines)}</ol>{more}</div>')
+            lines.append(
+                f"<li>op {a.op}: {a.kind}{' (atomic)' if a.atomic else ''} {count_text(a.offsets.size)}, "
+                f"{esc(where)}</li>"
+            )
+        more = (
+            f'<div style="color:{FG_MUTED}">... {len(accesses) - OPS_LISTED} more</div>'
+            if len(accesses) > OPS_LISTED
+            else ""
+        )
+        return (
+            f'<div class="pkv-ma-ops" style="margin-top: 4px">memory instructions of this program, in order:'
+            f'<ol style="margin: 2px 0; padding-left: 24px">{"".join(lines)}</ol>{more}</div>'
+        )
 
     def __repr__(self) -> str:
         run, program = self.run, self.program
         who = "all programs" if program is None else run.program_text(program)
-        return (f"MemoryAccessView({run.kernel}, grid {run.grid[: run.dims]}, {who}, "
-                f"tensors {', '.join(info.name for info in self._tensors())})")
+        return (
+            f"MemoryAccessView({run.kernel}, grid {run.grid[: run.dims]}, {who}, "
+            f"tensors {', '.join(info.name for info in self._tensors())})"
+        )
 
 
 def _by_kind(accesses: list[Access]) -> dict[str, list[np.ndarray]]:

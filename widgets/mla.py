@@ -35,10 +35,14 @@ LATENT_COLOR = PALETTE[0]
 HEADS_COLOR = PALETTE[1]
 
 PATHS = {
-    "forward_mqa": (LATENT_COLOR, "decodes: W_UK absorbed into the query, every head attends over the same "
-                                  "latent rows (MQA with one KV head)"),
-    "forward_mha": (HEADS_COLOR, "prefills: each latent up-projected to per-head K and V by kv_b_proj, "
-                                 "ordinary causal attention"),
+    "forward_mqa": (
+        LATENT_COLOR,
+        "decodes: W_UK absorbed into the query, every head attends over the same latent rows (MQA with one KV head)",
+    ),
+    "forward_mha": (
+        HEADS_COLOR,
+        "prefills: each latent up-projected to per-head K and V by kv_b_proj, ordinary causal attention",
+    ),
 }
 
 MAX_CELL = 22
@@ -87,8 +91,10 @@ def _tooltip(group: _Group) -> str:
         what = f"prefill of prompt positions {first}-{last_position} of {r.num_prompt_tokens}"
     else:  # a preempted request recomputes its generated tokens too
         generated = last_position + 1 - r.num_prompt_tokens
-        what = (f"recompute of positions {first}-{last_position} ({r.num_prompt_tokens} prompt + "
-                f"{_count(generated, 'generated token')})")
+        what = (
+            f"recompute of positions {first}-{last_position} ({r.num_prompt_tokens} prompt + "
+            f"{_count(generated, 'generated token')})"
+        )
     last = group.first_token + r.num_new_tokens - 1
     return f"request {r.req_id}: {what}; step tokens {group.first_token}-{last} -> {group.path}"
 
@@ -108,11 +114,15 @@ class MLASplitView(TraceView):
     def render(self, record: StepRecord) -> str:
         split = record.mla_split
         if split is None:
-            why = ("this trace was recorded before traces kept the split (StepRecord.mla_split): record it again"
-                   if self._mla_group() is not None else f"{esc(self.engine.model)} has no MLA layers, so no decode / prefill split to "
-                                   "draw (try tiny-mla)")
-            return (f'<div class="pkv-mla-split" data-step="{record.step}" style="{BASE_STYLE}; color: {FG_MUTED}">'
-                    f"step {record.step}: {why}.</div>")
+            why = (
+                "this trace was recorded before traces kept the split (StepRecord.mla_split): record it again"
+                if self._mla_group() is not None
+                else f"{esc(self.engine.model)} has no MLA layers, so no decode / prefill split to draw (try tiny-mla)"
+            )
+            return (
+                f'<div class="pkv-mla-split" data-step="{record.step}" style="{BASE_STYLE}; color: {FG_MUTED}">'
+                f"step {record.step}: {why}.</div>"
+            )
         groups = _groups(record, split)
         return (
             f'<div class="pkv-mla-split" data-step="{record.step}" data-num-decode-tokens="{split.num_decode_tokens}" '
@@ -127,16 +137,20 @@ class MLASplitView(TraceView):
     def _caption(self, record: StepRecord, split: MLASplitRecord, groups: list[_Group]) -> str:
         group = self._mla_group()
         backend = f" &middot; {esc(group.backend)}, latent rows of {group.spec.head_size} values" if group else ""
-        text = (f"<b>step {record.step}</b> &middot; {_count(record.num_tokens, 'token')}: "
-                f"{_count(split.num_decodes, 'decode')} ({_count(split.num_decode_tokens, 'token')}) &rarr; "
-                f"<b>forward_mqa</b>; {_count(split.num_prefills, 'prefill')} "
-                f"({_count(split.num_prefill_tokens, 'token')}) &rarr; <b>forward_mha</b>{backend}")
+        text = (
+            f"<b>step {record.step}</b> &middot; {_count(record.num_tokens, 'token')}: "
+            f"{_count(split.num_decodes, 'decode')} ({_count(split.num_decode_tokens, 'token')}) &rarr; "
+            f"<b>forward_mqa</b>; {_count(split.num_prefills, 'prefill')} "
+            f"({_count(split.num_prefill_tokens, 'token')}) &rarr; <b>forward_mha</b>{backend}"
+        )
         # The split goes by query length, the scheduler's phase by whether the prompt is done.
         for g in groups:
             if g.request.phase == "prefill" and g.path == "forward_mqa":
-                text += (f"<div style='color: {FG_MUTED}'>request {esc(g.request.req_id)} is still prefilling, "
-                         "but its chunk is one token right after the decodes: forward_mqa computes it "
-                         "(both paths give the same attention).</div>")
+                text += (
+                    f"<div style='color: {FG_MUTED}'>request {esc(g.request.req_id)} is still prefilling, "
+                    "but its chunk is one token right after the decodes: forward_mqa computes it "
+                    "(both paths give the same attention).</div>"
+                )
         return f"<div>{text}</div>"
 
     def _strip(self, split: MLASplitRecord, groups: list[_Group]) -> str:
@@ -153,14 +167,20 @@ class MLASplitView(TraceView):
             if len(g.cells) * cell >= 6 * len(label):  # the request's label fits above its cells
                 body.append(f'<text x="{x:.1f}" y="11" font-size="10">{esc(label)}</text>')
             for text in g.cells:
-                body.append(f'<rect x="{x:.1f}" y="16" width="{cell - 2:.1f}" height="24" rx="2" fill="{color}" '
-                            f'fill-opacity="0.22" stroke="{color}" stroke-width="1.5"/>')
+                body.append(
+                    f'<rect x="{x:.1f}" y="16" width="{cell - 2:.1f}" height="24" rx="2" fill="{color}" '
+                    f'fill-opacity="0.22" stroke="{color}" stroke-width="1.5"/>'
+                )
                 if cell >= 16:  # room for a position number
-                    body.append(f'<text x="{x + (cell - 2) / 2:.1f}" y="32" font-size="9" text-anchor="middle">'
-                                f"{esc(text)}</text>")
+                    body.append(
+                        f'<text x="{x + (cell - 2) / 2:.1f}" y="32" font-size="9" text-anchor="middle">'
+                        f"{esc(text)}</text>"
+                    )
                 x += cell
-            parts.append(f'<g class="pkv-mla-request" data-req-id="{esc(g.request.req_id)}" data-path="{g.path}">'
-                         f'{"".join(body)}</g>')
+            parts.append(
+                f'<g class="pkv-mla-request" data-req-id="{esc(g.request.req_id)}" data-path="{g.path}">'
+                f"{''.join(body)}</g>"
+            )
             x += gap
         width = max(x - gap, 1.0)
         if boundary is None:  # decodes only: the boundary is the end of the batch
@@ -178,13 +198,17 @@ class MLASplitView(TraceView):
         )
         if right:
             width = max(width, boundary + 4 + label_width)
-        return (f'<svg class="pkv-mla-strip" width="{width + 8:.0f}" height="60" viewBox="-4 0 {width + 8:.0f} 60" '
-                f'style="max-width: 100%; margin-top: 6px; {SVG_STYLE}" xmlns="http://www.w3.org/2000/svg">'
-                f'{"".join(parts)}</svg>')
+        return (
+            f'<svg class="pkv-mla-strip" width="{width + 8:.0f}" height="60" viewBox="-4 0 {width + 8:.0f} 60" '
+            f'style="max-width: 100%; margin-top: 6px; {SVG_STYLE}" xmlns="http://www.w3.org/2000/svg">'
+            f"{''.join(parts)}</svg>"
+        )
 
     def _legend(self) -> str:
-        items = [f"<div>{_bar(10, color)} <b>{path}</b> <span style='color: {FG_MUTED}'>{esc(meaning)}</span></div>"
-                 for path, (color, meaning) in PATHS.items()]
+        items = [
+            f"<div>{_bar(10, color)} <b>{path}</b> <span style='color: {FG_MUTED}'>{esc(meaning)}</span></div>"
+            for path, (color, meaning) in PATHS.items()
+        ]
         return f'<div style="margin-top: 2px">{"".join(items)}</div>'
 
 
@@ -208,8 +232,7 @@ class CacheBytes:
 
     def tokens_in(self, memory_bytes: int) -> tuple[int, int]:
         """Tokens whose cache, every layer, fits in `memory_bytes`: (with MLA, with MHA)."""
-        return (memory_bytes // (self.mla_bytes * self.num_layers),
-                memory_bytes // (self.mha_bytes * self.num_layers))
+        return (memory_bytes // (self.mla_bytes * self.num_layers), memory_bytes // (self.mha_bytes * self.num_layers))
 
 
 def cache_bytes(config: DeepseekV2Config, dtype: torch.dtype = torch.bfloat16, block_size: int = 16) -> CacheBytes:
@@ -218,39 +241,55 @@ def cache_bytes(config: DeepseekV2Config, dtype: torch.dtype = torch.bfloat16, b
     spec = MLAAttentionSpec(block_size, config.num_key_value_heads, config.head_dim, dtype)
     mha_values = config.num_attention_heads * (config.qk_head_dim + config.v_head_dim)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return CacheBytes(config.num_hidden_layers, config.head_dim, mha_values, spec.page_size_bytes // block_size,
-                      mha_values * itemsize)
+    return CacheBytes(
+        config.num_hidden_layers, config.head_dim, mha_values, spec.page_size_bytes // block_size, mha_values * itemsize
+    )
 
 
 def _bar(width_px: float, color: str) -> str:
     """A bar (or a legend swatch) `width_px` wide."""
-    return (f'<span style="display: inline-block; vertical-align: middle; height: 9px; '
-            f'width: {max(width_px, 1):.0f}px; background: {color}"></span>')
+    return (
+        f'<span style="display: inline-block; vertical-align: middle; height: 9px; '
+        f'width: {max(width_px, 1):.0f}px; background: {color}"></span>'
+    )
 
 
-def latent_cache_table(models: Mapping[str, DeepseekV2Config], memory_bytes: int = 40 * 10**9,
-                       dtype: torch.dtype = torch.bfloat16) -> str:
+def latent_cache_table(
+    models: Mapping[str, DeepseekV2Config], memory_bytes: int = 40 * 10**9, dtype: torch.dtype = torch.bfloat16
+) -> str:
     """HTML: per model shape, the cache per token per layer with MLA and with MHA, the ratio, and
     how many tokens (every layer's rows) fit in `memory_bytes`."""
     cell = f"padding: 2px 6px; border: 1px solid {BORDER}"
     value_cell = f"{cell}; white-space: nowrap"  # headers may wrap (narrow columns), numbers may not
     dtype_name = str(dtype).removeprefix("torch.")
-    header = ["model", "layers", f"cache per token per layer ({esc(dtype_name)})", "MHA / MLA",
-              f"tokens in {memory_bytes / 1e9:g} GB (all layers)"]
+    header = [
+        "model",
+        "layers",
+        f"cache per token per layer ({esc(dtype_name)})",
+        "MHA / MLA",
+        f"tokens in {memory_bytes / 1e9:g} GB (all layers)",
+    ]
     rows = ["<tr>" + "".join(f'<th style="{cell}; background: {BG_HEADER}">{h}</th>' for h in header) + "</tr>"]
     for name, config in models.items():
         b = cache_bytes(config, dtype)
         mla_tokens, mha_tokens = b.tokens_in(memory_bytes)
         values = [
-            esc(name), str(b.num_layers),
+            esc(name),
+            str(b.num_layers),
             f"{_bar(100 / b.ratio, LATENT_COLOR)} MLA {b.mla_values:,} values = {b.mla_bytes:,} B<br>"
             f"{_bar(100, HEADS_COLOR)} MHA {b.mha_values:,} values = {b.mha_bytes:,} B",
-            f"<b>{b.ratio:.1f}x</b>", f"MLA {mla_tokens:,}<br>MHA {mha_tokens:,}",
+            f"<b>{b.ratio:.1f}x</b>",
+            f"MLA {mla_tokens:,}<br>MHA {mha_tokens:,}",
         ]
-        rows.append(f'<tr data-model="{esc(name)}">' + "".join(f'<td style="{value_cell}">{v}</td>' for v in values)
-                    + "</tr>")
-    legend = (f"<div style='margin-top: 4px; color: {FG_MUTED}'>MLA caches one row [c_kv | k_pe] per token and "
-              f"layer ({_bar(10, LATENT_COLOR)} latent); MHA would cache every head's K and V "
-              f"({_bar(10, HEADS_COLOR)} per head).</div>")
-    return (f'<div class="pkv-latent-cache" style="{BASE_STYLE}"><table style="border-collapse: collapse">'
-            f'{"".join(rows)}</table>{legend}</div>')
+        rows.append(
+            f'<tr data-model="{esc(name)}">' + "".join(f'<td style="{value_cell}">{v}</td>' for v in values) + "</tr>"
+        )
+    legend = (
+        f"<div style='margin-top: 4px; color: {FG_MUTED}'>MLA caches one row [c_kv | k_pe] per token and "
+        f"layer ({_bar(10, LATENT_COLOR)} latent); MHA would cache every head's K and V "
+        f"({_bar(10, HEADS_COLOR)} per head).</div>"
+    )
+    return (
+        f'<div class="pkv-latent-cache" style="{BASE_STYLE}"><table style="border-collapse: collapse">'
+        f"{''.join(rows)}</table>{legend}</div>"
+    )

@@ -29,19 +29,27 @@ class StepPlayer(ipywidgets.VBox):
     """Set once the player observes its trace (a failed __init__ has nothing to stop)."""
 
     def __init__(
-        self, trace: StepTrace, views: Sequence[TraceView] = (), *, interval_ms: int = 700,
-        min_frame_s: float | None = None, **kwargs: Any,
+        self,
+        trace: StepTrace,
+        views: Sequence[TraceView] = (),
+        *,
+        interval_ms: int = 700,
+        min_frame_s: float | None = None,
+        **kwargs: Any,
     ) -> None:
         others = [type(view).__name__ for view in views if view.trace is not trace]
         if others:
-            raise ValueError(f"{others[0]} draws another trace than the player's: build the views on the "
-                             "trace you pass to StepPlayer, so that the label and the views show the same run.")
+            raise ValueError(
+                f"{others[0]} draws another trace than the player's: build the views on the "
+                "trace you pass to StepPlayer, so that the label and the views show the same run."
+            )
         self.trace = trace
         self.views = list(views)
         last = max(len(trace) - 1, 0)
         self.play = ipywidgets.Play(min=0, max=last, value=0, interval=interval_ms, description="play")
-        self.slider = ipywidgets.IntSlider(min=0, max=last, value=0, readout=False, description="step",
-                                           continuous_update=True)
+        self.slider = ipywidgets.IntSlider(
+            min=0, max=last, value=0, readout=False, description="step", continuous_update=True
+        )
         self.slider.add_class("pkv-step-slider")
         ipywidgets.jslink((self.play, "value"), (self.slider, "value"))
         self.label = ipywidgets.HTML()

@@ -1,9 +1,9 @@
 """Plots over a whole trace (matplotlib), and `PlotView`, which redraws one with a step cursor.
 
-    plot_kv_cache_usage(trace)      blocks in use per step, preemptions marked
-    plot_batch_composition(trace)   prefill vs decode tokens per step, against the token budget
-    plot_request_timeline(trace)    per request: waiting, prefill, decode, preempted, finished
-    plot_throughput(trace)          tokens per second of each step
+plot_kv_cache_usage(trace)      blocks in use per step, preemptions marked
+plot_batch_composition(trace)   prefill vs decode tokens per step, against the token budget
+plot_request_timeline(trace)    per request: waiting, prefill, decode, preempted, finished
+plot_throughput(trace)          tokens per second of each step
 """
 
 from __future__ import annotations

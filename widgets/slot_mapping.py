@@ -76,8 +76,12 @@ class SlotMappingView(TraceView):
         def per_token(values: list[Any]) -> list[str]:
             return [cell(i, values[i]) for i in shown]
 
-        table = [row("token #", [cell(i, i) for i in shown]), row("request", per_token(req_ids)),
-                 row("token id", per_token(record.input_ids)), row("position", per_token(record.positions))]
+        table = [
+            row("token #", [cell(i, i) for i in shown]),
+            row("request", per_token(req_ids)),
+            row("token id", per_token(record.input_ids)),
+            row("position", per_token(record.positions)),
+        ]
         for group in self.engine.kv_cache_groups:
             table += self._group_rows(record, group.group_id, group.spec.block_size, shown, token_rows, cell, row)
         where = f"tokens {first}..{end - 1} of {num_slots} (page {self.pager.value} of {pages})"
@@ -87,11 +91,19 @@ class SlotMappingView(TraceView):
             f"<div><b>step {record.step}</b> &middot; {record.num_tokens} tokens &middot; {where}</div>"
             "<div>slot = block_table[request][position // block_size] * block_size + position % block_size</div>"
             f'<div style="overflow-x:auto"><table style="border-collapse:collapse; margin-top:4px">'
-            f'{"".join(table)}</table></div></div>'
+            f"{''.join(table)}</table></div></div>"
         )
 
-    def _group_rows(self, record: StepRecord, g: int, bs: int, shown: range, token_rows: list[Any],
-                    cell: Callable[..., str], row: Callable[[str, list[str]], str]) -> list[str]:
+    def _group_rows(
+        self,
+        record: StepRecord,
+        g: int,
+        bs: int,
+        shown: range,
+        token_rows: list[Any],
+        cell: Callable[..., str],
+        row: Callable[[str, list[str]], str],
+    ) -> list[str]:
         """The four rows that turn a position into a slot, for KV cache group `g`."""
         suffix = f" (g{g})" if self.engine.num_kv_cache_groups > 1 else ""
         logical, physical, offset, slots = [], [], [], []

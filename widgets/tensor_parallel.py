@@ -12,16 +12,41 @@ from pagedkv.widgets.common import ACCENT, BASE_STYLE, BG_HEADER, BORDER, FG_MUT
 
 # Shapes of public checkpoints (config.json values), to pick from.
 SHAPES: dict[str, LlamaConfig] = {
-    "Llama-3-8B (32 q / 8 kv heads)": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                                                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
-    "Llama-3-70B (64 q / 8 kv heads)": LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
-                                                  num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
-    "Qwen2-7B (28 q / 4 kv heads)": LlamaConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                                               num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
-    "Llama-2-7B, MHA (32 q / 32 kv heads)": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                                                       num_hidden_layers=32, num_attention_heads=32),
-    "an MQA model (32 q / 1 kv head)": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                                                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=1),
+    "Llama-3-8B (32 q / 8 kv heads)": LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),
+    "Llama-3-70B (64 q / 8 kv heads)": LlamaConfig(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+    ),
+    "Qwen2-7B (28 q / 4 kv heads)": LlamaConfig(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+    ),
+    "Llama-2-7B, MHA (32 q / 32 kv heads)": LlamaConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32
+    ),
+    "an MQA model (32 q / 1 kv head)": LlamaConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=1,
+    ),
 }
 
 DATAFLOW = """\
@@ -50,16 +75,29 @@ def layout_table(model: LlamaConfig, tp_size: int, dtype_bytes: int = 2) -> str:
     d = model.head_dim
     inter, vocab = model.intermediate_size // tp_size, -(-model.vocab_size // tp_size)
     kv_per_token = 2 * layout.num_kv_heads * d * dtype_bytes * model.num_hidden_layers
-    header = ["rank", "query heads", "KV heads", "qkv_proj rows (q + k + v)", "o_proj input columns",
-              "gate_up_proj rows", "down_proj input columns", "vocabulary rows (embedding, LM head)",
-              "KV cache per token"]
+    header = [
+        "rank",
+        "query heads",
+        "KV heads",
+        "qkv_proj rows (q + k + v)",
+        "o_proj input columns",
+        "gate_up_proj rows",
+        "down_proj input columns",
+        "vocabulary rows (embedding, LM head)",
+        "KV cache per token",
+    ]
     rows = [_row(header, "th", f"background: {BG_HEADER}")]
     for rank in range(tp_size):
         q, kv = rank_heads(layout, rank)
-        shared = f" <span style='color: {FG_MUTED}'>(on {layout.kv_head_replicas} ranks)</span>" \
-            if layout.kv_head_replicas > 1 else ""
+        shared = (
+            f" <span style='color: {FG_MUTED}'>(on {layout.kv_head_replicas} ranks)</span>"
+            if layout.kv_head_replicas > 1
+            else ""
+        )
         values = [
-            str(rank), _span(q), _span(kv) + shared,
+            str(rank),
+            _span(q),
+            _span(kv) + shared,
             f"{len(q) * d} + {len(kv) * d} + {len(kv) * d}",
             f"{q.start * d}-{q.stop * d - 1}",
             f"{rank * inter}-{(rank + 1) * inter - 1} of each",

@@ -229,9 +229,7 @@ class AttentionBackend(ABC):
         return [MultipleOf(1)]
 
     @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         """Per-layer cache layout: K and V stacked, then pages of `block_size` tokens."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
@@ -265,7 +263,8 @@ class AttentionBackend(ABC):
         reasons: list[str] = []
         if use_mla != cls.is_mla:
             reasons.append(
-                "the layer uses MLA (a latent KV cache); this backend serves MHA/GQA/MQA layers only" if use_mla
+                "the layer uses MLA (a latent KV cache); this backend serves MHA/GQA/MQA layers only"
+                if use_mla
                 else "an MLA backend serves MLA layers only; this layer is MHA/GQA/MQA"
             )
         if device_type not in cls.supported_devices:
@@ -280,13 +279,11 @@ class AttentionBackend(ABC):
             reasons.append(f"dtype {dtype} not supported (supported: {list(cls.supported_dtypes)})")
         if kv_cache_dtype not in cls.supported_kv_cache_dtypes:
             reasons.append(
-                f"KV cache dtype {kv_cache_dtype} not supported "
-                f"(supported: {list(cls.supported_kv_cache_dtypes)})"
+                f"KV cache dtype {kv_cache_dtype} not supported (supported: {list(cls.supported_kv_cache_dtypes)})"
             )
         if not cls.supports_block_size(block_size):
             reasons.append(
-                f"block size {block_size} not supported "
-                f"(kernel block sizes: {cls.get_supported_kernel_block_sizes()})"
+                f"block size {block_size} not supported (kernel block sizes: {cls.get_supported_kernel_block_sizes()})"
             )
         if attn_type != AttentionType.DECODER:
             reasons.append(f"attention type {attn_type.value!r} not supported (decoder only)")

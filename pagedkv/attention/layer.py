@@ -67,7 +67,9 @@ class Attention(nn.Module):
         self.block_size = config.cache_config.block_size
 
         self.attn_backend = attn_backend or get_attn_backend(
-            **self.selector_kwargs(), device=config.device, layer_name=prefix,
+            **self.selector_kwargs(),
+            device=config.device,
+            layer_name=prefix,
             selected=config.layer_attention_backends.get(prefix, config.attention_backend),
         )
         self.impl = self.make_impl()
@@ -90,15 +92,24 @@ class Attention(nn.Module):
     def make_impl(self) -> AttentionImpl[Any]:
         """This layer's impl, made by the selected backend (MLAAttention passes more)."""
         return self.attn_backend.get_impl_cls()(
-            self.num_heads, self.head_size, self.scale, self.num_kv_heads, self.sliding_window,
-            self.kv_cache_dtype, self.attn_type,
+            self.num_heads,
+            self.head_size,
+            self.scale,
+            self.num_kv_heads,
+            self.sliding_window,
+            self.kv_cache_dtype,
+            self.attn_type,
         )
 
     def selector_kwargs(self) -> dict[str, Any]:
         """What the selector asks backends about this layer (`validate_configuration`'s keywords)."""
         return dict(
-            head_size=self.head_size, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
-            block_size=self.block_size, attn_type=self.attn_type, sliding_window=self.sliding_window,
+            head_size=self.head_size,
+            dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
+            block_size=self.block_size,
+            attn_type=self.attn_type,
+            sliding_window=self.sliding_window,
         )
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
@@ -122,8 +133,7 @@ class Attention(nn.Module):
         value = value.view(-1, self.num_kv_heads, self.head_size)
         out_heads = output.view(-1, self.num_heads, self.head_size)
         writes_cache_separately = (
-            not self.attn_backend.forward_includes_kv_cache_update
-            and self.kv_sharing_target_layer_name is None
+            not self.attn_backend.forward_includes_kv_cache_update and self.kv_sharing_target_layer_name is None
         )
         if self.use_direct_call:
             if writes_cache_separately:

@@ -128,6 +128,4 @@ def _attention_fake(
 
 
 register_op("unified_kv_cache_update", kv_cache_update, _kv_cache_update_fake, mutates_args=())
-register_op(
-    "unified_attention_with_output", _unified_attention_with_output, _attention_fake, mutates_args=("output",)
-)
+register_op("unified_attention_with_output", _unified_attention_with_output, _attention_fake, mutates_args=("output",))

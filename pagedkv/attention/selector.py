@@ -65,8 +65,13 @@ def user_backends() -> list[tuple[type[AttentionBackend], bool]]:
     """The registrations made in this process over the built-in ones, as (class, prefer): calling
     `register_backend(cls, prefer=prefer)` in this order rebuilds the same registry in another
     process (a tensor-parallel worker)."""
-    added = [entry for name, entry in _REGISTRY.items() if name not in _PREFERRED and not isinstance(entry, str)
-             and f"{entry.__module__}:{entry.__qualname__}" != _BUILTIN.get(name)]
+    added = [
+        entry
+        for name, entry in _REGISTRY.items()
+        if name not in _PREFERRED
+        and not isinstance(entry, str)
+        and f"{entry.__module__}:{entry.__qualname__}" != _BUILTIN.get(name)
+    ]
     return [(cls, False) for cls in added] + [(load_backend(name), True) for name in reversed(_PREFERRED)]
 
 
@@ -139,9 +144,7 @@ def get_attn_backend(
         except ValueError as error:  # an unknown name
             raise ValueError(f"{error}{source}") from None
         if reasons:
-            raise ValueError(
-                f"Attention backend {selected!r}{source} cannot serve {what}: " + "; ".join(reasons) + "."
-            )
+            raise ValueError(f"Attention backend {selected!r}{source} cannot serve {what}: " + "; ".join(reasons) + ".")
         return load_backend(selected)
     candidates = _PREFERRED + [n for n in platform.backend_priority if n not in _PREFERRED]
     rejected: dict[str, list[str]] = {}

@@ -105,7 +105,10 @@ class PiecewiseBackend:
         self.graph, self.split_gm, self.items, self.pieces = graph, split, items, pieces
         logger.info(
             "torch.compile: %d pieces between %d splitting ops, %d distinct pieces compiled with %s in %.2f s",
-            len(piece_items), len(items) - len(piece_items), len(compiled), self.piece_compiler,
+            len(piece_items),
+            len(items) - len(piece_items),
+            len(compiled),
+            self.piece_compiler,
             time.perf_counter() - start,
         )
         return split

@@ -78,7 +78,7 @@ class CacheReport:
 
     @property
     def state(self) -> str:
-        """"warm" (every piece from the cache), "cold" (none), "partly warm", or "unused" (nothing
+        """ "warm" (every piece from the cache), "cold" (none), "partly warm", or "unused" (nothing
         went through Inductor: the eager piece compiler)."""
         if self.hits and not (self.misses or self.bypasses):
             return "warm"

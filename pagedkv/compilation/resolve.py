@@ -138,12 +138,16 @@ def resolve_explained(
         and support.value < AttentionCGSupport.UNIFORM_BATCH.value
     ):
         mode = lower(
-            4, _piecewise_or_none(attention_compiled_piecewise), by_backend,
+            4,
+            _piecewise_or_none(attention_compiled_piecewise),
+            by_backend,
             f"decode steps of {uniform_decode_query_len} query tokens need support UNIFORM_BATCH; {split}",
         )
     if mode.requires_piecewise_compilation() and not attention_compiled_piecewise:
         mode = lower(
-            5, mode.without_piecewise(), "a model not split at the attention ops",
+            5,
+            mode.without_piecewise(),
+            "a model not split at the attention ops",
             "piecewise graphs need the attention ops split out, as compile=True does",
         )
     if mode.has_full_cudagraphs() and support is AttentionCGSupport.NEVER:

@@ -32,8 +32,10 @@ from pagedkv.compilation.split import resolve_splitting_ops
 from pagedkv.config import CompilationConfig, EngineConfig
 
 ATTENTION_OPS = (
-    "pagedkv::unified_attention_with_output", "pagedkv::unified_kv_cache_update",
-    "pagedkv::unified_mla_attention_with_output", "pagedkv::unified_mla_kv_cache_update",
+    "pagedkv::unified_attention_with_output",
+    "pagedkv::unified_kv_cache_update",
+    "pagedkv::unified_mla_attention_with_output",
+    "pagedkv::unified_mla_kv_cache_update",
 )
 """The ops that must be split out for attention to run eagerly between piecewise graphs."""
 
@@ -88,7 +90,9 @@ class CompiledForward:
                 hidden = self.compiled(input_ids, positions)
             self.compile_seconds = time.perf_counter() - start
             self.traced = True
-            logger.info("torch.compile: traced and compiled in %.1f s, %s.", self.compile_seconds, self.cache.describe())
+            logger.info(
+                "torch.compile: traced and compiled in %.1f s, %s.", self.compile_seconds, self.cache.describe()
+            )
             return hidden
         return self.compiled(input_ids, positions)
 
@@ -105,9 +109,7 @@ def _drop_shape_guards(guards: Sequence[Any]) -> list[bool]:
     return [guard.guard_type != "SHAPE_ENV" for guard in guards]
 
 
-def compile_model(
-    model: nn.Module, config: EngineConfig, wrap_piece: PieceWrapper | None = None
-) -> CompiledForward:
+def compile_model(model: nn.Module, config: EngineConfig, wrap_piece: PieceWrapper | None = None) -> CompiledForward:
     """Make `model(input_ids, positions)` run the piecewise-compiled forward.
 
     `model.forward` is replaced on this instance only (the runner keeps calling `model(...)`).

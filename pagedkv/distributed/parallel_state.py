@@ -45,8 +45,9 @@ class TensorParallelGroup:
     """Gloo, for the driver's step messages (the same group as `device_group` on the CPU)."""
 
 
-def new_tensor_parallel_group(rank: int, world_size: int, rendezvous: str, device: torch.device,
-                              timeout_s: float) -> TensorParallelGroup:
+def new_tensor_parallel_group(
+    rank: int, world_size: int, rendezvous: str, device: torch.device, timeout_s: float
+) -> TensorParallelGroup:
     """Join the engine whose ranks meet at file `rendezvous` (blocks until all `world_size` ranks
     joined). `timeout_s` bounds every collective: a rank that stops answering becomes an error."""
     store = dist.FileStore(rendezvous, world_size)
@@ -97,8 +98,9 @@ def get_tp_size() -> int:
 def single_rank() -> Iterator[None]:
     """Build layers as the only rank (the whole model) inside a tensor-parallel process, with a
     fresh layer registry: e.g. to draw a preset's random weights once, the same on every rank."""
-    config = dataclasses.replace(get_current_engine_config(), parallel_config=ParallelConfig(1),
-                                 compilation_config=CompilationConfig())
+    config = dataclasses.replace(
+        get_current_engine_config(), parallel_config=ParallelConfig(1), compilation_config=CompilationConfig()
+    )
     with tensor_parallel(None), set_current_engine_config(config):
         yield
 

@@ -114,16 +114,20 @@ class EngineArgs:
         dtype = check_dtype(self.dtype, device)
         block_size = check_int("block_size", self.block_size, 1, hint=" (tokens per KV cache block)")
         num_kv_blocks = check_optional_int(
-            "num_kv_blocks", self.num_kv_blocks, 2,
+            "num_kv_blocks",
+            self.num_kv_blocks,
+            2,
             hint=" or None: at least 2 are needed (block 0 is the reserved null block); None sizes the cache "
-                 "from memory",
+            "from memory",
         )
         max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, 1, hint=" (most requests in one step)")
         max_num_batched_tokens = check_int(
             "max_num_batched_tokens", self.max_num_batched_tokens, 1, hint=" (the token budget of one step)"
         )
         max_model_len = check_optional_int(
-            "max_model_len", self.max_model_len, 2,
+            "max_model_len",
+            self.max_model_len,
+            2,
             hint=" or None for the model's limit (room for a 1-token prompt and one new token)",
         )
         if self.attention_backend is not None and not isinstance(self.attention_backend, str):
@@ -140,14 +144,20 @@ class EngineArgs:
         kv_cache_memory = check_optional_int("kv_cache_memory", self.kv_cache_memory, 1, hint=" (bytes) or None")
         memory_utilization = check_float("memory_utilization", self.memory_utilization, 0, 1, low_open=True)
         seed = check_int("seed", self.seed, *SEED_RANGE)
-        tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size, 1,
-                                         hint=" (processes, each holding a shard of the model)")
-        compilation = check_compilation(
-            self.cudagraph_mode, self.enforce_eager, self.compile, self.max_cudagraph_capture_size,
-            device, tensor_parallel_size,
+        tensor_parallel_size = check_int(
+            "tensor_parallel_size", self.tensor_parallel_size, 1, hint=" (processes, each holding a shard of the model)"
         )
-        check_optional_bool("enable_prefix_caching", self.enable_prefix_caching,
-                            hint=" (None: on where the model allows it)")
+        compilation = check_compilation(
+            self.cudagraph_mode,
+            self.enforce_eager,
+            self.compile,
+            self.max_cudagraph_capture_size,
+            device,
+            tensor_parallel_size,
+        )
+        check_optional_bool(
+            "enable_prefix_caching", self.enable_prefix_caching, hint=" (None: on where the model allows it)"
+        )
         async_scheduling = resolve_async_scheduling(self.async_scheduling, device)
 
         model_cfg = load_config(model)
@@ -167,12 +177,16 @@ class EngineArgs:
         config = EngineConfig(
             model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
             cache_config=CacheConfig(
-                block_size=block_size, num_kv_blocks=num_kv_blocks,
-                kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization,
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory=kv_cache_memory,
+                memory_utilization=memory_utilization,
             ),
             scheduler_config=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill, async_scheduling=async_scheduling,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+                async_scheduling=async_scheduling,
             ),
             compilation_config=compilation,
             parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
@@ -212,8 +226,13 @@ def attribute_docs(cls: type) -> dict[str, str]:
     assert isinstance(body, ast.ClassDef)
     docs: dict[str, str] = {}
     for field, doc in itertools.pairwise(body.body):
-        if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and isinstance(doc, ast.Expr)
-                and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)
+        ):
             docs[field.target.id] = " ".join(doc.value.value.split())
     return docs
 

@@ -60,11 +60,12 @@ def check_device(device: object) -> torch.device:
         raise ValueError(f"device={device!r} is not a device torch knows; use 'cpu', 'cuda' or 'cuda:N'.") from None
     if device.type == "cpu":
         if device.index not in (None, 0):  # torch accepts any index, but the CPU is one device
-            raise ValueError(f"device={str(device)!r}: there is one CPU device; use device=\"cpu\".")
+            raise ValueError(f'device={str(device)!r}: there is one CPU device; use device="cpu".')
         return torch.device("cpu")
     if device.type != "cuda":  # the kernels and backends here are written for these two
-        raise ValueError(f"device={str(device)!r}: pagedkv runs on 'cpu' or 'cuda' devices; "
-                         "leave device=None to pick one.")
+        raise ValueError(
+            f"device={str(device)!r}: pagedkv runs on 'cpu' or 'cuda' devices; leave device=None to pick one."
+        )
     if not torch.cuda.is_available():
         raise ValueError(
             f"device={str(device)!r} was asked for, but no CUDA device is visible to torch "
@@ -88,7 +89,6 @@ def check_dtype(dtype: object, device: torch.device) -> torch.dtype:
     return dtype
 
 
-
 def check_cudagraph_mode(value: object) -> CUDAGraphMode:
     """A `CUDAGraphMode` or its name in any case ("full_decode_only")."""
     if not isinstance(value, (CUDAGraphMode, str)):
@@ -104,8 +104,12 @@ DEFAULT_CUDA_CUDAGRAPH_MODE = CUDAGraphMode.FULL_AND_PIECEWISE
 
 
 def check_compilation(
-    cudagraph_mode: object, enforce_eager: object, compile: object, max_cudagraph_capture_size: object,
-    device: torch.device, tensor_parallel_size: int,
+    cudagraph_mode: object,
+    enforce_eager: object,
+    compile: object,
+    max_cudagraph_capture_size: object,
+    device: torch.device,
+    tensor_parallel_size: int,
 ) -> CompilationConfig:
     """`LLM`'s CUDA graph and torch.compile arguments, checked, as a `CompilationConfig`.
 

@@ -10,6 +10,7 @@ from pagedkv.models.tokenizer import Tokenizer
 REPLACEMENT_CHAR = "\ufffd"
 """What a decoder writes for bytes that do not form a character (yet)."""
 
+
 class IncrementalDetokenizer:
     """Keeps the text of a growing list of token ids, decoding a few recent ids per call.
 
@@ -54,19 +55,19 @@ class IncrementalDetokenizer:
                 "an IncrementalDetokenizer follows one growing sequence"
             )
         start, cut = self._prefix_offset, len(token_ids) - 1
-        pieces = [token_ids[start:self._read_offset], token_ids[start:]]
+        pieces = [token_ids[start : self._read_offset], token_ids[start:]]
         return pieces + [token_ids[start:cut]] if cut > self._read_offset else pieces
 
     def update(self, token_ids: list[int], texts: Sequence[str]) -> str:
         """The text of `token_ids`, given the decoded `pieces(token_ids)`."""
         settled, window, *before_newest = texts
         if not window.endswith(REPLACEMENT_CHAR):
-            self._settle(window[len(settled):], len(token_ids))
+            self._settle(window[len(settled) :], len(token_ids))
             return self._text
         if before_newest and len(window) > len(before_newest[0]) and window.startswith(before_newest[0]):
-            self._settle(before_newest[0][len(settled):], len(token_ids) - 1)
-            return self._text + window[len(before_newest[0]):]
-        return self._text + window[len(settled):]  # may still change: the next token can complete a character
+            self._settle(before_newest[0][len(settled) :], len(token_ids) - 1)
+            return self._text + window[len(before_newest[0]) :]
+        return self._text + window[len(settled) :]  # may still change: the next token can complete a character
 
     def text(self, token_ids: list[int]) -> str:
         """The text of `token_ids`: the ids seen by the last call, plus any new ones at the end."""
@@ -82,5 +83,7 @@ def detokenize_batch(tokenizer: Tokenizer, items: Sequence[tuple[IncrementalDeto
     (a Hugging Face fast tokenizer decodes a batch in Rust, without a Python call per sequence)."""
     pieces = [detokenizer.pieces(ids) for detokenizer, ids in items]
     texts = iter(tokenizer.decode_batch([p for request_pieces in pieces for p in request_pieces]))
-    return [detokenizer.update(ids, [next(texts) for _ in request_pieces])
-            for (detokenizer, ids), request_pieces in zip(items, pieces)]
+    return [
+        detokenizer.update(ids, [next(texts) for _ in request_pieces])
+        for (detokenizer, ids), request_pieces in zip(items, pieces)
+    ]

@@ -103,13 +103,26 @@ class LLM:
         async_scheduling: bool | None = EngineArgs.async_scheduling,
     ) -> None:
         args = EngineArgs(
-            model, device=device, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            attention_backend=attention_backend, layer_attention_backends=layer_attention_backends,
-            enable_chunked_prefill=enable_chunked_prefill, kv_cache_memory=kv_cache_memory,
-            memory_utilization=memory_utilization, seed=seed, cudagraph_mode=cudagraph_mode,
-            enforce_eager=enforce_eager, compile=compile, max_cudagraph_capture_size=max_cudagraph_capture_size,
-            tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching,
+            model,
+            device=device,
+            dtype=dtype,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            attention_backend=attention_backend,
+            layer_attention_backends=layer_attention_backends,
+            enable_chunked_prefill=enable_chunked_prefill,
+            kv_cache_memory=kv_cache_memory,
+            memory_utilization=memory_utilization,
+            seed=seed,
+            cudagraph_mode=cudagraph_mode,
+            enforce_eager=enforce_eager,
+            compile=compile,
+            max_cudagraph_capture_size=max_cudagraph_capture_size,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_prefix_caching=enable_prefix_caching,
             async_scheduling=async_scheduling,
         )
         self.config, model_cfg = args.create_engine_config()
@@ -137,8 +150,9 @@ class LLM:
         self.prefix_caching = self._prefix_caching(args.enable_prefix_caching)
         """Whether full blocks are hashed and shared between requests with the same prefix."""
         self.kv_cache_manager = KVCacheManager(self.runner.kv_cache_config, enable_caching=self.prefix_caching)
-        self.scheduler = Scheduler(self.config.scheduler_config, self.config.model_config.max_model_len,
-                                   self.kv_cache_manager)
+        self.scheduler = Scheduler(
+            self.config.scheduler_config, self.config.model_config.max_model_len, self.kv_cache_manager
+        )
         self.sampler = Sampler()
         self.stats = EngineStats()
         self._listeners: list[StepListener] = []
@@ -157,12 +171,17 @@ class LLM:
         """On unless turned off or the model cannot: a sliding-window layer gives blocks back as
         they leave its window, so its blocks do not hold a whole prefix (vLLM's hybrid manager
         handles that case; this engine does not)."""
-        windowed = [i for i, g in enumerate(self.runner.kv_cache_config.kv_cache_groups)
-                    if isinstance(g.kv_cache_spec, SlidingWindowSpec)]
+        windowed = [
+            i
+            for i, g in enumerate(self.runner.kv_cache_config.kv_cache_groups)
+            if isinstance(g.kv_cache_spec, SlidingWindowSpec)
+        ]
         if not windowed or requested is False:
             return requested is not False
-        reason = (f"prefix caching is not supported for this model: KV cache group(s) {windowed} hold "
-                  "sliding-window layers, whose blocks leave the window")
+        reason = (
+            f"prefix caching is not supported for this model: KV cache group(s) {windowed} hold "
+            "sliding-window layers, whose blocks leave the window"
+        )
         if requested:
             self.shutdown()
             raise ValueError(f"enable_prefix_caching=True: {reason}. Pass enable_prefix_caching=False (or None).")
@@ -235,7 +254,9 @@ class LLM:
         params = replace(params)
         if isinstance(prompt, dict):
             if set(prompt) != {"prompt_token_ids"}:
-                raise ValueError(f"A dict prompt has the one key 'prompt_token_ids', got keys {sorted(map(str, prompt))}.")
+                raise ValueError(
+                    f"A dict prompt has the one key 'prompt_token_ids', got keys {sorted(map(str, prompt))}."
+                )
             token_ids = check_token_ids("prompt_token_ids", prompt["prompt_token_ids"])
         elif isinstance(prompt, str):
             if self.tokenizer is None:
@@ -251,16 +272,20 @@ class LLM:
             raise TypeError(f"A prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}.")
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in token_ids):
-            raise ValueError(
-                f"Prompt token ids must be in [0, {vocab}) for this model, got {max(token_ids)}."
-            )
+            raise ValueError(f"Prompt token ids must be in [0, {vocab}) for this model, got {max(token_ids)}.")
         self.scheduler.check_request(len(token_ids), params.max_tokens)
         return token_ids, prompt if isinstance(prompt, str) else None, params
 
     def _add(self, token_ids: list[int], text: str | None, params: SamplingParams) -> str:
         detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        request = Request(str(next(self._ids)), token_ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
-                          detokenizer=detokenizer)
+        request = Request(
+            str(next(self._ids)),
+            token_ids,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            prompt=text,
+            detokenizer=detokenizer,
+        )
         with deferred_interrupts():  # in both books or in neither
             self.scheduler.add_request(request)
             self._requests[request.request_id] = request
@@ -332,16 +357,22 @@ class LLM:
             self._undelivered += outputs
         if self._listeners:
             event = StepEvent(
-                step=self.stats.num_steps, scheduler_output=step.sched, result=step.result, block_ids=step.block_ids,
+                step=self.stats.num_steps,
+                scheduler_output=step.sched,
+                result=step.result,
+                block_ids=step.block_ids,
                 num_free_blocks=[p.num_free_blocks for p in self.kv_cache_manager.block_pools],
-                finished_req_ids=[r.request_id for r in outputs if r.finished], runner=self.runner,
+                finished_req_ids=[r.request_id for r in outputs if r.finished],
+                runner=self.runner,
             )
             try:
                 for listener in list(self._listeners):
                     listener(event)
             except BaseException as error:
-                error.add_note("pagedkv: a step listener raised after its step had run; the step's outputs are kept "
-                               "and the next step() returns them first.")
+                error.add_note(
+                    "pagedkv: a step listener raised after its step had run; the step's outputs are kept "
+                    "and the next step() returns them first."
+                )
                 raise
         outputs, self._undelivered = self._undelivered, []
         return outputs
@@ -361,13 +392,22 @@ class LLM:
             previous = self._launched[-1].sampled_tokens if self._launched else None
             result = (self._executor or self.runner).execute_model(sched.runner_input(), previous)
             requests = [self._requests[r] for r in result.batch.sampling_req_ids]
-            sampled = self.sampler(result.logits, [r.request_id for r in requests],
-                                   [r.sampling_params for r in requests])
+            sampled = self.sampler(
+                result.logits, [r.request_id for r in requests], [r.sampling_params for r in requests]
+            )
             with deferred_interrupts():
                 self.scheduler.commit(sched)
-                self._launched.append(_LaunchedStep(sched, result, block_ids, requests, sampled.to_host(),
-                                                    SampledTokens([r.request_id for r in requests], sampled.token_ids),
-                                                    start))
+                self._launched.append(
+                    _LaunchedStep(
+                        sched,
+                        result,
+                        block_ids,
+                        requests,
+                        sampled.to_host(),
+                        SampledTokens([r.request_id for r in requests], sampled.token_ids),
+                        start,
+                    )
+                )
                 sched = None  # launched: from here on it has happened
             return True
         except BaseException as error:
@@ -378,13 +418,15 @@ class LLM:
                         self._fail_step(sched, error)
             raise
 
-    def _book(self, step: _LaunchedStep, rows: list[tuple[int | Exception, dict[int, float] | None]],
-              stream: bool) -> list[RequestOutput]:
+    def _book(
+        self, step: _LaunchedStep, rows: list[tuple[int | Exception, dict[int, float] | None]], stream: bool
+    ) -> list[RequestOutput]:
         """Book a launched step's samples: tokens appended, stops checked, failed samples finished;
         its outputs. Requests finished meanwhile (aborted, or stopped a step before) are skipped."""
         live = [(r, row) for r, row in zip(step.requests, rows) if r.status is not RequestStatus.FINISHED]
-        finished = self.scheduler.update(step.sched, {r.request_id: t for r, (t, _) in live
-                                                      if not isinstance(t, Exception)})
+        finished = self.scheduler.update(
+            step.sched, {r.request_id: t for r, (t, _) in live if not isinstance(t, Exception)}
+        )
         for request, (token, logprobs) in live:
             if isinstance(token, Exception):  # this request's failure alone: the others go on
                 self._end(request, "error", token)
@@ -404,10 +446,11 @@ class LLM:
             self._end(s.request, "error", error)
             self._forget(s.request)
         # One story per failure: a dead tensor-parallel group says itself that nothing can run any more.
-        later = ("" if isinstance(error, EngineDeadError)
-                 else "; the engine can serve other requests")
-        error.add_note(f"pagedkv: the model step failed, so its requests {req_ids} were finished with an error "
-                       f"and their KV cache blocks freed{later}.")
+        later = "" if isinstance(error, EngineDeadError) else "; the engine can serve other requests"
+        error.add_note(
+            f"pagedkv: the model step failed, so its requests {req_ids} were finished with an error "
+            f"and their KV cache blocks freed{later}."
+        )
 
     def _count(self, sched: SchedulerOutput, finished: list[Request]) -> None:
         self.stats.num_steps += 1
@@ -428,8 +471,11 @@ class LLM:
                 request_id=request.request_id,
                 prompt=request.prompt,
                 prompt_token_ids=request.prompt_token_ids,
-                outputs=[CompletionOutput(0, text, list(request.output_token_ids), request.finish_reason,
-                                          request.logprobs_so_far())],
+                outputs=[
+                    CompletionOutput(
+                        0, text, list(request.output_token_ids), request.finish_reason, request.logprobs_so_far()
+                    )
+                ],
                 finished=request.finish_reason is not None,
                 error=request.error,
             )
@@ -460,8 +506,10 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if not isinstance(sampling_params, (list, tuple)):  # its items are checked with their prompts
-            raise TypeError("sampling_params must be a SamplingParams, a list of them (one per prompt) or None, "
-                            f"got {sampling_params!r}.")
+            raise TypeError(
+                "sampling_params must be a SamplingParams, a list of them (one per prompt) or None, "
+                f"got {sampling_params!r}."
+            )
         use_tqdm = check_optional_bool("use_tqdm", use_tqdm, hint=" (None: a bar from 8 prompts on)")
         show_progress = use_tqdm if use_tqdm is not None else len(prompts) >= 8
         if len(sampling_params) != len(prompts):
@@ -478,7 +526,8 @@ class LLM:
                 prepared.append(self._prepare(prompt, params))
             except (TypeError, ValueError) as e:  # re-raised as the base type: a subclass may need other arguments
                 raise (TypeError if isinstance(e, TypeError) else ValueError)(
-                    f"prompt {i}: {e} (nothing was queued)") from None
+                    f"prompt {i}: {e} (nothing was queued)"
+                ) from None
         requests = []
         try:
             for p in prepared:
@@ -494,4 +543,3 @@ class LLM:
             raise
         # The Request objects hold the final state, also of one aborted meanwhile (by a listener, say).
         return self._outputs(requests)
-

@@ -65,8 +65,9 @@ class SamplingParams:
         self.ignore_eos = check_bool("ignore_eos", self.ignore_eos)
         stop = [] if self.stop_token_ids is None else self.stop_token_ids
         self.stop_token_ids = check_token_ids("stop_token_ids", stop)
-        self.logprobs = check_optional_int("logprobs", self.logprobs, 0, MAX_LOGPROBS,
-                                           hint=" or None (how many of the most likely tokens to return)")
+        self.logprobs = check_optional_int(
+            "logprobs", self.logprobs, 0, MAX_LOGPROBS, hint=" or None (how many of the most likely tokens to return)"
+        )
 
     @property
     def greedy(self) -> bool:
@@ -147,8 +148,7 @@ class Request:
     def surely_finished(self, max_model_len: int) -> bool:
         """Whether the tokens in flight end the request whatever their ids (its length limits)."""
         n = self.num_output_placeholders
-        return (len(self.output_token_ids) + n >= self.sampling_params.max_tokens
-                or self.num_tokens + n >= max_model_len)
+        return len(self.output_token_ids) + n >= self.sampling_params.max_tokens or self.num_tokens + n >= max_model_len
 
     def logprobs_so_far(self) -> list[dict[int, float]] | None:
         """A copy of `output_logprobs` for an output, or None when the request asked for none."""

@@ -45,13 +45,17 @@ class SamplerOutput:
         """The same samples on their way to pinned host memory (non-blocking; `rows` waits)."""
         if self.token_ids.device.type == "cpu":
             return self
-        copy = [t if t is None else t.to("cpu", non_blocking=True) for t in
-                (self.token_ids, self.failed, self.logprob_token_ids, self.logprobs)]
+        copy = [
+            t if t is None else t.to("cpu", non_blocking=True)
+            for t in (self.token_ids, self.failed, self.logprob_token_ids, self.logprobs)
+        ]
         ready = torch.cuda.Event()
         ready.record()
         return SamplerOutput(*copy, ready=ready)
 
-    def rows(self, req_ids: list[str], params: list[SamplingParams]) -> list[tuple[int | Exception, dict[int, float] | None]]:
+    def rows(
+        self, req_ids: list[str], params: list[SamplingParams]
+    ) -> list[tuple[int | Exception, dict[int, float] | None]]:
         """Per row, its token (or the error that ended its request) and the logprobs it asked for."""
         if self.ready is not None:
             self.ready.synchronize()
@@ -99,8 +103,11 @@ class Sampler:
             for rows, draw in ((candidate_rows, self._sample_top_k), (full_rows, self._sample_full)):
                 if rows:
                     index = _index(rows, len(params), device)
-                    sampled = draw(logits if index is None else logits[index], [params[i] for i in rows],
-                                   [self._generator(req_ids[i], params[i], device) for i in rows])
+                    sampled = draw(
+                        logits if index is None else logits[index],
+                        [params[i] for i in rows],
+                        [self._generator(req_ids[i], params[i], device) for i in rows],
+                    )
                     tokens = sampled if index is None else tokens.index_copy(0, index, sampled)
         except BaseException:
             for req_id, state in states.items():
@@ -121,12 +128,13 @@ class Sampler:
             self._generators[req_id] = torch.Generator(device=device).manual_seed(params.seed)
         return self._generators[req_id]
 
-    def _sample_top_k(self, logits: torch.Tensor, params: list[SamplingParams],
-                      generators: list[torch.Generator | None]) -> torch.Tensor:
+    def _sample_top_k(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
         """Rows that all have a top-k: filter and draw among each row's k best tokens only.
 
-            logits [rows, vocab] --topk(max k)--> values [rows, K] (sorted), their token ids
-            column j of a row with k <= j: -inf (so each row keeps its own k)
+        logits [rows, vocab] --topk(max k)--> values [rows, K] (sorted), their token ids
+        column j of a row with k <= j: -inf (so each row keeps its own k)
         """
         k = _to_device([p.top_k for p in params], logits.device)
         values, token_ids = logits.topk(int(max(p.top_k for p in params)), dim=-1)
@@ -137,8 +145,9 @@ class Sampler:
         picks = self._race(values.softmax(dim=-1), generators, [p.top_k for p in params])
         return token_ids.gather(1, picks[:, None])[:, 0]
 
-    def _sample_full(self, logits: torch.Tensor, params: list[SamplingParams],
-                     generators: list[torch.Generator | None]) -> torch.Tensor:
+    def _sample_full(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
         """Rows without a top-k: filter and draw over the whole vocabulary."""
         probs = _filter(logits, params, sorted_descending=False).softmax(dim=-1)
         return self._race(probs, generators, [probs.shape[1]] * len(params))

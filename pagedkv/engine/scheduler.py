@@ -71,8 +71,9 @@ class ScheduledRequest:
         self.num_computed_tokens = self.request.num_computed_tokens
         self.samples = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens_with_placeholders
         # Its one query token is an output token (its id may still be a placeholder).
-        self.is_decode = (self.num_new_tokens == 1 and self.samples
-                          and self.num_computed_tokens >= self.request.num_prompt_tokens)
+        self.is_decode = (
+            self.num_new_tokens == 1 and self.samples and self.num_computed_tokens >= self.request.num_prompt_tokens
+        )
 
 
 @dataclass
@@ -102,8 +103,9 @@ class SchedulerOutput:
             end = s.num_computed_tokens + s.num_new_tokens
             token_ids = s.request.token_ids_between(s.num_computed_tokens, end)
             token_ids += [PLACEHOLDER_TOKEN_ID] * (s.num_new_tokens - len(token_ids))
-            scheduled.append(ScheduledTokens(s.request.request_id, token_ids, s.num_computed_tokens, s.samples,
-                                             s.block_ids))
+            scheduled.append(
+                ScheduledTokens(s.request.request_id, token_ids, s.num_computed_tokens, s.samples, s.block_ids)
+            )
         return scheduled
 
 
@@ -169,8 +171,9 @@ class Scheduler:
             if request.num_output_placeholders and request.surely_finished(self.max_model_len):
                 i += 1  # its step in flight is its last
                 continue
-            while not kv.allocate_slots(request.request_id, request.num_computed_tokens, n,
-                                        token_ids=request.all_token_ids):
+            while not kv.allocate_slots(
+                request.request_id, request.num_computed_tokens, n, token_ids=request.all_token_ids
+            ):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -196,14 +199,18 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            if not kv.allocate_slots(request.request_id, request.num_computed_tokens + num_hit, n, hits,
-                                     token_ids=request.all_token_ids):
+            if not kv.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_hit, n, hits, token_ids=request.all_token_ids
+            ):
                 break
             self.waiting.popleft()
             looked_up = request.num_tokens if request.num_computed_tokens == 0 else 0
             request.num_computed_tokens += num_hit
-            scheduled.append(ScheduledRequest(request, n, num_cached_tokens=num_hit, num_lookup_tokens=looked_up,
-                                              admitted_from=request.status))
+            scheduled.append(
+                ScheduledRequest(
+                    request, n, num_cached_tokens=num_hit, num_lookup_tokens=looked_up, admitted_from=request.status
+                )
+            )
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget -= n

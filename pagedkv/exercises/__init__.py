@@ -63,8 +63,11 @@ def compare(what: str, got: object, expected: object, hint: str = "") -> CheckRe
         else:
             i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
             detail = f"entry {i} ({got[i]!r}) is wrong"
-    return CheckResult(False, f"{what}: {detail}." + (f" Hint: {hint}" if hint else ""),
-                       reveal=lambda: f"{what} = {expected!r}" + (f" ({hint})" if hint else ""))
+    return CheckResult(
+        False,
+        f"{what}: {detail}." + (f" Hint: {hint}" if hint else ""),
+        reveal=lambda: f"{what} = {expected!r}" + (f" ({hint})" if hint else ""),
+    )
 
 
 @dataclass
@@ -109,8 +112,10 @@ def reveal() -> None:
     elif work is None:
         print(f"{title}: this failure has nothing to work out (it is about the form of the answer).")
     elif (tries := _TRIES.wrong.get(title, 0)) < REVEAL_AFTER:
-        print(f"{title}: {tries} wrong tr{'y' if tries == 1 else 'ies'} so far; "
-              f"reveal() works out the answer after {REVEAL_AFTER}. Reread the hint and try again.")
+        print(
+            f"{title}: {tries} wrong tr{'y' if tries == 1 else 'ies'} so far; "
+            f"reveal() works out the answer after {REVEAL_AFTER}. Reread the hint and try again."
+        )
     else:
         print(f"{title}, worked out:\n{work()}")
 
@@ -231,7 +236,10 @@ def call_answer(
 
 
 def call_on_cases(
-    fn: Callable[..., Any], cases: Sequence[Sequence[Any]], package: Iterable[Callable[..., Any]], what: str,
+    fn: Callable[..., Any],
+    cases: Sequence[Sequence[Any]],
+    package: Iterable[Callable[..., Any]],
+    what: str,
     call: Callable[[Sequence[Any]], str],
 ) -> tuple[list[Any], CheckResult | None]:
     """`fn(*case)` for every case (through `call_answer`), all before any expected answer exists.

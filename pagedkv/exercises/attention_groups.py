@@ -42,8 +42,13 @@ def _as_list(value: Any) -> Any:
 def _engine_lengths(rng: random.Random) -> list[tuple[list[int], list[int]]]:
     """(query_start_loc, seq_lens) of every step of a small "tiny-hybrid" run with random prompts:
     prefills, prefill chunks on cached context and decodes, mixed in one batch."""
-    llm = LLM("tiny-hybrid", block_size=4, num_kv_blocks=64, max_num_batched_tokens=rng.choice([8, 12, 16]),
-              enable_prefix_caching=False)
+    llm = LLM(
+        "tiny-hybrid",
+        block_size=4,
+        num_kv_blocks=64,
+        max_num_batched_tokens=rng.choice([8, 12, 16]),
+        enable_prefix_caching=False,
+    )
     inputs: list[tuple[list[int], list[int]]] = []
 
     def record(event: StepEvent) -> None:
@@ -52,8 +57,11 @@ def _engine_lengths(rng: random.Random) -> list[tuple[list[int], list[int]]]:
 
     llm.add_step_listener(record)
     prompts = [[(5 * i + k) % 250 for i in range(rng.randint(3, 30))] for k in range(3)]
-    llm.generate([{"prompt_token_ids": p} for p in prompts],
-                 SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        use_tqdm=False,
+    )
     return inputs
 
 
@@ -84,23 +92,29 @@ def check_lengths(fn: Callable[[list[int], list[int]], Any]) -> CheckResult:
     rng = random.Random()
     cases = _engine_lengths(rng) + _made_up_lengths(rng)
     results, rejected = call_on_cases(
-        fn, cases, _LENGTHS_PACKAGE, "the lengths", lambda case: f"fn({case[0]}, {case[1]})"[:120])
+        fn, cases, _LENGTHS_PACKAGE, "the lengths", lambda case: f"fn({case[0]}, {case[1]})"[:120]
+    )
     if rejected is not None:
         return rejected
     # Every call has returned: only now are the lengths worked out.
     hints = {
         "query_lens": "request i's query tokens are rows query_start_loc[i] ... query_start_loc[i + 1] - 1, "
-                      "so a decode has 1",
+        "so a decode has 1",
         "context_lens": "the tokens already in the KV cache before this step: the sequence without this step's "
-                        "query tokens",
+        "query tokens",
     }
     for (starts, seq_lens), got in zip(cases, results):
-        where = (f"For query_start_loc {starts} and seq_lens {seq_lens}" if len(seq_lens) <= 4
-                 else f"For a batch of {len(seq_lens)} requests")
+        where = (
+            f"For query_start_loc {starts} and seq_lens {seq_lens}"
+            if len(seq_lens) <= 4
+            else f"For a batch of {len(seq_lens)} requests"
+        )
         got = _as_list(got)
         if not isinstance(got, list) or len(got) != 2:
-            return CheckResult(False, f"{where}, your function returned {type(got).__name__}; return a pair "
-                                      "(query_lens, context_lens).")
+            return CheckResult(
+                False,
+                f"{where}, your function returned {type(got).__name__}; return a pair (query_lens, context_lens).",
+            )
         query_lens = [starts[i + 1] - starts[i] for i in range(len(seq_lens))]
         context_lens = [s - q for s, q in zip(seq_lens, query_lens)]
         for name, mine, right in (("query_lens", got[0], query_lens), ("context_lens", got[1], context_lens)):
@@ -108,23 +122,36 @@ def check_lengths(fn: Callable[[list[int], list[int]], Any]) -> CheckResult:
             if not result:
                 result.message = f"{where}: {result.message}"
                 mine_list = _as_list(mine)
-                wrong = next((i for i, r in enumerate(right) if not isinstance(mine_list, list)
-                              or i >= len(mine_list) or mine_list[i] != r), 0)
+                wrong = next(
+                    (
+                        i
+                        for i, r in enumerate(right)
+                        if not isinstance(mine_list, list) or i >= len(mine_list) or mine_list[i] != r
+                    ),
+                    0,
+                )
                 result.reveal = lambda s=starts, n=seq_lens, w=wrong: _worked_lengths(s, n, w)
                 return result
-    return CheckResult(True, f"query_lens and context_lens right in all {len(cases)} batches "
-                             f"({len(cases) - 2} engine steps, 2 made-up batches of up to a million tokens).")
+    return CheckResult(
+        True,
+        f"query_lens and context_lens right in all {len(cases)} batches "
+        f"({len(cases) - 2} engine steps, 2 made-up batches of up to a million tokens).",
+    )
 
 
 def _worked_lengths(starts: list[int], seq_lens: list[int], wrong: int) -> str:
     """query_lens and context_lens of one batch, request by request (the first 4, and the first wrong one)."""
-    lines = [f"query_start_loc = {starts[:5]}{' ...' if len(starts) > 5 else ''}",
-             f"seq_lens = {seq_lens[:4]}{' ...' if len(seq_lens) > 4 else ''}"]
+    lines = [
+        f"query_start_loc = {starts[:5]}{' ...' if len(starts) > 5 else ''}",
+        f"seq_lens = {seq_lens[:4]}{' ...' if len(seq_lens) > 4 else ''}",
+    ]
     for i in sorted({*range(min(4, len(seq_lens))), wrong}):
         query_len = starts[i + 1] - starts[i]
-        lines.append(f"  request {i}: query_len = query_start_loc[{i + 1}] - query_start_loc[{i}] = {starts[i + 1]} - "
-                     f"{starts[i]} = {query_len}; context_len = seq_len - query_len = {seq_lens[i]} - {query_len} = "
-                     f"{seq_lens[i] - query_len}")
+        lines.append(
+            f"  request {i}: query_len = query_start_loc[{i + 1}] - query_start_loc[{i}] = {starts[i + 1]} - "
+            f"{starts[i]} = {query_len}; context_len = seq_len - query_len = {seq_lens[i]} - {query_len} = "
+            f"{seq_lens[i] - query_len}"
+        )
     return "\n".join(lines)
 
 
@@ -140,8 +167,13 @@ def _schedule(prompt_len: int, budget: int, max_tokens: int) -> list[int]:
 
 def _engine_rows(block_size: int, prompt_len: int, budget: int, max_tokens: int) -> list[tuple[int, list[int]]]:
     """(context_len, sliding-window row) of every step of one greedy request on "tiny-hybrid"."""
-    llm = LLM("tiny-hybrid", block_size=block_size, num_kv_blocks=64, max_num_batched_tokens=budget,
-              enable_prefix_caching=False)
+    llm = LLM(
+        "tiny-hybrid",
+        block_size=block_size,
+        num_kv_blocks=64,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=False,
+    )
     groups = llm.runner.kv_cache_config.kv_cache_groups
     group = next(i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, SlidingWindowSpec))
     rows: list[tuple[int, list[int]]] = []
@@ -153,8 +185,11 @@ def _engine_rows(block_size: int, prompt_len: int, budget: int, max_tokens: int)
 
     llm.add_step_listener(record)
     prompt = [(3 * i + 1) % 250 for i in range(prompt_len)]
-    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                               ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        use_tqdm=False,
+    )
     return rows
 
 
@@ -163,10 +198,12 @@ def _manager_rows(
 ) -> list[tuple[int, list[int]]]:
     """The rows of `_engine_rows` for any window: the same schedule played on a KV cache manager
     with one sliding-window group, without a model ("tiny-hybrid" has only the window 32)."""
-    spec = SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
-                             sliding_window=window)
-    manager = KVCacheManager(KVCacheConfig(spec.blocks_needed(prompt_len + max_tokens) + 1,
-                                           [KVCacheGroupSpec(["window_layer"], spec)]))
+    spec = SlidingWindowSpec(
+        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window
+    )
+    manager = KVCacheManager(
+        KVCacheConfig(spec.blocks_needed(prompt_len + max_tokens) + 1, [KVCacheGroupSpec(["window_layer"], spec)])
+    )
     rows = []
     schedule = _schedule(prompt_len, budget, max_tokens)
     for context_len, after in zip(schedule, schedule[1:] + [prompt_len + max_tokens - 1]):
@@ -194,15 +231,28 @@ def check_null_blocks(fn: Callable[[int, int, int], Any]) -> CheckResult:
     budget, max_tokens = 16, 16
     engine_runs = [(4, 40), (8, 40), (rng.choice([2, 3, 5, 6, 16]), rng.randint(33, 70))]
     other = (rng.choice([8, 12, 20, 48]), rng.choice([2, 4, 5, 8]), rng.randint(40, 80))
-    huge = [(rng.randint(10**6, 10**12), window, block)
-            for window in (4096, 131072, rng.randint(33, 9999)) for block in (16, rng.choice([3, 7, 13]))]
-    cases = [(c, 32, b, f"'tiny-hybrid' (block size {b}, prompt of {n} tokens)")
-             for b, n in engine_runs for c in _schedule(n, budget, max_tokens)]
-    cases += [(c, other[0], other[1], f"a KV cache manager (window {other[0]}, block size {other[1]})")
-              for c in _schedule(other[2], budget, max_tokens)]
+    huge = [
+        (rng.randint(10**6, 10**12), window, block)
+        for window in (4096, 131072, rng.randint(33, 9999))
+        for block in (16, rng.choice([3, 7, 13]))
+    ]
+    cases = [
+        (c, 32, b, f"'tiny-hybrid' (block size {b}, prompt of {n} tokens)")
+        for b, n in engine_runs
+        for c in _schedule(n, budget, max_tokens)
+    ]
+    cases += [
+        (c, other[0], other[1], f"a KV cache manager (window {other[0]}, block size {other[1]})")
+        for c in _schedule(other[2], budget, max_tokens)
+    ]
     cases += [(c, w, b, "a made-up sequence") for c, w, b in huge]
-    results, rejected = call_on_cases(fn, [case[:3] for case in cases], _WINDOW_PACKAGE, "the count",
-                                      lambda case: f"fn({case[0]}, {case[1]}, {case[2]})")
+    results, rejected = call_on_cases(
+        fn,
+        [case[:3] for case in cases],
+        _WINDOW_PACKAGE,
+        "the count",
+        lambda case: f"fn({case[0]}, {case[1]}, {case[2]})",
+    )
     if rejected is not None:
         return rejected
     # Every call has returned: only now do the engine and the manager make the real rows.
@@ -211,8 +261,11 @@ def check_null_blocks(fn: Callable[[int, int, int], Any]) -> CheckResult:
     if [r[0] for r in rows] != [c[0] for c in cases[: len(rows)]]:
         raise RuntimeError("The engine's schedule is not the one the checker planned (context_lens differ).")
     for (context_len, window, block, where), got, row in zip(cases, results, [r for _, r in rows] + [None] * len(huge)):
-        right = (next((i for i, b in enumerate(row) if b != 0), len(row)) if row is not None
-                 else max(context_len - window + 1, 0) // block)
+        right = (
+            next((i for i, b in enumerate(row) if b != 0), len(row))
+            if row is not None
+            else max(context_len - window + 1, 0) // block
+        )
         if got != right:
             return CheckResult(
                 False,
@@ -222,20 +275,25 @@ def check_null_blocks(fn: Callable[[int, int, int], Any]) -> CheckResult:
                 "when all its positions are older than that, and there is never a negative number of blocks.",
                 reveal=lambda c=context_len, w=window, b=block: _worked_null_blocks(c, w, b),
             )
-    return CheckResult(True, f"Your function matches all {len(cases)} rows: window 32 with block sizes "
-                             f"{[b for b, _ in engine_runs]}, window {other[0]} with block size {other[1]}, and "
-                             f"{len(huge)} sequences of up to 10^12 tokens.")
+    return CheckResult(
+        True,
+        f"Your function matches all {len(cases)} rows: window 32 with block sizes "
+        f"{[b for b, _ in engine_runs]}, window {other[0]} with block size {other[1]}, and "
+        f"{len(huge)} sequences of up to 10^12 tokens.",
+    )
 
 
 def _worked_null_blocks(context_len: int, window: int, block_size: int) -> str:
     """The null-block count of one step, step by step."""
     oldest = max(context_len - window + 1, 0)
-    return "\n".join([
-        f"context_len = {context_len}, sliding_window = {window}, block_size = {block_size}",
-        f"  the earliest query of the step sits at position context_len = {context_len}",
-        f"  it sees positions p with {context_len} - p < {window}: the oldest it sees is "
-        f"max({context_len} - {window} + 1, 0) = {oldest}",
-        f"  blocks 0 ... j hold positions up to (j + 1) * {block_size} - 1; those wholly before position {oldest} "
-        f"are {oldest} // {block_size} = {oldest // block_size} block(s)",
-        f"  num_null_blocks = max(context_len - sliding_window + 1, 0) // block_size = {oldest // block_size}",
-    ])
+    return "\n".join(
+        [
+            f"context_len = {context_len}, sliding_window = {window}, block_size = {block_size}",
+            f"  the earliest query of the step sits at position context_len = {context_len}",
+            f"  it sees positions p with {context_len} - p < {window}: the oldest it sees is "
+            f"max({context_len} - {window} + 1, 0) = {oldest}",
+            f"  blocks 0 ... j hold positions up to (j + 1) * {block_size} - 1; those wholly before position {oldest} "
+            f"are {oldest} // {block_size} = {oldest // block_size} block(s)",
+            f"  num_null_blocks = max(context_len - sliding_window + 1, 0) // block_size = {oldest // block_size}",
+        ]
+    )

@@ -53,7 +53,10 @@ _PROMPTS: list[list[int]] = [
     [(5 * i + 1) % 250 for i in range(41)],
 ]
 _ENGINE_KWARGS: dict[str, Any] = {
-    "block_size": 4, "num_kv_blocks": 64, "max_num_batched_tokens": 16, "dtype": torch.float32,
+    "block_size": 4,
+    "num_kv_blocks": 64,
+    "max_num_batched_tokens": 16,
+    "dtype": torch.float32,
     "enable_prefix_caching": False,
     # Eager: the hooks below must run in every step, and a replayed CUDA graph runs no Python (notebook 08).
     "enforce_eager": True,
@@ -148,25 +151,36 @@ def _watched(fn: Callable[..., Any], called: list[str]) -> Callable[..., Any]:
     return run
 
 
-def _call_student(backend: type[AttentionBackend], impl_cls: type, builder_cls: type, rng: random.Random,
-                  device: torch.device, called: list[str]) -> tuple[list[_StudentStep], str | None]:
+def _call_student(
+    backend: type[AttentionBackend],
+    impl_cls: type,
+    builder_cls: type,
+    rng: random.Random,
+    device: torch.device,
+    called: list[str],
+) -> tuple[list[_StudentStep], str | None]:
     """Run the student's builder and impl on the made-up cases; (the steps, a failure message or None).
 
     What a step is judged on is kept on the CPU (copies: the student's code may change its tensors later).
     """
     steps: list[_StudentStep] = []
     for number, (g, schedule) in enumerate(zip(_made_up_geometries(), _MADE_UP_STEPS), start=1):
-        scale = g.head_size ** -0.5
+        scale = g.head_size**-0.5
         config = EngineConfig(ModelConfig("sandbox"))
-        impl = _watched(impl_cls, called)(g.num_heads, g.head_size, scale, g.num_kv_heads, g.sliding_window,
-                                          torch.float32, AttentionType.DECODER)
+        impl = _watched(impl_cls, called)(
+            g.num_heads, g.head_size, scale, g.num_kv_heads, g.sliding_window, torch.float32, AttentionType.DECODER
+        )
         spec_args = (g.block_size, g.num_kv_heads, g.head_size, torch.float32)
-        spec = SlidingWindowSpec(*spec_args, sliding_window=g.sliding_window) if g.sliding_window \
+        spec = (
+            SlidingWindowSpec(*spec_args, sliding_window=g.sliding_window)
+            if g.sliding_window
             else FullAttentionSpec(*spec_args)
+        )
         builder = _watched(builder_cls, called)(spec, ["made.up.attn"], config, device)
         layer = _Layer("made.up.attn", g.num_heads, g.num_kv_heads, g.head_size, scale)
-        kv_cache = torch.randn(backend.get_kv_cache_shape(g.num_blocks, g.block_size, g.num_kv_heads,
-                                                          g.head_size), device=device)
+        kv_cache = torch.randn(
+            backend.get_kv_cache_shape(g.num_blocks, g.block_size, g.num_kv_heads, g.head_size), device=device
+        )
         # Scrambled physical blocks, never the null block 0, no two requests sharing one.
         blocks = rng.sample(range(1, g.num_blocks), g.num_blocks - 1)
         rows = [blocks[i::3] for i in range(3)]
@@ -174,8 +188,10 @@ def _call_student(backend: type[AttentionBackend], impl_cls: type, builder_cls: 
         history_v: list[list[torch.Tensor]] = [[], [], []]
         window = f", sliding window {g.sliding_window}" if g.sliding_window else ""
         for step_number, (context_lens, query_lens) in enumerate(schedule, start=1):
-            where = (f"Made-up case {number} ({g.num_heads} query heads, {g.num_kv_heads} KV head(s) of size "
-                     f"{g.head_size}, block size {g.block_size}{window}), step {step_number}")
+            where = (
+                f"Made-up case {number} ({g.num_heads} query heads, {g.num_kv_heads} KV head(s) of size "
+                f"{g.head_size}, block size {g.block_size}{window}), step {step_number}"
+            )
             n = sum(query_lens)
             query = torch.randn(n, g.num_heads, g.head_size, device=device)
             key = torch.randn(n, g.num_kv_heads, g.head_size, device=device)
@@ -183,23 +199,36 @@ def _call_student(backend: type[AttentionBackend], impl_cls: type, builder_cls: 
             slots, start = [], 0
             for i, (c, q) in enumerate(zip(context_lens, query_lens)):
                 slots += [rows[i][p // g.block_size] * g.block_size + p % g.block_size for p in range(c, c + q)]
-                history_k[i].append(key[start:start + q].to("cpu", copy=True))
-                history_v[i].append(value[start:start + q].to("cpu", copy=True))
+                history_k[i].append(key[start : start + q].to("cpu", copy=True))
+                history_v[i].append(value[start : start + q].to("cpu", copy=True))
                 start += q
             starts = torch.tensor([0] + [sum(query_lens[: i + 1]) for i in range(3)], dtype=torch.int32)
             seq_lens = torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.int32)
             width = max(len(r) for r in rows)
             common = CommonAttentionMetadata(
-                query_start_loc=starts.to(device), query_start_loc_cpu=starts, seq_lens=seq_lens.to(device),
-                seq_lens_cpu=seq_lens, num_reqs=3, num_actual_tokens=n, max_query_len=max(query_lens),
+                query_start_loc=starts.to(device),
+                query_start_loc_cpu=starts,
+                seq_lens=seq_lens.to(device),
+                seq_lens_cpu=seq_lens,
+                num_reqs=3,
+                num_actual_tokens=n,
+                max_query_len=max(query_lens),
                 max_seq_len=int(seq_lens.max()),
-                block_table_tensor=torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32,
-                                                device=device),
+                block_table_tensor=torch.tensor(
+                    [r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device
+                ),
                 slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             )
-            step = _StudentStep(where, list(context_lens), list(query_lens), query.to("cpu", copy=True),
-                         [torch.cat(h) for h in history_k], [torch.cat(h) for h in history_v], scale,
-                         g.sliding_window)
+            step = _StudentStep(
+                where,
+                list(context_lens),
+                list(query_lens),
+                query.to("cpu", copy=True),
+                [torch.cat(h) for h in history_k],
+                [torch.cat(h) for h in history_v],
+                scale,
+                g.sliding_window,
+            )
             steps.append(step)
             before = kv_cache.clone()
             output = torch.zeros_like(query)
@@ -220,8 +249,9 @@ def _call_student(backend: type[AttentionBackend], impl_cls: type, builder_cls: 
     return steps, None
 
 
-def _cache_write_error(cache: torch.Tensor, before: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> str:
+def _cache_write_error(
+    cache: torch.Tensor, before: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> str:
     """What is wrong with the cache after a step ("" if right or not the default layout).
 
     Only the default layout (2, num_blocks, block_size, num_kv_heads, head_size) is checked: the
@@ -234,15 +264,19 @@ def _cache_write_error(cache: torch.Tensor, before: torch.Tensor, key: torch.Ten
         wrong = ~torch.isclose(flat[index, slot_mapping], new, atol=_ATOL, rtol=1e-3).flatten(1).all(dim=1)
         if wrong.any():
             token = int(wrong.nonzero()[0, 0])
-            return (f"after the step, the slot of token {token} (slot_mapping[{token}]) does not hold its {which}. "
-                    "Write token t's key into kv_cache[0] and its value into kv_cache[1], at flat slot "
-                    "slot_mapping[t] of the (num_blocks * block_size) token rows, and skip slots of -1.")
+            return (
+                f"after the step, the slot of token {token} (slot_mapping[{token}]) does not hold its {which}. "
+                "Write token t's key into kv_cache[0] and its value into kv_cache[1], at flat slot "
+                "slot_mapping[t] of the (num_blocks * block_size) token rows, and skip slots of -1."
+            )
     others = torch.ones(flat.shape[1], dtype=torch.bool, device=flat.device)
     others[slot_mapping] = False
     if not torch.equal(flat[:, others], old[:, others]):
-        return ("slots that are not this step's changed: write only at slot_mapping's slots "
-                "(slot = block * block_size + offset; block b holds slots b * block_size ... "
-                "b * block_size + block_size - 1).")
+        return (
+            "slots that are not this step's changed: write only at slot_mapping's slots "
+            "(slot = block * block_size + offset; block b holds slots b * block_size ... "
+            "b * block_size + block_size - 1)."
+        )
     return ""
 
 
@@ -316,9 +350,19 @@ def _serve(
                 past_v.append(value[a:b])
                 keys.append(torch.cat(past_k))
                 values.append(torch.cat(past_v))
-            steps.append(_StudentStep(f"Step {event.step} of {MODEL!r}, layer {layer_name!r}", context_lens, query_lens,
-                               query.view(-1, heads, size), keys, values, layer.scale, layer.sliding_window,
-                               output=output.view(-1, heads, size)))
+            steps.append(
+                _StudentStep(
+                    f"Step {event.step} of {MODEL!r}, layer {layer_name!r}",
+                    context_lens,
+                    query_lens,
+                    query.view(-1, heads, size),
+                    keys,
+                    values,
+                    layer.scale,
+                    layer.sliding_window,
+                    output=output.view(-1, heads, size),
+                )
+            )
         seen.clear()
 
     hooks = [layer.register_forward_pre_hook(record_inputs) for layer in layers.values()]
@@ -358,8 +402,11 @@ def check_backend(backend: Any, device: torch.device | str | None = None) -> Che
         return CheckResult(False, f"{name!r} is a built-in backend's name; give yours a name of its own.")
     inherited = _inherited_work(impl_cls)
     if inherited is not None:
-        return CheckResult(False, f"Your impl {impl_cls.__name__} inherits the {inherited} (a built-in backend); "
-                                  "write forward (and do_kv_cache_update if you use it) yourself.")
+        return CheckResult(
+            False,
+            f"Your impl {impl_cls.__name__} inherits the {inherited} (a built-in backend); "
+            "write forward (and do_kv_cache_update if you use it) yourself.",
+        )
     register_backend(backend)
     torch_device = torch.device(device) if device is not None else default_device()
     called: list[str] = []
@@ -370,8 +417,10 @@ def check_backend(backend: Any, device: torch.device | str | None = None) -> Che
             served, backend_names = _serve(name, device, called)
             steps += served
         except Exception as exc:  # noqa: BLE001  (the student's code may fail anywhere; say where)
-            failure = (f"Serving {MODEL!r} with {name} failed: {type(exc).__name__}: {exc}. "
-                       f"(impl {impl_cls.__name__}, builder {builder_cls.__name__}.)")
+            failure = (
+                f"Serving {MODEL!r} with {name} failed: {type(exc).__name__}: {exc}. "
+                f"(impl {impl_cls.__name__}, builder {builder_cls.__name__}.)"
+            )
     if called:
         return used_package(called, "the attention")
 
@@ -380,7 +429,7 @@ def check_backend(backend: Any, device: torch.device | str | None = None) -> Che
         """softmax(q k^T * scale + mask) v of one request: [query_len, heads, head_size], float64."""
         context_len, query_len = step.context_lens[request], step.query_lens[request]
         start = sum(step.query_lens[:request])
-        q = step.query[start:start + query_len].double()
+        q = step.query[start : start + query_len].double()
         group = q.shape[1] // step.keys[request].shape[1]
         k = step.keys[request].double().repeat_interleave(group, dim=1)
         v = step.values[request].double().repeat_interleave(group, dim=1)
@@ -396,21 +445,31 @@ def check_backend(backend: Any, device: torch.device | str | None = None) -> Che
         if step.output is None:
             break
         if step.cache_error:
-            return CheckResult(False, f"{step.where}: the KV cache write is wrong: {step.cache_error}",
-                               reveal=lambda s=step: _worked_cache_write(s))
+            return CheckResult(
+                False,
+                f"{step.where}: the KV cache write is wrong: {step.cache_error}",
+                reveal=lambda s=step: _worked_cache_write(s),
+            )
         right = torch.cat([attend(step, i) for i in range(len(step.query_lens))])
         if step.output.shape != right.shape:
-            return CheckResult(False, f"{step.where}: the output has shape {tuple(step.output.shape)}, not the "
-                                      "query's [tokens, num_heads, head_size].")
-        if not torch.isfinite(step.output).all() or not torch.allclose(step.output.double(), right, atol=_ATOL,
-                                                                       rtol=1e-3):
+            return CheckResult(
+                False,
+                f"{step.where}: the output has shape {tuple(step.output.shape)}, not the "
+                "query's [tokens, num_heads, head_size].",
+            )
+        if not torch.isfinite(step.output).all() or not torch.allclose(
+            step.output.double(), right, atol=_ATOL, rtol=1e-3
+        ):
             return CheckResult(False, _diagnose(step, right), reveal=lambda s=step, r=right: _worked_step(s, r))
     if failure is not None:
         return CheckResult(False, failure + ".")
     not_used = sorted(n for n, b in backend_names.items() if b != name)
     if not_used:
-        return CheckResult(False, f"The engine did not use {name} for layers {not_used}: check that your "
-                                  "backend class accepts those layers (supported_devices, dtypes, sliding window).")
+        return CheckResult(
+            False,
+            f"The engine did not use {name} for layers {not_used}: check that your "
+            "backend class accepts those layers (supported_devices, dtypes, sliding window).",
+        )
     made_up = sum(s.where.startswith("Made-up") for s in steps)
     return CheckResult(
         True,
@@ -425,51 +484,72 @@ def _diagnose(step: _StudentStep, right: torch.Tensor) -> str:
     got = step.output.double()  # type: ignore[union-attr]
     where = f"{step.where} ({_describe(step)})"
     if not torch.isfinite(got).all():
-        return (f"{where}: the output contains NaN or inf. A fully masked row gives softmax(-inf, ...) = NaN: "
-                "check that every query sees at least itself (its own key is at position seq_len - query_len + i).")
+        return (
+            f"{where}: the output contains NaN or inf. A fully masked row gives softmax(-inf, ...) = NaN: "
+            "check that every query sees at least itself (its own key is at position seq_len - query_len + i)."
+        )
     diff = (got - right).abs()
     bad_row = diff.amax(dim=(1, 2)) > _ATOL  # [tokens]
     bad_head = diff.amax(dim=(0, 2)) > _ATOL  # [heads]
     starts = [0]
     for q in step.query_lens:
         starts.append(starts[-1] + q)
-    bad_reqs = [i for i in range(len(step.query_lens)) if bad_row[starts[i]:starts[i + 1]].any()]
+    bad_reqs = [i for i in range(len(step.query_lens)) if bad_row[starts[i] : starts[i + 1]].any()]
     positions = torch.cat([torch.arange(c, c + q) for c, q in zip(step.context_lens, step.query_lens)])
     where += f": {int(bad_row.sum())} of {len(bad_row)} token rows are wrong."
     window = step.sliding_window
     if window is not None and bool((positions[bad_row] >= window).all()):
-        cause = (f"Only rows whose query sits at position {window} or later are wrong, and this layer has a sliding "
-                 f"window of {window} (impl.sliding_window): a query at position p sees only keys at positions "
-                 f"p - {window - 1} ... p. Mask the older keys too.")
-    elif step.returned is not None and step.returned.shape == right.shape and torch.allclose(
-            step.returned.double(), right, atol=_ATOL, rtol=1e-3):
-        cause = ("impl.forward returned the right values in a new tensor, but the engine reads the `output` "
-                 "tensor it passed in: write into it (output[...] = ..., or output.copy_(...)).")
+        cause = (
+            f"Only rows whose query sits at position {window} or later are wrong, and this layer has a sliding "
+            f"window of {window} (impl.sliding_window): a query at position p sees only keys at positions "
+            f"p - {window - 1} ... p. Mask the older keys too."
+        )
+    elif (
+        step.returned is not None
+        and step.returned.shape == right.shape
+        and torch.allclose(step.returned.double(), right, atol=_ATOL, rtol=1e-3)
+    ):
+        cause = (
+            "impl.forward returned the right values in a new tensor, but the engine reads the `output` "
+            "tensor it passed in: write into it (output[...] = ..., or output.copy_(...))."
+        )
     elif got[bad_row].abs().max() == 0:
-        cause = ("The engine reads the `output` tensor it passed to impl.forward, and yours left rows "
-                 "of it unwritten: write every row of the result into `output`.")
+        cause = (
+            "The engine reads the `output` tensor it passed to impl.forward, and yours left rows "
+            "of it unwritten: write every row of the result into `output`."
+        )
     elif 0 < int(bad_head.sum()) < len(bad_head):
         good = (~bad_head).nonzero().flatten().tolist()
         bad = bad_head.nonzero().flatten().tolist()
-        cause = (f"Query heads {good} are right but heads {bad} are wrong: query head h must read KV head "
-                 "h // (num_heads // num_kv_heads). Repeat each KV head for its query heads with "
-                 "repeat_interleave (0,0,1,1), not repeat (0,1,0,1).")
-    elif bad_reqs and all(not bad_row[starts[i + 1] - 1] and bad_row[starts[i]:starts[i + 1] - 1].any()
-                          for i in bad_reqs):
-        cause = ("In each wrong request only the earlier query rows differ; its last row is right. "
-                 "The last query token may see every key, the others must not see later ones: "
-                 "apply the causal mask (key position <= query position).")
-    elif bad_reqs and all(step.context_lens[i] > 0 for i in bad_reqs) and any(
-            c == 0 for c in step.context_lens):
-        cause = ("Requests with no cached context are right, those that read earlier tokens from the "
-                 "cache are wrong. Check the read through the block table (logical block j of request i "
-                 f"is block_table[i, j]) and the causal mask: {_QUERY_POSITIONS}")
+        cause = (
+            f"Query heads {good} are right but heads {bad} are wrong: query head h must read KV head "
+            "h // (num_heads // num_kv_heads). Repeat each KV head for its query heads with "
+            "repeat_interleave (0,0,1,1), not repeat (0,1,0,1)."
+        )
+    elif bad_reqs and all(
+        not bad_row[starts[i + 1] - 1] and bad_row[starts[i] : starts[i + 1] - 1].any() for i in bad_reqs
+    ):
+        cause = (
+            "In each wrong request only the earlier query rows differ; its last row is right. "
+            "The last query token may see every key, the others must not see later ones: "
+            "apply the causal mask (key position <= query position)."
+        )
+    elif bad_reqs and all(step.context_lens[i] > 0 for i in bad_reqs) and any(c == 0 for c in step.context_lens):
+        cause = (
+            "Requests with no cached context are right, those that read earlier tokens from the "
+            "cache are wrong. Check the read through the block table (logical block j of request i "
+            f"is block_table[i, j]) and the causal mask: {_QUERY_POSITIONS}"
+        )
     elif bad_reqs and all(step.context_lens[i] > 0 for i in bad_reqs):
-        cause = ("Only requests that read cached tokens are wrong. Check the read through the block table, "
-                 f"that all seq_len keys (not just query_len) are attended to, and the causal mask: {_QUERY_POSITIONS}")
+        cause = (
+            "Only requests that read cached tokens are wrong. Check the read through the block table, "
+            f"that all seq_len keys (not just query_len) are attended to, and the causal mask: {_QUERY_POSITIONS}"
+        )
     else:
-        cause = ("Requests of every kind are wrong. Check the scale (impl.scale = 1/sqrt(head_size)), that the "
-                 "softmax runs over the key axis, and that V is weighted by the probabilities.")
+        cause = (
+            "Requests of every kind are wrong. Check the scale (impl.scale = 1/sqrt(head_size)), that the "
+            "softmax runs over the key axis, and that V is weighted by the probabilities."
+        )
     return f"{where} {cause}"
 
 
@@ -490,24 +570,28 @@ def _worked_step(step: _StudentStep, right: torch.Tensor) -> str:
     position = context_len + row - sum(step.query_lens[:request])
     group = step.query.shape[1] // step.keys[request].shape[1]
     oldest = 0 if step.sliding_window is None else max(position - step.sliding_window + 1, 0)
-    return "\n".join([
-        f"{step.where}, token row {row}: request {request} (context_len {context_len}, query_len {query_len}).",
-        f"  the row's query sits at position context_len + {row - sum(step.query_lens[:request])} = {position}",
-        f"  it sees keys at positions {oldest} ... {position}"
-        + (f" (causal, and the window of {step.sliding_window})" if step.sliding_window else " (causal)"),
-        f"  query head h reads KV head h // {group} (num_heads // num_kv_heads = {group})",
-        f"  scores = q . k * {step.scale:.4g} over those keys, softmax over the keys, then the weighted sum of V",
-        f"  row {row}, head 0 should start {[round(x, 4) for x in right[row, 0, :4].tolist()]}; "
-        f"yours starts {[round(x, 4) for x in got[row, 0, :4].tolist()]}",
-    ])
+    return "\n".join(
+        [
+            f"{step.where}, token row {row}: request {request} (context_len {context_len}, query_len {query_len}).",
+            f"  the row's query sits at position context_len + {row - sum(step.query_lens[:request])} = {position}",
+            f"  it sees keys at positions {oldest} ... {position}"
+            + (f" (causal, and the window of {step.sliding_window})" if step.sliding_window else " (causal)"),
+            f"  query head h reads KV head h // {group} (num_heads // num_kv_heads = {group})",
+            f"  scores = q . k * {step.scale:.4g} over those keys, softmax over the keys, then the weighted sum of V",
+            f"  row {row}, head 0 should start {[round(x, 4) for x in right[row, 0, :4].tolist()]}; "
+            f"yours starts {[round(x, 4) for x in got[row, 0, :4].tolist()]}",
+        ]
+    )
 
 
 def _worked_cache_write(step: _StudentStep) -> str:
     """Where the step's new keys and values go, token by token (the first 4 tokens)."""
-    return "\n".join([
-        f"{step.where}: each new token t goes to slot = slot_mapping[t] = block * block_size + offset, where",
-        "  block = block_table[i, position // block_size] and offset = position % block_size for its request i",
-        "  k_cache, v_cache = kv_cache.unbind(0); k_cache.view(-1, num_kv_heads, head_size)[slot] = key[t]",
-        "  v_cache.view(-1, num_kv_heads, head_size)[slot] = value[t]; slots of -1 are padding: skip them",
-        "  nothing else in the cache changes.",
-    ])
+    return "\n".join(
+        [
+            f"{step.where}: each new token t goes to slot = slot_mapping[t] = block * block_size + offset, where",
+            "  block = block_table[i, position // block_size] and offset = position % block_size for its request i",
+            "  k_cache, v_cache = kv_cache.unbind(0); k_cache.view(-1, num_kv_heads, head_size)[slot] = key[t]",
+            "  v_cache.view(-1, num_kv_heads, head_size)[slot] = value[t]; slots of -1 are padding: skip them",
+            "  nothing else in the cache changes.",
+        ]
+    )

@@ -28,19 +28,19 @@ RAISES = "ValueError"
 RULES: dict[int, str] = {
     1: "enforce_eager=True beats everything, an error included: every step runs eagerly (NONE).",
     2: "A FULL graph of a *mixed* batch captures attention over prefills and decodes of any lengths, "
-       "which only support ALWAYS allows. Below ALWAYS, decode batches keep their FULL graph and mixed "
-       "batches fall back to piecewise graphs if attention is compiled piecewise (FULL_AND_PIECEWISE), "
-       "else to eager (FULL_DECODE_ONLY). With support NEVER no FULL graph is left to keep: it raises.",
+    "which only support ALWAYS allows. Below ALWAYS, decode batches keep their FULL graph and mixed "
+    "batches fall back to piecewise graphs if attention is compiled piecewise (FULL_AND_PIECEWISE), "
+    "else to eager (FULL_DECODE_ONLY). With support NEVER no FULL graph is left to keep: it raises.",
     3: "Support NEVER allows no FULL graph at all, so the FULL decode routine goes too. What is left is "
-       "PIECEWISE if attention is compiled piecewise, else NONE, for decode and mixed batches alike.",
+    "PIECEWISE if attention is compiled piecewise, else NONE, for decode and mixed batches alike.",
     4: "Decode steps of more than 1 query token per request (speculative decoding) are uniform batches, "
-       "not single-token ones: a FULL decode graph needs support UNIFORM_BATCH. Below it the mode becomes "
-       "PIECEWISE if attention is compiled piecewise, else NONE.",
+    "not single-token ones: a FULL decode graph needs support UNIFORM_BATCH. Below it the mode becomes "
+    "PIECEWISE if attention is compiled piecewise, else NONE.",
     5: "Piecewise graphs exist only when the model is compiled with both attention ops split out "
-       "(compile=True). Without that, a piecewise routine runs eagerly: PIECEWISE -> NONE, "
-       "FULL_AND_PIECEWISE -> FULL_DECODE_ONLY.",
+    "(compile=True). Without that, a piecewise routine runs eagerly: PIECEWISE -> NONE, "
+    "FULL_AND_PIECEWISE -> FULL_DECODE_ONLY.",
     6: "The last guard raises when a FULL routine survives with support NEVER. Rules 2 and 3 have "
-       "already removed every such routine except FULL on mixed batches, which rule 2 refuses first.",
+    "already removed every such routine except FULL on mixed batches, which rule 2 refuses first.",
 }
 """The lowering rules in the order `resolve_cudagraph_mode` applies them."""
 
@@ -59,20 +59,25 @@ class LoweringExercise:
 
     def resolve(self) -> Resolution:
         return resolve_explained(
-            self.mode, self.support, backend_name=self.backend_name,
+            self.mode,
+            self.support,
+            backend_name=self.backend_name,
             attention_compiled_piecewise=self.attention_compiled_piecewise,
-            uniform_decode_query_len=self.uniform_decode_query_len, enforce_eager=self.enforce_eager,
+            uniform_decode_query_len=self.uniform_decode_query_len,
+            enforce_eager=self.enforce_eager,
         )
 
     def __str__(self) -> str:
         compiled = "yes (compile=True)" if self.attention_compiled_piecewise else "no"
-        return "\n".join([
-            f"cudagraph_mode        {self.mode.name}",
-            f"builder's support     {self.support.name} (backend {self.backend_name})",
-            f"compiled piecewise    {compiled}",
-            f"decode query tokens   {self.uniform_decode_query_len} per request",
-            f"enforce_eager         {self.enforce_eager}",
-        ])
+        return "\n".join(
+            [
+                f"cudagraph_mode        {self.mode.name}",
+                f"builder's support     {self.support.name} (backend {self.backend_name})",
+                f"compiled piecewise    {compiled}",
+                f"decode query tokens   {self.uniform_decode_query_len} per request",
+                f"enforce_eager         {self.enforce_eager}",
+            ]
+        )
 
 
 M, S = CUDAGraphMode, AttentionCGSupport
@@ -102,13 +107,19 @@ def _why(rule: int, exercise: LoweringExercise, mode: CUDAGraphMode) -> str:
     support, q = exercise.support.name, exercise.uniform_decode_query_len
     return {
         1: "enforce_eager=True runs every step eagerly, whatever mode is asked for",
-        2: (f"the backend (support {support}) cannot capture a mixed batch in one graph (only ALWAYS can), "
-            f"so {mode.name} cannot stay {mode.name}"),
+        2: (
+            f"the backend (support {support}) cannot capture a mixed batch in one graph (only ALWAYS can), "
+            f"so {mode.name} cannot stay {mode.name}"
+        ),
         3: f"support NEVER captures no graph of attention at all, so the FULL decode routine of {mode.name} goes too",
-        4: (f"a decode step has {q} query tokens per request: a uniform batch, not a single-token one, and "
-            f"support {support} captures no FULL graph of it (that takes UNIFORM_BATCH)"),
-        5: (f"{mode.name} has a piecewise routine, and piecewise graphs need the model compiled with attention "
-            "split out (compile=True), which it is not"),
+        4: (
+            f"a decode step has {q} query tokens per request: a uniform batch, not a single-token one, and "
+            f"support {support} captures no FULL graph of it (that takes UNIFORM_BATCH)"
+        ),
+        5: (
+            f"{mode.name} has a piecewise routine, and piecewise graphs need the model compiled with attention "
+            "split out (compile=True), which it is not"
+        ),
     }[rule]
 
 
@@ -120,10 +131,15 @@ def _broken_rule(answer: CUDAGraphMode, exercise: LoweringExercise) -> tuple[int
     if answer.mixed_mode() is CUDAGraphMode.FULL and support is not AttentionCGSupport.ALWAYS:
         return 2, _why(2, exercise, answer)
     if answer.decode_mode() is CUDAGraphMode.FULL and support is AttentionCGSupport.NEVER:
-        return 3, (f"support NEVER captures no graph of attention at all, so the FULL decode routine of {answer.name} "
-                   "cannot be")
-    if (answer.decode_mode() is CUDAGraphMode.FULL and exercise.uniform_decode_query_len > 1
-            and support.value < AttentionCGSupport.UNIFORM_BATCH.value):
+        return 3, (
+            f"support NEVER captures no graph of attention at all, so the FULL decode routine of {answer.name} "
+            "cannot be"
+        )
+    if (
+        answer.decode_mode() is CUDAGraphMode.FULL
+        and exercise.uniform_decode_query_len > 1
+        and support.value < AttentionCGSupport.UNIFORM_BATCH.value
+    ):
         return 4, _why(4, exercise, answer)
     if answer.requires_piecewise_compilation() and not exercise.attention_compiled_piecewise:
         return 5, _why(5, exercise, answer)
@@ -137,14 +153,20 @@ def _missed(answer: CUDAGraphMode | str, result: Resolution, exercise: LoweringE
         if exercise.enforce_eager:
             return "nothing is refused here: rule 1 comes before every rule that raises, and enforce_eager=True."
         if exercise.support is not AttentionCGSupport.NEVER:
-            return (f"only support NEVER can make the resolver raise (rules 2 and 6); here the support is "
-                    f"{exercise.support.name}, so the rules lower the mode instead.")
-        return (f"rule 2 raises only when the mixed routine is FULL, and {configured.name}'s is not; a FULL decode "
-                "routine is lowered by rule 3 before the last guard (rule 6) looks.")
+            return (
+                f"only support NEVER can make the resolver raise (rules 2 and 6); here the support is "
+                f"{exercise.support.name}, so the rules lower the mode instead."
+            )
+        return (
+            f"rule 2 raises only when the mixed routine is FULL, and {configured.name}'s is not; a FULL decode "
+            "routine is lowered by rule 3 before the last guard (rule 6) looks."
+        )
     if result.error is not None:
-        return (f"{answer.name} is not what happens. Rule 2: the mixed routine of {configured.name} is FULL, and "
-                "support NEVER captures no full graph at all, not even of decodes: there is no graph to keep, so "
-                "the resolver refuses the configuration instead of lowering it.")
+        return (
+            f"{answer.name} is not what happens. Rule 2: the mixed routine of {configured.name} is FULL, and "
+            "support NEVER captures no full graph at all, not even of decodes: there is no graph to keep, so "
+            "the resolver refuses the configuration instead of lowering it."
+        )
     if not steps:
         return "no rule applies to this configuration: check each rule's condition again, in order."
     first = steps[0].rule
@@ -153,30 +175,40 @@ def _missed(answer: CUDAGraphMode | str, result: Resolution, exercise: LoweringE
     later = [i for i, step in enumerate(steps[:-1]) if step.after is answer]
     if later:
         i = later[0]
-        return (f"{answer.name} is what rule {steps[i].rule} makes of {configured.name}, but the rules go on in order, "
-                f"each on the result of the ones before: rule {steps[i + 1].rule} applies to {answer.name} too: "
-                f"{_why(steps[i + 1].rule, exercise, answer)}.")
+        return (
+            f"{answer.name} is what rule {steps[i].rule} makes of {configured.name}, but the rules go on in order, "
+            f"each on the result of the ones before: rule {steps[i + 1].rule} applies to {answer.name} too: "
+            f"{_why(steps[i + 1].rule, exercise, answer)}."
+        )
     broken = _broken_rule(answer, exercise)
     if broken is not None:
         return f"{answer.name} breaks rule {broken[0]}: {broken[1]}."
     routines = (("decode", CUDAGraphMode.decode_mode), ("mixed", CUDAGraphMode.mixed_mode))
     for kind, routine in routines:
         if routine(answer) is CUDAGraphMode.FULL and routine(configured) is not CUDAGraphMode.FULL:
-            return (f"{answer.name} captures {kind} batches in FULL graphs, but {configured.name} asks for none: "
-                    "the rules only take full graphs away, they never add one.")
+            return (
+                f"{answer.name} captures {kind} batches in FULL graphs, but {configured.name} asks for none: "
+                "the rules only take full graphs away, they never add one."
+            )
     fallback = (
-        "the piecewise routine then runs eagerly, the other routine stays as it is" if first == 5 else
-        "where it lowers to depends on whether attention is compiled piecewise "
+        "the piecewise routine then runs eagerly, the other routine stays as it is"
+        if first == 5
+        else "where it lowers to depends on whether attention is compiled piecewise "
         f"(here it is{'' if exercise.attention_compiled_piecewise else ' not'})"
     )
     rank = {CUDAGraphMode.NONE: 0, CUDAGraphMode.PIECEWISE: 1, CUDAGraphMode.FULL: 2}
     resolved = steps[-1].after
     how = {CUDAGraphMode.NONE: "eagerly", CUDAGraphMode.PIECEWISE: "piecewise"}
-    too_low = [f" Your answer runs {kind} batches {how[routine(answer)]}: more than the rules take away."
-               for kind, routine in routines if rank[routine(answer)] < rank[routine(resolved)]]
-    return (f"{answer.name} breaks no rule, but it is not what the rules make of {configured.name}. Start from "
-            f"{configured.name}: rule {first} applies ({_why(first, exercise, configured)}); {fallback}. Then apply "
-            f"the later rules to the result.{''.join(too_low[:1])}")
+    too_low = [
+        f" Your answer runs {kind} batches {how[routine(answer)]}: more than the rules take away."
+        for kind, routine in routines
+        if rank[routine(answer)] < rank[routine(resolved)]
+    ]
+    return (
+        f"{answer.name} breaks no rule, but it is not what the rules make of {configured.name}. Start from "
+        f"{configured.name}: rule {first} applies ({_why(first, exercise, configured)}); {fallback}. Then apply "
+        f"the later rules to the result.{''.join(too_low[:1])}"
+    )
 
 
 def _worked(result: Resolution, exercise: LoweringExercise) -> str:
@@ -201,14 +233,13 @@ def _check_lowering(number: int, answer: Any) -> CheckResult:
         return CheckResult(False, "Replace `...` with a CUDAGraphMode (or its name), or ValueError if it raises.")
     parsed = _parse_answer(answer)
     if parsed is None:
-        return CheckResult(
-            False, f"{answer!r} is neither a mode ({[m.name for m in CUDAGraphMode]}) nor ValueError."
-        )
+        return CheckResult(False, f"{answer!r} is neither a mode ({[m.name for m in CUDAGraphMode]}) nor ValueError.")
     result = exercise.resolve()  # only now, with the answer in
     if parsed == (RAISES if result.error else result.resolved):
         return CheckResult(True, f"Exercise {number}: {result.describe()}")
-    return CheckResult(False, f"Exercise {number}: {_missed(parsed, result, exercise)}",
-                       reveal=lambda: _worked(result, exercise))
+    return CheckResult(
+        False, f"Exercise {number}: {_missed(parsed, result, exercise)}", reveal=lambda: _worked(result, exercise)
+    )
 
 
 def _counted(number: int) -> Callable[[Any], CheckResult]:
@@ -248,7 +279,7 @@ def check_raising(answer: Iterable[tuple[Any, Any]]) -> CheckResult:
     Pairs may use enums or names: {("FULL_DECODE_ONLY", "NEVER"), ...}.
     """
     if answer is ...:
-        return CheckResult(False, "Replace `...` with a set of (mode, support) pairs, e.g. {(\"NONE\", \"ALWAYS\")}.")
+        return CheckResult(False, 'Replace `...` with a set of (mode, support) pairs, e.g. {("NONE", "ALWAYS")}.')
     try:
         given = {(CUDAGraphMode.parse(m), _support(s)) for m, s in answer}
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
@@ -257,8 +288,14 @@ def check_raising(answer: Iterable[tuple[Any, Any]]) -> CheckResult:
     # Only now, with the answer in: every pair, under every compile setting and decode length.
     def raises(mode: CUDAGraphMode, support: AttentionCGSupport) -> bool:
         return all(
-            resolve_explained(mode, support, backend_name="MY_BACKEND", attention_compiled_piecewise=compiled,
-                              uniform_decode_query_len=q).error is not None
+            resolve_explained(
+                mode,
+                support,
+                backend_name="MY_BACKEND",
+                attention_compiled_piecewise=compiled,
+                uniform_decode_query_len=q,
+            ).error
+            is not None
             for compiled, q in itertools.product((True, False), (1, 2))
         )
 
@@ -269,27 +306,43 @@ def check_raising(answer: Iterable[tuple[Any, Any]]) -> CheckResult:
         lines = ["Only support NEVER can raise (rules 2 and 6). With NEVER, compile=True, 1 query token:"]
         for mode in CUDAGraphMode:
             result = resolve_explained(mode, never, backend_name="MY_BACKEND", attention_compiled_piecewise=True)
-            lines.append(f"  {mode.name}: " + ("raises (rule 2: its mixed routine is FULL)" if result.error else
-                                               f"resolves to {result.resolved.name}"))
+            lines.append(
+                f"  {mode.name}: "
+                + (
+                    "raises (rule 2: its mixed routine is FULL)"
+                    if result.error
+                    else f"resolves to {result.resolved.name}"
+                )
+            )
         lines.append(f"The set: {sorted((m.name, s.name) for m, s in expected)}")
         return "\n".join(lines)
 
     if given == expected:
-        return CheckResult(True, f"Only {sorted((m.name, s.name) for m, s in expected)} raise(s), and rule 2 is what "
-                                 f"raises. {RULES[6]}")
+        return CheckResult(
+            True,
+            f"Only {sorted((m.name, s.name) for m, s in expected)} raise(s), and rule 2 is what raises. {RULES[6]}",
+        )
     extra = sorted(given - expected, key=lambda pair: (pair[0].value, pair[1].value))
     if extra:
         mode, support = extra[0]
         if support is not AttentionCGSupport.NEVER:
-            why = (f"only support NEVER can make the resolver raise (rules 2 and 6); with {support.name} the rules "
-                   "lower the mode instead")
+            why = (
+                f"only support NEVER can make the resolver raise (rules 2 and 6); with {support.name} the rules "
+                "lower the mode instead"
+            )
         elif mode.decode_mode() is CUDAGraphMode.FULL:
-            why = ("rule 2 raises only when the mixed routine is FULL; this FULL decode routine is lowered by rule 3 "
-                   "before the last guard (rule 6) looks")
+            why = (
+                "rule 2 raises only when the mixed routine is FULL; this FULL decode routine is lowered by rule 3 "
+                "before the last guard (rule 6) looks"
+            )
         else:
             why = "it asks for no full graph at all, so there is nothing to refuse"
         return CheckResult(False, f"({mode.name!r}, {support.name!r}) does not raise: {why}.", reveal=worked)
-    return CheckResult(False, (
-        "Your set misses pairs that raise. Hint: rule 2 refuses, rather than lowers, one kind "
-        "of routine with one support level: which, and which modes have such a routine?"
-    ), reveal=worked)
+    return CheckResult(
+        False,
+        (
+            "Your set misses pairs that raise. Hint: rule 2 refuses, rather than lowers, one kind "
+            "of routine with one support level: which, and which modes have such a routine?"
+        ),
+        reveal=worked,
+    )

@@ -95,22 +95,35 @@ def html_table(header: Sequence[str], rows: Iterable[Sequence[object]], align: s
     """
 
     def row(cells: Sequence[object], tag: str, style: str) -> str:
-        sides = ["right" if align[i:i + 1] == "r" else "left" for i in range(len(cells))]
-        return "<tr>" + "".join(
-            f'<{tag} style="{style} text-align:{side};{" white-space:nowrap;" if len(str(cell)) <= 24 else ""}">'
-            f"{esc(cell)}</{tag}>" for cell, side in zip(cells, sides)) + "</tr>"
+        sides = ["right" if align[i : i + 1] == "r" else "left" for i in range(len(cells))]
+        return (
+            "<tr>"
+            + "".join(
+                f'<{tag} style="{style} text-align:{side};{" white-space:nowrap;" if len(str(cell)) <= 24 else ""}">'
+                f"{esc(cell)}</{tag}>"
+                for cell, side in zip(cells, sides)
+            )
+            + "</tr>"
+        )
 
     cell = f"padding:2px 8px; border-bottom:1px solid {BORDER_LIGHT}; vertical-align:top;"
     body = "".join(row(r, "td", cell) for r in rows)
-    return (f'<table style="border-collapse:collapse; max-width:100%; font-size:12px; color:{FG}">'
-            f'<thead>{row(header, "th", f"background:{BG_HEADER}; {cell}")}</thead><tbody>{body}</tbody></table>')
+    return (
+        f'<table style="border-collapse:collapse; max-width:100%; font-size:12px; color:{FG}">'
+        f"<thead>{row(header, 'th', f'background:{BG_HEADER}; {cell}')}</thead><tbody>{body}</tbody></table>"
+    )
 
 
 # Names and refusal reasons the made-up cases of check_choose_backend are drawn from: no platform has
 # these priority lists and "MY_ATTN" is no registered backend, so the package's selector cannot answer them.
 _NAMES = ("TORCH_REF", "TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "MY_ATTN")
-_REASONS = ("device 'cpu' not supported", "head size 100 not supported", "block size 7 not supported",
-            "dtype torch.float32 not supported", "sliding window not supported")
+_REASONS = (
+    "device 'cpu' not supported",
+    "head size 100 not supported",
+    "block size 7 not supported",
+    "dtype torch.float32 not supported",
+    "sliding window not supported",
+)
 
 ChooseFn = Callable[[list[str], dict[str, list[str]]], object]
 Case = tuple[list[str], dict[str, list[str]]]
@@ -137,8 +150,9 @@ def _random_case(rng: random.Random) -> Case:
 
 
 @exercise("00: be the selector")
-def check_choose_backend(llm: LLM, fn: ChooseFn, layer_name: str = "model.layers.0.self_attn.attn",
-                         num_hidden: int = 20) -> CheckResult:
+def check_choose_backend(
+    llm: LLM, fn: ChooseFn, layer_name: str = "model.layers.0.self_attn.attn", num_hidden: int = 20
+) -> CheckResult:
     """Does `fn(priority, reasons)` pick a layer's backend the way the selector does?
 
     `priority` is the platform's list of backend names, `reasons` maps every registered backend to
@@ -163,8 +177,13 @@ def check_choose_backend(llm: LLM, fn: ChooseFn, layer_name: str = "model.layers
         *(_random_case(rng) for _ in range(num_hidden)),
     ]
     # The student's function gets copies, so it cannot change a case before its answer is worked out.
-    answers, rejected = call_on_cases(fn, [(list(p), {n: list(r) for n, r in rs.items()}) for p, rs in cases],
-                                      [get_attn_backend], "the rule", lambda case: f"fn({case[0]}, ...)")
+    answers, rejected = call_on_cases(
+        fn,
+        [(list(p), {n: list(r) for n, r in rs.items()}) for p, rs in cases],
+        [get_attn_backend],
+        "the rule",
+        lambda case: f"fn({case[0]}, ...)",
+    )
     if rejected is not None:
         return rejected
 
@@ -187,8 +206,10 @@ def check_choose_backend(llm: LLM, fn: ChooseFn, layer_name: str = "model.layers
         if got not in priority:
             return f"you returned {got}: it could serve the layer, but only backends in the priority list are tried"
         if servable[0] != got:
-            return (f"you returned {got}: it can serve the layer, but so can a backend earlier in the priority list, "
-                    "and the selector takes the first")
+            return (
+                f"you returned {got}: it can serve the layer, but so can a backend earlier in the priority list, "
+                "and the selector takes the first"
+            )
         return None
 
     def worked_choice(priority: list[str], reasons: dict[str, list[str]]) -> str:
@@ -210,8 +231,14 @@ def check_choose_backend(llm: LLM, fn: ChooseFn, layer_name: str = "model.layers
     for answer, (priority, reasons) in zip(answers, cases):
         broken = mistake(answer, priority, reasons)
         if broken is not None:
-            return CheckResult(False, f"For {shown(priority, reasons)}: {broken}.",
-                               reveal=lambda p=priority, r=reasons: worked_choice(p, r))
+            return CheckResult(
+                False,
+                f"For {shown(priority, reasons)}: {broken}.",
+                reveal=lambda p=priority, r=reasons: worked_choice(p, r),
+            )
     chosen = llm.runner.attn_layers[layer_name].attn_backend.get_name()
-    return CheckResult(True, f"Your rule agrees with the selector on {len(cases)} cases. On this machine "
-                             f"{chosen} serves {layer_name!r}: {_why_chosen(llm, layer_name, chosen, report)}.")
+    return CheckResult(
+        True,
+        f"Your rule agrees with the selector on {len(cases)} cases. On this machine "
+        f"{chosen} serves {layer_name!r}: {_why_chosen(llm, layer_name, chosen, report)}.",
+    )

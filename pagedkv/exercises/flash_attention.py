@@ -49,16 +49,24 @@ def check_kernel_block_rows(fn: RowFn, num_hidden: int = 12) -> CheckResult:
     if own is not None:
         return own
     cases = _cases(num_hidden, random.Random())
-    results, rejected = call_on_cases(fn, [(list(row), bs, kbs) for row, bs, kbs in cases], PACKAGE, WHAT,
-                                      lambda case: f"fn({case[0]}, {case[1]}, {case[2]})")
+    results, rejected = call_on_cases(
+        fn,
+        [(list(row), bs, kbs) for row, bs, kbs in cases],
+        PACKAGE,
+        WHAT,
+        lambda case: f"fn({case[0]}, {case[1]}, {case[2]})",
+    )
     if rejected is not None:
         return rejected
     for (row, block_size, kernel_block_size), got in zip(cases, results, strict=True):
         wrong = _wrong_row(row, block_size, kernel_block_size, got)
         if wrong is not None:
             return wrong
-    return CheckResult(True, f"Your rewrite is right on the notebook's row and {num_hidden} random rows and "
-                             "block sizes (some of them page sizes no backend reads).")
+    return CheckResult(
+        True,
+        f"Your rewrite is right on the notebook's row and {num_hidden} random rows and "
+        "block sizes (some of them page sizes no backend reads).",
+    )
 
 
 def _wrong_row(row: list[int], block_size: int, kernel_block_size: int, got: Any) -> CheckResult | None:
@@ -67,33 +75,45 @@ def _wrong_row(row: list[int], block_size: int, kernel_block_size: int, got: Any
     k = block_size // kernel_block_size
 
     def worked() -> str:
-        lines = [f"k = {block_size} // {kernel_block_size} = {k} kernel blocks per manager block; "
-                 f"manager block b holds tokens b*{block_size} ..., which are kernel blocks b*{k} ... b*{k} + {k - 1}:"]
+        lines = [
+            f"k = {block_size} // {kernel_block_size} = {k} kernel blocks per manager block; "
+            f"manager block b holds tokens b*{block_size} ..., which are kernel blocks b*{k} ... b*{k} + {k - 1}:"
+        ]
         lines += [f"  {b} -> {', '.join(str(b * k + i) for i in range(k))}" for b in row]
         lines.append(f"{call} = {[b * k + i for b in row for i in range(k)]}")
         return "\n".join(lines)
 
     if not isinstance(got, (list, tuple)) or not all(isinstance(x, Integral) and not isinstance(x, bool) for x in got):
-        return CheckResult(False, f"{call} returned a {type(got).__name__}; return a list of ints (kernel block ids).",
-                           reveal=worked)
+        return CheckResult(
+            False, f"{call} returned a {type(got).__name__}; return a list of ints (kernel block ids).", reveal=worked
+        )
     got = [int(x) for x in got]  # numpy or torch integers are ints too
     if len(got) != len(row) * k:
-        return CheckResult(False, (
-            f"{call} returned {len(got)} ids for {len(row)} manager block(s): each manager block of {block_size} "
-            f"tokens is {block_size} // {kernel_block_size} kernel blocks, one id each, in the row's order."
-        ), reveal=worked)
+        return CheckResult(
+            False,
+            (
+                f"{call} returned {len(got)} ids for {len(row)} manager block(s): each manager block of {block_size} "
+                f"tokens is {block_size} // {kernel_block_size} kernel blocks, one id each, in the row's order."
+            ),
+            reveal=worked,
+        )
     expected = [b * k + i for b in row for i in range(k)]
     if got == expected:
         return None
     j = next(j for j, (a, e) in enumerate(zip(got, expected)) if a != e)
     b, i = row[j // k], j % k
     if got == [b + i for b in row for i in range(k)]:
-        why = (f"it counts up from the manager block id {b}, but {b} numbers blocks of {block_size} tokens; "
-               f"in pages of {kernel_block_size} tokens, how many kernel blocks come before manager block {b}?")
+        why = (
+            f"it counts up from the manager block id {b}, but {b} numbers blocks of {block_size} tokens; "
+            f"in pages of {kernel_block_size} tokens, how many kernel blocks come before manager block {b}?"
+        )
     elif got == [b for b in row for _ in range(k)]:
         why = f"it keeps the manager block id {b}; the kernel numbers pages of {kernel_block_size} tokens."
     else:
-        why = (f"manager block {b} starts at token {b} * {block_size} of the cache; which page of "
-               f"{kernel_block_size} tokens holds its token {i * kernel_block_size}?")
-    return CheckResult(False, f"{call}: entry {j} (kernel block {i} of manager block {b}) is {got[j]}: {why}",
-                       reveal=worked)
+        why = (
+            f"manager block {b} starts at token {b} * {block_size} of the cache; which page of "
+            f"{kernel_block_size} tokens holds its token {i * kernel_block_size}?"
+        )
+    return CheckResult(
+        False, f"{call}: entry {j} (kernel block {i} of manager block {b}) is {got[j]}: {why}", reveal=worked
+    )

@@ -50,8 +50,10 @@ def _made_up_contexts(rng: random.Random) -> list[tuple[str, dict[str, Any], dic
     names of no model, layers split into groups that share a metadata object, slot mappings
     missing for some layers, and a profile run (no metadata, no slots)."""
     stems = ["decoder.blocks", "vision_tower.layers", "mtp.heads", "backbone.mixers"]
-    names = [f"{rng.choice(stems)}.{i}.{rng.choice(['attn', 'self_attention', 'mixer.attn'])}"
-             for i in rng.sample(range(40), 5)]
+    names = [
+        f"{rng.choice(stems)}.{i}.{rng.choice(['attn', 'self_attention', 'mixer.attn'])}"
+        for i in rng.sample(range(40), 5)
+    ]
     registry = {n: _StandInLayer(n, torch.zeros(2, rng.randint(3, 9), rng.choice([2, 5]), 1, 4)) for n in names}
     groups = [names[0::2], names[1::2]]
     metadata: dict[str, Any] = {}
@@ -72,8 +74,9 @@ def _lookups_in_made_up_contexts(
         config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=registry))
         with set_forward_context(metadata, config, slot_mapping=slots) as context:  # type: ignore[arg-type]
             for name in rng.sample(list(registry), len(registry)):
-                got, rejected = call_answer(fn, [name], [get_attention_context], "the lookup",
-                                            f"In {where}, fn({name!r})")
+                got, rejected = call_answer(
+                    fn, [name], [get_attention_context], "the lookup", f"In {where}, fn({name!r})"
+                )
                 if rejected is not None:
                     return calls, rejected
                 calls.append(_Call(where, name, context, got))
@@ -121,8 +124,15 @@ def check_attention_context(llm: LLM, fn: Callable[[str], Any]) -> CheckResult:
     engines = [llm]
     if len(llm.runner.kv_cache_config.kv_cache_groups) == 1:
         # Eager: the lookups run in a layer hook, and a replayed CUDA graph runs no Python (notebook 08).
-        engines.append(LLM("tiny-hybrid", device=llm.config.device, num_kv_blocks=32, enforce_eager=True,
-                           enable_prefix_caching=False))
+        engines.append(
+            LLM(
+                "tiny-hybrid",
+                device=llm.config.device,
+                num_kv_blocks=32,
+                enforce_eager=True,
+                enable_prefix_caching=False,
+            )
+        )
     calls: list[_Call] = []
     rejected: CheckResult | None = None
     for engine in engines:
@@ -141,8 +151,11 @@ def check_attention_context(llm: LLM, fn: Callable[[str], Any]) -> CheckResult:
     if rejected is not None:
         return rejected
     places = sorted({c.where for c in calls})
-    return CheckResult(True, f"Your lookup returned the very objects of the forward context in all {len(calls)} "
-                             f"calls ({', '.join(places)}).")
+    return CheckResult(
+        True,
+        f"Your lookup returned the very objects of the forward context in all {len(calls)} "
+        f"calls ({', '.join(places)}).",
+    )
 
 
 def _first_wrong_field(call: _Call) -> CheckResult | None:
@@ -150,8 +163,11 @@ def _first_wrong_field(call: _Call) -> CheckResult | None:
     context, name, got = call.context, call.name, call.got
     signature = f"In {call.where}, fn({name!r})"
     if not isinstance(got, tuple) or len(got) != 4:
-        return CheckResult(False, f"{signature} returned {type(got).__name__}; return a tuple of 4: {_FIELDS}.",
-                           reveal=lambda: _worked_lookup(call))
+        return CheckResult(
+            False,
+            f"{signature} returned {type(got).__name__}; return a tuple of 4: {_FIELDS}.",
+            reveal=lambda: _worked_lookup(call),
+        )
     layer = context.no_compile_layers[name]
     right = (
         None if context.attn_metadata is None else context.attn_metadata[name],
@@ -161,8 +177,11 @@ def _first_wrong_field(call: _Call) -> CheckResult | None:
     )
     for field, g, e in zip(_FIELDS, got, right):
         if not _same(g, e):
-            return CheckResult(False, f"{signature}: {field} is wrong: {_explain(field, g, name, context)}.",
-                               reveal=lambda: _worked_lookup(call))
+            return CheckResult(
+                False,
+                f"{signature}: {field} is wrong: {_explain(field, g, name, context)}.",
+                reveal=lambda: _worked_lookup(call),
+            )
     return None
 
 
@@ -185,8 +204,10 @@ def _explain(field: str, got: Any, name: str, context: ForwardContext) -> str:
     if field == "attn_metadata" and metadata is not None and any(got is m for m in metadata.values()):
         return "that is the metadata of another attention group's layers; look this layer's name up"
     if field == "slot_mapping" and any(_same(got, s) for s in slots.values()):
-        return ("that is the slot mapping of a layer in another KV cache group (each group has its own slots); "
-                "look this layer's name up")
+        return (
+            "that is the slot mapping of a layer in another KV cache group (each group has its own slots); "
+            "look this layer's name up"
+        )
     if field == "slot_mapping" and name not in slots:
         return "this context has no slot mapping for this layer: the lookup gives None then (dict.get), not an error"
     if field == "layer" and any(got is layer for layer in layers.values()):
@@ -194,8 +215,10 @@ def _explain(field: str, got: Any, name: str, context: ForwardContext) -> str:
     if field == "layer":
         return "the layer is the object registered under the name in the context's no_compile_layers"
     if field == "kv_cache" and isinstance(got, torch.Tensor):
-        return ("a tensor, but not this layer's cache: the runner bound the cache to the layer object at start-up "
-                "(the context does not carry caches)")
+        return (
+            "a tensor, but not this layer's cache: the runner bound the cache to the layer object at start-up "
+            "(the context does not carry caches)"
+        )
     return f"got {type(got).__name__}: look it up in the forward context (get_forward_context())"
 
 
@@ -210,14 +233,17 @@ def _worked_lookup(call: _Call) -> str:
         sharing = [n for n, m in context.attn_metadata.items() if m is entry]
         metadata = f"a {type(entry).__name__} object, the very one of layers {sharing}"
     slots = context.slot_mapping.get(name)
-    slot_text = ("None: the context has no slot mapping for this layer" if slots is None
-                 else f"the tensor {slots.tolist()}")
-    return "\n".join([
-        f"In {call.where}, for layer_name = {name!r}:",
-        "  ctx = get_forward_context()",
-        f"  attn_metadata = ctx.attn_metadata[layer_name] if ctx.attn_metadata is not None else None  -> {metadata}",
-        f"  layer = ctx.no_compile_layers[layer_name]  -> {type(layer).__name__} {name!r}",
-        f"  kv_cache = layer.kv_cache  -> a tensor of shape {list(layer.kv_cache.shape)}",
-        f"  slot_mapping = ctx.slot_mapping.get(layer_name)  -> {slot_text}",
-        "  return attn_metadata, layer, kv_cache, slot_mapping",
-    ])
+    slot_text = (
+        "None: the context has no slot mapping for this layer" if slots is None else f"the tensor {slots.tolist()}"
+    )
+    return "\n".join(
+        [
+            f"In {call.where}, for layer_name = {name!r}:",
+            "  ctx = get_forward_context()",
+            f"  attn_metadata = ctx.attn_metadata[layer_name] if ctx.attn_metadata is not None else None  -> {metadata}",
+            f"  layer = ctx.no_compile_layers[layer_name]  -> {type(layer).__name__} {name!r}",
+            f"  kv_cache = layer.kv_cache  -> a tensor of shape {list(layer.kv_cache.shape)}",
+            f"  slot_mapping = ctx.slot_mapping.get(layer_name)  -> {slot_text}",
+            "  return attn_metadata, layer, kv_cache, slot_mapping",
+        ]
+    )

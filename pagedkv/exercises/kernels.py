@@ -51,14 +51,46 @@ from pagedkv.platforms import default_device  # noqa: E402
 
 Launch = Callable[..., None]
 
-ALLOCATING = frozenset({
-    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like", "new_zeros",
-    "full", "full_like", "new_full", "ones", "ones_like", "new_ones",
-})
-VIEWING = frozenset({
-    "view", "_unsafe_view", "_reshape_alias", "as_strided", "alias", "expand", "permute", "transpose", "t",
-    "unsqueeze", "squeeze", "select", "slice", "narrow", "unbind", "split", "split_with_sizes", "unflatten",
-})
+ALLOCATING = frozenset(
+    {
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "zeros",
+        "zeros_like",
+        "new_zeros",
+        "full",
+        "full_like",
+        "new_full",
+        "ones",
+        "ones_like",
+        "new_ones",
+    }
+)
+VIEWING = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "_reshape_alias",
+        "as_strided",
+        "alias",
+        "expand",
+        "permute",
+        "transpose",
+        "t",
+        "unsqueeze",
+        "squeeze",
+        "select",
+        "slice",
+        "narrow",
+        "unbind",
+        "split",
+        "split_with_sizes",
+        "unflatten",
+    }
+)
 COPYING = frozenset({"clone", "_to_copy", "copy_", "fill_", "zero_"})
 SIZING = frozenset({"max", "amax", "_local_scalar_dense"})
 """A grid or a loop bound from the longest sequence: int(seq_lens.max())."""
@@ -127,28 +159,38 @@ class _LaunchWatch:
         """Note what is wrong with the launcher running aten `op` (outside or inside a kernel launch)."""
         if self.in_launch():
             if op not in INTERPRETER_OPS:
-                self.note(f"the kernel calls torch (aten.{op}) while it runs: a @triton.jit kernel computes "
-                          "with triton.language only (the interpreter runs any Python; a GPU would not compile it)")
+                self.note(
+                    f"the kernel calls torch (aten.{op}) while it runs: a @triton.jit kernel computes "
+                    "with triton.language only (the interpreter runs any Python; a GPU would not compile it)"
+                )
             return
         if op == "set_":  # what Triton's interpreter runs when it launches a kernel
-            self.note("the launcher launches a @triton.jit kernel it was not given (aten.set_: the interpreter "
-                      "copying its arguments): launch only the kernel(s) passed to it")
+            self.note(
+                "the launcher launches a @triton.jit kernel it was not given (aten.set_: the interpreter "
+                "copying its arguments): launch only the kernel(s) passed to it"
+            )
             return
         if op not in LAUNCHER_OPS:
             why = _WHY.get(op, "computes with torch")
-            self.note(f"the launcher {why} (aten.{op}) outside the kernel: a launcher only allocates, views and "
-                      "converts; the work belongs in the @triton.jit kernel")
+            self.note(
+                f"the launcher {why} (aten.{op}) outside the kernel: a launcher only allocates, views and "
+                "converts; the work belongs in the @triton.jit kernel"
+            )
             return
         if self.foreign(_tensors((args, kwargs))):
-            self.note(f"the launcher uses a tensor the checker did not give it (aten.{op}): a precomputed "
-                      "answer cannot pass; work from the inputs")
+            self.note(
+                f"the launcher uses a tensor the checker did not give it (aten.{op}): a precomputed "
+                "answer cannot pass; work from the inputs"
+            )
         elif op in _WRITING and _storage(args[0]) in self.checker:
             written = self.checker[_storage(args[0])]
             kind = "output" if _storage(args[0]) in self.outputs else "input"
             self.note(f"the launcher writes into its {kind} {written} itself (aten.{op}): only the kernel writes")
         elif op == "copy_" and _storage(args[1]) in self.checker:
-            self.note(f"the launcher copies from its input {self.checker[_storage(args[1])]} into a buffer of its own "
-                      "(aten.copy_): moving data through the page table (gather, scatter) is the kernel's work")
+            self.note(
+                f"the launcher copies from its input {self.checker[_storage(args[1])]} into a buffer of its own "
+                "(aten.copy_): moving data through the page table (gather, scatter) is the kernel's work"
+            )
         for t in _tensors(result):
             self.made.add(_storage(t))
 
@@ -211,8 +253,10 @@ class _KernelStandIn:
             if not self.run:
                 return None
             if self.watch.foreign(_tensors((args, kwargs))):
-                self.watch.note(f"the launcher passes {self.kernel.fn.__name__} a tensor the checker did not give "
-                                "it and it did not allocate: a precomputed answer cannot pass")
+                self.watch.note(
+                    f"the launcher passes {self.kernel.fn.__name__} a tensor the checker did not give "
+                    "it and it did not allocate: a precomputed answer cannot pass"
+                )
             local = self.watch.launching
             local.depth = getattr(local, "depth", 0) + 1
             # Triton's own code may read frames (its first launch imports lazily; namedtuple does) and
@@ -317,8 +361,10 @@ def first_mismatch(got: torch.Tensor, expected: torch.Tensor) -> tuple[int, ...]
     return tuple(int(i) for i in (~ok).nonzero()[0])
 
 
-ACCESS_HINT = ("a kernel loads only what its program needs (mask the loads past seq_len: those rows hold "
-               "another request's keys, or nothing) and stores every entry of its output rows, each once.")
+ACCESS_HINT = (
+    "a kernel loads only what its program needs (mask the loads past seq_len: those rows hold "
+    "another request's keys, or nothing) and stores every entry of its output rows, each once."
+)
 
 
 @contextmanager
@@ -358,7 +404,7 @@ def _run_launcher(
     """`launch(*stand-ins, *case.args)` watched (torch ops, threads, package calls); the stand-ins
     and the rejection, if any. With `log` (a list), the kernels' loads and stores are recorded into
     its one entry, an `AccessLog` (only under Triton's interpreter)."""
-    names = list(inspect.signature(launch).parameters)[len(kernels):] if callable(launch) else []
+    names = list(inspect.signature(launch).parameters)[len(kernels) :] if callable(launch) else []
     names += [f"argument {i}" for i in range(len(names), len(case.args))]
     checker = {_storage(t): name for name, t in zip(names, case.args) if isinstance(t, torch.Tensor)}
     _warm_up()
@@ -411,8 +457,11 @@ def check_launches(
             if n == 0:
                 return CheckResult(False, f"{what}: the launcher never launched {name} (call kernel[grid](...)).")
             if n > 1:
-                return CheckResult(False, f"{what}: the launcher launched {name} {n} times; launch it once, "
-                                          "with a grid of programs, not in a Python loop.")
+                return CheckResult(
+                    False,
+                    f"{what}: the launcher launched {name} {n} times; launch it once, "
+                    "with a grid of programs, not in a Python loop.",
+                )
         expected = case.reference()  # only now, after the student's code has run
         for name, got in case.outputs.items():
             index = first_mismatch(got, expected[name])
@@ -420,20 +469,28 @@ def check_launches(
                 value = float(got.detach().cpu()[index])
                 shows, work = case.explain(name, index, value, expected)
                 at = ", ".join(map(str, index))
-                return CheckResult(False, f"{what}: {name}[{at}] is {value:.4g}{shows}.\nCase: {case.description}."
-                                          f"\nHint: {hint}", reveal=work)
+                return CheckResult(
+                    False,
+                    f"{what}: {name}[{at}] is {value:.4g}{shows}.\nCase: {case.description}.\nHint: {hint}",
+                    reveal=work,
+                )
         problems = _access_problems(logs[0], case) if logs else []
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            return CheckResult(False, f"{what}: the right values, but {problems[0]}{more}.\nCase: {case.description}."
-                                      f"\nHint: {ACCESS_HINT}",
-                               reveal=lambda problems=problems: "Every memory rule the kernel broke:\n" + "\n".join(problems))
+            return CheckResult(
+                False,
+                f"{what}: the right values, but {problems[0]}{more}.\nCase: {case.description}.\nHint: {ACCESS_HINT}",
+                reveal=lambda problems=problems: "Every memory rule the kernel broke:\n" + "\n".join(problems),
+            )
     case = make_cases[0]()
     _, rejected = _run_launcher(kernels, launch, case, what, run=False)
     expected = case.reference()
     if rejected is None and all(first_mismatch(got, expected[n]) is None for n, got in case.outputs.items()):
-        return CheckResult(False, f"{what}: the launcher gets the right answer without running the kernel; "
-                                  "the work belongs in the @triton.jit kernel.")
+        return CheckResult(
+            False,
+            f"{what}: the launcher gets the right answer without running the kernel; "
+            "the work belongs in the @triton.jit kernel.",
+        )
     return CheckResult(True, f"{what}: {len(make_cases)} random cases match the float64 reference.")
 
 
@@ -464,15 +521,22 @@ def _scatter_case(seed: int, num_tokens: int, block_size: int, num_kv_heads: int
         valid = slots >= 0
         cache[0].view(-1, num_kv_heads, head_size)[slots[valid]] = key[valid].double()
         cache[1].view(-1, num_kv_heads, head_size)[slots[valid]] = value[valid].double()
-        return {**{name: torch.zeros(g.shape, dtype=torch.float64) for name, g in guards.items()},
-                "k_cache": cache[0], "v_cache": cache[1]}
+        return {
+            **{name: torch.zeros(g.shape, dtype=torch.float64) for name, g in guards.items()},
+            "k_cache": cache[0],
+            "v_cache": cache[1],
+        }
 
     def explain(name: str, index: tuple[int, ...], got: float, expected: dict[str, torch.Tensor]) -> tuple[str, Any]:
         if name not in ("k_cache", "v_cache"):  # a guard block
             which = "K" if index[0] == 0 else "V"
-            return (f" (a write outside the {which} cache, {name}: a slot of -1 (padding) must store nothing)",
-                    lambda: f"Nothing may be written {name}: tokens with slot -1 ({slot_list}) store nothing, "
-                            "so their program returns before any tl.store.")
+            return (
+                f" (a write outside the {which} cache, {name}: a slot of -1 (padding) must store nothing)",
+                lambda: (
+                    f"Nothing may be written {name}: tokens with slot -1 ({slot_list}) store nothing, "
+                    "so their program returns before any tl.store."
+                ),
+            )
         slot = index[0] * block_size + index[1]
         source = key if name == "k_cache" else value
         row = f"{name}[{index[0]}, {index[1]}] is slot {index[0]} * {block_size} + {index[1]} = {slot}"
@@ -484,15 +548,21 @@ def _scatter_case(seed: int, num_tokens: int, block_size: int, num_kv_heads: int
         else:
             shows = ""
         if slot not in slot_list:
-            return (f" (slot {slot}, which no token writes: it must stay 0{shows})",
-                    lambda: f"{row}; no token of slot_mapping {slot_list} has slot {slot}, so that row stays at 0.")
+            return (
+                f" (slot {slot}, which no token writes: it must stay 0{shows})",
+                lambda: f"{row}; no token of slot_mapping {slot_list} has slot {slot}, so that row stays at 0.",
+            )
         token = slot_list.index(slot)
         head, dim = index[2:]
-        return (f" (slot {slot}, where token {token} writes{shows})",
-                lambda: f"token {token} has slot {slot} = block {slot // block_size}, row {slot % block_size} "
-                        f"({slot} // {block_size}, {slot} % {block_size}), so {name}[{', '.join(map(str, index))}] "
-                        f"= {'key' if name == 'k_cache' else 'value'}[{token}, {head}, {dim}] = "
-                        f"{float(source[token, head, dim]):.4g}.")
+        return (
+            f" (slot {slot}, where token {token} writes{shows})",
+            lambda: (
+                f"token {token} has slot {slot} = block {slot // block_size}, row {slot % block_size} "
+                f"({slot} // {block_size}, {slot} % {block_size}), so {name}[{', '.join(map(str, index))}] "
+                f"= {'key' if name == 'k_cache' else 'value'}[{token}, {head}, {dim}] = "
+                f"{float(source[token, head, dim]):.4g}."
+            ),
+        )
 
     key_d, value_d, slots_d = (t.to(device, copy=True) for t in (key, value, slots))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -511,6 +581,8 @@ def check_scatter_kernel(kernel: Any, launch: Launch) -> CheckResult:
     """Puzzle 2: `launch(kernel, key, value, k_cache, v_cache, slot_mapping)` writes token t's
     [heads, head_size] K and V into `(slot // block_size, slot % block_size)`; slot -1 writes nothing."""
     cases = [lambda: _scatter_case(0, 6, 4, 2, 8), lambda: _scatter_case(1, 13, 16, 1, 16)]
-    hint = ("block = slot // block_size, offset = slot % block_size, addresses through the cache strides; "
-            "a slot of -1 (padding) stores nothing.")
+    hint = (
+        "block = slot // block_size, offset = slot % block_size, addresses through the cache strides; "
+        "a slot of -1 (padding) stores nothing."
+    )
     return check_launches([kernel], launch, cases, "scatter kernel", hint)

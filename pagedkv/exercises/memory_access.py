@@ -75,7 +75,13 @@ import numpy as np
 import torch
 
 __all__ = [
-    "Access", "AccessLog", "KernelLaunch", "TensorInfo", "count_text", "record_accesses", "where_outside",
+    "Access",
+    "AccessLog",
+    "KernelLaunch",
+    "TensorInfo",
+    "count_text",
+    "record_accesses",
+    "where_outside",
 ]
 
 Program = tuple[int, int, int]
@@ -99,8 +105,14 @@ class TensorInfo:
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> TensorInfo:
-        return cls(name, tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype).removeprefix("torch."),
-                   tensor.element_size(), tensor.data_ptr())
+        return cls(
+            name,
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            str(tensor.dtype).removeprefix("torch."),
+            tensor.element_size(),
+            tensor.data_ptr(),
+        )
 
     @property
     def numel(self) -> int:
@@ -222,15 +234,17 @@ class AccessLog:
         return f"AccessLog({len(self.launches)} launches, tensors {', '.join(self.tensors)})"
 
     def accesses(
-        self, kind: Kind | None = None, tensor: str | None = None, program: Program | None = None,
+        self,
+        kind: Kind | None = None,
+        tensor: str | None = None,
+        program: Program | None = None,
         launch: int | None = None,
     ) -> Iterator[tuple[KernelLaunch, Access]]:
         """Each access that matches every given filter, with its launch (`launch`: index into launches)."""
         launches = self.launches if launch is None else [self.launches[launch]]
         for run in launches:
             for a in run.accesses:
-                if (kind in (None, a.kind) and tensor in (None, a.tensor)
-                        and program in (None, a.program)):
+                if kind in (None, a.kind) and tensor in (None, a.tensor) and program in (None, a.program):
                     yield run, a
 
     def touched(self, name: str, kind: Kind, program: Program | None = None, launch: int | None = None) -> np.ndarray:
@@ -271,8 +285,10 @@ class AccessLog:
             reads, writes = reads | own, writes | own
         for name in [*reads, *writes, *allowed, *(rows_written or {})]:
             if name not in self.tensors:
-                raise KeyError(f"problems() names {name!r}, which record_accesses was not given: "
-                               f"known tensors are {', '.join(self.tensors)}")
+                raise KeyError(
+                    f"problems() names {name!r}, which record_accesses was not given: "
+                    f"known tensors are {', '.join(self.tensors)}"
+                )
         found: list[str] = []
         for run in self.launches:
             # one line per broken rule and tensor: the first program that broke it, and how many more did
@@ -298,8 +314,13 @@ class AccessLog:
         return found
 
     def _program_problems(
-        self, accesses: list[Access], program: Program, reads: set[str], writes: set[str],
-        allowed: dict[str, Allowed], reasons: dict[str, str],
+        self,
+        accesses: list[Access],
+        program: Program,
+        reads: set[str],
+        writes: set[str],
+        allowed: dict[str, Allowed],
+        reasons: dict[str, str],
     ) -> list[tuple[tuple[str, ...], str]]:
         """(rule broken, what the program did) for each rule one program's `accesses` broke."""
         found = []
@@ -312,24 +333,37 @@ class AccessLog:
             verb = "loaded" if kind == "load" else "stored"
             if not inside:
                 parts = _outside_parts(info, offsets)
-                found.append((("outside", kind, name, *(where for where, _ in parts)),
-                              f"{verb} {count_text(offsets.size)} outside every tensor it was given: "
-                              f"{'; '.join(text for _, text in parts)}"))
+                found.append(
+                    (
+                        ("outside", kind, name, *(where for where, _ in parts)),
+                        f"{verb} {count_text(offsets.size)} outside every tensor it was given: "
+                        f"{'; '.join(text for _, text in parts)}",
+                    )
+                )
                 continue
             permitted = reads if kind == "load" else writes
             if name not in permitted:
                 access = "read" if kind == "load" else "write"
                 may = f"it may {access} {', '.join(sorted(permitted))}" if permitted else f"it may {access} no tensor"
-                found.append((("not permitted", kind, name), f"{verb} {count_text(offsets.size)} of {name} (first "
-                              f"{info.describe(offsets[0])}), which it may not {access} ({may})"))
+                found.append(
+                    (
+                        ("not permitted", kind, name),
+                        f"{verb} {count_text(offsets.size)} of {name} (first "
+                        f"{info.describe(offsets[0])}), which it may not {access} ({may})",
+                    )
+                )
                 continue
             if name in allowed:
                 ok = _allowed_mask(allowed[name], program, info)
                 bad = offsets[~ok[offsets]]
                 if bad.size:
                     why = reasons.get(name, "outside the part it may touch")
-                    found.append((("not allowed", kind, name),
-                                  f"{verb} {count_text(bad.size)} of {name} {why} (first {info.describe(bad[0])})"))
+                    found.append(
+                        (
+                            ("not allowed", kind, name),
+                            f"{verb} {count_text(bad.size)} of {name} {why} (first {info.describe(bad[0])})",
+                        )
+                    )
         return found
 
     def _races(self, run: KernelLaunch) -> list[str]:
@@ -343,9 +377,11 @@ class AccessLog:
                 for flat in np.unique(a.offsets).tolist():
                     first = owner.setdefault(flat, a.program)
                     if first != a.program:
-                        found.append(f"{run.kernel}: {self.tensors[name].describe(flat)} stored by "
-                                     f"{run.program_text(first)} and {run.program_text(a.program)} (programs "
-                                     f"run in parallel on a GPU: which store lands last is not defined)")
+                        found.append(
+                            f"{run.kernel}: {self.tensors[name].describe(flat)} stored by "
+                            f"{run.program_text(first)} and {run.program_text(a.program)} (programs "
+                            f"run in parallel on a GPU: which store lands last is not defined)"
+                        )
                         break
                 else:
                     continue
@@ -356,8 +392,10 @@ class AccessLog:
         info = self.tensors[name]
         lead = row if isinstance(row, int) else len(info.shape) - len(row)
         if not 0 <= lead <= len(info.shape) or (not isinstance(row, int) and tuple(info.shape[lead:]) != tuple(row)):
-            raise ValueError(f"rows_written[{name!r}] = {row!r} does not fit {name}'s shape {info.shape}: give the "
-                             "number of leading dimensions that index a row, or the shape of one row")
+            raise ValueError(
+                f"rows_written[{name!r}] = {row!r} does not fit {name}'s shape {info.shape}: give the "
+                "number of leading dimensions that index a row, or the shape of one row"
+            )
         written = self.touched(name, "store").reshape(int(np.prod(info.shape[:lead], dtype=np.int64)), -1)
         never = np.flatnonzero(~written.any(axis=1))
         partly = np.flatnonzero(written.any(axis=1) & ~written.all(axis=1))
@@ -369,12 +407,15 @@ class AccessLog:
         found = []
         if never.size:
             listed = ", ".join(row_text(i) for i in never[:4]) + (", ..." if never.size > 4 else "")
-            found.append(f"{name}: {never.size} of {written.shape[0]} rows never written ({listed}): "
-                         "no program stored to them")
+            found.append(
+                f"{name}: {never.size} of {written.shape[0]} rows never written ({listed}): no program stored to them"
+            )
         if partly.size:
             first = int(partly[0]) * written.shape[1] + int(np.flatnonzero(~written[partly[0]])[0])
-            found.append(f"{name}: {partly.size} of {written.shape[0]} rows only partly written "
-                         f"(first unwritten element {info.describe(first)})")
+            found.append(
+                f"{name}: {partly.size} of {written.shape[0]} rows only partly written "
+                f"(first unwritten element {info.describe(first)})"
+            )
         return found
 
 
@@ -396,17 +437,31 @@ def _outside_parts(info: TensorInfo, offsets: np.ndarray) -> list[tuple[str, str
     between = offsets[(offsets >= low) & (offsets < high)]
     parts = []
     if past.size:
-        parts.append(("past", f"{count_text(past.size)} past the end of {info.name} ({info.name} has {info.numel} "
-                              f"elements; the furthest is {int(past.max()) - high + 1} past its last)"))
+        parts.append(
+            (
+                "past",
+                f"{count_text(past.size)} past the end of {info.name} ({info.name} has {info.numel} "
+                f"elements; the furthest is {int(past.max()) - high + 1} past its last)",
+            )
+        )
     if before.size:
-        parts.append(("before", f"{count_text(before.size)} before the start of {info.name} (up to "
-                                f"{low - int(before.min())} before)"))
+        parts.append(
+            (
+                "before",
+                f"{count_text(before.size)} before the start of {info.name} (up to {low - int(before.min())} before)",
+            )
+        )
     if between.size:
         sorted_rel, order = info._layout
         first = int(between.min())
         previous = int(order[np.searchsorted(sorted_rel, first * info.itemsize, side="right") - 1])
-        parts.append(("gaps", f"{count_text(between.size)} in the gaps between the elements of {info.name} (the "
-                              f"first just after {info.describe(previous)})"))
+        parts.append(
+            (
+                "gaps",
+                f"{count_text(between.size)} in the gaps between the elements of {info.name} (the "
+                f"first just after {info.describe(previous)})",
+            )
+        )
     return parts
 
 
@@ -465,8 +520,12 @@ class _Recorder:
             if named_low <= low and high <= named_high:
                 return name
         for known in self.log.tensors.values():
-            if (known.start, known.shape, known.strides, known.dtype) == (info.start, info.shape, info.strides,
-                                                                          info.dtype):
+            if (known.start, known.shape, known.strides, known.dtype) == (
+                info.start,
+                info.shape,
+                info.strides,
+                info.dtype,
+            ):
                 fresh.append(known)
                 return known.name
         name = info.name
@@ -510,8 +569,9 @@ class _Recorder:
         if not self.order:
             self.run.accesses.append(Access(kind, program, "", addresses, False, atomic, op))
             return
-        distance = np.stack([np.maximum(np.maximum(t.span[0] - addresses, addresses - (t.span[1] - 1)), 0)
-                             for t in self.order])
+        distance = np.stack(
+            [np.maximum(np.maximum(t.span[0] - addresses, addresses - (t.span[1] - 1)), 0) for t in self.order]
+        )
         nearest = distance.argmin(axis=0)
         for i in np.unique(nearest).tolist():
             info = self.order[i]
@@ -538,7 +598,7 @@ def _tensor_pairs(dev: Any, hst: Any) -> Iterator[tuple[torch.Tensor, torch.Tens
     elif hasattr(dev, "base") and hasattr(dev, "block_shape"):  # a TensorDescriptor
         yield from _tensor_pairs(dev.base, hst.base)
     elif hasattr(dev, "data_ptr"):
-        unwrap = (lambda t: getattr(t, "base", t) if not isinstance(t, torch.Tensor) else t)
+        unwrap = lambda t: getattr(t, "base", t) if not isinstance(t, torch.Tensor) else t
         yield unwrap(dev), unwrap(hst)
 
 
@@ -606,7 +666,8 @@ def record_accesses(named: Mapping[str, torch.Tensor] | None = None, *, guard: b
         raise RuntimeError(
             f"kernel {getattr(self, '__name__', self)!r} is compiled, not interpreted (it was defined before "
             "TRITON_INTERPRET=1 was set), so record_accesses cannot see its loads and stores: set "
-            "TRITON_INTERPRET=1 first, then define the kernel")
+            "TRITON_INTERPRET=1 first, then define the kernel"
+        )
 
     def grid_dim(self: Any, nx: int, ny: int, nz: int) -> None:
         if recorder.run is not None:

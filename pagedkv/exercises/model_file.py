@@ -22,17 +22,24 @@ MODEL_HEADS: list[tuple[int, int]] = [(32, 32), (32, 8), (64, 8), (28, 4), (32, 
 TP_SIZES: list[int] = [1, 2, 4, 8, 16]
 
 
-def build_attention(num_heads: int, num_kv_heads: int, tp_size: int = 1,
-                    head_dim: int = 128, hidden_size: int = 4096) -> LlamaAttention:
+def build_attention(
+    num_heads: int, num_kv_heads: int, tp_size: int = 1, head_dim: int = 128, hidden_size: int = 4096
+) -> LlamaAttention:
     """One rank's `LlamaAttention` of this geometry, on the meta device (shapes only, no memory).
 
     It gets a fresh `EngineConfig`, so it registers in its own `static_forward_context`
     and not in any live engine's.
     """
-    model = LlamaConfig(hidden_size=hidden_size, num_attention_heads=num_heads,
-                        num_key_value_heads=num_kv_heads, head_dim=head_dim, num_hidden_layers=1)
-    engine = EngineConfig(ModelConfig("sandbox", dtype=torch.bfloat16),
-                          parallel_config=ParallelConfig(tensor_parallel_size=tp_size))
+    model = LlamaConfig(
+        hidden_size=hidden_size,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_hidden_layers=1,
+    )
+    engine = EngineConfig(
+        ModelConfig("sandbox", dtype=torch.bfloat16), parallel_config=ParallelConfig(tensor_parallel_size=tp_size)
+    )
     with set_current_engine_config(engine), torch.device("meta"):
         return LlamaAttention(model, prefix="model.layers.0.self_attn", sliding_window=None)
 
@@ -86,8 +93,9 @@ def _geometry(rng: random.Random, kind: str) -> Geometry:
         return tp * rng.randint(1, 8) + rng.randint(1, tp - 1), tp * rng.randint(1, 4), tp
     if kind == "uneven kv":
         tp = rng.choice([4, 8, 16, 32, 64])  # each has a KV head count below it that does not divide it
-        hkv = rng.choice([tp * rng.randint(1, 4) + rng.randint(1, tp - 1),
-                          rng.choice([d for d in range(2, tp) if tp % d])])
+        hkv = rng.choice(
+            [tp * rng.randint(1, 4) + rng.randint(1, tp - 1), rng.choice([d for d in range(2, tp) if tp % d])]
+        )
         return tp * rng.randint(1, 8), hkv, tp
     raise ValueError(f"Unknown kind of geometry {kind!r}.")
 
@@ -98,7 +106,7 @@ def _qkv_hint(got: int, hidden_size: int, hq: int, hkv: int, d: int, tp: int) ->
         hq * d: "that is the whole model's query part alone; k and v follow it in the same output",
         (hq + 2 * hkv) * d: "that is the whole model's qkv_proj; a rank holds only its share of the heads",
         3 * (hq // tp) * d: "that gives every query head its own K and V, but GQA shares a KV head among "
-                            "several query heads",
+        "several query heads",
         (hq // tp) * d: "that is only the query part; k and v follow it in the same output",
         (hq + hkv) * d // tp: "that counts each KV head once, but every KV head has a K part and a V part",
         hidden_size: "that is the input width (hidden_size), not the output width",
@@ -106,9 +114,11 @@ def _qkv_hint(got: int, hidden_size: int, hq: int, hkv: int, d: int, tp: int) ->
     if hkv < tp:
         hints[(hq // tp + 2 * (hkv // tp)) * d] = (
             f"{hkv} KV head(s) cannot be split {tp} ways without giving some rank less than a whole head: "
-            "each rank keeps one whole KV head (replicated)")
-        hints[(hq + 2 * hkv) * d // tp] = "a KV head is never cut into pieces: with fewer KV heads than ranks, " \
-                                           "each rank keeps one whole KV head"
+            "each rank keeps one whole KV head (replicated)"
+        )
+        hints[(hq + 2 * hkv) * d // tp] = (
+            "a KV head is never cut into pieces: with fewer KV heads than ranks, each rank keeps one whole KV head"
+        )
     return hints.get(got, f"count the q, k and v heads this one rank holds, {d} features each")
 
 
@@ -130,13 +140,19 @@ def check_qkv_width(fn: QkvWidthFn, num_hidden: int = 8) -> CheckResult:
     rng = random.Random()
     cases = [
         tuple(QWEN2_7B_TP4[k] for k in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "tp_size")),
-        (4096, 64, 8, 128, 16), (2048, 32, 1, 128, 8),  # KV heads replicated, which random draws reach less often
+        (4096, 64, 8, 128, 16),
+        (2048, 32, 1, 128, 8),  # KV heads replicated, which random draws reach less often
         (3072, 48, 32, 128, 16),  # 48 query heads over 32 KV heads: LlamaAttention refuses to build it
     ]
     for hq, hkv, tp in (_geometry(rng, rng.choice(["partitioned", "replicated"])) for _ in range(num_hidden)):
         cases.append((64 * hq, hq, hkv, rng.choice([64, 80, 96, 128, 256]), tp))
-    answers, rejected = call_on_cases(lambda *case: _plain(fn(*case)), cases, _PACKAGE, "the count",
-                                      lambda case: "fn({}, {}, {}, {}, {})".format(*case))
+    answers, rejected = call_on_cases(
+        lambda *case: _plain(fn(*case)),
+        cases,
+        _PACKAGE,
+        "the count",
+        lambda case: "fn({}, {}, {}, {}, {})".format(*case),
+    )
     if rejected is not None:
         return rejected
 
@@ -149,21 +165,30 @@ def check_qkv_width(fn: QkvWidthFn, num_hidden: int = 8) -> CheckResult:
     def worked(h: int, hq: int, hkv: int, d: int, tp: int) -> str:
         q, kv, w = width(hq, hkv, d, tp)
         kv_why = f"{hkv} / {tp} = {kv}" if hkv >= tp else f"{hkv} < {tp} ranks, so each rank keeps {kv} whole head"
-        return (f"fn({h}, {hq}, {hkv}, {d}, {tp}): query heads per rank {hq} / {tp} = {q}; KV heads per rank: "
-                f"{kv_why}; q, k and v: ({q} + 2 x {kv}) heads x {d} features = {w}")
+        return (
+            f"fn({h}, {hq}, {hkv}, {d}, {tp}): query heads per rank {hq} / {tp} = {q}; KV heads per rank: "
+            f"{kv_why}; q, k and v: ({q} + 2 x {kv}) heads x {d} features = {w}"
+        )
 
     for got, (h, hq, hkv, d, tp) in zip(answers, cases):
         call = f"fn({h}, {hq}, {hkv}, {d}, {tp})"
         if not _is_int(got):
-            return CheckResult(False, f"{call} returned a {type(got).__name__}; give a whole number of features "
-                                      "(an int).")
+            return CheckResult(
+                False, f"{call} returned a {type(got).__name__}; give a whole number of features (an int)."
+            )
         if got != width(hq, hkv, d, tp)[2]:
-            return CheckResult(False, f"{call}: {got} is not it: {_qkv_hint(got, h, hq, hkv, d, tp)}.",
-                               reveal=lambda case=(h, hq, hkv, d, tp): worked(*case))
+            return CheckResult(
+                False,
+                f"{call}: {got} is not it: {_qkv_hint(got, h, hq, hkv, d, tp)}.",
+                reveal=lambda case=(h, hq, hkv, d, tp): worked(*case),
+            )
     q, kv, w = width(*(QWEN2_7B_TP4[k] for k in ("num_heads", "num_kv_heads", "head_dim", "tp_size")))
-    return CheckResult(True, f"Qwen2-7B at tp_size 4: one rank's qkv_proj has {w} output features = "
-                             f"({q} + 2 x {kv}) heads x 128. Your function also gets {len(cases) - 1} other geometries "
-                             "right, some of them ones LlamaAttention refuses to build.")
+    return CheckResult(
+        True,
+        f"Qwen2-7B at tp_size 4: one rank's qkv_proj has {w} output features = "
+        f"({q} + 2 x {kv}) heads x 128. Your function also gets {len(cases) - 1} other geometries "
+        "right, some of them ones LlamaAttention refuses to build.",
+    )
 
 
 def _layout_inputs(num_hidden: int, rng: random.Random) -> list[Geometry]:
@@ -190,8 +215,13 @@ def check_head_layout(fn: Callable[[int, int, int], Any], num_hidden: int = 12) 
     if own is not None:
         return own
     cases = _layout_inputs(num_hidden, random.Random())
-    answers, rejected = call_on_cases(lambda *case: _plain(fn(*case)), cases, _PACKAGE, "the layout rules",
-                                      lambda case: "fn({}, {}, {})".format(*case))
+    answers, rejected = call_on_cases(
+        lambda *case: _plain(fn(*case)),
+        cases,
+        _PACKAGE,
+        "the layout rules",
+        lambda case: "fn({}, {}, {})".format(*case),
+    )
     if rejected is not None:
         return rejected
 
@@ -200,7 +230,7 @@ def check_head_layout(fn: Callable[[int, int, int], Any], num_hidden: int = 12) 
         """Why the engine refuses this geometry, or None when the heads split."""
         if hq % tp:
             return f"{hq} query heads do not split evenly over {tp} ranks"
-        if (hkv % tp if hkv >= tp else tp % hkv):
+        if hkv % tp if hkv >= tp else tp % hkv:
             return f"{hkv} KV heads can be neither split evenly over {tp} ranks nor copied evenly onto them"
         return None
 
@@ -213,29 +243,41 @@ def check_head_layout(fn: Callable[[int, int, int], Any], num_hidden: int = 12) 
             return head + f"{why}: the engine refuses the model -> None"
         q, kv, copies = layout(hq, hkv, tp)
         if hkv >= tp:
-            return head + f"query heads {hq} / {tp} = {q}; {hkv} KV heads >= {tp} ranks: split, {hkv} / {tp} = {kv}, " \
-                          f"no copies -> ({q}, {kv}, 1)"
-        return head + (f"query heads {hq} / {tp} = {q}; {hkv} KV heads < {tp} ranks: each rank keeps 1 whole KV head, "
-                       f"each KV head copied to {tp} / {hkv} = {copies} ranks -> ({q}, 1, {copies})")
+            return (
+                head + f"query heads {hq} / {tp} = {q}; {hkv} KV heads >= {tp} ranks: split, {hkv} / {tp} = {kv}, "
+                f"no copies -> ({q}, {kv}, 1)"
+            )
+        return head + (
+            f"query heads {hq} / {tp} = {q}; {hkv} KV heads < {tp} ranks: each rank keeps 1 whole KV head, "
+            f"each KV head copied to {tp} / {hkv} = {copies} ranks -> ({q}, 1, {copies})"
+        )
 
     fields = ("query heads per rank", "KV heads per rank", "replicas of each KV head")
     for got, (hq, hkv, tp) in zip(answers, cases):
         case = f"For {hq} query heads, {hkv} KV heads, tp_size {tp}"
         if got is not None and not (type(got) is tuple and len(got) == 3 and all(map(_is_int, got))):
             # Only built-in values are shown: an object's own __repr__ would run outside the watched call.
-            shown = repr(got) if type(got) is tuple and all(type(v) in (int, float) for v in got) else \
-                f"a {type(got).__name__}"
+            shown = (
+                repr(got)
+                if type(got) is tuple and all(type(v) in (int, float) for v in got)
+                else f"a {type(got).__name__}"
+            )
             return CheckResult(False, f"{case} fn returned {shown}; return a tuple of three ints (or None).")
         again = {"reveal": lambda c=(hq, hkv, tp): worked(*c)}
         why = refusal(hq, hkv, tp)
         if why is not None:
             if got is not None:
-                return CheckResult(False, f"{case}: the engine refuses this model ({why}); your function returned "
-                                          f"{got} instead of refusing it too.", **again)
+                return CheckResult(
+                    False,
+                    f"{case}: the engine refuses this model ({why}); your function returned "
+                    f"{got} instead of refusing it too.",
+                    **again,
+                )
             continue
         if got is None:
-            return CheckResult(False, f"{case}: the heads split over the ranks, but your function refused them.",
-                               **again)
+            return CheckResult(
+                False, f"{case}: the heads split over the ranks, but your function refused them.", **again
+            )
         want = layout(hq, hkv, tp)
         if got == want:
             continue
@@ -245,9 +287,14 @@ def check_head_layout(fn: Callable[[int, int, int], Any], num_hidden: int = 12) 
         elif hkv >= tp:
             hint = "with at least as many KV heads as ranks, KV heads are split like query heads; nothing is copied"
         else:
-            hint = ("with fewer KV heads than ranks, a rank cannot hold a fraction of a head: each rank keeps "
-                    "one whole KV head, and each KV head is copied to as many ranks as it takes for every rank "
-                    "to have one")
+            hint = (
+                "with fewer KV heads than ranks, a rank cannot hold a fraction of a head: each rank keeps "
+                "one whole KV head, and each KV head is copied to as many ranks as it takes for every rank "
+                "to have one"
+            )
         return CheckResult(False, f"{case}: " + ", ".join(wrong) + f". Hint: {hint}.", **again)
-    return CheckResult(True, f"Your layout matches the engine's in all {len(cases)} cases ({num_hidden} of them "
-                             "made-up geometries the notebook never printed, some the engine refuses).")
+    return CheckResult(
+        True,
+        f"Your layout matches the engine's in all {len(cases)} cases ({num_hidden} of them "
+        "made-up geometries the notebook never printed, some the engine refuses).",
+    )

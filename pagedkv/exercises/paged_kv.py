@@ -1,8 +1,8 @@
 """Exercises of notebook 02 (the paged KV cache). Answers are recomputed from a live engine.
 
-    show_cache_state(llm)                          what the student may look at
-    check_blocks_held(llm, req_id, num_blocks, num_empty_slots)
-    check_next_slot_mapping(llm, answer)           the slot of every token of the next step
+show_cache_state(llm)                          what the student may look at
+check_blocks_held(llm, req_id, num_blocks, num_empty_slots)
+check_next_slot_mapping(llm, answer)           the slot of every token of the next step
 """
 
 from __future__ import annotations
@@ -36,24 +36,30 @@ def check_blocks_held(llm: LLM, req_id: str, num_blocks: object, num_empty_slots
     if num_blocks is ... or num_empty_slots is ...:
         return CheckResult(False, "Replace both `...` with numbers, then run the cell again.")
     if type(num_blocks) is not int or type(num_empty_slots) is not int:  # a look-alike's == could do anything
-        return CheckResult(False, f"Give two whole numbers (ints), got a {type(num_blocks).__name__} and a "
-                                  f"{type(num_empty_slots).__name__}.")
+        return CheckResult(
+            False,
+            f"Give two whole numbers (ints), got a {type(num_blocks).__name__} and a {type(num_empty_slots).__name__}.",
+        )
     bs = llm.kv_cache_manager.specs[0].block_size
     held = len(llm.kv_cache_manager.get_block_ids(req_id)[0])
     cached = req.num_computed_tokens
     empty = held * bs - cached
 
     def worked() -> str:
-        return (f"request {req_id}: {cached} tokens in the cache, blocks of {bs}: ceil({cached} / {bs}) = {held} "
-                f"blocks; they hold {held} x {bs} = {held * bs} slots, {cached} filled, so {empty} empty "
-                "(all in the last block)")
+        return (
+            f"request {req_id}: {cached} tokens in the cache, blocks of {bs}: ceil({cached} / {bs}) = {held} "
+            f"blocks; they hold {held} x {bs} = {held * bs} slots, {cached} filled, so {empty} empty "
+            "(all in the last block)"
+        )
 
     if num_blocks != held:
         if num_blocks == cached // bs and cached % bs:
             hint = "that rounds down, but a partly filled block is held too: round up"
         elif num_blocks == -(-req.num_tokens // bs):
-            hint = ("that counts the token sampled last, whose K/V are not in the cache yet (the next step "
-                    "computes them): count the tokens in the cache")
+            hint = (
+                "that counts the token sampled last, whose K/V are not in the cache yet (the next step "
+                "computes them): count the tokens in the cache"
+            )
         else:
             hint = "a request holds ceil(tokens in the cache / block_size) blocks"
         return CheckResult(False, f"number of blocks: {num_blocks} is not it; {hint}.", reveal=worked)
@@ -61,8 +67,10 @@ def check_blocks_held(llm: LLM, req_id: str, num_blocks: object, num_empty_slots
         if num_empty_slots == held * bs - req.num_tokens:
             hint = "that counts the token sampled last as filled, but its K/V are not in the cache yet"
         else:
-            hint = ("the blocks hold blocks x block_size slots, and the tokens in the cache fill them in order: "
-                    "only the last block can have empty slots")
+            hint = (
+                "the blocks hold blocks x block_size slots, and the tokens in the cache fill them in order: "
+                "only the last block can have empty slots"
+            )
         return CheckResult(False, f"empty slots: {num_empty_slots} is not it; {hint}.", reveal=worked)
     return CheckResult(True, f"request {req_id}: {held} blocks, {empty} empty slot(s), all in its last block. Correct.")
 
@@ -79,8 +87,10 @@ def check_next_slot_mapping(llm: LLM, answer: object, group: int = 0) -> CheckRe
             return CheckResult(False, f"The answer is a list of slot numbers, got {type(answer).__name__}.")
         wrong_type = next((i for i, slot in enumerate(answer) if type(slot) is not int), None)
         if wrong_type is not None:
-            return CheckResult(False, f"Every slot is a whole number (an int); entry {wrong_type} is a "
-                                      f"{type(answer[wrong_type]).__name__}.")
+            return CheckResult(
+                False,
+                f"Every slot is a whole number (an int); entry {wrong_type} is a {type(answer[wrong_type]).__name__}.",
+            )
 
     scheduler = copy.deepcopy(llm.scheduler)
     plan = scheduler.schedule()
@@ -102,8 +112,10 @@ def check_next_slot_mapping(llm: LLM, answer: object, group: int = 0) -> CheckRe
         """Which step of the lookup a wrong slot `got` skipped or got wrong (without the right slot)."""
         j = p // bs
         if got == p:  # = j * block_size + offset: the logical block where the physical one belongs
-            return ("position used directly (that is the logical block, not the physical one): the cache is not "
-                    "one contiguous array per request; look the token's block up in the request's block table row")
+            return (
+                "position used directly (that is the logical block, not the physical one): the cache is not "
+                "one contiguous array per request; look the token's block up in the request's block table row"
+            )
         if got == row[j]:
             return "that is the physical block id; a slot also needs * block_size + offset"
         if got == row[j] * bs:
@@ -111,23 +123,33 @@ def check_next_slot_mapping(llm: LLM, answer: object, group: int = 0) -> CheckRe
         if (p + 1) // bs < len(row) and got == row[(p + 1) // bs] * bs + (p + 1) % bs:
             return "one position too far: the token's position is the number of tokens already in the cache"
         if j >= held:
-            return ("this token does not fit the blocks the request held: the step first gives it a new block, "
-                    "from the head of the free queue")
+            return (
+                "this token does not fit the blocks the request held: the step first gives it a new block, "
+                "from the head of the free queue"
+            )
         if got // bs == row[j]:
             return "right block, wrong offset: the offset is position % block_size"
         return "slot = row[position // block_size] * block_size + position % block_size"
 
     def worked(rid: str, p: int, row: list[int], held: int) -> str:
         j, b, offset = p // bs, row[p // bs], p % bs
-        new = (f" (its row held {held} block(s), so this step first takes block {b} from the head of the free "
-               "queue)" if j >= held else "")
-        return (f"request {rid}, position {p}: logical block {p} // {bs} = {j}, physical block row[{j}] = {b}{new}, "
-                f"offset {p} % {bs} = {offset}, slot {b} * {bs} + {offset} = {b * bs + offset}")
+        new = (
+            f" (its row held {held} block(s), so this step first takes block {b} from the head of the free queue)"
+            if j >= held
+            else ""
+        )
+        return (
+            f"request {rid}, position {p}: logical block {p} // {bs} = {j}, physical block row[{j}] = {b}{new}, "
+            f"offset {p} % {bs} = {offset}, slot {b} * {bs} + {offset} = {b * bs + offset}"
+        )
 
     for i, (token, got, want) in enumerate(zip(tokens, answer, slots)):
         if got != want:
             rid, p = token[0], token[1]
-            return CheckResult(False, f"next step's slot mapping, entry {i} (request {rid}'s token at position {p}): "
-                                      f"{got} is not it; {mistake(got, *token[1:])}.",
-                               reveal=lambda t=token: worked(*t))
+            return CheckResult(
+                False,
+                f"next step's slot mapping, entry {i} (request {rid}'s token at position {p}): "
+                f"{got} is not it; {mistake(got, *token[1:])}.",
+                reveal=lambda t=token: worked(*t),
+            )
     return CheckResult(True, f"next step's slot mapping {slots}: correct.")

@@ -25,9 +25,18 @@ from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.kv_cache.spec import FullAttentionSpec, get_kv_cache_config
 
 PACKAGE: list[Callable[..., Any]] = [
-    KVCacheManager.__init__, KVCacheManager.get_computed_blocks, KVCacheManager.allocate_slots, KVCacheManager.free,
-    BlockPool.__init__, BlockPool.get_cached_block, BlockPool.get_new_blocks, BlockPool.touch, BlockPool.free_blocks,
-    BlockPool.cache_full_blocks, hash_block_tokens, hash_request_blocks,
+    KVCacheManager.__init__,
+    KVCacheManager.get_computed_blocks,
+    KVCacheManager.allocate_slots,
+    KVCacheManager.free,
+    BlockPool.__init__,
+    BlockPool.get_cached_block,
+    BlockPool.get_new_blocks,
+    BlockPool.touch,
+    BlockPool.free_blocks,
+    BlockPool.cache_full_blocks,
+    hash_block_tokens,
+    hash_request_blocks,
 ]
 """What an answer may not call: the machinery whose result it is asked to predict."""
 
@@ -94,8 +103,10 @@ def _random_hit_case(rng: random.Random) -> tuple[list[list[int]], list[int], in
     or leaves it at a random token."""
     bs = rng.choice([2, 3, 4, 8])
     system = [rng.randrange(1, 100) for _ in range(rng.randint(bs, 4 * bs))]
-    cached = [system[: rng.randint(1, len(system))] + [rng.randrange(1, 100) for _ in range(rng.randint(0, 2 * bs))]
-              for _ in range(rng.randint(1, 3))]
+    cached = [
+        system[: rng.randint(1, len(system))] + [rng.randrange(1, 100) for _ in range(rng.randint(0, 2 * bs))]
+        for _ in range(rng.randint(1, 3))
+    ]
     base = rng.choice(cached)
     kind = rng.choice(["equal", "longer", "diverge", "diverge"])
     if kind == "equal":
@@ -120,9 +131,13 @@ def check_hit_length(fn: Callable[[list[list[int]], list[int], int], Any], num_h
         return own
     rng = random.Random()
     cases = SHOWN_HIT_CASES + [_random_hit_case(rng) for _ in range(num_hidden)]
-    results, rejected = call_on_cases(_keep_errors(fn), [([list(p) for p in cached], list(prompt), bs)
-                                                         for cached, prompt, bs in cases],
-                                      PACKAGE, "the lookup", lambda case: f"fn{case}")
+    results, rejected = call_on_cases(
+        _keep_errors(fn),
+        [([list(p) for p in cached], list(prompt), bs) for cached, prompt, bs in cases],
+        PACKAGE,
+        "the lookup",
+        lambda case: f"fn{case}",
+    )
     if rejected is not None:
         return rejected
 
@@ -144,35 +159,53 @@ def check_hit_length(fn: Callable[[list[list[int]], list[int], int], Any], num_h
         if got == expected:
             continue
 
-        def worked(cached: list[list[int]] = cached, prompt: list[int] = prompt, bs: int = bs,
-                   expected: int = expected, call: str = call) -> str:
+        def worked(
+            cached: list[list[int]] = cached,
+            prompt: list[int] = prompt,
+            bs: int = bs,
+            expected: int = expected,
+            call: str = call,
+        ) -> str:
             usable = (len(prompt) - 1) // bs
-            lines = [f"block_size {bs}: the prompt has {len(prompt)} tokens; its last one is always computed, so only "
-                     f"its first ({len(prompt)} - 1) // {bs} = {usable} block(s) can be found"]
+            lines = [
+                f"block_size {bs}: the prompt has {len(prompt)} tokens; its last one is always computed, so only "
+                f"its first ({len(prompt)} - 1) // {bs} = {usable} block(s) can be found"
+            ]
             for j in range(usable):
                 prefix = prompt[: (j + 1) * bs]
-                owner = next((i for i, c in enumerate(cached) if len(c) >= len(prefix) and c[: len(prefix)] == prefix),
-                             None)
+                owner = next(
+                    (i for i, c in enumerate(cached) if len(c) >= len(prefix) and c[: len(prefix)] == prefix), None
+                )
                 if owner is None:
-                    lines.append(f"block {j} {prompt[j * bs:(j + 1) * bs]}: no served prompt starts with these "
-                                 f"{len(prefix)} tokens: the hit ends here")
+                    lines.append(
+                        f"block {j} {prompt[j * bs : (j + 1) * bs]}: no served prompt starts with these "
+                        f"{len(prefix)} tokens: the hit ends here"
+                    )
                     break
-                lines.append(f"block {j} {prompt[j * bs:(j + 1) * bs]}: served prompt {owner} starts with the same "
-                             f"{len(prefix)} tokens and filled this block: found")
+                lines.append(
+                    f"block {j} {prompt[j * bs : (j + 1) * bs]}: served prompt {owner} starts with the same "
+                    f"{len(prefix)} tokens and filled this block: found"
+                )
             return "\n".join([*lines, f"{call} = {expected} tokens"])
 
         if got % bs:
             hint = f"the cache holds whole blocks, so a hit is a multiple of block_size = {bs}"
         elif got == found(cached, [*prompt, -1], bs):
-            hint = ("the last prompt token is always computed (its logits give the first new token), so the block "
-                    "holding it never counts as a hit")
+            hint = (
+                "the last prompt token is always computed (its logits give the first new token), so the block "
+                "holding it never counts as a hit"
+            )
         elif got > expected:
-            hint = ("blocks match from the first one on, each through the hash of the whole prefix up to its end: "
-                    "the first block that no served prompt shares (with everything before it) ends the hit, and "
-                    "only FULL blocks of a served prompt were cached")
+            hint = (
+                "blocks match from the first one on, each through the hash of the whole prefix up to its end: "
+                "the first block that no served prompt shares (with everything before it) ends the hit, and "
+                "only FULL blocks of a served prompt were cached"
+            )
         else:
-            hint = ("every served prompt left its full blocks in the cache: the hit is the longest run of leading "
-                    "blocks that some served prompt shares with this one")
+            hint = (
+                "every served prompt left its full blocks in the cache: the hit is the longest run of leading "
+                "blocks that some served prompt shares with this one"
+            )
         return CheckResult(False, f"{call} = {got} is not the hit; {hint}.", reveal=worked)
     return CheckResult(True, f"Your hit lengths match the KV cache manager's on {len(cases)} cases.")
 
@@ -183,8 +216,16 @@ SHOWN_EVICTION_CASES: list[tuple[list[Event], int, int]] = [
     ([("add", "A", list(range(1, 11))), ("free", "A")], 6, 4),
     ([("add", "A", list(range(1, 11))), ("free", "A"), ("add", "B", list(range(50, 58)))], 6, 4),
     ([("add", "A", list(range(1, 11))), ("free", "A"), ("add", "B", list(range(1, 9)) + [60, 61])], 6, 4),
-    ([("add", "A", list(range(1, 9))), ("free", "A"), ("add", "B", list(range(20, 28))),
-      ("add", "C", [30, 31, 32, 33])], 5, 4),
+    (
+        [
+            ("add", "A", list(range(1, 9))),
+            ("free", "A"),
+            ("add", "B", list(range(20, 28))),
+            ("add", "C", [30, 31, 32, 33]),
+        ],
+        5,
+        4,
+    ),
 ]
 """(events, num_blocks, block_size) cases the notebook can print."""
 
@@ -192,14 +233,45 @@ RULE_CASES: list[tuple[list[Event], int, int]] = [
     # the block holding a prompt's last token is never a hit (it is computed again)
     ([("add", "A", [94, 63, 81]), ("add", "B", [94, 63])], 6, 2),
     # a hit block leaves the free queue
-    ([("add", "A", [80, 59]), ("add", "B", [77, 6, 13]), ("free", "A"), ("add", "D", [80, 59, 21, 61, 25]),
-      ("free", "B")], 6, 2),
+    (
+        [
+            ("add", "A", [80, 59]),
+            ("add", "B", [77, 6, 13]),
+            ("free", "A"),
+            ("add", "D", [80, 59, 21, 61, 25]),
+            ("free", "B"),
+        ],
+        6,
+        2,
+    ),
     # a block taken from the queue loses the prefix it cached
-    ([("add", "A", [71, 70, 31, 30]), ("free", "A"), ("add", "C", [32, 85, 41, 47, 25, 56]), ("free", "C"),
-      ("add", "E", [71, 3, 46, 36, 79]), ("free", "E"), ("add", "G", [71, 70, 31, 30]), ("free", "G")], 6, 2),
+    (
+        [
+            ("add", "A", [71, 70, 31, 30]),
+            ("free", "A"),
+            ("add", "C", [32, 85, 41, 47, 25, 56]),
+            ("free", "C"),
+            ("add", "E", [71, 3, 46, 36, 79]),
+            ("free", "E"),
+            ("add", "G", [71, 70, 31, 30]),
+            ("free", "G"),
+        ],
+        6,
+        2,
+    ),
     # a prefix cached already keeps its block; a second block with the same tokens caches nothing
-    ([("add", "A", [60, 51, 59]), ("add", "B", [91, 28, 91]), ("add", "C", [91, 28]), ("free", "C"), ("free", "B"),
-      ("add", "G", [91, 28, 9])], 7, 2),
+    (
+        [
+            ("add", "A", [60, 51, 59]),
+            ("add", "B", [91, 28, 91]),
+            ("add", "C", [91, 28]),
+            ("free", "C"),
+            ("free", "B"),
+            ("add", "G", [91, 28, 9]),
+        ],
+        7,
+        2,
+    ),
 ]
 """Checked on every call: one case per rule of the pool that random events reach only now and then
 (found by simulating answers that each break one rule)."""
@@ -244,10 +316,17 @@ def check_next_block(fn: Callable[[list[Event], int, int], Any], num_hidden: int
         return own
     rng = random.Random()
     cases = SHOWN_EVICTION_CASES + RULE_CASES + [_random_events(rng) for _ in range(num_hidden)]
-    theirs = [([(e[0], e[1], list(e[2])) if e[0] == "add" else e for e in events], num_blocks, bs)  # to change
-              for events, num_blocks, bs in cases]
-    results, rejected = call_on_cases(_keep_errors(fn), theirs, PACKAGE, "the free queue",
-                                      lambda case: f"fn({case[0]}, num_blocks={case[1]}, block_size={case[2]})")
+    theirs = [
+        ([(e[0], e[1], list(e[2])) if e[0] == "add" else e for e in events], num_blocks, bs)  # to change
+        for events, num_blocks, bs in cases
+    ]
+    results, rejected = call_on_cases(
+        _keep_errors(fn),
+        theirs,
+        PACKAGE,
+        "the free queue",
+        lambda case: f"fn({case[0]}, num_blocks={case[1]}, block_size={case[2]})",
+    )
     if rejected is not None:
         return rejected
 
@@ -282,13 +361,17 @@ def check_next_block(fn: Callable[[list[Event], int, int], Any], num_hidden: int
                 lines.append(f"after {what}: {after}")
             return "\n".join([*lines, f"{call} = {steps[-1][0]}, the head"])
 
-        rules = ("a freed request's blocks go to the tail, last block first; a cache hit takes its block out of the "
-                 "queue, wherever it is; new blocks come from the head and lose the prefix they cached")
+        rules = (
+            "a freed request's blocks go to the tail, last block first; a cache hit takes its block out of the "
+            "queue, wherever it is; new blocks come from the head and lose the prefix they cached"
+        )
         if not 0 < got < num_blocks:
             hint = f"block ids run from 1 to num_blocks - 1 = {num_blocks - 1} (block 0 is the null block, never free)"
         elif got not in queue:
-            hint = (f"block {got} is still held by a running request when the events end, and only a block in the "
-                    f"free queue can be taken: {rules}")
+            hint = (
+                f"block {got} is still held by a running request when the events end, and only a block in the "
+                f"free queue can be taken: {rules}"
+            )
         else:
             hint = f"block {got} is in the free queue then, but not at its head: {rules}"
         return CheckResult(False, f"{call} = {got} is not the next block; {hint}.", reveal=worked)

@@ -34,12 +34,16 @@ def show_queue_state(llm: LLM) -> str:
             f"({left} to compute), holds {len(rows[0]) if rows else 0} blocks"
         )
 
-    return "\n".join([
-        f"token budget per step: {sched.config.max_num_batched_tokens}, block_size: {bs}, "
-        f"free blocks: {manager.num_free_blocks()}",
-        "running (oldest first):", *map(line, sched.running),
-        "waiting (front first):", *map(line, sched.waiting),
-    ])
+    return "\n".join(
+        [
+            f"token budget per step: {sched.config.max_num_batched_tokens}, block_size: {bs}, "
+            f"free blocks: {manager.num_free_blocks()}",
+            "running (oldest first):",
+            *map(line, sched.running),
+            "waiting (front first):",
+            *map(line, sched.waiting),
+        ]
+    )
 
 
 def _turns(llm: LLM, plan: SchedulerOutput) -> list[tuple[Request, int, int]]:
@@ -61,34 +65,47 @@ def _hint(llm: LLM, plan: SchedulerOutput, req: Request, n: int, budget: int, wr
     left = req.num_tokens - req.num_computed_tokens
     waiting = req in llm.scheduler.waiting
     if req.request_id in plan.preempted_req_ids or (n == 0 and plan.preempted_req_ids and not waiting):
-        return ("a running request needs a new block in this step and the pool has none free: which request "
-                "gives its blocks back (rule 4), and what does that request compute in the step?")
+        return (
+            "a running request needs a new block in this step and the pool has none free: which request "
+            "gives its blocks back (rule 4), and what does that request compute in the step?"
+        )
     if n == 0 and plan.preempted_req_ids and waiting:
         return "it waits in the queue: no new request is admitted in a step that had to preempt."
     if n == 0 and budget <= 0:
-        return ("the requests before it (running ones first, oldest first) use up the token budget before its "
-                "turn.")
+        return "the requests before it (running ones first, oldest first) use up the token budget before its turn."
     if n == 0:
-        return ("the free blocks do not cover its next chunk (or max_num_seqs is reached): the waiting queue stops "
-                "at the first request that does not fit.")
+        return (
+            "the free blocks do not cover its next chunk (or max_num_seqs is reached): the waiting queue stops "
+            "at the first request that does not fit."
+        )
     if left == 1 and req.output_token_ids:
-        return ("it is decoding: its prompt and earlier outputs are all in the cache, so a step computes only the "
-                "token it sampled last.")
+        return (
+            "it is decoding: its prompt and earlier outputs are all in the cache, so a step computes only the "
+            "token it sampled last."
+        )
     if n == left:
-        return ("the budget left at its turn covers everything it has left to compute (show_queue_state: "
-                "'to compute'), so nothing of it waits for a later step.")
+        return (
+            "the budget left at its turn covers everything it has left to compute (show_queue_state: "
+            "'to compute'), so nothing of it waits for a later step."
+        )
     if wrote >= left:
-        return (f"it has more tokens left to compute than the budget left at its turn: subtract what the requests "
-                f"before it take from the {llm.scheduler.config.max_num_batched_tokens} tokens; its prefill is "
-                "chunked (rule 3).")
-    return ("its prefill is chunked (rule 3): it gets all of the budget the requests before it leave (running ones "
-            "first, oldest first, each one token if decoding).")
+        return (
+            f"it has more tokens left to compute than the budget left at its turn: subtract what the requests "
+            f"before it take from the {llm.scheduler.config.max_num_batched_tokens} tokens; its prefill is "
+            "chunked (rule 3)."
+        )
+    return (
+        "its prefill is chunked (rule 3): it gets all of the budget the requests before it leave (running ones "
+        "first, oldest first, each one token if decoding)."
+    )
 
 
 def _worked(llm: LLM, plan: SchedulerOutput) -> Callable[[], str]:
     """The next step worked out request by request (for `reveal`), from the engine's state now."""
-    head = (f"token budget {llm.scheduler.config.max_num_batched_tokens}, {llm.kv_cache_manager.num_free_blocks()} "
-            "free block(s); running requests oldest first, then the waiting queue front first:")
+    head = (
+        f"token budget {llm.scheduler.config.max_num_batched_tokens}, {llm.kv_cache_manager.num_free_blocks()} "
+        "free block(s); running requests oldest first, then the waiting queue front first:"
+    )
     rows = []
     for req, n, budget in _turns(llm, plan):
         left = req.num_tokens - req.num_computed_tokens
@@ -97,8 +114,9 @@ def _worked(llm: LLM, plan: SchedulerOutput) -> Callable[[], str]:
         else:
             what = f"{n} token(s)" + (", chunked" if 0 < n < left else "")
         state = "waiting" if req in llm.scheduler.waiting else "running"
-        rows.append(f"  request {req.request_id} ({state}, {left} to compute, budget {max(budget, 0)} at its turn): "
-                    + what)
+        rows.append(
+            f"  request {req.request_id} ({state}, {left} to compute, budget {max(budget, 0)} at its turn): " + what
+        )
     tokens = {s.request.request_id: s.num_new_tokens for s in plan.scheduled}
     result = f"= tokens {tokens}, preempted {sorted(plan.preempted_req_ids)}"
     return lambda: "\n".join([head, *rows, result])
@@ -124,8 +142,11 @@ def check_next_schedule(llm: LLM, tokens: object, preempted: object = ()) -> Che
     known = {req.request_id for req in [*llm.scheduler.running, *llm.scheduler.waiting]}
     strangers = sorted(set(got) - known)
     if strangers:
-        return CheckResult(False, f"request {strangers[0]} is neither running nor waiting in this engine "
-                                  "(show_queue_state lists those that are).")
+        return CheckResult(
+            False,
+            f"request {strangers[0]} is neither running nor waiting in this engine "
+            "(show_queue_state lists those that are).",
+        )
 
     # Only now, with the answer read: the next step, planned on a copy of the scheduler.
     plan = copy.deepcopy(llm.scheduler).schedule()
@@ -134,18 +155,31 @@ def check_next_schedule(llm: LLM, tokens: object, preempted: object = ()) -> Che
     for req, n, budget in _turns(llm, plan):
         rid = req.request_id
         if got.get(rid, 0) != n:
-            return CheckResult(False, f"request {rid}: you wrote {got.get(rid, 0)} token(s), which is not it: "
-                                      f"{_hint(llm, plan, req, n, budget, got.get(rid, 0))}", reveal=work)
+            return CheckResult(
+                False,
+                f"request {rid}: you wrote {got.get(rid, 0)} token(s), which is not it: "
+                f"{_hint(llm, plan, req, n, budget, got.get(rid, 0))}",
+                reveal=work,
+            )
     if wrote != sorted(plan.preempted_req_ids):
         if not plan.preempted_req_ids:
-            hint = ("every running request finds the blocks its tokens need (compare the slots each needs with the "
-                    "blocks it holds and the free ones), so nobody is preempted.")
+            hint = (
+                "every running request finds the blocks its tokens need (compare the slots each needs with the "
+                "blocks it holds and the free ones), so nobody is preempted."
+            )
         elif not wrote:
-            hint = ("some running request needs a new block and the pool has none free: compare the slots each "
-                    "running request's tokens need with the blocks it holds (rule 4).")
+            hint = (
+                "some running request needs a new block and the pool has none free: compare the slots each "
+                "running request's tokens need with the blocks it holds (rule 4)."
+            )
         else:
-            hint = ("preemption takes the newest running request (the last admitted), until the request that "
-                    "needs a block gets one or is the victim itself.")
+            hint = (
+                "preemption takes the newest running request (the last admitted), until the request that "
+                "needs a block gets one or is the victim itself."
+            )
         return CheckResult(False, f"preempted: {wrote} is not it: {hint}", reveal=work)
-    return CheckResult(True, f"next step: {expected} ({sum(expected.values())} tokens), preempted: "
-                             f"{sorted(plan.preempted_req_ids) or 'none'}. Correct.")
+    return CheckResult(
+        True,
+        f"next step: {expected} ({sum(expected.values())} tokens), preempted: "
+        f"{sorted(plan.preempted_req_ids) or 'none'}. Correct.",
+    )

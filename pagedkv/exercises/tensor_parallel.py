@@ -28,8 +28,13 @@ SHOWN_CASES: list[tuple[int, int, int]] = [(32, 8, 2), (32, 8, 4), (64, 8, 16), 
 replicated), Qwen2-7B at 4, an MQA model at 8."""
 
 PACKAGE: list[Callable[..., Any]] = [
-    head_layout, rank_heads, build_attention, LlamaAttention.__init__, QKVParallelLinear.__init__,
-    KVCacheSpec.page_size_bytes.fget, MLAAttentionSpec.page_size_bytes.fget,  # type: ignore[attr-defined]
+    head_layout,
+    rank_heads,
+    build_attention,
+    LlamaAttention.__init__,
+    QKVParallelLinear.__init__,
+    KVCacheSpec.page_size_bytes.fget,
+    MLAAttentionSpec.page_size_bytes.fget,  # type: ignore[attr-defined]
 ]
 """What an answer may not call: the layout it is asked for, and every way to build or size it."""
 
@@ -80,40 +85,57 @@ def check_rank_heads(fn: RankHeadsFn, num_hidden: int = 12) -> CheckResult:
         layout = head_layout(hq, hkv, tp)
         want_q, want_kv = (list(heads) for heads in rank_heads(layout, rank))
 
-        def worked(hq: int = hq, hkv: int = hkv, tp: int = tp, rank: int = rank, want_q: list[int] = want_q,
-                   want_kv: list[int] = want_kv) -> str:
+        def worked(
+            hq: int = hq,
+            hkv: int = hkv,
+            tp: int = tp,
+            rank: int = rank,
+            want_q: list[int] = want_q,
+            want_kv: list[int] = want_kv,
+        ) -> str:
             per_rank, group = hq // tp, hq // hkv
             q_first = rank * per_rank
-            lines = [f"query heads: {hq} / {tp} ranks = {per_rank} per rank, in order: rank {rank} holds "
-                     f"{q_first} .. {q_first + per_rank - 1}"]
+            lines = [
+                f"query heads: {hq} / {tp} ranks = {per_rank} per rank, in order: rank {rank} holds "
+                f"{q_first} .. {q_first + per_rank - 1}"
+            ]
             if hkv >= tp:
                 kv_per_rank = hkv // tp
-                lines.append(f"KV heads: {hkv} >= {tp} ranks, so they split too: {kv_per_rank} per rank, rank "
-                             f"{rank} holds {rank * kv_per_rank} .. {(rank + 1) * kv_per_rank - 1}")
+                lines.append(
+                    f"KV heads: {hkv} >= {tp} ranks, so they split too: {kv_per_rank} per rank, rank "
+                    f"{rank} holds {rank * kv_per_rank} .. {(rank + 1) * kv_per_rank - 1}"
+                )
             else:
                 replicas = tp // hkv
-                lines.append(f"KV heads: {hkv} < {tp} ranks, so each rank keeps one, replicated on {tp} / {hkv} = "
-                             f"{replicas} ranks; query head {q_first} attends to KV head {q_first} // ({hq} / {hkv})"
-                             f" = {q_first // group}, which rank {rank} keeps (= rank // {replicas})")
+                lines.append(
+                    f"KV heads: {hkv} < {tp} ranks, so each rank keeps one, replicated on {tp} / {hkv} = "
+                    f"{replicas} ranks; query head {q_first} attends to KV head {q_first} // ({hq} / {hkv})"
+                    f" = {q_first // group}, which rank {rank} keeps (= rank // {replicas})"
+                )
             return "\n".join(lines) + f"\nfn({hq}, {hkv}, {tp}, {rank}) = ({want_q}, {want_kv})"
 
         if q is None or kv is None:
             return CheckResult(False, f"{call} returned {got!r}: give two lists of head indices (ints).")
         if q != want_q:
-            hint = ("they are global indices (0 .. num_heads - 1), not this rank's local 0, 1, ..."
-                    if q == list(range(len(q))) and rank > 0 else
-                    "query heads always split evenly and in order: num_heads / tp_size consecutive heads per rank")
+            hint = (
+                "they are global indices (0 .. num_heads - 1), not this rank's local 0, 1, ..."
+                if q == list(range(len(q))) and rank > 0
+                else "query heads always split evenly and in order: num_heads / tp_size consecutive heads per rank"
+            )
             return CheckResult(False, f"{call}: the query heads {q} are not rank {rank}'s; {hint}.", reveal=worked)
         if kv != want_kv:
             if hkv < tp:
-                hint = (f"{hkv} KV head(s) over {tp} ranks: each rank keeps ONE KV head, replicated on {tp // hkv} "
-                        "ranks, the one its query heads attend to (query head h attends to KV head "
-                        "h // (num_heads / num_kv_heads))")
+                hint = (
+                    f"{hkv} KV head(s) over {tp} ranks: each rank keeps ONE KV head, replicated on {tp // hkv} "
+                    "ranks, the one its query heads attend to (query head h attends to KV head "
+                    "h // (num_heads / num_kv_heads))"
+                )
             else:
                 hint = f"{hkv} KV heads split over {tp} ranks like the query heads: evenly, in order"
             return CheckResult(False, f"{call}: the KV heads {kv} are not rank {rank}'s; {hint}.", reveal=worked)
-    return CheckResult(True, f"Every rank of {len(SHOWN_CASES)} public shapes and {num_hidden} made-up ones holds "
-                             "the heads you said.")
+    return CheckResult(
+        True, f"Every rank of {len(SHOWN_CASES)} public shapes and {num_hidden} made-up ones holds the heads you said."
+    )
 
 
 @exercise("10: one rank's KV cache bytes")
@@ -127,8 +149,17 @@ def check_kv_cache_bytes(fn: KvBytesFn, num_hidden: int = 12) -> CheckResult:
     if own is not None:
         return own
     rng = random.Random()
-    cases = [(rng.choice([2, 3, 27, 32, 80]), hq, hkv, rng.choice([40, 64, 96, 128, 192]), tp,
-              rng.choice([1, 100, 777, 4096])) for hq, hkv, tp in _geometries(num_hidden, rng)]
+    cases = [
+        (
+            rng.choice([2, 3, 27, 32, 80]),
+            hq,
+            hkv,
+            rng.choice([40, 64, 96, 128, 192]),
+            tp,
+            rng.choice([1, 100, 777, 4096]),
+        )
+        for hq, hkv, tp in _geometries(num_hidden, rng)
+    ]
     results, rejected = call_on_cases(fn, cases, PACKAGE, "the size", lambda case: f"fn{case}")
     if rejected is not None:
         return rejected
@@ -142,20 +173,34 @@ def check_kv_cache_bytes(fn: KvBytesFn, num_hidden: int = 12) -> CheckResult:
             continue
         itemsize = torch.empty((), dtype=spec.dtype).element_size()
 
-        def worked(spec: KVCacheSpec = spec, layers: int = layers, blocks: int = blocks, hkv: int = hkv,
-                   tp: int = tp, itemsize: int = itemsize, call: str = call) -> str:
-            held = (f"{hkv} / {tp} = {spec.num_kv_heads}" if hkv >= tp else
-                    f"1 ({hkv} KV head(s) < {tp} ranks: one, replicated)")
+        def worked(
+            spec: KVCacheSpec = spec,
+            layers: int = layers,
+            blocks: int = blocks,
+            hkv: int = hkv,
+            tp: int = tp,
+            itemsize: int = itemsize,
+            call: str = call,
+        ) -> str:
+            held = (
+                f"{hkv} / {tp} = {spec.num_kv_heads}"
+                if hkv >= tp
+                else f"1 ({hkv} KV head(s) < {tp} ranks: one, replicated)"
+            )
             page = spec.page_size_bytes
-            return (f"KV heads on one rank: {held}\n"
-                    f"one block of one layer: 2 (K and V) x {spec.block_size} tokens x {spec.num_kv_heads} KV head(s)"
-                    f" x {spec.head_size} values x {itemsize} bytes = {page:,} bytes\n"
-                    f"{call} = {page:,} x {layers} layers x {blocks} blocks = {page * layers * blocks:,}")
+            return (
+                f"KV heads on one rank: {held}\n"
+                f"one block of one layer: 2 (K and V) x {spec.block_size} tokens x {spec.num_kv_heads} KV head(s)"
+                f" x {spec.head_size} values x {itemsize} bytes = {page:,} bytes\n"
+                f"{call} = {page:,} x {layers} layers x {blocks} blocks = {page * layers * blocks:,}"
+            )
 
         whole = 2 * spec.block_size * hkv * head_dim * itemsize * layers * blocks  # every rank's KV heads
         if got == whole == 2 * expected:
-            hint = ("twice the size: a rank keeps only its own KV heads (not the whole model's), and a bfloat16 "
-                    "value takes 2 bytes")
+            hint = (
+                "twice the size: a rank keeps only its own KV heads (not the whole model's), and a bfloat16 "
+                "value takes 2 bytes"
+            )
         elif got == whole:
             hint = "that is the whole model's cache: a rank keeps only its own KV heads"
         elif got * 2 == expected:
@@ -163,8 +208,11 @@ def check_kv_cache_bytes(fn: KvBytesFn, num_hidden: int = 12) -> CheckResult:
         elif got == expected * 2:
             hint = "bfloat16 values take 2 bytes, and K and V count once each"
         else:
-            hint = ("per layer and block: K and V, 16 tokens, this rank's KV heads (at least one: a rank among more "
-                    "ranks than KV heads keeps one), head_dim values of 2 bytes")
+            hint = (
+                "per layer and block: K and V, 16 tokens, this rank's KV heads (at least one: a rank among more "
+                "ranks than KV heads keeps one), head_dim values of 2 bytes"
+            )
         return CheckResult(False, f"{call} = {got!r} is not what one rank allocates; {hint}.", reveal=worked)
-    return CheckResult(True, "Your sizes match the cache the real per-rank attention layers ask for, on "
-                             f"{len(cases)} geometries.")
+    return CheckResult(
+        True, f"Your sizes match the cache the real per-rank attention layers ask for, on {len(cases)} geometries."
+    )

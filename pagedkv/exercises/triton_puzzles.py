@@ -30,8 +30,13 @@ from pagedkv.exercises.kernels import Case, Launch, check_launches, check_scatte
 from pagedkv.platforms import default_device
 
 __all__ = [
-    "check_block_table_row", "check_scatter_kernel", "check_page_scores", "check_masked_scores",
-    "check_online_softmax", "check_gqa_attention", "check_split_kv",
+    "check_block_table_row",
+    "check_scatter_kernel",
+    "check_page_scores",
+    "check_masked_scores",
+    "check_online_softmax",
+    "check_gqa_attention",
+    "check_split_kv",
 ]
 
 SMALL = (4, 16)  # (page_size, head_size) of each puzzle's first case, as in the notebook's picture
@@ -91,9 +96,13 @@ def _memory_rules(table: torch.Tensor, seq_lens: list[int], caches: dict[str, to
     def allowed(shape: torch.Size) -> Callable[[tuple[int, int, int]], np.ndarray]:
         return lambda program: np.broadcast_to(owned[program[0]].reshape(*shape[:2], *[1] * (len(shape) - 2)), shape)
 
-    return {"rows_written": {out: 1}, "allowed": {name: allowed(shape) for name, shape in caches.items()},
-            "reasons": {name: "that holds no key of the program's request (mask the loads past seq_len)"
-                        for name in caches}}
+    return {
+        "rows_written": {out: 1},
+        "allowed": {name: allowed(shape) for name, shape in caches.items()},
+        "reasons": {
+            name: "that holds no key of the program's request (mask the loads past seq_len)" for name in caches
+        },
+    }
 
 
 def _numbers(values: torch.Tensor) -> str:
@@ -109,15 +118,19 @@ def check_block_table_row(kernel: Any, launch: Launch) -> CheckResult:
         inputs = _paged_inputs(torch.Generator().manual_seed(seed), seq_lens, max_pages=4, sizes=sizes)
         table, page_size = inputs["block_table"], sizes[0]
         width = 4 * page_size
-        block_table, seq_lens_t, slots = _on_device(table, inputs["seq_lens"],
-                                                    torch.full((len(seq_lens), width), -2, dtype=torch.int32))
+        block_table, seq_lens_t, slots = _on_device(
+            table, inputs["seq_lens"], torch.full((len(seq_lens), width), -2, dtype=torch.int32)
+        )
 
         def slot_of(r: int, p: int) -> int:
             return int(table[r, p // page_size]) * page_size + p % page_size if p < seq_lens[r] else -1
 
         def reference() -> dict[str, torch.Tensor]:
-            return {"slots": torch.tensor([[slot_of(r, p) for p in range(width)] for r in range(len(seq_lens))],
-                                          dtype=torch.int32)}
+            return {
+                "slots": torch.tensor(
+                    [[slot_of(r, p) for p in range(width)] for r in range(len(seq_lens))], dtype=torch.int32
+                )
+            }
 
         def explain(name: str, index: tuple[int, ...], got: float, expected: Any) -> tuple[str, Any]:
             r, p = index
@@ -139,23 +152,32 @@ def check_block_table_row(kernel: Any, launch: Launch) -> CheckResult:
             def work() -> str:
                 if p >= n:
                     return f"request {r}, position {p}: seq_len is {n}, so slots[{r}, {p}] = -1."
-                return (f"request {r}, position {p}: page {p} // {page_size} = {j}, block_table[{r}, {j}] = {block}, "
-                        f"offset {p} % {page_size} = {offset}; slot = {block} * {page_size} + {offset} = "
-                        f"{slot_of(r, p)}.")
+                return (
+                    f"request {r}, position {p}: page {p} // {page_size} = {j}, block_table[{r}, {j}] = {block}, "
+                    f"offset {p} % {page_size} = {offset}; slot = {block} * {page_size} + {offset} = "
+                    f"{slot_of(r, p)}."
+                )
 
             return shows, work
 
-        return Case([block_table, seq_lens_t, slots, page_size], {"slots": slots}, _describe(inputs), reference,
-                    explain, inputs={"block_table": block_table, "seq_lens": seq_lens_t},
-                    access={"rows_written": {"slots": 1}})
+        return Case(
+            [block_table, seq_lens_t, slots, page_size],
+            {"slots": slots},
+            _describe(inputs),
+            reference,
+            explain,
+            inputs={"block_table": block_table, "seq_lens": seq_lens_t},
+            access={"rows_written": {"slots": 1}},
+        )
 
     cases = [lambda: case(0, [5, 16, 1], SMALL), lambda: case(1, [9, 30], LARGER)]
     hint = "one program per request: load its block-table row at positions // page_size (masked past seq_len)."
     return check_launches([kernel], launch, cases, "block-table row", hint)
 
 
-def _check_scores(kernel: Any, launch: Launch, specs: list[tuple[int, list[int], int, tuple[int, int]]], what: str,
-                  hint: str) -> CheckResult:
+def _check_scores(
+    kernel: Any, launch: Launch, specs: list[tuple[int, list[int], int, tuple[int, int]]], what: str, hint: str
+) -> CheckResult:
     """Puzzles 3 and 4: `launch(kernel, q, k_cache, block_table, seq_lens, scores, scale)` on the
     cases `specs` = (seed, seq_lens, max_pages, sizes)."""
 
@@ -195,15 +217,23 @@ def _check_scores(kernel: Any, launch: Launch, specs: list[tuple[int, list[int],
             def work() -> str:
                 if p >= n:
                     return f"request {r}, position {p}: seq_len is {n}, so scores[{r}, {p}] = -inf."
-                return (f"request {r}, position {p}: page {j}, row {row}; block = block_table[{r}, {j}] = {block}; "
-                        f"q[{r}] . k_cache[{block}, {row}] = {dot(r, p):.4f}; times scale {scale:.4f} "
-                        f"= {dot(r, p) * scale:.4f}.")
+                return (
+                    f"request {r}, position {p}: page {j}, row {row}; block = block_table[{r}, {j}] = {block}; "
+                    f"q[{r}] . k_cache[{block}, {row}] = {dot(r, p):.4f}; times scale {scale:.4f} "
+                    f"= {dot(r, p) * scale:.4f}."
+                )
 
             return shows, work
 
-        return Case([*args[:5], scale], {"scores": args[4]}, _describe(inputs), reference, explain,
-                    inputs=dict(zip(("q", "k_cache", "block_table", "seq_lens"), args)),
-                    access=_memory_rules(table, seq_lens, {"k_cache": k_cache.shape}, "scores"))
+        return Case(
+            [*args[:5], scale],
+            {"scores": args[4]},
+            _describe(inputs),
+            reference,
+            explain,
+            inputs=dict(zip(("q", "k_cache", "block_table", "seq_lens"), args)),
+            access=_memory_rules(table, seq_lens, {"k_cache": k_cache.shape}, "scores"),
+        )
 
     return check_launches([kernel], launch, [lambda s=spec: case(*s) for spec in specs], what, hint)
 
@@ -213,8 +243,9 @@ def check_page_scores(kernel: Any, launch: Launch) -> CheckResult:
     """Puzzle 3: `launch(kernel, q, k_cache, block_table, seq_lens, scores, scale)`, every page
     full: scores[r, j * page_size + i] = q[r] . k_cache[block_table[r, j], i] * scale."""
     hint = "program (r, j): block = block_table[r, j]; a [page_size, head_size] K tile; sum(q * k, axis=1) * scale."
-    return _check_scores(kernel, launch, [(2, [8, 8, 8], 2, SMALL), (3, [16, 16], 2, LARGER)],
-                         "Q.K^T over one page", hint)
+    return _check_scores(
+        kernel, launch, [(2, [8, 8, 8], 2, SMALL), (3, [16, 16], 2, LARGER)], "Q.K^T over one page", hint
+    )
 
 
 @exercise("06: puzzle 4, masking the last partial page")
@@ -225,14 +256,21 @@ def check_masked_scores(kernel: Any, launch: Launch) -> CheckResult:
     return _check_scores(kernel, launch, [(4, [5, 16, 1], 4, SMALL), (5, [13, 2], 3, LARGER)], "masked scores", hint)
 
 
-def _check_attention(kernels: list[Any], launch: Launch, specs: list[dict[str, Any]], what: str,
-                     hint: str) -> CheckResult:
+def _check_attention(
+    kernels: list[Any], launch: Launch, specs: list[dict[str, Any]], what: str, hint: str
+) -> CheckResult:
     """Puzzles 5-7: decode attention, `launch(*kernels, q, k_cache, v_cache, block_table, seq_lens,
     out, scale[, num_splits])` on the cases `specs` (keyword arguments of `case` below). Without
     heads, q and out are [R, D] and the caches have no heads dimension (one KV head)."""
 
-    def case(seed: int, seq_lens: list[int], sizes: tuple[int, int], num_q_heads: int = 0, num_kv_heads: int = 0,
-             num_splits: int = 0) -> Case:
+    def case(
+        seed: int,
+        seq_lens: list[int],
+        sizes: tuple[int, int],
+        num_q_heads: int = 0,
+        num_kv_heads: int = 0,
+        num_splits: int = 0,
+    ) -> Case:
         gen = torch.Generator().manual_seed(seed)
         page_size, head_size = sizes
         max_pages = -(-max(seq_lens) // page_size) + 1
@@ -244,8 +282,14 @@ def _check_attention(kernels: list[Any], launch: Launch, specs: list[dict[str, A
         if not num_kv_heads:  # drop the heads dimension the launcher sees
             shown = {"q": q[:, 0], "k_cache": inputs["k_cache"][:, :, 0], "v_cache": inputs["v_cache"][:, :, 0]}
         out_shape = shown["q"].shape
-        args = _on_device(shown["q"], shown["k_cache"], shown["v_cache"], table, inputs["seq_lens"],
-                          torch.full(out_shape, float("nan")))
+        args = _on_device(
+            shown["q"],
+            shown["k_cache"],
+            shown["v_cache"],
+            table,
+            inputs["seq_lens"],
+            torch.full(out_shape, float("nan")),
+        )
 
         def keys(cache: torch.Tensor, r: int, kv: int) -> torch.Tensor:
             """Request r's keys (or values) of KV head kv, in position order, float64 [n, D]."""
@@ -270,8 +314,10 @@ def _check_attention(kernels: list[Any], launch: Launch, specs: list[dict[str, A
             if num_kv_heads and wrong_kv != h // group:
                 s_wrong = keys(inputs["k_cache"], r, wrong_kv) @ q[r, h].double() * scale
                 if abs(float(torch.softmax(s_wrong, 0) @ keys(inputs["v_cache"], r, wrong_kv)[:, d]) - got) < 1e-4:
-                    shows = (f" (that is query head {h} attending to KV head {h} % {num_kv_heads} = {wrong_kv}: "
-                             f"query head h reads KV head h // G)")
+                    shows = (
+                        f" (that is query head {h} attending to KV head {h} % {num_kv_heads} = {wrong_kv}: "
+                        f"query head h reads KV head h // G)"
+                    )
 
             def work() -> str:
                 n, s = seq_lens[r], scores(r, h)
@@ -279,11 +325,13 @@ def _check_attention(kernels: list[Any], launch: Launch, specs: list[dict[str, A
                 v = keys(inputs["v_cache"], r, h // group)[:, d]
                 w = torch.softmax(s, 0)
                 head = f", query head {h} reads KV head {h} // {group} = {h // group}" if num_kv_heads else ""
-                lines = [f"request {r}{head}: seq_len {n}, pages 0..{pages - 1} in blocks "
-                         f"{table[r, :pages].tolist()} (block_table row {r}).",
-                         f"scores q . k * {scale:.4f} of its {n} keys: {_numbers(s)}",
-                         f"softmax weights exp(s - {float(s.max()):.3g}) / their sum: {_numbers(w)}",
-                         f"v[:, {d}] of those keys: {_numbers(v)}"]
+                lines = [
+                    f"request {r}{head}: seq_len {n}, pages 0..{pages - 1} in blocks "
+                    f"{table[r, :pages].tolist()} (block_table row {r}).",
+                    f"scores q . k * {scale:.4f} of its {n} keys: {_numbers(s)}",
+                    f"softmax weights exp(s - {float(s.max()):.3g}) / their sum: {_numbers(w)}",
+                    f"v[:, {d}] of those keys: {_numbers(v)}",
+                ]
                 if num_splits:
                     per_split = -(-pages // num_splits)
                     for split in range(num_splits):
@@ -299,9 +347,15 @@ def _check_attention(kernels: list[Any], launch: Launch, specs: list[dict[str, A
         extra = [num_splits] if num_splits else []
         description = _describe(inputs) + (f", {num_splits} splits" if num_splits else "")
         caches = {"k_cache": shown["k_cache"].shape, "v_cache": shown["v_cache"].shape}
-        return Case([*args, scale, *extra], {"out": args[5]}, description, reference, explain,
-                    inputs=dict(zip(("q", "k_cache", "v_cache", "block_table", "seq_lens"), args)),
-                    access=_memory_rules(table, seq_lens, caches, "out"))
+        return Case(
+            [*args, scale, *extra],
+            {"out": args[5]},
+            description,
+            reference,
+            explain,
+            inputs=dict(zip(("q", "k_cache", "v_cache", "block_table", "seq_lens"), args)),
+            access=_memory_rules(table, seq_lens, caches, "out"),
+        )
 
     return check_launches(kernels, launch, [lambda s=spec: case(**s) for spec in specs], what, hint)
 
@@ -311,8 +365,10 @@ def check_online_softmax(kernel: Any, launch: Launch) -> CheckResult:
     """Puzzle 5: `launch(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale)`:
     out[r] = softmax(q[r] . K_r * scale) @ V_r over the request's seq_len keys, page by page."""
     specs = [dict(seed=6, seq_lens=[5, 17, 1], sizes=SMALL), dict(seed=7, seq_lens=[20, 3], sizes=LARGER)]
-    hint = ("keep m (running max), l (running sum) and acc; per page: m_new = max(m, max(s)), "
-            "alpha = exp(m - m_new), l = l * alpha + sum(p), acc = acc * alpha + p @ v; out = acc / l.")
+    hint = (
+        "keep m (running max), l (running sum) and acc; per page: m_new = max(m, max(s)), "
+        "alpha = exp(m - m_new), l = l * alpha + sum(p), acc = acc * alpha + p @ v; out = acc / l."
+    )
     return _check_attention([kernel], launch, specs, "online softmax", hint)
 
 
@@ -321,9 +377,11 @@ def check_gqa_attention(kernel: Any, launch: Launch) -> CheckResult:
     """Puzzle 6: puzzle 5 with heads: q, out [R, num_q_heads, D], caches [blocks, page, num_kv_heads, D];
     one program per (request, KV head) computes its G = num_q_heads // num_kv_heads query heads."""
     # G = 2 = num_kv_heads, then G = 4 != 2 (a kernel that mixes them up passes the first), then MQA.
-    specs = [dict(seed=8, seq_lens=[5, 17, 1], sizes=SMALL, num_q_heads=4, num_kv_heads=2),
-             dict(seed=12, seq_lens=[9, 3], sizes=LARGER, num_q_heads=8, num_kv_heads=2),
-             dict(seed=9, seq_lens=[11], sizes=TINY, num_q_heads=4, num_kv_heads=1)]
+    specs = [
+        dict(seed=8, seq_lens=[5, 17, 1], sizes=SMALL, num_q_heads=4, num_kv_heads=2),
+        dict(seed=12, seq_lens=[9, 3], sizes=LARGER, num_q_heads=8, num_kv_heads=2),
+        dict(seed=9, seq_lens=[11], sizes=TINY, num_q_heads=4, num_kv_heads=1),
+    ]
     hint = "query head h reads KV head h // G: program (r, kv) loads q rows kv * G ... kv * G + G - 1 as a [G, D] tile."
     return _check_attention([kernel], launch, specs, "GQA attention", hint)
 
@@ -335,9 +393,12 @@ def check_split_kv(kernels: tuple[Any, Any], launch: Launch) -> CheckResult:
     and log-sum-exp; the merge mixes them. Some splits are empty (short sequences)."""
     if not isinstance(kernels, tuple) or len(kernels) != 2:
         return CheckResult(False, "split-KV: pass the two kernels as a tuple (partial_kernel, merge_kernel).")
-    specs = [dict(seed=10, seq_lens=[5, 19, 1], sizes=SMALL, num_splits=3),
-             dict(seed=11, seq_lens=[20, 2], sizes=LARGER, num_splits=2)]
-    hint = ("merge: lse = log(sum_s exp(lse_s)), out = sum_s exp(lse_s - lse) * o_s; "
-            "an empty split has lse_s = -inf and must not make NaN.")
+    specs = [
+        dict(seed=10, seq_lens=[5, 19, 1], sizes=SMALL, num_splits=3),
+        dict(seed=11, seq_lens=[20, 2], sizes=LARGER, num_splits=2),
+    ]
+    hint = (
+        "merge: lse = log(sum_s exp(lse_s)), out = sum_s exp(lse_s - lse) * o_s; "
+        "an empty split has lse_s = -inf and must not make NaN."
+    )
     return _check_attention(list(kernels), launch, specs, "split-KV", hint)
-

@@ -32,6 +32,12 @@ else:  # pragma: no cover
     KernelConfig = SplitKVWorkspace = MLADecodeWorkspace = None  # type: ignore[assignment,misc]
 
 __all__ = [
-    "HAS_TRITON", "KernelConfig", "MLADecodeWorkspace", "SplitKVWorkspace", "interpreter_problem",
-    "mla_decode_attention", "reshape_and_cache", "unified_attention",
+    "HAS_TRITON",
+    "KernelConfig",
+    "MLADecodeWorkspace",
+    "SplitKVWorkspace",
+    "interpreter_problem",
+    "mla_decode_attention",
+    "reshape_and_cache",
+    "unified_attention",
 ]

@@ -129,15 +129,18 @@ def check_pages_on_cpu(block_table: torch.Tensor, seq_lens: torch.Tensor, num_bl
         return
     max_blocks = block_table.shape[1]
     if seq_lens.min() < 0 or seq_lens.max() > max_blocks * block_size:
-        raise ValueError(f"seq_lens must be in [0, {max_blocks * block_size}] (the block table's {max_blocks} pages of "
-                         f"{block_size} tokens), got {seq_lens.tolist()}")
+        raise ValueError(
+            f"seq_lens must be in [0, {max_blocks * block_size}] (the block table's {max_blocks} pages of "
+            f"{block_size} tokens), got {seq_lens.tolist()}"
+        )
     ids = block_table[: seq_lens.shape[0]]
     used = torch.arange(max_blocks) < ((seq_lens.long() + block_size - 1) // block_size)[:, None]
     bad = used & ((ids < 0) | (ids >= num_blocks))
     if bad.any():
         row, page = bad.nonzero()[0].tolist()
-        raise ValueError(f"block_table[{row}, {page}] = {ids[row, page].item()} is not a block of the cache "
-                         f"(0 .. {num_blocks - 1})")
+        raise ValueError(
+            f"block_table[{row}, {page}] = {ids[row, page].item()} is not a block of the cache (0 .. {num_blocks - 1})"
+        )
 
 
 @functools.lru_cache(maxsize=None)

@@ -87,7 +87,11 @@ class MLADecodeWorkspace(SplitKVWorkspace):
     """
 
     def __init__(
-        self, max_decodes: int, num_heads: int, kv_lora_rank: int, device: torch.device | str,
+        self,
+        max_decodes: int,
+        num_heads: int,
+        kv_lora_rank: int,
+        device: torch.device | str,
         max_splits: int = MAX_MLA_SPLITS,
     ) -> None:
         super().__init__(max_decodes * max_splits, num_heads, kv_lora_rank, device)
@@ -104,8 +108,9 @@ def _page_rows(block_table_row, tokens, end, stride_c_b, stride_c_s, PAGE_SIZE: 
     The block table is read with an L2 "evict last" hint, like seq_lens: the cache rows streaming
     past would otherwise push these few KB (read again by every layer of the step) out of L2.
     """
-    block = tl.load(block_table_row + tokens // PAGE_SIZE, mask=tokens < end, other=0,
-                    eviction_policy="evict_last").to(tl.int64)
+    block = tl.load(block_table_row + tokens // PAGE_SIZE, mask=tokens < end, other=0, eviction_policy="evict_last").to(
+        tl.int64
+    )
     return (block * stride_c_b + (tokens % PAGE_SIZE) * stride_c_s)[:, None]
 
 
@@ -132,7 +137,15 @@ def _load_cols(ptr, rows, row_ok, stride_d, FIRST: tl.constexpr, COUNT: tl.const
 
 @triton.jit
 def _store_cols(
-    ptr, rows, row_ok, stride_d, values, FIRST: tl.constexpr, COUNT: tl.constexpr, LIMIT: tl.constexpr, EVICT: tl.constexpr,
+    ptr,
+    rows,
+    row_ok,
+    stride_d,
+    values,
+    FIRST: tl.constexpr,
+    COUNT: tl.constexpr,
+    LIMIT: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
     """Store `values` into columns FIRST .. FIRST + COUNT - 1 (masked places are skipped)."""
     offsets, mask = _cols(rows, row_ok, stride_d, FIRST, COUNT, LIMIT)
@@ -141,19 +154,41 @@ def _store_cols(
 
 @triton.jit(do_not_specialize=["num_heads", "num_splits"])  # per-step values: no variant per value
 def _mla_decode_kernel(
-    q_ptr, cache_ptr, out_ptr,  # out: the final output, or the split partials
+    q_ptr,
+    cache_ptr,
+    out_ptr,  # out: the final output, or the split partials
     lse_ptr,  # split partials only: log2-sum-exp per row and head
-    block_table_ptr, seq_lens_ptr,
-    num_heads, num_splits, qk_scale,
-    stride_q_t, stride_q_h, stride_q_d,
-    stride_c_b, stride_c_s, stride_c_d,
-    stride_o_r, stride_o_h, stride_o_d,  # row = request * num_splits + split
-    stride_lse_r, stride_lse_h,
+    block_table_ptr,
+    seq_lens_ptr,
+    num_heads,
+    num_splits,
+    qk_scale,
+    stride_q_t,
+    stride_q_h,
+    stride_q_d,
+    stride_c_b,
+    stride_c_s,
+    stride_c_d,
+    stride_o_r,
+    stride_o_h,
+    stride_o_d,  # row = request * num_splits + split
+    stride_lse_r,
+    stride_lse_h,
     stride_bt,
-    KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, LORA_PAD: tl.constexpr, ROPE_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT_UNIT: tl.constexpr,
-    SPLIT_KV: tl.constexpr, OUT_EVICT: tl.constexpr, EARLY_MERGE: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    KV_LORA_RANK: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    LORA_PAD: tl.constexpr,
+    ROPE_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SPLIT_UNIT: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
+    OUT_EVICT: tl.constexpr,
+    EARLY_MERGE: tl.constexpr,
+    EARLY_LAUNCH: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One program: BLOCK_H heads of one request, one split of its tokens."""
     if EARLY_MERGE:  # the merge kernel may be launched now (it waits for this kernel's end itself)
@@ -216,9 +251,11 @@ def _mla_decode_kernel(
         # (q0.c0 + q1.c1) + (q2.c2 + q3.c3), the two chains of 16 steps run side by side:
         # 128 x 4096 took 154 instead of 184 us on an H200. (Quarters, not halves: with [BLOCK_N,
         # 256] tiles Triton's address arithmetic alone cost ~5 more points of bandwidth.)
-        s = ((_dot(q0, tl.trans(c0), DOT_PRECISION, UPCAST) + _dot(q1, tl.trans(c1), DOT_PRECISION, UPCAST))
-             + (_dot(q2, tl.trans(c2), DOT_PRECISION, UPCAST) + _dot(q3, tl.trans(c3), DOT_PRECISION, UPCAST))
-             + _dot(q_pe, tl.trans(k_pe), DOT_PRECISION, UPCAST))
+        s = (
+            (_dot(q0, tl.trans(c0), DOT_PRECISION, UPCAST) + _dot(q1, tl.trans(c1), DOT_PRECISION, UPCAST))
+            + (_dot(q2, tl.trans(c2), DOT_PRECISION, UPCAST) + _dot(q3, tl.trans(c3), DOT_PRECISION, UPCAST))
+            + _dot(q_pe, tl.trans(k_pe), DOT_PRECISION, UPCAST)
+        )
         s = tl.where(in_seq[None, :], s * qk_scale, float("-inf"))  # qk_scale includes log2(e)
         # Online softmax in base 2. Every tile has a token in range, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -254,7 +291,12 @@ def _tiles(dtype: torch.dtype, device: torch.device) -> MLATiles:
 
 
 def default_num_kv_splits(
-    num_decodes: int, num_heads: int, max_seq_len: int, block_size: int, dtype: torch.dtype, device: torch.device,
+    num_decodes: int,
+    num_heads: int,
+    max_seq_len: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> int:
     """Split count from host-side facts only (the same at CUDA-graph capture and replay).
 
@@ -317,7 +359,9 @@ def mla_decode_attention(
         fits = workspace.rows // num_decodes  # partial rows are request * num_splits + split
         if num_kv_splits is None:
             bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
-            num_kv_splits = min(default_num_kv_splits(num_decodes, num_heads, bound, block_size, q.dtype, q.device), fits)
+            num_kv_splits = min(
+                default_num_kv_splits(num_decodes, num_heads, bound, block_size, q.dtype, q.device), fits
+            )
         elif num_kv_splits > fits:
             raise ValueError(
                 f"num_kv_splits={num_kv_splits} x {num_decodes} decodes exceeds the workspace's {workspace.rows} "
@@ -336,30 +380,54 @@ def mla_decode_attention(
         target, lse = out, out  # lse is unused without splits
     grid = (cdiv(num_heads, BLOCK_H), num_splits, num_decodes)  # head blocks of one request run side by side (L2)
     _mla_decode_kernel[grid](
-        q, kv_cache, target, lse, block_table, seq_lens,
-        num_heads, num_splits, scale * LOG2_E,
-        *q.stride(), *kv_cache.stride(), *target.stride(), *lse.stride()[:2], block_table.stride(0),
-        KV_LORA_RANK=kv_lora_rank, ROPE_DIM=head_dim - kv_lora_rank,
-        LORA_PAD=max(64, next_power_of_2(kv_lora_rank)), ROPE_PAD=max(16, next_power_of_2(head_dim - kv_lora_rank)),
-        BLOCK_H=BLOCK_H, BLOCK_N=tiles.block_n, PAGE_SIZE=block_size, SPLIT_UNIT=max(tiles.block_n, block_size),
+        q,
+        kv_cache,
+        target,
+        lse,
+        block_table,
+        seq_lens,
+        num_heads,
+        num_splits,
+        scale * LOG2_E,
+        *q.stride(),
+        *kv_cache.stride(),
+        *target.stride(),
+        *lse.stride()[:2],
+        block_table.stride(0),
+        KV_LORA_RANK=kv_lora_rank,
+        ROPE_DIM=head_dim - kv_lora_rank,
+        LORA_PAD=max(64, next_power_of_2(kv_lora_rank)),
+        ROPE_PAD=max(16, next_power_of_2(head_dim - kv_lora_rank)),
+        BLOCK_H=BLOCK_H,
+        BLOCK_N=tiles.block_n,
+        PAGE_SIZE=block_size,
+        SPLIT_UNIT=max(tiles.block_n, block_size),
         SPLIT_KV=num_splits > 1,
         # Partials stay in L2 for the merge (and the next call overwrites them there): written
         # back to HBM they cost ~3 points of bandwidth at 32 x 4096. The final output needs no hint.
         OUT_EVICT="evict_last" if num_splits > 1 else "",
-        EARLY_MERGE=early_merge, EARLY_LAUNCH=early_launch,
+        EARLY_MERGE=early_merge,
+        EARLY_LAUNCH=early_launch,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreting() and q.dtype == torch.bfloat16,  # the interpreter's bf16 dot is wrong
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=early_launch,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+        launch_pdl=early_launch,
     )
     if num_splits > 1:
-        merge_splits(target, lse, out, workspace.query_start_loc[: num_decodes + 1], num_splits,
-                     early_launch=early_merge)
+        merge_splits(
+            target, lse, out, workspace.query_start_loc[: num_decodes + 1], num_splits, early_launch=early_merge
+        )
     return out
 
 
 def _check_inputs(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-    kv_lora_rank: int, out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    out: torch.Tensor,
 ) -> None:
     check_tensors(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens, out=out)
     if q.dim() != 3 or kv_cache.dim() != 3:
@@ -380,7 +448,9 @@ def _check_inputs(
         )
     expected = (q.shape[0], q.shape[1], kv_lora_rank)
     if tuple(out.shape) != expected:
-        raise ValueError(f"out must be [num_decodes, num_heads, kv_lora_rank] = {list(expected)}, got {list(out.shape)}")
+        raise ValueError(
+            f"out must be [num_decodes, num_heads, kv_lora_rank] = {list(expected)}, got {list(out.shape)}"
+        )
     for name, tensor in (("q", q), ("kv_cache", kv_cache), ("out", out)):
         check_attention_dtype(tensor.dtype, name)
     if kv_cache.dtype != q.dtype:
@@ -390,7 +460,12 @@ def _check_inputs(
         raise ValueError(f"block_size {block_size} is not a power of two (1, 2, 4, 8, 16, ... work)")
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError(f"block_table and seq_lens must be int32, got {block_table.dtype} and {seq_lens.dtype}")
-    if block_table.dim() != 2 or block_table.shape[0] < q.shape[0] or seq_lens.dim() != 1 or seq_lens.shape[0] < q.shape[0]:
+    if (
+        block_table.dim() != 2
+        or block_table.shape[0] < q.shape[0]
+        or seq_lens.dim() != 1
+        or seq_lens.shape[0] < q.shape[0]
+    ):
         raise ValueError(
             f"{q.shape[0]} decodes need block_table [>= {q.shape[0]}, max_blocks] and seq_lens [>= {q.shape[0]}]; "
             f"got {tuple(block_table.shape)}, {tuple(seq_lens.shape)}"
@@ -400,7 +475,11 @@ def _check_inputs(
 
 
 def _check_workspace(
-    workspace: MLADecodeWorkspace, num_decodes: int, num_heads: int, kv_lora_rank: int, device: torch.device,
+    workspace: MLADecodeWorkspace,
+    num_decodes: int,
+    num_heads: int,
+    kv_lora_rank: int,
+    device: torch.device,
 ) -> None:
     if not isinstance(workspace, MLADecodeWorkspace):
         raise ValueError(f"workspace must be an MLADecodeWorkspace, got {type(workspace).__name__}")

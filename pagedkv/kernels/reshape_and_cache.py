@@ -20,13 +20,25 @@ from pagedkv.kernels.common import check_attention_dtype, check_tensors, next_po
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr,  # [num_tokens, num_kv_heads, head_size]
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size], any strides
+    key_ptr,
+    value_ptr,  # [num_tokens, num_kv_heads, head_size]
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size], any strides
     slot_mapping_ptr,  # [num_tokens], int32 or int64, -1 = skip
-    stride_key_t, stride_key_h, stride_key_d,
-    stride_value_t, stride_value_h, stride_value_d,
-    stride_kc_b, stride_kc_s, stride_kc_h, stride_kc_d,
-    stride_vc_b, stride_vc_s, stride_vc_h, stride_vc_d,
+    stride_key_t,
+    stride_key_h,
+    stride_key_d,
+    stride_value_t,
+    stride_value_h,
+    stride_value_d,
+    stride_kc_b,
+    stride_kc_s,
+    stride_kc_h,
+    stride_kc_d,
+    stride_vc_b,
+    stride_vc_s,
+    stride_vc_h,
+    stride_vc_d,
     block_size,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
@@ -48,9 +60,7 @@ def _reshape_and_cache_kernel(
     token64 = token.to(tl.int64)
 
     k = tl.load(key_ptr + token64 * stride_key_t + heads * stride_key_h + dims * stride_key_d, mask=mask)
-    v = tl.load(
-        value_ptr + token64 * stride_value_t + heads * stride_value_h + dims * stride_value_d, mask=mask
-    )
+    v = tl.load(value_ptr + token64 * stride_value_t + heads * stride_value_h + dims * stride_value_d, mask=mask)
     k_dst = k_cache_ptr + block * stride_kc_b + offset * stride_kc_s + heads * stride_kc_h + dims * stride_kc_d
     v_dst = v_cache_ptr + block * stride_vc_b + offset * stride_vc_s + heads * stride_vc_h + dims * stride_vc_d
     tl.store(k_dst, k, mask=mask)
@@ -78,8 +88,15 @@ def reshape_and_cache(
         return
     num_kv_heads, head_size = key.shape[1], key.shape[2]
     _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
         k_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_SIZE=head_size,
@@ -108,9 +125,7 @@ def _check_shapes(
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
     if k_cache.shape[2:] != key.shape[1:]:
-        raise ValueError(
-            f"cache heads/head size {tuple(k_cache.shape[2:])} do not match key {tuple(key.shape[1:])}"
-        )
+        raise ValueError(f"cache heads/head size {tuple(k_cache.shape[2:])} do not match key {tuple(key.shape[1:])}")
     if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"slot_mapping must be a 1-D int32/int64 tensor; got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
@@ -119,9 +134,14 @@ def _check_shapes(
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots but key only {key.shape[0]} tokens")
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     # Where it is free (CPU tensors, see check_pages_on_cpu): a slot past the cache is a segfault there.
-    if slot_mapping.device.type == "cpu" and slot_mapping.numel() and (
-            slot_mapping.min() < -1 or slot_mapping.max() >= num_slots):
-        raise ValueError(f"slot_mapping must hold slots in [0, {num_slots}) or -1 (skip), got values from "
-                         f"{slot_mapping.min().item()} to {slot_mapping.max().item()}")
+    if (
+        slot_mapping.device.type == "cpu"
+        and slot_mapping.numel()
+        and (slot_mapping.min() < -1 or slot_mapping.max() >= num_slots)
+    ):
+        raise ValueError(
+            f"slot_mapping must hold slots in [0, {num_slots}) or -1 (skip), got values from "
+            f"{slot_mapping.min().item()} to {slot_mapping.max().item()}"
+        )
     check_attention_dtype(key.dtype, "key")
     check_attention_dtype(k_cache.dtype, "k_cache")

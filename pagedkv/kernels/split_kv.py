@@ -55,11 +55,24 @@ class SplitKVWorkspace:
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])  # per-step values: no variant per value
 def _merge_splits_kernel(
-    out_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, num_reqs, num_splits,
-    stride_o_t, stride_o_h, stride_o_d,
-    stride_po_r, stride_po_h, stride_po_d,
-    stride_lse_r, stride_lse_h,
-    SPLITS_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    query_start_loc_ptr,
+    num_reqs,
+    num_splits,
+    stride_o_t,
+    stride_o_h,
+    stride_o_d,
+    stride_po_r,
+    stride_po_h,
+    stride_po_d,
+    stride_lse_r,
+    stride_lse_h,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    EARLY_LAUNCH: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -83,7 +96,8 @@ def _merge_splits_kernel(
     weights = weights / tl.where(total == 0.0, 1.0, total)  # ... and the merged output 0
     parts = tl.load(
         partial_out_ptr + rows[:, None] * stride_po_r + head * stride_po_h + dims[None, :] * stride_po_d,
-        mask=split_ok[:, None] & (dims[None, :] < HEAD_SIZE), other=0.0,
+        mask=split_ok[:, None] & (dims[None, :] < HEAD_SIZE),
+        other=0.0,
     )
     merged = tl.sum(parts * weights[:, None], 0)
     tl.store(out_ptr + token * stride_o_t + head * stride_o_h + dims * stride_o_d, merged, mask=dims < HEAD_SIZE)
@@ -103,9 +117,19 @@ def merge_splits(
     caller checks `supports_pdl`)."""
     num_tokens, num_q_heads, head_size = out.shape
     _merge_splits_kernel[(num_tokens, num_q_heads)](
-        out, partial_out, partial_lse, query_start_loc, query_start_loc.shape[0] - 1, num_splits,
-        *out.stride(), *partial_out.stride(), *partial_lse.stride(),
+        out,
+        partial_out,
+        partial_lse,
+        query_start_loc,
+        query_start_loc.shape[0] - 1,
+        num_splits,
+        *out.stride(),
+        *partial_out.stride(),
+        *partial_lse.stride(),
         SPLITS_PAD=next_power_of_2(num_splits),
-        HEAD_SIZE=head_size, HEAD_PAD=next_power_of_2(head_size),
-        EARLY_LAUNCH=early_launch, num_warps=1 if head_size * num_splits <= 2048 else 4, launch_pdl=early_launch,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=next_power_of_2(head_size),
+        EARLY_LAUNCH=early_launch,
+        num_warps=1 if head_size * num_splits <= 2048 else 4,
+        launch_pdl=early_launch,
     )

@@ -65,9 +65,12 @@ class PagedBatch:
     def attention_kwargs(self) -> dict[str, object]:
         """The metadata keyword arguments of `unified_attention` (scale 1/sqrt(head_size))."""
         return dict(
-            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
-            max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
-            block_table=self.block_table, softmax_scale=self.q.shape[2] ** -0.5,
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+            block_table=self.block_table,
+            softmax_scale=self.q.shape[2] ** -0.5,
         )
 
     def query_slots(self) -> torch.Tensor:
@@ -108,9 +111,12 @@ def random_paged_batch(
     q = torch.randn(sum(query_lens), num_q_heads, head_size, generator=gen, device=device).to(dtype)
     starts = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     return PagedBatch(
-        q=q, kv_cache=kv_cache, query_start_loc=starts.to(device),
+        q=q,
+        kv_cache=kv_cache,
+        query_start_loc=starts.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_table=block_table, query_lens=list(query_lens),
+        block_table=block_table,
+        query_lens=list(query_lens),
     )
 
 
@@ -211,8 +217,14 @@ def run_poisoned(
     rows = num_tokens * (MAX_SPLITS if config is None else config.num_splits)
     workspace = poisoned_workspace(rows, num_q_heads, head_size, gap, batch.q.device)
     unified_attention(
-        bad.q, bad.k_cache, bad.v_cache, out, **bad.attention_kwargs(), sliding_window=sliding_window,
-        workspace=workspace, config=config,
+        bad.q,
+        bad.k_cache,
+        bad.v_cache,
+        out,
+        **bad.attention_kwargs(),
+        sliding_window=sliding_window,
+        workspace=workspace,
+        config=config,
     )
     stray = sum(int((~outside(t).isnan()).sum()) for t in (out, workspace.partial_out))
     return out, stray

@@ -92,12 +92,34 @@ def _load_kv(ptrs, in_seq, dim_ok, MASKED: tl.constexpr, PADDED: tl.constexpr):
 
 @triton.jit
 def _attend_key_tile(
-    acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
-    sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
-    dims_kv_k, dims_kv_v, dim_ok, v_dim_ok,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-    PADDED: tl.constexpr, PADDED_V: tl.constexpr,  # K's / V's head padded to a power of two
-    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    tile,
+    k_base,
+    v_base,
+    block_table_row,
+    positions,
+    seq_len,
+    sliding_window,
+    qk_scale,
+    stride_kc_b,
+    stride_kc_s,
+    stride_vc_b,
+    stride_vc_s,
+    dims_kv_k,
+    dims_kv_v,
+    dim_ok,
+    v_dim_ok,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    PADDED: tl.constexpr,
+    PADDED_V: tl.constexpr,  # K's / V's head padded to a power of two
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Fold one tile of BLOCK_N keys into the running softmax state (online softmax)."""
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -138,22 +160,49 @@ def _attend_key_tile(
 # keep building variants (and hashing their cache keys) during a run.
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _unified_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,  # out: final output, or split partials
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,  # out: final output, or split partials
     lse_ptr,  # split partials only: log2-sum-exp per row
-    query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    num_reqs, num_splits, qk_scale, sliding_window,
-    stride_q_t, stride_q_h, stride_q_d,
-    stride_o_t, stride_o_h, stride_o_d,  # for splits: row = token * num_splits + split
-    stride_lse_t, stride_lse_h,
-    stride_kc_b, stride_kc_s, stride_kc_h, stride_kc_d,
-    stride_vc_b, stride_vc_s, stride_vc_h, stride_vc_d,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
+    num_reqs,
+    num_splits,
+    qk_scale,
+    sliding_window,
+    stride_q_t,
+    stride_q_h,
+    stride_q_d,
+    stride_o_t,
+    stride_o_h,
+    stride_o_d,  # for splits: row = token * num_splits + split
+    stride_lse_t,
+    stride_lse_h,
+    stride_kc_b,
+    stride_kc_s,
+    stride_kc_h,
+    stride_kc_d,
+    stride_vc_b,
+    stride_vc_s,
+    stride_vc_h,
+    stride_vc_d,
     stride_bt,
     G: tl.constexpr,  # query heads per KV head
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,  # of q and K
-    HEAD_SIZE_V: tl.constexpr, HEAD_PAD_V: tl.constexpr,  # of V and the output
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SPLIT_KV: tl.constexpr, ONE_TILE_PER_REQ: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # of q and K
+    HEAD_SIZE_V: tl.constexpr,
+    HEAD_PAD_V: tl.constexpr,  # of V and the output
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
+    ONE_TILE_PER_REQ: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One program: one query tile of one request, one KV head, one share of its keys."""
     q_tile = tl.program_id(0)
@@ -185,7 +234,8 @@ def _unified_attention_kernel(
     tokens = (q_start + q_local).to(tl.int64)
     q = tl.load(
         q_ptr + tokens[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims[None, :] * stride_q_d,
-        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
     )
 
     # --- which key tiles ----------------------------------------------------------------------
@@ -221,27 +271,96 @@ def _unified_attention_kernel(
     if USE_WINDOW:  # tiles at the window's lower edge
         for tile in range(tl.maximum(tiles_start, mine_start), tl.minimum(full_start, mine_end)):
             acc, m_i, l_i = _attend_key_tile(
-                acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
-                sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
-                dims_k, dims_v, dim_ok, v_dim_ok,
-                BLOCK_N, PAGE_SIZE, True, HEAD_PAD != HEAD_SIZE, HEAD_PAD_V != HEAD_SIZE_V,
-                USE_WINDOW, DOT_PRECISION, UPCAST,
+                acc,
+                m_i,
+                l_i,
+                q,
+                tile,
+                k_base,
+                v_base,
+                block_table_row,
+                positions,
+                seq_len,
+                sliding_window,
+                qk_scale,
+                stride_kc_b,
+                stride_kc_s,
+                stride_vc_b,
+                stride_vc_s,
+                dims_k,
+                dims_v,
+                dim_ok,
+                v_dim_ok,
+                BLOCK_N,
+                PAGE_SIZE,
+                True,
+                HEAD_PAD != HEAD_SIZE,
+                HEAD_PAD_V != HEAD_SIZE_V,
+                USE_WINDOW,
+                DOT_PRECISION,
+                UPCAST,
             )
     for tile in range(tl.maximum(full_start, mine_start), tl.minimum(full_end, mine_end)):
         acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
-            sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
-            dims_k, dims_v, dim_ok, v_dim_ok,
-            BLOCK_N, PAGE_SIZE, False, HEAD_PAD != HEAD_SIZE, HEAD_PAD_V != HEAD_SIZE_V,
-            USE_WINDOW, DOT_PRECISION, UPCAST,
+            acc,
+            m_i,
+            l_i,
+            q,
+            tile,
+            k_base,
+            v_base,
+            block_table_row,
+            positions,
+            seq_len,
+            sliding_window,
+            qk_scale,
+            stride_kc_b,
+            stride_kc_s,
+            stride_vc_b,
+            stride_vc_s,
+            dims_k,
+            dims_v,
+            dim_ok,
+            v_dim_ok,
+            BLOCK_N,
+            PAGE_SIZE,
+            False,
+            HEAD_PAD != HEAD_SIZE,
+            HEAD_PAD_V != HEAD_SIZE_V,
+            USE_WINDOW,
+            DOT_PRECISION,
+            UPCAST,
         )
     for tile in range(tl.maximum(full_end, mine_start), mine_end):  # the causal diagonal
         acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, q, tile, k_base, v_base, block_table_row, positions, seq_len,
-            sliding_window, qk_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
-            dims_k, dims_v, dim_ok, v_dim_ok,
-            BLOCK_N, PAGE_SIZE, True, HEAD_PAD != HEAD_SIZE, HEAD_PAD_V != HEAD_SIZE_V,
-            USE_WINDOW, DOT_PRECISION, UPCAST,
+            acc,
+            m_i,
+            l_i,
+            q,
+            tile,
+            k_base,
+            v_base,
+            block_table_row,
+            positions,
+            seq_len,
+            sliding_window,
+            qk_scale,
+            stride_kc_b,
+            stride_kc_s,
+            stride_vc_b,
+            stride_vc_s,
+            dims_k,
+            dims_v,
+            dim_ok,
+            v_dim_ok,
+            BLOCK_N,
+            PAGE_SIZE,
+            True,
+            HEAD_PAD != HEAD_SIZE,
+            HEAD_PAD_V != HEAD_SIZE_V,
+            USE_WINDOW,
+            DOT_PRECISION,
+            UPCAST,
         )
 
     # --- write back ---------------------------------------------------------------------------
@@ -250,7 +369,8 @@ def _unified_attention_kernel(
     out_rows = tokens * num_splits + split
     tl.store(
         out_ptr + out_rows[:, None] * stride_o_t + heads[:, None] * stride_o_h + v_dims[None, :] * stride_o_d,
-        out, mask=row_ok[:, None] & v_dim_ok[None, :],
+        out,
+        mask=row_ok[:, None] & v_dim_ok[None, :],
     )
     if SPLIT_KV:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -303,9 +423,15 @@ def unified_attention(
     head_pad, head_pad_v = next_power_of_2(head_size), next_power_of_2(head_size_v)
     if config is None:
         config = choose_config(  # tiles sized for the wider of K and V
-            device=q.device, head_pad=max(head_pad, head_pad_v), dtype=q.dtype, num_queries_per_kv=group,
-            num_kv_heads=num_kv_heads, num_reqs=num_reqs, num_tokens=num_tokens,
-            max_query_len=max_query_len, max_seq_len=max_seq_len,
+            device=q.device,
+            head_pad=max(head_pad, head_pad_v),
+            dtype=q.dtype,
+            num_queries_per_kv=group,
+            num_kv_heads=num_kv_heads,
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
         )
     if workspace is not None and num_tokens * config.num_splits > workspace.rows:
         # The scratch bounds num_tokens * num_splits: take fewer splits rather than overflow.
@@ -332,18 +458,40 @@ def unified_attention(
         target, lse = out, out  # lse is unused without splits
 
     _unified_attention_kernel[(num_q_tiles, num_kv_heads, config.num_splits)](
-        q, k_cache, v_cache, target, lse,
-        query_start_loc, seq_lens, block_table,
-        num_reqs, config.num_splits, softmax_scale * LOG2_E, NO_WINDOW if sliding_window is None else sliding_window,
-        *q.stride(), *target.stride(), *lse.stride()[:2], *k_cache.stride(), *v_cache.stride(),
+        q,
+        k_cache,
+        v_cache,
+        target,
+        lse,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        num_reqs,
+        config.num_splits,
+        softmax_scale * LOG2_E,
+        NO_WINDOW if sliding_window is None else sliding_window,
+        *q.stride(),
+        *target.stride(),
+        *lse.stride()[:2],
+        *k_cache.stride(),
+        *v_cache.stride(),
         block_table.stride(0),
-        G=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad, HEAD_SIZE_V=head_size_v, HEAD_PAD_V=head_pad_v,
-        BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, PAGE_SIZE=k_cache.shape[1],
-        SPLIT_KV=config.num_splits > 1, ONE_TILE_PER_REQ=one_tile_per_req,
+        G=group,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=head_pad,
+        HEAD_SIZE_V=head_size_v,
+        HEAD_PAD_V=head_pad_v,
+        BLOCK_M=config.block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=config.block_n,
+        PAGE_SIZE=k_cache.shape[1],
+        SPLIT_KV=config.num_splits > 1,
+        ONE_TILE_PER_REQ=one_tile_per_req,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreting() and q.dtype == torch.bfloat16,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if config.num_splits > 1:
         merge_splits(partial_out, partial_lse, out, query_start_loc, config.num_splits)
@@ -359,12 +507,23 @@ def _check_inputs(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
 ) -> None:
-    check_tensors(q=q, k_cache=k_cache, v_cache=v_cache, out=out, query_start_loc=query_start_loc, seq_lens=seq_lens,
-                  block_table=block_table)
+    check_tensors(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        out=out,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_table=block_table,
+    )
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_size]; got {tuple(q.shape)}")
-    if (k_cache.dim() != 4 or v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3]
-            or k_cache.shape[3] != q.shape[2]):
+    if (
+        k_cache.dim() != 4
+        or v_cache.dim() != 4
+        or v_cache.shape[:3] != k_cache.shape[:3]
+        or k_cache.shape[3] != q.shape[2]
+    ):
         raise ValueError(
             f"k_cache must be [num_blocks, block_size, num_kv_heads, {q.shape[2]}] and v_cache the same but for "
             f"its head size; got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
@@ -385,8 +544,13 @@ def _check_inputs(
     for name, tensor in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
         if tensor.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {tensor.dtype}")
-    if (query_start_loc.dim() != 1 or seq_lens.dim() != 1 or block_table.dim() != 2
-            or query_start_loc.shape[0] != seq_lens.shape[0] + 1 or block_table.shape[0] < seq_lens.shape[0]):
+    if (
+        query_start_loc.dim() != 1
+        or seq_lens.dim() != 1
+        or block_table.dim() != 2
+        or query_start_loc.shape[0] != seq_lens.shape[0] + 1
+        or block_table.shape[0] < seq_lens.shape[0]
+    ):
         raise ValueError(
             f"inconsistent batch: query_start_loc {tuple(query_start_loc.shape)}, seq_lens {tuple(seq_lens.shape)}, "
             f"block_table {tuple(block_table.shape)}; expected [num_reqs + 1], [num_reqs], [>= num_reqs, max_blocks]"
@@ -396,7 +560,11 @@ def _check_inputs(
 
 
 def _check_batch_on_cpu(
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, max_query_len: int, max_seq_len: int,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_tokens: int,
+    max_query_len: int,
+    max_seq_len: int,
 ) -> None:
     """The ragged batch's offsets and the host-side bounds, checked where that is free (see
     `check_pages_on_cpu`): offsets past q read outside it, and a max_query_len below a request's
@@ -405,14 +573,19 @@ def _check_batch_on_cpu(
         return
     query_lens = query_start_loc.diff()
     if query_start_loc[0] != 0 or query_lens.min() < 0 or query_start_loc[-1] > num_tokens:
-        raise ValueError(f"query_start_loc must rise from 0 to at most the {num_tokens} tokens of q, "
-                         f"got {query_start_loc.tolist()}")
+        raise ValueError(
+            f"query_start_loc must rise from 0 to at most the {num_tokens} tokens of q, got {query_start_loc.tolist()}"
+        )
     if (query_lens > seq_lens).any():
-        raise ValueError(f"a request's query is longer than its sequence: query lengths {query_lens.tolist()}, "
-                         f"seq_lens {seq_lens.tolist()}")
+        raise ValueError(
+            f"a request's query is longer than its sequence: query lengths {query_lens.tolist()}, "
+            f"seq_lens {seq_lens.tolist()}"
+        )
     if query_lens.max() > max_query_len or seq_lens.max() > max_seq_len:
-        raise ValueError(f"max_query_len={max_query_len} and max_seq_len={max_seq_len} must bound the batch's "
-                         f"{query_lens.max().item()} and {seq_lens.max().item()}")
+        raise ValueError(
+            f"max_query_len={max_query_len} and max_seq_len={max_seq_len} must bound the batch's "
+            f"{query_lens.max().item()} and {seq_lens.max().item()}"
+        )
 
 
 def _check_window(sliding_window: int | None) -> None:

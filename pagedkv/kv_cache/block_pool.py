@@ -28,7 +28,9 @@ BlockHash = bytes
 """SHA-256 of (parent block's hash, this block's token ids, extra keys)."""
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[object, ...] = ()) -> BlockHash:
+def hash_block_tokens(
+    parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[object, ...] = ()
+) -> BlockHash:
     """The hash of one full block: it covers every token before it, through the parent's hash.
 
         block 0: h0 = H(None, tokens[0:16])      block 1: h1 = H(h0, tokens[16:32])   ...
@@ -41,11 +43,15 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int], e
     return hashlib.sha256(pickle.dumps((parent_hash, tuple(token_ids), extra_keys), protocol=5)).digest()
 
 
-def hash_request_blocks(token_ids: Sequence[int], block_size: int, start: list[BlockHash] | None = None) -> list[BlockHash]:
+def hash_request_blocks(
+    token_ids: Sequence[int], block_size: int, start: list[BlockHash] | None = None
+) -> list[BlockHash]:
     """The hashes of every FULL block of `token_ids`, extending `start` (the hashes known already)."""
     hashes = list(start or [])
     for b in range(len(hashes), len(token_ids) // block_size):
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[b * block_size : (b + 1) * block_size]))
+        hashes.append(
+            hash_block_tokens(hashes[-1] if hashes else None, token_ids[b * block_size : (b + 1) * block_size])
+        )
     return hashes
 
 
@@ -110,7 +116,9 @@ class BlockPool:
                 del self.free_queue[block.block_id]
             block.ref_cnt += 1
 
-    def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]) -> list[KVCacheBlock]:
+    def cache_full_blocks(
+        self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]
+    ) -> list[KVCacheBlock]:
         """Give each full block its hash and make it findable; a block whose prefix is cached
         in another block already (two requests computed it side by side) stays uncached.
         Returns the blocks that got a hash."""

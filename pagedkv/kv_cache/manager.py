@@ -122,8 +122,11 @@ class KVCacheManager:
         rows = self.req_to_blocks.setdefault(request_id, [[] for _ in self.specs])
         total = num_computed_tokens + num_new_tokens
         # Most steps are decodes whose token fits the blocks the request holds: nothing to allocate.
-        fits = not new_computed_blocks and not self._windowed and all(
-            len(row) * spec.block_size >= total for spec, row in zip(self.specs, rows))
+        fits = (
+            not new_computed_blocks
+            and not self._windowed
+            and all(len(row) * spec.block_size >= total for spec, row in zip(self.specs, rows))
+        )
         if not fits and not self._allocate(rows, num_computed_tokens, total, new_computed_blocks):
             return False
         if self.enable_caching and token_ids is not None:
@@ -132,8 +135,13 @@ class KVCacheManager:
             self._cache_full_blocks(request_id, token_ids, min(total, len(token_ids)))
         return True
 
-    def _allocate(self, rows: list[list[KVCacheBlock]], num_computed_tokens: int, total: int,
-                  new_computed_blocks: list[list[KVCacheBlock]] | None) -> bool:
+    def _allocate(
+        self,
+        rows: list[list[KVCacheBlock]],
+        num_computed_tokens: int,
+        total: int,
+        new_computed_blocks: list[list[KVCacheBlock]] | None,
+    ) -> bool:
         """Per group: drop blocks behind the window, then share the hits and take new blocks up to
         `total` tokens; False (and nothing changed but the dropped blocks) if they do not fit."""
         hits = new_computed_blocks or [[] for _ in self.specs]

@@ -30,7 +30,11 @@ from pagedkv.models.layers import rope_type, yarn_mscale
 
 
 def check_config_numbers(
-    config: object, *, positive: Sequence[str] = (), counts: Sequence[str] = (), floats: Sequence[str] = (),
+    config: object,
+    *,
+    positive: Sequence[str] = (),
+    counts: Sequence[str] = (),
+    floats: Sequence[str] = (),
 ) -> None:
     """The config.json numbers a model is built from, named when wrong (else a wrong type or a 0
     surfaces as a torch or ZeroDivisionError deep in the model's construction): `positive` ints
@@ -72,6 +76,7 @@ def hf_rope_parameters(
             rope["factor"] = max_positions / rope["original_max_position_embeddings"]
     return rope.get("rope_theta") or default_theta, rope if kind != "default" else None
 
+
 @dataclass
 class LlamaConfig:
     """The architecture fields of a Hugging Face Llama `config.json` that this model reads."""
@@ -107,17 +112,30 @@ class LlamaConfig:
     eos_token_id: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        check_config_numbers(self, floats=("rms_norm_eps", "rope_theta"), positive=(
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "max_position_embeddings"))
+        check_config_numbers(
+            self,
+            floats=("rms_norm_eps", "rope_theta"),
+            positive=(
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "max_position_embeddings",
+            ),
+        )
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:  # e.g. Qwen3's default of 32 KV heads
-            raise ValueError(f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads}): each KV head serves the same "
-                             "number of query heads.")
+            raise ValueError(
+                f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads}): each KV head serves the same "
+                "number of query heads."
+            )
         if self.qkv_bias is None:
             self.qkv_bias = self.attention_bias
         for name in ("attention_bias", "qkv_bias", "mlp_bias", "tie_word_embeddings"):
@@ -125,7 +143,8 @@ class LlamaConfig:
                 raise ValueError(f"config.json: {name} must be true or false, got {getattr(self, name)!r}.")
         if self.hidden_act != "silu":
             raise NotImplementedError(
-                f"hidden_act={self.hidden_act!r} is not supported; Llama-family models use 'silu'.")
+                f"hidden_act={self.hidden_act!r} is not supported; Llama-family models use 'silu'."
+            )
         self._check_windows()
 
     def _check_windows(self) -> None:
@@ -159,7 +178,8 @@ class LlamaConfig:
         present = {k: hf[k] for k in cls.__dataclass_fields__ if k in hf and hf[k] is not None and k != "qkv_bias"}
         kwargs = {**FAMILY_DEFAULTS.get(model_type, {}), **present}
         kwargs["rope_theta"], kwargs["rope_scaling"] = hf_rope_parameters(
-            hf, cls.rope_theta, kwargs.get("max_position_embeddings", cls.max_position_embeddings))
+            hf, cls.rope_theta, kwargs.get("max_position_embeddings", cls.max_position_embeddings)
+        )
         eos = hf.get("eos_token_id")
         kwargs["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if kwargs.get("hidden_act") == "swish":  # another name of SiLU (transformers' ACT2FN has both)
@@ -211,6 +231,7 @@ def _hf_windows(hf: dict[str, Any], model_type: str) -> tuple[int | None, list[s
         layer_types = [LAYER_TYPES[i >= first_windowed] for i in range(num_layers)]
     return window, layer_types
 
+
 @dataclass
 class Qwen3Config(LlamaConfig):
     """Llama's fields, with the defaults of transformers' Qwen3Config for keys a config.json leaves out.
@@ -235,10 +256,23 @@ TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 # transformers' DeepseekV3Config defaults where they differ from V2's (the dataclass's): what a V3
 # config.json means by leaving one of these keys out.
 V3_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
-    num_attention_heads=128, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=3,
-    n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=4096,
-    bos_token_id=0, num_nextn_predict_layers=1,
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    n_routed_experts=256,
+    num_experts_per_tok=8,
+    n_shared_experts=1,
+    first_k_dense_replace=3,
+    n_group=8,
+    topk_group=4,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    max_position_embeddings=4096,
+    bos_token_id=0,
+    num_nextn_predict_layers=1,
 )
 
 
@@ -308,11 +342,26 @@ class DeepseekV2Config:
 
     def __post_init__(self) -> None:
         check_config_numbers(
-            self, counts=("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"),
-            floats=("rms_norm_eps", "rope_theta", "routed_scaling_factor"), positive=(
-                "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                "v_head_dim", "n_routed_experts", "num_experts_per_tok", "max_position_embeddings"))
+            self,
+            counts=("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"),
+            floats=("rms_norm_eps", "rope_theta", "routed_scaling_factor"),
+            positive=(
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "moe_intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "q_lora_rank",
+                "kv_lora_rank",
+                "qk_nope_head_dim",
+                "qk_rope_head_dim",
+                "v_head_dim",
+                "n_routed_experts",
+                "num_experts_per_tok",
+                "max_position_embeddings",
+            ),
+        )
         if self.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act={self.hidden_act!r} is not supported; DeepSeek models use 'silu'.")
         if self.topk_method not in TOPK_METHODS:
@@ -320,18 +369,24 @@ class DeepseekV2Config:
         if self.topk_method != "greedy":
             groups, picked = self.n_group, self.topk_group
             if not groups or not picked or self.n_routed_experts % groups or picked > groups:
-                raise ValueError(f"topk_method={self.topk_method!r} needs n_group dividing n_routed_experts "
-                                 f"({self.n_routed_experts}) and 1 <= topk_group <= n_group; got n_group={groups}, "
-                                 f"topk_group={picked}.")
+                raise ValueError(
+                    f"topk_method={self.topk_method!r} needs n_group dividing n_routed_experts "
+                    f"({self.n_routed_experts}) and 1 <= topk_group <= n_group; got n_group={groups}, "
+                    f"topk_group={picked}."
+                )
             if self.topk_method == "noaux_tc" and self.n_routed_experts // groups < 2:
-                raise ValueError(f"topk_method='noaux_tc' scores each group by its two best experts: n_group={groups} "
-                                 f"leaves {self.n_routed_experts // groups} of the {self.n_routed_experts} experts per "
-                                 f"group; use n_group <= {self.n_routed_experts // 2}.")
+                raise ValueError(
+                    f"topk_method='noaux_tc' scores each group by its two best experts: n_group={groups} "
+                    f"leaves {self.n_routed_experts // groups} of the {self.n_routed_experts} experts per "
+                    f"group; use n_group <= {self.n_routed_experts // 2}."
+                )
             if self.topk_method == "noaux_tc" and self.num_experts_per_tok > picked * self.n_routed_experts // groups:
-                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of the "
-                                 f"topk_group ({picked}) groups it may choose from (noaux_tc would weigh experts of "
-                                 f"dropped groups by their scores): use num_experts_per_tok <= "
-                                 f"{picked * self.n_routed_experts // groups} or a larger topk_group.")
+                raise ValueError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of the "
+                    f"topk_group ({picked}) groups it may choose from (noaux_tc would weigh experts of "
+                    f"dropped groups by their scores): use num_experts_per_tok <= "
+                    f"{picked * self.n_routed_experts // groups} or a larger topk_group."
+                )
 
     @property
     def qk_head_dim(self) -> int:
@@ -377,11 +432,15 @@ class DeepseekV2Config:
         # None`), False for a flag (as transformers' `if config.flag:`); other nulls mean the default.
         null_means: dict[str, Any] = {"q_lora_rank": None, "n_group": None, "topk_group": None, "n_shared_experts": 0}
         null_means |= {k: False for k, f in cls.__dataclass_fields__.items() if isinstance(f.default, bool)}
-        present = {k: null_means[k] if hf[k] is None else hf[k] for k in cls.__dataclass_fields__
-                   if k in hf and (hf[k] is not None or k in null_means)}
+        present = {
+            k: null_means[k] if hf[k] is None else hf[k]
+            for k in cls.__dataclass_fields__
+            if k in hf and (hf[k] is not None or k in null_means)
+        }
         kwargs = {**(V3_DEFAULTS if model_type == "deepseek_v3" else {}), **present}
         kwargs["rope_theta"], kwargs["rope_scaling"] = hf_rope_parameters(
-            hf, cls.rope_theta, kwargs.get("max_position_embeddings", cls.max_position_embeddings))
+            hf, cls.rope_theta, kwargs.get("max_position_embeddings", cls.max_position_embeddings)
+        )
         eos = hf.get("eos_token_id")
         kwargs["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if model_type == "deepseek_v3":  # transformers' V3 routes so whatever topk_method says; no MLP biases

@@ -59,18 +59,32 @@ class DeepseekV2Attention(nn.Module):
             self.q_a_proj = ReplicatedLinear(config.hidden_size, self.q_lora_rank, bias=config.attention_bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)  # transformers keeps eps 1e-6 on both latent norms
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, [q_size])
-        self.kv_a_proj_with_mqa = ReplicatedLinear(config.hidden_size, self.kv_lora_rank + self.qk_rope_head_dim,
-                                                   bias=config.attention_bias)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            config.hidden_size, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias
+        )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
-        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
-                                              [self.num_heads * (self.qk_nope_head_dim + config.v_head_dim)])
-        self.o_proj = RowParallelLinear(self.num_heads * config.v_head_dim, config.hidden_size,
-                                        bias=config.attention_bias)
-        self.rotary_emb = get_rope(self.qk_rope_head_dim, config.max_position_embeddings, config.rope_theta,
-                                   config.rope_scaling, interleaved=config.rope_interleave)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, [self.num_heads * (self.qk_nope_head_dim + config.v_head_dim)]
+        )
+        self.o_proj = RowParallelLinear(
+            self.num_heads * config.v_head_dim, config.hidden_size, bias=config.attention_bias
+        )
+        self.rotary_emb = get_rope(
+            self.qk_rope_head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            interleaved=config.rope_interleave,
+        )
         self.attn = MLAAttention(
-            self.num_heads, config.softmax_scale, self.qk_nope_head_dim, self.qk_rope_head_dim, config.v_head_dim,
-            self.kv_lora_rank, self.kv_b_proj, prefix=f"{prefix}.attn",
+            self.num_heads,
+            config.softmax_scale,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            config.v_head_dim,
+            self.kv_lora_rank,
+            self.kv_b_proj,
+            prefix=f"{prefix}.attn",
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -82,8 +96,8 @@ class DeepseekV2Attention(nn.Module):
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         # Position enters only through the rope dims: c_kv stays position-free, so kv_b_proj can be
         # folded into the query (MLAAttention's decode path) without touching RoPE.
-        q_pe, k_pe = self.rotary_emb(positions, q[..., self.qk_nope_head_dim:], k_pe)
-        q[..., self.qk_nope_head_dim:] = q_pe
+        q_pe, k_pe = self.rotary_emb(positions, q[..., self.qk_nope_head_dim :], k_pe)
+        q[..., self.qk_nope_head_dim :] = q_pe
         return self.o_proj(self.attn(q.flatten(1), self.kv_a_layernorm(kv_c), k_pe))
 
 
@@ -103,8 +117,11 @@ class DeepseekV2Gate(nn.Module):
         self.n_group, self.topk_group = config.n_group, config.topk_group
         self.norm_topk_prob, self.routed_scaling_factor = config.norm_topk_prob, config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size), requires_grad=False)
-        self.e_score_correction_bias = (nn.Parameter(torch.empty(config.n_routed_experts), requires_grad=False)
-                                        if self.method == "noaux_tc" else None)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(config.n_routed_experts), requires_grad=False)
+            if self.method == "noaux_tc"
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [tokens, hidden] -> (weights, expert ids), both [tokens, top_k]."""
@@ -140,10 +157,12 @@ class DeepseekV2MoE(nn.Module):
     def __init__(self, config: DeepseekV2Config, prefix: str) -> None:
         super().__init__()
         self.gate = DeepseekV2Gate(config)
-        self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
-                                prefix=f"{prefix}.experts")
-        self.shared_experts = LlamaMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
-                                       bias=config.mlp_bias)
+        self.experts = FusedMoE(
+            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, prefix=f"{prefix}.experts"
+        )
+        self.shared_experts = LlamaMLP(
+            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, bias=config.mlp_bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.shared_experts(x) + self.experts(x, *self.gate(x))
@@ -157,8 +176,11 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DeepseekV2Attention(config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp: nn.Module = (DeepseekV2MoE(config, f"{prefix}.mlp") if layer_idx >= config.first_k_dense_replace
-                               else LlamaMLP(config.hidden_size, config.intermediate_size, config.mlp_bias))
+        self.mlp: nn.Module = (
+            DeepseekV2MoE(config, f"{prefix}.mlp")
+            if layer_idx >= config.first_k_dense_replace
+            else LlamaMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
@@ -219,8 +241,12 @@ class DeepseekV2ForCausalLM(nn.Module):
         stacked = {**expert_params_mapping(self.config.n_routed_experts), **_STACKED}
         first, count = self.config.num_hidden_layers, self.config.num_nextn_predict_layers
         mtp = tuple(f"model.layers.{i}." for i in range(first, first + count))
-        load_hf_weights(self, ((name, t) for name, t in weights if not name.startswith(mtp)),
-                        stacked, tied_embeddings=self.config.tie_word_embeddings)
+        load_hf_weights(
+            self,
+            ((name, t) for name, t in weights if not name.startswith(mtp)),
+            stacked,
+            tied_embeddings=self.config.tie_word_embeddings,
+        )
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

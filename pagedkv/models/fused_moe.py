@@ -43,9 +43,11 @@ values (64 MB in bf16), so a long prefill does not need E times the activations 
 def expert_params_mapping(num_experts: int) -> dict[str, tuple[str, ShardId]]:
     """`load_hf_weights`' `stacked` entries routing Hugging Face expert tensors into `FusedMoE`:
     "...experts.3.up_proj.weight" -> parameter "...experts.w13_weight", shard (3, "w3")."""
-    return {f".experts.{e}.{hf}.": (f".experts.{param}_", (e, shard))
-            for e in range(num_experts)
-            for hf, param, shard in (("gate_proj", "w13", "w1"), ("up_proj", "w13", "w3"), ("down_proj", "w2", "w2"))}
+    return {
+        f".experts.{e}.{hf}.": (f".experts.{param}_", (e, shard))
+        for e in range(num_experts)
+        for hf, param, shard in (("gate_proj", "w13", "w1"), ("up_proj", "w13", "w3"), ("down_proj", "w2", "w2"))
+    }
 
 
 def _tiny_grouped_mm(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -106,8 +108,9 @@ class FusedMoE(nn.Module):
             static_forward_context[prefix] = self
         self.prefix = prefix
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
-                                       requires_grad=False)
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
+        )
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -120,8 +123,10 @@ class FusedMoE(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         """Copy one expert's gate_proj ("w1"), up_proj ("w3") or down_proj ("w2") into its slot."""
         if not (isinstance(shard_id, tuple) and 0 <= shard_id[0] < self.num_experts):
-            raise ValueError(f"FusedMoE loads one expert at a time: shard (expert < {self.num_experts}, "
-                             f"'w1' | 'w3' | 'w2'), got {shard_id!r}")
+            raise ValueError(
+                f"FusedMoE loads one expert at a time: shard (expert < {self.num_experts}, "
+                f"'w1' | 'w3' | 'w2'), got {shard_id!r}"
+            )
         expert, which = shard_id
         target = param.data[expert]
         if which != "w2":  # gate rows first, then up rows
@@ -181,5 +186,7 @@ class FusedMoE(nn.Module):
         return torch.bmm(act.transpose(0, 1), w2_t).sum(0)  # [E, rows, H] summed over experts
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts}, hidden={self.w13_weight.shape[2]}, intermediate={self.intermediate_size}, "
-                f"grouped_mm={self.use_grouped_mm}")
+        return (
+            f"experts={self.num_experts}, hidden={self.w13_weight.shape[2]}, intermediate={self.intermediate_size}, "
+            f"grouped_mm={self.use_grouped_mm}"
+        )

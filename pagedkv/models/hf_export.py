@@ -62,25 +62,40 @@ def _transformers_config(model: LlamaForCausalLM, attn_implementation: str) -> t
     windows = {c.layer_sliding_window(i) for i in range(c.num_hidden_layers)} - {None}
     rope = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
     fields = dict(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-        rope_parameters=rope, attn_implementation=attn_implementation,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+        rope_parameters=rope,
+        attn_implementation=attn_implementation,
     )
-    layer_types = ["full_attention" if c.layer_sliding_window(i) is None else "sliding_attention"
-                   for i in range(c.num_hidden_layers)]
+    layer_types = [
+        "full_attention" if c.layer_sliding_window(i) is None else "sliding_attention"
+        for i in range(c.num_hidden_layers)
+    ]
     if len(windows) > 1:
         raise NotImplementedError("the export maps one window size onto transformers' layer_types")
     if isinstance(c, Qwen3Config):  # q_norm / k_norm: only transformers' Qwen3 has them
-        config = transformers.Qwen3Config(**fields, attention_bias=c.attention_bias, use_sliding_window=bool(windows),
-                                          sliding_window=next(iter(windows), None), layer_types=layer_types)
+        config = transformers.Qwen3Config(
+            **fields,
+            attention_bias=c.attention_bias,
+            use_sliding_window=bool(windows),
+            sliding_window=next(iter(windows), None),
+            layer_types=layer_types,
+        )
         return config, transformers.Qwen3ForCausalLM
     if not windows:
         config = transformers.LlamaConfig(**fields, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
         return config, transformers.LlamaForCausalLM
     if c.attention_bias or c.mlp_bias:
         raise NotImplementedError("the export maps no o_proj/MLP biases onto Qwen2")
-    config = transformers.Qwen2Config(**fields, sliding_window=windows.pop(), use_sliding_window=True,
-                                      layer_types=layer_types)
+    config = transformers.Qwen2Config(
+        **fields, sliding_window=windows.pop(), use_sliding_window=True, layer_types=layer_types
+    )
     return config, transformers.Qwen2ForCausalLM

@@ -106,8 +106,9 @@ class RotaryEmbedding(nn.Module):
     they were. cos and sin carry the scaling's attention factor (YaRN; 1 otherwise).
     """
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None,
-                 interleaved: bool = False) -> None:
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None, interleaved: bool = False
+    ) -> None:
         super().__init__()
         self.head_dim, self.interleaved = head_dim, interleaved
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
@@ -148,8 +149,9 @@ def share_rotary_embeddings() -> Iterator[None]:
         _SHARED_ROPE = saved
 
 
-def get_rope(head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None,
-             interleaved: bool = False) -> RotaryEmbedding:
+def get_rope(
+    head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None, interleaved: bool = False
+) -> RotaryEmbedding:
     """A `RotaryEmbedding`: a new one, or inside `share_rotary_embeddings` the model's shared one."""
     if _SHARED_ROPE is None:
         return RotaryEmbedding(head_dim, max_position, theta, scaling, interleaved)
@@ -186,9 +188,7 @@ def head_layout(total_num_heads: int, total_num_kv_heads: int, tp_size: int = 1)
         raise ValueError(f"num_attention_heads ({total_num_heads}) must be divisible by tp_size ({tp_size}).")
     if total_num_kv_heads >= tp_size:
         if total_num_kv_heads % tp_size:
-            raise ValueError(
-                f"num_key_value_heads ({total_num_kv_heads}) must be divisible by tp_size ({tp_size})."
-            )
+            raise ValueError(f"num_key_value_heads ({total_num_kv_heads}) must be divisible by tp_size ({tp_size}).")
         return HeadLayout(tp_size, total_num_heads // tp_size, total_num_kv_heads // tp_size, 1)
     if tp_size % total_num_kv_heads:
         raise ValueError(
@@ -207,5 +207,7 @@ def rank_heads(layout: HeadLayout, rank: int) -> tuple[range, range]:
     if not 0 <= rank < layout.tp_size:
         raise ValueError(f"rank must be in [0, {layout.tp_size}), got {rank}.")
     first_kv = (rank // layout.kv_head_replicas) * layout.num_kv_heads
-    return (range(rank * layout.num_heads, (rank + 1) * layout.num_heads),
-            range(first_kv, first_kv + layout.num_kv_heads))
+    return (
+        range(rank * layout.num_heads, (rank + 1) * layout.num_heads),
+        range(first_kv, first_kv + layout.num_kv_heads),
+    )

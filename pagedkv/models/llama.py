@@ -39,15 +39,22 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, prefix: str, sliding_window: int | None) -> None:
         super().__init__()
         self.head_dim = config.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=config.qkv_bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.qkv_bias,
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.layout.num_heads, self.qkv_proj.layout.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                        bias=config.attention_bias)
-        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config.rope_theta,
-                                   config.rope_scaling)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
+        )
+        self.rotary_emb = get_rope(
+            self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -79,8 +86,13 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, config: LlamaConfig, prefix: str, sliding_window: int | None,
-                 attention_type: type[LlamaAttention] = LlamaAttention) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        prefix: str,
+        sliding_window: int | None,
+        attention_type: type[LlamaAttention] = LlamaAttention,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = attention_type(config, f"{prefix}.self_attn", sliding_window)
@@ -95,8 +107,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm."""
 
-    def __init__(self, config: LlamaConfig, prefix: str = "model",
-                 attention_type: type[LlamaAttention] = LlamaAttention) -> None:
+    def __init__(
+        self, config: LlamaConfig, prefix: str = "model", attention_type: type[LlamaAttention] = LlamaAttention
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         with share_rotary_embeddings():  # one cos/sin table for all layers
@@ -116,8 +129,11 @@ class LlamaModel(nn.Module):
 # Hugging Face keeps q/k/v and gate/up as separate matrices; we fuse them.
 # hf name part -> (our fused name part, shard index)
 _STACKED = {
-    ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
-    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
 }
 
 
@@ -152,8 +168,11 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in self.state_dict().items():
             for part, (fused, index) in _STACKED.items():
                 if fused in name:
-                    sizes = self.model.layers[0].self_attn.qkv_proj.output_sizes if fused == ".qkv_proj." \
+                    sizes = (
+                        self.model.layers[0].self_attn.qkv_proj.output_sizes
+                        if fused == ".qkv_proj."
                         else self.model.layers[0].mlp.gate_up_proj.output_sizes
+                    )
                     out[name.replace(fused, part)] = tensor.split(sizes)[index]
             if not any(fused in name for fused, _ in _STACKED.values()):
                 out[name] = tensor

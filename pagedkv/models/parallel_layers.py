@@ -53,14 +53,17 @@ def check_checkpoint_shape(loaded: torch.Tensor, expected: Sequence[int], what: 
     """The whole checkpoint tensor's shape, checked before a rank cuts its slice out of it (a
     slice of a larger tensor would fit the parameter and load wrong weights without a word)."""
     if tuple(loaded.shape) != tuple(expected):
-        raise ValueError(f"Shape mismatch loading {what}: checkpoint {tuple(loaded.shape)}, expected {tuple(expected)} "
-                         "from config.json's sizes. Does config.json belong to these weights?")
+        raise ValueError(
+            f"Shape mismatch loading {what}: checkpoint {tuple(loaded.shape)}, expected {tuple(expected)} "
+            "from config.json's sizes. Does config.json belong to these weights?"
+        )
 
 
 def copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None:
     if target.shape != source.shape:
-        raise ValueError(f"Shape mismatch loading {what}: this rank's slice {tuple(source.shape)}, "
-                         f"parameter {tuple(target.shape)}.")
+        raise ValueError(
+            f"Shape mismatch loading {what}: this rank's slice {tuple(source.shape)}, parameter {tuple(target.shape)}."
+        )
     target.copy_(source)
 
 
@@ -69,8 +72,12 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: S
     copy_checked(param.data, loaded, "a whole parameter")
 
 
-def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                    stacked: dict[str, tuple[str, ShardId]], tied_embeddings: bool = False) -> None:
+def load_hf_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: dict[str, tuple[str, ShardId]],
+    tied_embeddings: bool = False,
+) -> None:
     """Copy Hugging Face-named tensors into `model`'s (fused, sharded) parameters: each parameter's
     `weight_loader` takes this rank's slice. Every parameter must be set, and every tensor used.
 
@@ -121,9 +128,12 @@ def _load_tied(model: nn.Module, held: dict[str, torch.Tensor]) -> None:
     embedding = model.get_parameter(EMBEDDING)
     embed, head = held.get(EMBEDDING), held.get(LM_HEAD)
     if embed is not None and head is not None and not torch.equal(embed, head):
-        logger.warning("tie_word_embeddings is set but the checkpoint's %s and %s differ: loading them untied, as "
-                       "transformers does (set tie_word_embeddings to false in config.json to silence this).",
-                       EMBEDDING, LM_HEAD)
+        logger.warning(
+            "tie_word_embeddings is set but the checkpoint's %s and %s differ: loading them untied, as "
+            "transformers does (set tie_word_embeddings to false in config.json to silence this).",
+            EMBEDDING,
+            LM_HEAD,
+        )
         lm_head = model.get_submodule(LM_HEAD.rsplit(".", 1)[0])
         lm_head.weight = nn.Parameter(torch.empty_like(embedding), requires_grad=False)
         lm_head.weight.weight_loader = lm_head.weight_loader
@@ -152,8 +162,10 @@ class _ParallelLinear(nn.Module):
         raise NotImplementedError
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"tp_rank={self.tp_rank}/{self.tp_size}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"tp_rank={self.tp_rank}/{self.tp_size}"
+        )
 
 
 class ReplicatedLinear(_ParallelLinear):
@@ -213,8 +225,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         8 q / 2 kv heads, tp 4:   rank 0: q 0-1, kv 0 | rank 1: q 2-3, kv 0 | rank 2: q 4-5, kv 1 | ...
     """
 
-    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False
+    ) -> None:
         layout = head_layout(total_num_heads, total_num_kv_heads, get_tp_size())
         self.head_size, self.layout = head_size, layout
         self.total_sizes = [total_num_heads * head_size] + [total_num_kv_heads * head_size] * 2  # in the checkpoint
@@ -225,8 +238,12 @@ class QKVParallelLinear(ColumnParallelLinear):
     def _rows(self, shard_id: int | str) -> tuple[int, int, int, int]:
         index = {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else shard_id
         heads = rank_heads(self.layout, get_tp_rank())[min(index, 1)]  # k and v: the same KV heads
-        return (sum(self.output_sizes[:index]), self.output_sizes[index], heads.start * self.head_size,
-                self.total_sizes[index])
+        return (
+            sum(self.output_sizes[:index]),
+            self.output_sizes[index],
+            heads.start * self.head_size,
+            self.total_sizes[index],
+        )
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -272,9 +289,11 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         rows = max(0, min(self.per_rank, self.num_embeddings - self.start))
         if loaded.shape != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(f"Shape mismatch loading the vocabulary: checkpoint {tuple(loaded.shape)}, expected "
-                             f"{(self.num_embeddings, self.embedding_dim)}.")
-        param.data[:rows].copy_(loaded[self.start:self.start + rows])
+            raise ValueError(
+                f"Shape mismatch loading the vocabulary: checkpoint {tuple(loaded.shape)}, expected "
+                f"{(self.num_embeddings, self.embedding_dim)}."
+            )
+        param.data[:rows].copy_(loaded[self.start : self.start + rows])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -40,7 +40,10 @@ VOCAB_SIZE = 258  # 256 bytes + BOS + EOS, the ids of pagedkv's ByteTokenizer
 VAL_EVERY, VAL_OFFSET = 10, 5  # sorted topic i is held out when i % 10 == 5
 
 FIXED_SHAPE: dict[str, Any] = dict(
-    max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    max_position_embeddings=1024,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
 )
 """The parts of the model's shape that the command line does not change."""
 
@@ -73,9 +76,17 @@ def hf_config(args: argparse.Namespace) -> Any:
     """The transformers `LlamaConfig` of `tiny-pydoc`, shaped by the command line."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID, hidden_size=args.hidden_size,
-                       intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers,
-                       num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads, **FIXED_SHAPE)
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        **FIXED_SHAPE,
+    )
 
 
 @torch.no_grad()
@@ -88,7 +99,7 @@ def held_out_loss(model: torch.nn.Module, val: torch.Tensor, seq_len: int) -> fl
     model.eval()
     total, count = 0.0, 0
     for start in range(0, len(val) - 1, seq_len):
-        window = val[start:start + seq_len + 1].to(model.device)
+        window = val[start : start + seq_len + 1].to(model.device)
         logits = model(input_ids=window[None, :-1]).logits[0].float()
         total += torch.nn.functional.cross_entropy(logits, window[1:], reduction="sum").item()
         count += len(window) - 1
@@ -121,7 +132,7 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, Any]]:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         starts = torch.randint(0, len(train_ids) - args.seq_len - 1, (args.batch_size,), generator=data_gen)
-        batch = torch.stack([train_ids[s:s + args.seq_len + 1] for s in starts.tolist()]).to(device)
+        batch = torch.stack([train_ids[s : s + args.seq_len + 1] for s in starts.tolist()]).to(device)
         # HF shifts the labels itself, so this trains on seq_len - 1 predictions per window (the
         # window's last byte is drawn but unused; kept as is: it is what made the shipped weights).
         loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
@@ -132,19 +143,32 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, Any]]:
         running += loss.item()
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             n = (step % args.log_every) + 1
-            point = {"step": step + 1, "train_loss": running / n,
-                     "val_loss": held_out_loss(model, val_ids, args.seq_len),
-                     "wall_s": time.perf_counter() - t0}
+            point = {
+                "step": step + 1,
+                "train_loss": running / n,
+                "val_loss": held_out_loss(model, val_ids, args.seq_len),
+                "wall_s": time.perf_counter() - t0,
+            }
             curve.append(point)
             print(json.dumps(point), flush=True)
             running = 0.0
     log = {
         "command": "python -m pagedkv.models.train_tiny_pydoc " + " ".join(sys.argv[1:]),
-        "seed": args.seed, "device": str(device), "torch": torch.__version__, "topics_python": topics_python,
-        "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
-        "warmup": args.warmup, "train_tokens": len(train_ids), "val_tokens": len(val_ids),
+        "seed": args.seed,
+        "device": str(device),
+        "torch": torch.__version__,
+        "topics_python": topics_python,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "train_tokens": len(train_ids),
+        "val_tokens": len(val_ids),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "wall_s": round(time.perf_counter() - t0, 1), "val_loss": curve[-1]["val_loss"], "curve": curve,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "val_loss": curve[-1]["val_loss"],
+        "curve": curve,
     }
     return model, log
 
@@ -175,30 +199,61 @@ def byte_tokenizer_json() -> dict[str, Any]:
     """
     vocab = {c: b for b, c in enumerate(_byte_chars())}
     vocab.update({"<s>": BOS_ID, "</s>": EOS_ID})
-    special = [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
-                "normalized": False, "special": True} for c, i in (("<s>", BOS_ID), ("</s>", EOS_ID))]
+    special = [
+        {
+            "id": i,
+            "content": c,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for c, i in (("<s>", BOS_ID), ("</s>", EOS_ID))
+    ]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     bos = {"SpecialToken": {"id": "<s>", "type_id": 0}}
     return {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": special,
-        "normalizer": None, "pre_tokenizer": byte_level, "decoder": byte_level,
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": special,
+        "normalizer": None,
+        "pre_tokenizer": byte_level,
+        "decoder": byte_level,
         "post_processor": {
             "type": "TemplateProcessing",
             "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
             "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
             "special_tokens": {"<s>": {"id": "<s>", "ids": [BOS_ID], "tokens": ["<s>"]}},
         },
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": False, "vocab": vocab, "merges": []},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [],
+        },
     }
 
 
 def write_tokenizer(out: Path) -> None:
     """`tokenizer.json` + `tokenizer_config.json` + `special_tokens_map.json` for AutoTokenizer."""
     (out / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(), indent=1, ensure_ascii=False) + "\n")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-              "add_bos_token": True, "clean_up_tokenization_spaces": False, "split_special_tokens": True, "model_max_length": FIXED_SHAPE["max_position_embeddings"]}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "add_bos_token": True,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": True,
+        "model_max_length": FIXED_SHAPE["max_position_embeddings"],
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}, indent=1) + "\n")
 
@@ -236,7 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     model.save_pretrained(args.out, safe_serialization=True)
     write_tokenizer(args.out)
     (args.out / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
-    print(f"held-out loss {log['val_loss']:.4f} nats/byte after {log['steps']} steps, {log['wall_s']} s; saved to {args.out}")
+    print(
+        f"held-out loss {log['val_loss']:.4f} nats/byte after {log['steps']} steps, {log['wall_s']} s; saved to {args.out}"
+    )
 
 
 if __name__ == "__main__":

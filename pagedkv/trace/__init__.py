@@ -33,7 +33,20 @@ from pagedkv.trace.records import (
 from pagedkv.trace.step_trace import TRACE_FORMAT, TRACE_VERSION, StepTrace
 
 __all__ = [
-    "SHORT_HASH_CHARS", "TRACE_FORMAT", "TRACE_VERSION", "AttentionGroupInfo", "BlockPoolRecord", "EngineInfo",
-    "KVCacheGroupInfo", "KVSpecInfo", "MLASplitRecord", "MetadataRecord", "RequestRecord", "StepRecord", "StepTrace",
-    "block_pool_record", "engine_info", "step_record",
+    "SHORT_HASH_CHARS",
+    "TRACE_FORMAT",
+    "TRACE_VERSION",
+    "AttentionGroupInfo",
+    "BlockPoolRecord",
+    "EngineInfo",
+    "KVCacheGroupInfo",
+    "KVSpecInfo",
+    "MLASplitRecord",
+    "MetadataRecord",
+    "RequestRecord",
+    "StepRecord",
+    "StepTrace",
+    "block_pool_record",
+    "engine_info",
+    "step_record",
 ]

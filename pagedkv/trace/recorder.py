@@ -106,8 +106,12 @@ def _mla_split(attn_metadata: dict[str, Any]) -> MLASplitRecord | None:
     the same batch by the same query lengths, so they all agree)."""
     for metadata in attn_metadata.values():
         if isinstance(metadata, MLACommonMetadata):
-            return MLASplitRecord(num_decodes=metadata.num_decodes, num_decode_tokens=metadata.num_decode_tokens,
-                                  num_prefills=metadata.num_prefills, num_prefill_tokens=metadata.num_prefill_tokens)
+            return MLASplitRecord(
+                num_decodes=metadata.num_decodes,
+                num_decode_tokens=metadata.num_decode_tokens,
+                num_prefills=metadata.num_prefills,
+                num_prefill_tokens=metadata.num_prefill_tokens,
+            )
     return None
 
 
@@ -127,8 +131,10 @@ def block_pool_record(pool: BlockPool) -> BlockPoolRecord:
     return BlockPoolRecord(
         num_blocks=pool.num_blocks,
         held=[[b.block_id, b.ref_cnt] for b in pool.blocks if b.ref_cnt],
-        cached=[[block.block_id, block_hash.hex()[:SHORT_HASH_CHARS]]
-                for block_hash, block in pool.cached_block_hash_to_block.items()],
+        cached=[
+            [block.block_id, block_hash.hex()[:SHORT_HASH_CHARS]]
+            for block_hash, block in pool.cached_block_hash_to_block.items()
+        ],
         free_queue=_runs(list(pool.free_queue)),
     )
 
@@ -143,21 +149,31 @@ def step_record(event: StepEvent, llm: LLM, duration_s: float) -> StepRecord:
     requests = []
     for s in sched.scheduled:
         req = s.request
-        requests.append(RequestRecord(
-            req.request_id, "decode" if s.is_decode else "prefill", s.num_computed_tokens, s.num_new_tokens,
-            req.num_prompt_tokens, event.block_ids[req.request_id], s.num_cached_tokens,
-        ))
+        requests.append(
+            RequestRecord(
+                req.request_id,
+                "decode" if s.is_decode else "prefill",
+                s.num_computed_tokens,
+                s.num_new_tokens,
+                req.num_prompt_tokens,
+                event.block_ids[req.request_id],
+                s.num_cached_tokens,
+            )
+        )
     manager = llm.kv_cache_manager
     for req in llm.scheduler.running:
         if req.request_id not in event.block_ids:
-            requests.append(RequestRecord(
-                req.request_id, "unscheduled", req.num_computed_tokens, 0, req.num_prompt_tokens,
-                manager.get_block_ids(req.request_id),
-            ))
-    in_use = [
-        len({b for r in requests for b in r.block_ids[g] if b != 0})
-        for g in range(len(event.num_free_blocks))
-    ]
+            requests.append(
+                RequestRecord(
+                    req.request_id,
+                    "unscheduled",
+                    req.num_computed_tokens,
+                    0,
+                    req.num_prompt_tokens,
+                    manager.get_block_ids(req.request_id),
+                )
+            )
+    in_use = [len({b for r in requests for b in r.block_ids[g] if b != 0}) for g in range(len(event.num_free_blocks))]
     batch = result.batch
     n = batch.num_tokens  # the step's own tokens; a graph's padding rows follow them
     return StepRecord(

@@ -150,8 +150,9 @@ class StepTrace:
             return cls.from_json(path.read_text(encoding="utf-8"))
         # Bad JSON or UTF-8 (ValueErrors), or JSON of another shape: a missing key, a list for a dict, ...
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{path} is not a readable {TRACE_FORMAT} v{TRACE_VERSION} file: "
-                             f"{type(exc).__name__}: {exc}") from exc
+            raise ValueError(
+                f"{path} is not a readable {TRACE_FORMAT} v{TRACE_VERSION} file: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def _from_plain(tp: Any, value: Any) -> Any:

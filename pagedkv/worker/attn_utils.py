@@ -142,8 +142,7 @@ def init_attn_groups(
     all_groups: list[list[AttentionGroup]] = []
     for group_id, group_spec in enumerate(kv_cache_config.kv_cache_groups):
         members = group_spec.layer_names + [
-            name for name, layer in layers.items()
-            if layer.kv_sharing_target_layer_name in group_spec.layer_names
+            name for name, layer in layers.items() if layer.kv_sharing_target_layer_name in group_spec.layer_names
         ]
         spec = group_spec.kv_cache_spec
         kernel_block_size = select_kernel_block_size(
@@ -154,9 +153,7 @@ def init_attn_groups(
             layer = layers[name]
             key = (layer.attn_backend.full_cls_name(), layer.num_heads)
             if key not in groups:
-                groups[key] = AttentionGroup(
-                    layer.attn_backend, [], spec, group_id, layer.num_heads, kernel_block_size
-                )
+                groups[key] = AttentionGroup(layer.attn_backend, [], spec, group_id, layer.num_heads, kernel_block_size)
             groups[key].layer_names.append(name)
         for group in groups.values():
             group.metadata_builder = group.backend.get_builder_cls()(
@@ -183,8 +180,9 @@ def init_kv_cache(
     kv_caches: dict[str, torch.Tensor] = {}
     for group_spec, groups in zip(kv_cache_config.kv_cache_groups, attn_groups):
         kv_caches.update(
-            _allocate_kv_cache_group(layers, group_spec, groups[0].kernel_block_size, kv_cache_config.num_blocks,
-                                     cache_config, device)
+            _allocate_kv_cache_group(
+                layers, group_spec, groups[0].kernel_block_size, kv_cache_config.num_blocks, cache_config, device
+            )
         )
     bind_kv_cache(kv_caches, layers)
     return kv_caches
@@ -207,14 +205,16 @@ def _allocate_kv_cache_group(
     spec = group_spec.kv_cache_spec
     k = spec.block_size // kernel_block_size
     shapes = [
-        layers[name].attn_backend.get_kv_cache_shape(num_blocks * k, kernel_block_size, spec.num_kv_heads,
-                                                     spec.head_size)
+        layers[name].attn_backend.get_kv_cache_shape(
+            num_blocks * k, kernel_block_size, spec.num_kv_heads, spec.head_size
+        )
         for name in group_spec.layer_names
     ]
     per_layer = math.prod(shapes[0])
     check_fits(
         f"The KV cache ({num_blocks} blocks of {spec.block_size} tokens for {len(shapes)} layers)",
-        per_layer * len(shapes) * spec.dtype.itemsize, device,
+        per_layer * len(shapes) * spec.dtype.itemsize,
+        device,
         f"it was sized by num_kv_blocks={cache_config.num_kv_blocks}, kv_cache_memory={cache_config.kv_cache_memory}; "
         "lower them, or leave both None to size it from free memory.",
     )
@@ -247,8 +247,10 @@ def kv_group_causal(attn_groups: list[list[AttentionGroup]], layers: dict[str, A
     for groups in attn_groups:
         types = {layers[name].attn_type for group in groups for name in group.layer_names}
         if len(types) > 1:
-            raise ValueError(f"KV cache group {groups[0].kv_cache_group_id} mixes attention types "
-                             f"{sorted(t.value for t in types)}; its layers share one metadata.")
+            raise ValueError(
+                f"KV cache group {groups[0].kv_cache_group_id} mixes attention types "
+                f"{sorted(t.value for t in types)}; its layers share one metadata."
+            )
         causal.append(types != {AttentionType.ENCODER_ONLY})
     return causal
 
@@ -277,6 +279,8 @@ def min_cudagraph_support(attn_groups: list[list[AttentionGroup]]) -> tuple[Atte
     """
     supports = [
         (g.metadata_builder.cudagraph_support, g.backend.get_name())
-        for groups in attn_groups for g in groups if g.metadata_builder is not None
+        for groups in attn_groups
+        for g in groups
+        if g.metadata_builder is not None
     ]
     return min(supports, key=lambda s: s[0].value, default=(AttentionCGSupport.ALWAYS, "no attention"))

@@ -101,18 +101,28 @@ def resolve_engine_mode(
         else:  # worded as resolve_cudagraph_mode's lowerings, so one grep finds every change of mode
             logger.info(
                 "CUDAGraphMode.%s is not supported with a %s device; setting cudagraph_mode=NONE "
-                "(every step runs eagerly: %s).", configured.name, device.type, unavailable,
+                "(every step runs eagerly: %s).",
+                configured.name,
+                device.type,
+                unavailable,
             )
         return CUDAGraphMode.NONE
     support, backend = min_cudagraph_support(attn_groups)
     piecewise = attention_compiled_piecewise(compilation)
     mode = resolve_cudagraph_mode(
-        configured, support, backend_name=backend, attention_compiled_piecewise=piecewise,
+        configured,
+        support,
+        backend_name=backend,
+        attention_compiled_piecewise=piecewise,
         enforce_eager=compilation.enforce_eager,
     )
     logger.info(
         "cudagraph_mode %s (configured %s; weakest attention support %s from %s; attention %s compiled piecewise).",
-        mode.name, configured.name, support.name, backend, "is" if piecewise else "is not",
+        mode.name,
+        configured.name,
+        support.name,
+        backend,
+        "is" if piecewise else "is not",
     )
     return mode
 

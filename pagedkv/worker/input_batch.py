@@ -63,10 +63,12 @@ class BlockTable:
         """
         width = max(map(len, rows), default=0)
         if width > self.max_num_blocks_per_req:
-            raise ValueError(f"A request holds {width} blocks; the block table has room for {self.max_num_blocks_per_req}.")
+            raise ValueError(
+                f"A request holds {width} blocks; the block table has room for {self.max_num_blocks_per_req}."
+            )
         n = len(rows)
         self._written = max(self._written, width)
-        self.cpu[:n, :self._written].zero_()
+        self.cpu[:n, : self._written].zero_()
         if width:
             # One flat array for all rows (numpy reads the ids ~4x faster than torch.tensor reads
             # a list; a tensor per row, or a padded nested list, costs more still).
@@ -75,7 +77,7 @@ class BlockTable:
             filled = torch.arange(width) < torch.tensor(lengths)[:, None]
             self.cpu[:n, :width][filled] = torch.from_numpy(flat)
         self.num_reqs = n
-        self.device_tensor[:n, :self._written].copy_(self.cpu[:n, :self._written], non_blocking=True)
+        self.device_tensor[:n, : self._written].copy_(self.cpu[:n, : self._written], non_blocking=True)
 
     def get_device_tensor(self) -> torch.Tensor:
         return self.device_tensor[: self.num_reqs]

@@ -26,5 +26,7 @@ def check_fits(what: str, nbytes: int, device: torch.device, hint: str) -> None:
     a page long, and Linux may grant a CPU allocation that it later kills the process for touching)."""
     available = available_memory(device)
     if available is not None and nbytes > available:
-        raise ValueError(f"{what} needs {nbytes / 2**30:.2f} GiB on {device}, but only {available / 2**30:.2f} GiB "
-                         f"is available: {hint}")
+        raise ValueError(
+            f"{what} needs {nbytes / 2**30:.2f} GiB on {device}, but only {available / 2**30:.2f} GiB "
+            f"is available: {hint}"
+        )

@@ -77,11 +77,15 @@ class ModelRunner:
             nbytes, num_params = weight_bytes(model_config)
             check_fits(
                 f"Model {config.model_config.model!r} ({num_params / 1e9:.2f}B parameters, float32 while loading)",
-                nbytes, self.device,
+                nbytes,
+                self.device,
                 "use a smaller model" + (", or a GPU." if self.device.type == "cpu" else " or a bigger GPU."),
             )
             self.model: CausalLM = load_model(
-                config.model_config.model, model_config, config.model_config.dtype, self.device,
+                config.model_config.model,
+                model_config,
+                config.model_config.dtype,
+                self.device,
                 config.model_config.seed,
             )
         self.graph_memory = cudagraph.GraphMemory()
@@ -127,7 +131,7 @@ class ModelRunner:
         positions = torch.arange(n, device=self.device) % self.config.model_config.max_model_len
         with set_forward_context(None, self.config):
             hidden = self.model(ids, positions)
-        self.model.compute_logits(hidden[-self.config.scheduler_config.max_num_seqs:])
+        self.model.compute_logits(hidden[-self.config.scheduler_config.max_num_seqs :])
 
     def determine_kv_cache_config(self) -> KVCacheConfig:
         specs = self.get_kv_cache_specs()
@@ -157,8 +161,9 @@ class ModelRunner:
         and bound by name (attn_utils.py), then one block table per KV cache group."""
         self.kv_cache_config = kv_cache_config
         self.attn_groups = init_attn_groups(self.attn_layers, kv_cache_config, self.config, self.device)
-        self.kv_caches = init_kv_cache(self.attn_layers, kv_cache_config, self.attn_groups, self.config.cache_config,
-                                       self.device)
+        self.kv_caches = init_kv_cache(
+            self.attn_layers, kv_cache_config, self.attn_groups, self.config.cache_config, self.device
+        )
         self.layer_kv_group = layer_kv_groups(self.attn_groups)
         self.kv_group_causal = kv_group_causal(self.attn_groups, self.attn_layers)
         max_blocks = math.ceil(self.config.model_config.max_model_len / self.block_size)
@@ -223,7 +228,10 @@ class ModelRunner:
         metadata, slot_mapping = self._build_metadata(batch, descriptor.num_tokens, for_cudagraph_capture=full)
         for step_mode in (CUDAGraphMode.NONE, runtime_mode):
             with set_forward_context(
-                metadata, self.config, slot_mapping=slot_mapping, cudagraph_runtime_mode=step_mode,
+                metadata,
+                self.config,
+                slot_mapping=slot_mapping,
+                cudagraph_runtime_mode=step_mode,
                 batch_descriptor=descriptor,
             ):
                 self._forward(batch.input_ids, batch.positions)
@@ -251,20 +259,27 @@ class ModelRunner:
             self._fill_placeholders(batch.input_ids, placeholders, previous)
         return batch
 
-    def _fill_placeholders(self, input_ids: torch.Tensor, placeholders: list[tuple[int, str]],
-                           previous: SampledTokens | None) -> None:
+    def _fill_placeholders(
+        self, input_ids: torch.Tensor, placeholders: list[tuple[int, str]], previous: SampledTokens | None
+    ) -> None:
         """Copy the ids the previous step sampled into the placeholders (packed index, request),
         device to device: the host never waits for them."""
         if previous is None:
-            raise ValueError(f"{len(placeholders)} scheduled token(s) are placeholders, but no previous step's "
-                             "samples were given (execute_model's `previous`).")
+            raise ValueError(
+                f"{len(placeholders)} scheduled token(s) are placeholders, but no previous step's "
+                "samples were given (execute_model's `previous`)."
+            )
         row = {req_id: i for i, req_id in enumerate(previous.req_ids)}
         missing = [r for _, r in placeholders if r not in row]
         if missing:
-            raise ValueError(f"Requests {missing} have a placeholder token, but the previous step sampled none for them.")
+            raise ValueError(
+                f"Requests {missing} have a placeholder token, but the previous step sampled none for them."
+            )
         index = torch.tensor([i for i, _ in placeholders], dtype=torch.long)
         rows = torch.tensor([row[r] for _, r in placeholders], dtype=torch.long)
-        input_ids[index.to(self.device, non_blocking=True)] = previous.token_ids[rows.to(self.device, non_blocking=True)]
+        input_ids[index.to(self.device, non_blocking=True)] = previous.token_ids[
+            rows.to(self.device, non_blocking=True)
+        ]
 
     def _stage_batch(
         self, host: HostBatch, num_padded_tokens: int | None = None, num_padded_reqs: int | None = None
@@ -282,8 +297,9 @@ class ModelRunner:
         for g, table in enumerate(self.block_tables):
             table.set_rows(host.block_ids[g] + [[]] * pad_reqs)
             if host.writes_kv_cache:
-                slots = compute_slot_mapping(table.get_cpu_tensor(), req_indices, positions_cpu, table.block_size,
-                                             num_tokens + pad_tokens)
+                slots = compute_slot_mapping(
+                    table.get_cpu_tensor(), req_indices, positions_cpu, table.block_size, num_tokens + pad_tokens
+                )
             else:
                 slots = torch.full((num_tokens + pad_tokens,), -1, dtype=torch.long)
             slot_mappings.append(self._to_device(slots, buffers and buffers.slot_mappings[g]))
@@ -365,7 +381,10 @@ class ModelRunner:
             hidden = self.full_graph.replay(descriptor)
         else:
             with set_forward_context(
-                attn_metadata, self.config, slot_mapping=slot_mapping, cudagraph_runtime_mode=mode,
+                attn_metadata,
+                self.config,
+                slot_mapping=slot_mapping,
+                cudagraph_runtime_mode=mode,
                 batch_descriptor=descriptor,
             ):
                 hidden = self._forward(batch.input_ids, batch.positions)

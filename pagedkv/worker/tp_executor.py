@@ -99,14 +99,16 @@ def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     return dataclasses.replace(config, device=torch.device("cuda", rank))
 
 
-def _join(config: EngineConfig, rank: int, rendezvous: str,
-          timeout_s: float) -> tuple[EngineConfig, TensorParallelGroup]:
+def _join(
+    config: EngineConfig, rank: int, rendezvous: str, timeout_s: float
+) -> tuple[EngineConfig, TensorParallelGroup]:
     """Rank `rank`'s config (its own GPU) and its place in the engine's group."""
     config = _rank_config(config, rank)
     if config.device.type == "cuda":
         torch.cuda.set_device(config.device)
-    return config, new_tensor_parallel_group(rank, config.parallel_config.tensor_parallel_size, rendezvous,
-                                             config.device, timeout_s)
+    return config, new_tensor_parallel_group(
+        rank, config.parallel_config.tensor_parallel_size, rendezvous, config.device, timeout_s
+    )
 
 
 def _exchange_at_start(group: TensorParallelGroup, key: str, value: int, check_peers: Callable[[], None]) -> list[int]:
@@ -122,20 +124,21 @@ def _exchange_at_start(group: TensorParallelGroup, key: str, value: int, check_p
         except RuntimeError:  # the wait timed out (FileStore raises a plain RuntimeError for that)
             check_peers()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"Tensor-parallel start-up: not every rank got to {key!r} within "
-                                   f"{STARTUP_TIMEOUT_S:.0f} s.") from None
+                raise TimeoutError(
+                    f"Tensor-parallel start-up: not every rank got to {key!r} within {STARTUP_TIMEOUT_S:.0f} s."
+                ) from None
     return [int(group.store.get(k)) for k in keys]
 
 
-def _start_rank(config: EngineConfig, model_config: HFConfig, group: TensorParallelGroup,
-                check_peers: Callable[[], None]) -> ModelRunner:
+def _start_rank(
+    config: EngineConfig, model_config: HFConfig, group: TensorParallelGroup, check_peers: Callable[[], None]
+) -> ModelRunner:
     """Build this rank's shard (the group active) and its KV cache, sized like every other rank's."""
     runner = ModelRunner(config, model_config)
     _exchange_at_start(group, "loaded", 1, check_peers)  # the profile run's collectives start together
     kv_cache_config = runner.determine_kv_cache_config()
     # Each rank holds only its heads, but all must agree on one block count: the smallest.
-    kv_cache_config.num_blocks = min(_exchange_at_start(group, "num_blocks", kv_cache_config.num_blocks,
-                                                        check_peers))
+    kv_cache_config.num_blocks = min(_exchange_at_start(group, "num_blocks", kv_cache_config.num_blocks, check_peers))
     runner.initialize_kv_cache(kv_cache_config)
     # Every rank captures the same graphs in the same order, so their all-reduces pair up
     # (NCCL collectives are captured into the graph like any kernel).
@@ -149,8 +152,16 @@ def _heartbeat(beats: Any, index: int) -> None:
         time.sleep(HEARTBEAT_S)
 
 
-def _worker_main(config: EngineConfig, model_config: HFConfig, rank: int, rendezvous: str, timeout_s: float,
-                 backends: list[tuple[str, str, bool]], started: Any, beats: Any) -> None:
+def _worker_main(
+    config: EngineConfig,
+    model_config: HFConfig,
+    rank: int,
+    rendezvous: str,
+    timeout_s: float,
+    backends: list[tuple[str, str, bool]],
+    started: Any,
+    beats: Any,
+) -> None:
     """A worker process: run every step the driver broadcasts until it broadcasts None."""
     threading.Thread(target=_heartbeat, args=(beats, rank - 1), daemon=True).start()
     driver = os.getppid()
@@ -232,9 +243,12 @@ class TensorParallelExecutor:
         started = [context.Event() for _ in range(1, tp)]
         self._beats = context.RawArray("d", [time.monotonic()] * (tp - 1))
         self.workers = [
-            context.Process(target=_worker_main, name=f"pagedkv-tp-rank{rank}", daemon=True,
-                            args=(config, model_config, rank, rendezvous, timeout_s, backends, started[rank - 1],
-                                  self._beats))
+            context.Process(
+                target=_worker_main,
+                name=f"pagedkv-tp-rank{rank}",
+                daemon=True,
+                args=(config, model_config, rank, rendezvous, timeout_s, backends, started[rank - 1], self._beats),
+            )
             for rank in range(1, tp)
         ]
         # A terminal's Ctrl-C reaches the whole process group; the driver alone decides what it
@@ -270,7 +284,7 @@ class TensorParallelExecutor:
                     raise RuntimeError(
                         f"Tensor-parallel worker rank {rank} exited with code {worker.exitcode} while starting (its "
                         "traceback is above). Workers are spawned processes that import your main script again: "
-                        "in a script, create the LLM under `if __name__ == \"__main__\":`."
+                        'in a script, create the LLM under `if __name__ == "__main__":`.'
                     )
 
     def _lost_ranks(self, starting: bool = False) -> str:
@@ -279,11 +293,19 @@ class TensorParallelExecutor:
         lost = []
         for rank, worker in enumerate(self.workers, start=1):
             if worker.exitcode is not None:
-                lost.append(f"worker rank {rank} " + (f"was killed by signal {-worker.exitcode}" if worker.exitcode < 0
-                            else f"exited with code {worker.exitcode} (its traceback is above)"))
+                lost.append(
+                    f"worker rank {rank} "
+                    + (
+                        f"was killed by signal {-worker.exitcode}"
+                        if worker.exitcode < 0
+                        else f"exited with code {worker.exitcode} (its traceback is above)"
+                    )
+                )
             elif now - self._beats[rank - 1] > (SILENT_STARTING_S if starting else SILENT_S):
-                lost.append(f"worker rank {rank} (pid {worker.pid}) stopped answering: no heartbeat for "
-                            f"{now - self._beats[rank - 1]:.0f} s (stopped with SIGSTOP, or hung)")
+                lost.append(
+                    f"worker rank {rank} (pid {worker.pid}) stopped answering: no heartbeat for "
+                    f"{now - self._beats[rank - 1]:.0f} s (stopped with SIGSTOP, or hung)"
+                )
         return "; ".join(lost)
 
     def _check_workers(self) -> None:
@@ -298,8 +320,12 @@ class TensorParallelExecutor:
         broadcasts the sampled ids between ranks on the device instead)."""
         if previous is not None and any(s.token_ids[-1] == PLACEHOLDER_TOKEN_ID for s in scheduled):
             ids = dict(zip(previous.req_ids, previous.token_ids.tolist()))
-            scheduled = [dataclasses.replace(s, token_ids=[*s.token_ids[:-1], ids[s.req_id]])
-                         if s.token_ids[-1] == PLACEHOLDER_TOKEN_ID else s for s in scheduled]
+            scheduled = [
+                dataclasses.replace(s, token_ids=[*s.token_ids[:-1], ids[s.req_id]])
+                if s.token_ids[-1] == PLACEHOLDER_TOKEN_ID
+                else s
+                for s in scheduled
+            ]
         if self._dead is not None:
             raise EngineDeadError(f"This tensor-parallel engine cannot continue ({self._dead}); create a new LLM.")
         # A SIGINT now would leave the other ranks inside this step's collectives, waiting for
@@ -319,8 +345,9 @@ class TensorParallelExecutor:
             time.sleep(0.05)  # a dead peer is usually why; give its exit a moment to show
         self._dead = lost or f"{type(error).__name__}: {error}"
         self._finalizer()
-        raise EngineDeadError(f"Tensor-parallel step failed: {self._dead}. The engine cannot continue; "
-                              "create a new LLM.") from error
+        raise EngineDeadError(
+            f"Tensor-parallel step failed: {self._dead}. The engine cannot continue; create a new LLM."
+        ) from error
 
     def shutdown(self) -> None:
         """Tell the workers to leave, wait for them, and leave the group (safe to call twice)."""

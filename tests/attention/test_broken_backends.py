@@ -97,8 +97,12 @@ def test_broken_backends_change_every_greedy_continuation(broken: type[TorchRefB
 
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt_sets = [  # the scenarios' prompts, and those of tests/gpu/test_backends_cuda.py
-        ("tiny", CHUNKED_PROMPTS), ("tiny", PREEMPTED_PROMPTS), ("tiny-hybrid", HYBRID_PROMPTS),
-        ("tiny", STUDENT_PROMPTS), ("tiny", ENGINE_PROMPTS), ("tiny", GPU_PROMPTS),
+        ("tiny", CHUNKED_PROMPTS),
+        ("tiny", PREEMPTED_PROMPTS),
+        ("tiny-hybrid", HYBRID_PROMPTS),
+        ("tiny", STUDENT_PROMPTS),
+        ("tiny", ENGINE_PROMPTS),
+        ("tiny", GPU_PROMPTS),
     ]
     for model, prompts in prompt_sets:
         good, bad = (

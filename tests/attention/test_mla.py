@@ -47,9 +47,16 @@ class Batch:
     heads: int = HEADS
 
 
-def make_batch(context_lens: list[int], query_lens: list[int], dtype: torch.dtype = torch.float32,
-               seed: int = 0, dims: MLADims = DIMS, heads: int = HEADS, block_size: int = BLOCK_SIZE,
-               num_blocks: int = NUM_BLOCKS) -> Batch:
+def make_batch(
+    context_lens: list[int],
+    query_lens: list[int],
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    dims: MLADims = DIMS,
+    heads: int = HEADS,
+    block_size: int = BLOCK_SIZE,
+    num_blocks: int = NUM_BLOCKS,
+) -> Batch:
     """Requests with `context_lens` tokens already cached and `query_lens` new ones; the cached
     rows are written with `concat_and_cache_mla`, the new ones left for the step to write."""
     g = torch.Generator().manual_seed(seed)
@@ -71,18 +78,38 @@ def make_batch(context_lens: list[int], query_lens: list[int], dtype: torch.dtyp
     qsl = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
     seq_lens = torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.int32)
     common = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens, seq_lens_cpu=seq_lens,
-        num_reqs=len(query_lens), num_actual_tokens=sum(query_lens), max_query_len=max(query_lens),
-        max_seq_len=int(seq_lens.max()), block_table_tensor=block_table, slot_mapping=torch.cat(slots),
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=seq_lens,
+        seq_lens_cpu=seq_lens,
+        num_reqs=len(query_lens),
+        num_actual_tokens=sum(query_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=block_table,
+        slot_mapping=torch.cat(slots),
     )
     new = [(kv_c[c:], k_pe[c:]) for (kv_c, k_pe), c in zip(latents, context_lens)]
     q = torch.randn(sum(query_lens), heads, dims.qk_head_dim, generator=g).to(dtype)
-    return Batch(common, q, torch.cat([n[0] for n in new]), torch.cat([n[1] for n in new]), kv_cache, latents,
-                 query_lens, dims, heads)
+    return Batch(
+        common,
+        q,
+        torch.cat([n[0] for n in new]),
+        torch.cat([n[1] for n in new]),
+        kv_cache,
+        latents,
+        query_lens,
+        dims,
+        heads,
+    )
 
 
-def kv_b_weight(dtype: torch.dtype = torch.float32, seed: int = 1, dims: MLADims = DIMS, heads: int = HEADS,
-                ) -> torch.Tensor:
+def kv_b_weight(
+    dtype: torch.dtype = torch.float32,
+    seed: int = 1,
+    dims: MLADims = DIMS,
+    heads: int = HEADS,
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     rows = heads * (dims.qk_nope_head_dim + dims.v_head_dim)
     return (torch.randn(rows, dims.kv_lora_rank, generator=g) / dims.kv_lora_rank**0.5).to(dtype)
@@ -99,8 +126,9 @@ def reference(batch: Batch, weight: torch.Tensor) -> torch.Tensor:
     outs, start = [], 0
     for (kv_c, k_pe), q_len in zip(batch.latents, batch.query_lens):
         seq_len = kv_c.shape[0]
-        k = torch.cat([torch.einsum("hnl,sl->shn", w_uk, kv_c.double()),
-                       k_pe.double()[:, None, :].expand(-1, heads, -1)], dim=-1)
+        k = torch.cat(
+            [torch.einsum("hnl,sl->shn", w_uk, kv_c.double()), k_pe.double()[:, None, :].expand(-1, heads, -1)], dim=-1
+        )
         v = torch.einsum("hvl,sl->shv", w_uv, kv_c.double())
         q = batch.q[start : start + q_len].double()
         scores = torch.einsum("qhd,shd->hqs", q, k) * dims.qk_head_dim**-0.5
@@ -118,7 +146,10 @@ def make_impl(weight: torch.Tensor) -> TorchRefMLAImpl:
 
 
 def run(
-    impl: TorchRefMLAImpl, batch: Batch, builder: MLACommonMetadataBuilder | None = None, padding: int = 0,
+    impl: TorchRefMLAImpl,
+    batch: Batch,
+    builder: MLACommonMetadataBuilder | None = None,
+    padding: int = 0,
 ) -> torch.Tensor:
     """One step as the layer runs it: write the new rows, then attend. The output buffer starts as
     NaN and has `padding` rows past the step's tokens (as under a CUDA graph)."""
@@ -174,8 +205,10 @@ def test_forward_mqa_and_forward_mha_agree_on_the_same_tokens() -> None:
     absorbed = run(impl, batch)
     as_prefills = torch.empty_like(absorbed)
     prefill = MLAPrefillMetadata(
-        query_start_loc_cpu=[0, 1, 2, 3], seq_lens_cpu=batch.common.seq_lens_cpu.tolist(),
-        block_table=batch.common.block_table_tensor, context_chunk_tokens=4,
+        query_start_loc_cpu=[0, 1, 2, 3],
+        seq_lens_cpu=batch.common.seq_lens_cpu.tolist(),
+        block_table=batch.common.block_table_tensor,
+        context_chunk_tokens=4,
     )
     impl.forward_mha(batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, prefill, as_prefills)
     torch.testing.assert_close(absorbed, as_prefills, atol=1e-5, rtol=0)
@@ -217,8 +250,11 @@ def test_triton_mla_matches_torch_ref_mla_and_the_reference(splits: int) -> None
     weight = kv_b_weight()
     spec = MLAAttentionSpec(BLOCK_SIZE, 1, DIMS.latent_size, torch.float32)
     metadata = TorchRefMLAMetadataBuilder(spec, ["layer"], None, torch.device("cpu")).build(batch.common)  # type: ignore[arg-type]
-    metadata.decode = TritonMLADecodeMetadata(**metadata.decode.__dict__, num_kv_splits=splits,
-                                              workspace=MLADecodeWorkspace(4, HEADS, DIMS.kv_lora_rank, "cpu"))
+    metadata.decode = TritonMLADecodeMetadata(
+        **metadata.decode.__dict__,
+        num_kv_splits=splits,
+        workspace=MLADecodeWorkspace(4, HEADS, DIMS.kv_lora_rank, "cpu"),
+    )
     triton_impl = TritonMLAImpl(HEADS, DIMS.latent_size, SCALE, 1, None, torch.float32, mla_dims=DIMS)
     triton_impl.process_weights_after_loading(weight)
     triton_impl.do_kv_cache_update(None, batch.kv_c, batch.k_pe, batch.kv_cache, batch.common.slot_mapping)  # type: ignore[arg-type]
@@ -283,18 +319,25 @@ def check_prefill_passes(device: str, context_lens: list[int], query_lens: list[
 
     dims, heads, block_size = MLADims(512, 128, 64, 128), 16, 16
     pages = sum(-(-(c + q) // block_size) for c, q in zip(context_lens, query_lens))
-    batch = make_batch(context_lens, query_lens, torch.bfloat16, dims=dims, heads=heads, block_size=block_size,
-                       num_blocks=pages + 1)
+    batch = make_batch(
+        context_lens, query_lens, torch.bfloat16, dims=dims, heads=heads, block_size=block_size, num_blocks=pages + 1
+    )
     weight = kv_b_weight(torch.bfloat16, dims=dims, heads=heads)
     expected = reference(batch, weight)  # float64 from the same bf16 inputs
 
     cm = batch.common
-    cm = dataclasses.replace(cm, query_start_loc=cm.query_start_loc.to(device), seq_lens=cm.seq_lens.to(device),
-                             block_table_tensor=cm.block_table_tensor.to(device),
-                             slot_mapping=cm.slot_mapping.to(device))
+    cm = dataclasses.replace(
+        cm,
+        query_start_loc=cm.query_start_loc.to(device),
+        seq_lens=cm.seq_lens.to(device),
+        block_table_tensor=cm.block_table_tensor.to(device),
+        slot_mapping=cm.slot_mapping.to(device),
+    )
     spec = MLAAttentionSpec(block_size, 1, dims.latent_size, torch.bfloat16)
     prefill = TorchRefMLAMetadataBuilder(spec, ["layer"], None, torch.device(device)).build(cm).prefill  # type: ignore[arg-type]
-    passes = group_prefill_passes(prefill, block_size, TritonMLAMetadataBuilder.prefill_tokens_per_pass, torch.device(device))
+    passes = group_prefill_passes(
+        prefill, block_size, TritonMLAMetadataBuilder.prefill_tokens_per_pass, torch.device(device)
+    )
     impl = TritonMLAImpl(heads, dims.latent_size, dims.qk_head_dim**-0.5, 1, None, torch.bfloat16, mla_dims=dims)
     impl.process_weights_after_loading(weight.to(device))
     kv_cache, kv_c, k_pe, q = (t.to(device) for t in (batch.kv_cache, batch.kv_c, batch.k_pe, batch.q))
@@ -305,6 +348,8 @@ def check_prefill_passes(device: str, context_lens: list[int], query_lens: list[
         impl.forward_mha(q, kv_c, k_pe, kv_cache, metadata, out)
         outs.append(out.double().cpu())
     relative = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
-    assert relative(outs[0], expected) < 1e-2 and relative(outs[1], expected) < 1e-2, \
-        (relative(outs[0], expected), relative(outs[1], expected))
+    assert relative(outs[0], expected) < 1e-2 and relative(outs[1], expected) < 1e-2, (
+        relative(outs[0], expected),
+        relative(outs[1], expected),
+    )
     assert relative(outs[0], outs[1]) < 1e-2

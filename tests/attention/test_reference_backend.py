@@ -13,7 +13,9 @@ from pagedkv.attention.backends.torch_ref import TorchRefImpl, TorchRefMetadataB
 from pagedkv.kv_cache.spec import FullAttentionSpec
 
 
-def dense_attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+def dense_attention_f64(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
+) -> torch.Tensor:
     """q [Q, H, D] are the last Q positions of k/v [S, Hkv, D]; a plain masked softmax in float64."""
     q, k, v = q.double(), k.double(), v.double()
     n_q, n_heads, _ = q.shape
@@ -30,8 +32,15 @@ def dense_attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     return out
 
 
-def make_batch(query_lens: list[int], context_lens: list[int], num_heads: int, num_kv_heads: int,
-               head_size: int, block_size: int, gen: torch.Generator):
+def make_batch(
+    query_lens: list[int],
+    context_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    gen: torch.Generator,
+):
     """Random K/V history per request, scattered into a cache through a random page table."""
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     blocks_per_req = [-(-s // block_size) for s in seq_lens]
@@ -75,7 +84,9 @@ def test_reference_matches_float64(query_lens, context_lens, heads, block_size, 
     # crc32 of the case's text, not hash(): hash(None) changes from run to run before Python 3.12.
     case = repr((query_lens, context_lens, heads, block_size, window))
     gen = torch.Generator().manual_seed(zlib.crc32(case.encode()))
-    seq_lens, table, cache, ks, vs, slots = make_batch(query_lens, context_lens, num_heads, num_kv_heads, head_size, block_size, gen)
+    seq_lens, table, cache, ks, vs, slots = make_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_size, block_size, gen
+    )
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     n = int(qsl[-1])
     q = torch.randn(n, num_heads, head_size, generator=gen)
@@ -90,9 +101,16 @@ def test_reference_matches_float64(query_lens, context_lens, heads, block_size, 
 
     spec = FullAttentionSpec(block_size, num_kv_heads, head_size, torch.float32)
     common = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=len(seq_lens), num_actual_tokens=n,
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_table_tensor=table, slot_mapping=slots,
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(seq_lens),
+        num_actual_tokens=n,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=table,
+        slot_mapping=slots,
     )
     metadata = TorchRefMetadataBuilder(spec, ["l"], None, torch.device("cpu")).build(common)  # type: ignore[arg-type]
     impl = TorchRefImpl(num_heads, head_size, scale, num_kv_heads, window, torch.float32)

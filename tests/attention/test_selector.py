@@ -28,7 +28,9 @@ def test_unknown_backend_name() -> None:
 def test_env_var_selects(monkeypatch: pytest.MonkeyPatch) -> None:
     """A name from the environment says so: the caller may not know the variable is set."""
     monkeypatch.setenv("PAGEDKV_ATTENTION_BACKEND", "MISSING_ONE")
-    with pytest.raises(ValueError, match=r"Unknown attention backend 'MISSING_ONE'.*\(from \$PAGEDKV_ATTENTION_BACKEND\)"):
+    with pytest.raises(
+        ValueError, match=r"Unknown attention backend 'MISSING_ONE'.*\(from \$PAGEDKV_ATTENTION_BACKEND\)"
+    ):
         get_attn_backend(**LAYER, device="cpu")
     monkeypatch.setenv("PAGEDKV_ATTENTION_BACKEND", "TRITON_MLA")
     with pytest.raises(ValueError, match=r"'TRITON_MLA' \(from \$PAGEDKV_ATTENTION_BACKEND\) cannot serve layer"):

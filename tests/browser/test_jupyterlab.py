@@ -47,8 +47,14 @@ REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "tests" / "artifacts"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 NOTEBOOK = "02_paged_kv_cache.ipynb"
 EXTRA_CELL = (  # appended to the test's copy of the notebook: the views notebook 02 does not draw
@@ -155,17 +161,30 @@ def serve_lab(tmp: Path) -> Iterator[tuple[str, str, Path]]:
     # must turn the interpreter on itself), and the default minimum frame time of live views.
     outside = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PAGEDKV_MIN_FRAME_S")}
     env = {
-        **outside, "JUPYTER_CONFIG_DIR": str(config_dir), "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
-        "JUPYTERLAB_SETTINGS_DIR": str(tmp / "settings"), "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "workspaces"),
+        **outside,
+        "JUPYTER_CONFIG_DIR": str(config_dir),
+        "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
+        "JUPYTERLAB_SETTINGS_DIR": str(tmp / "settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "workspaces"),
     }
     log = (tmp / "jupyterlab.log").open("wb")
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
-            f"--port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-            f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--allow-root",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--LabApp.expose_app_in_browser=True",
         ],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -347,14 +366,17 @@ def _first_line(source: str) -> str:
 
 def _findings(report: dict[str, Any], theme: str, cells: list[dict[str, Any]]) -> list[str]:
     """One line per failure of a contrast / layout report: theme, check, cell and element."""
+
     def where(item: dict[str, Any]) -> str:
         i = item.get("cell", -1)
         return f"cell {i} ({_first_line(cells[i]['source'])!r})" if 0 <= i < len(cells) else "outside a cell"
 
     lines = []
     for item in report.get("low_text", []):
-        lines.append(f"{theme}: contrast {item['ratio']}:1 < 4.5 in {where(item)}: {item['text']!r} "
-                     f"({item['fg']} on {item['bg']})")
+        lines.append(
+            f"{theme}: contrast {item['ratio']}:1 < 4.5 in {where(item)}: {item['text']!r} "
+            f"({item['fg']} on {item['bg']})"
+        )
     for key in ("low_outline", "free_not_background"):
         lines += [f"{theme}: {key} in {where(item)}: {item}" for item in report.get(key, [])]
     for key in ("overflow", "cut", "wraps", "figures", "bare_figures"):

@@ -84,8 +84,12 @@ def test_the_split_puts_each_attention_op_between_two_pieces(traced) -> None:
     items = runner.compiled_forward.backend.items
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
     expected = [
-        None, (KV_UPDATE, layers[0]), (ATTENTION, layers[0]),
-        None, (KV_UPDATE, layers[1]), (ATTENTION, layers[1]),
+        None,
+        (KV_UPDATE, layers[0]),
+        (ATTENTION, layers[0]),
+        None,
+        (KV_UPDATE, layers[1]),
+        (ATTENTION, layers[1]),
         None,
     ]
     seen = [tuple(_ops_called(item.graph)[0]) if item.is_splitting_op else None for item in items]
@@ -193,11 +197,26 @@ def test_compiled_deepseek_with_moe_equals_eager() -> None:
 def test_cli_compile_in_a_new_process(model: str) -> None:
     """`python -m pagedkv generate --compile` as a user runs it, in a process where no engine ran
     before: it exits cleanly and prints what the uncompiled run prints (the summary line aside)."""
+
     def generate(*extra: str) -> list[str]:
-        argv = [sys.executable, "-m", "pagedkv", "generate", "--model", model, "--device", "cpu",
-                "--prompt-token-ids", "3,4,5,6,7,8,9", "--max-tokens", "3", *extra]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        argv = [
+            sys.executable,
+            "-m",
+            "pagedkv",
+            "generate",
+            "--model",
+            model,
+            "--device",
+            "cpu",
+            "--prompt-token-ids",
+            "3,4,5,6,7,8,9",
+            "--max-tokens",
+            "3",
+            *extra,
+        ]
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         return [line for line in done.stdout.splitlines() if not line.startswith("#")]
 

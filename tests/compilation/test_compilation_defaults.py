@@ -70,11 +70,19 @@ def test_enforce_eager_means_no_graphs_and_no_compile(two_gpus: None) -> None:
         ("cpu", dict(cudagraph_mode="FULL_AND_PIECEWISE", compile=True), (M.FULL_AND_PIECEWISE, True)),
         ("cpu", dict(compile=True), (M.NONE, True)),
     ],
-    ids=["cuda-full-uncompiled", "cuda-none", "cuda-piecewise", "cuda-uncompiled", "cuda-eager-explicit",
-         "cpu-explicit", "cpu-compiled"],
+    ids=[
+        "cuda-full-uncompiled",
+        "cuda-none",
+        "cuda-piecewise",
+        "cuda-uncompiled",
+        "cuda-eager-explicit",
+        "cpu-explicit",
+        "cpu-compiled",
+    ],
 )
-def test_explicit_values_are_kept(two_gpus: None, device: str, kwargs: dict[str, Any],
-                                  expected: tuple[CUDAGraphMode, bool]) -> None:
+def test_explicit_values_are_kept(
+    two_gpus: None, device: str, kwargs: dict[str, Any], expected: tuple[CUDAGraphMode, bool]
+) -> None:
     assert resolved(compilation(device, **kwargs)) == expected
 
 
@@ -88,8 +96,10 @@ def test_the_tensor_parallel_default_is_what_tensor_parallelism_supports(two_gpu
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "needle"),
-    [(dict(compile="yes"), TypeError, "compile must be True or False, got 'yes'"),
-     (dict(enforce_eager=None), TypeError, "enforce_eager must be True or False, got None")],
+    [
+        (dict(compile="yes"), TypeError, "compile must be True or False, got 'yes'"),
+        (dict(enforce_eager=None), TypeError, "enforce_eager must be True or False, got None"),
+    ],
 )
 def test_bad_values_are_still_refused(kwargs: dict[str, Any], error: type[Exception], needle: str) -> None:
     with pytest.raises(error, match=needle):
@@ -98,13 +108,16 @@ def test_bad_values_are_still_refused(kwargs: dict[str, Any], error: type[Except
 
 @pytest.mark.parametrize(
     ("flags", "expected"),
-    [([], dict(cudagraph_mode=None, compile=None, enforce_eager=False)),
-     (["--enforce-eager"], dict(cudagraph_mode=None, compile=None, enforce_eager=True)),
-     (["--compile", "--cudagraph-mode", "FULL"], dict(cudagraph_mode="FULL", compile=True, enforce_eager=False)),
-     (["--no-compile"], dict(cudagraph_mode=None, compile=False, enforce_eager=False))],
+    [
+        ([], dict(cudagraph_mode=None, compile=None, enforce_eager=False)),
+        (["--enforce-eager"], dict(cudagraph_mode=None, compile=None, enforce_eager=True)),
+        (["--compile", "--cudagraph-mode", "FULL"], dict(cudagraph_mode="FULL", compile=True, enforce_eager=False)),
+        (["--no-compile"], dict(cudagraph_mode=None, compile=False, enforce_eager=False)),
+    ],
 )
-def test_the_cli_leaves_the_defaults_to_llm(monkeypatch: pytest.MonkeyPatch, flags: list[str],
-                                            expected: dict[str, Any]) -> None:
+def test_the_cli_leaves_the_defaults_to_llm(
+    monkeypatch: pytest.MonkeyPatch, flags: list[str], expected: dict[str, Any]
+) -> None:
     got: dict[str, Any] = {}
 
     def fake_llm(model: str, **kwargs: Any) -> None:
@@ -138,17 +151,18 @@ COMPILE_ONCE = textwrap.dedent("""
 def test_a_second_process_finds_the_compile_cache_warm(tmp_path: Path) -> None:
     """Inductor on the CPU (C++ pieces), one layer: the first process compiles and writes the cache
     under $PAGEDKV_CACHE_DIR, the second loads every piece from it (about 25 s on two cores)."""
-    env = {"PAGEDKV_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
-           "HOME": str(tmp_path)}
+    env = {"PAGEDKV_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
 
     def compile_once() -> list[str]:
-        done = subprocess.run([sys.executable, "-c", COMPILE_ONCE], capture_output=True, text=True, timeout=600,
-                              env=env)
+        done = subprocess.run(
+            [sys.executable, "-c", COMPILE_ONCE], capture_output=True, text=True, timeout=600, env=env
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stdout.splitlines()
 
     cold, warm = compile_once(), compile_once()
     assert "STATE cold" in cold and "STATE warm" in warm
-    assert any(line.startswith("torch.compile: traced and compiled in") and "compile cache warm" in line
-               for line in warm)
+    assert any(
+        line.startswith("torch.compile: traced and compiled in") and "compile cache warm" in line for line in warm
+    )
     assert any((tmp_path / "inductor").iterdir())

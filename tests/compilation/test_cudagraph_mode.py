@@ -98,8 +98,9 @@ def test_resolution_table(
     # A change is always announced, in the words vLLM's warnings use; no change, no warning.
     assert bool(warnings) == (resolved is not mode)
     for record in warnings:
-        assert re.fullmatch(r"CUDAGraphMode\.\w+ is not supported with .+; setting cudagraph_mode=\w+ \(.+\)",
-                            record.getMessage())
+        assert re.fullmatch(
+            r"CUDAGraphMode\.\w+ is not supported with .+; setting cudagraph_mode=\w+ \(.+\)", record.getMessage()
+        )
     if warnings:
         assert f"CUDAGraphMode.{mode.name} is not supported with " in warnings[0].getMessage()
         assert f"; setting cudagraph_mode={resolved.name} (" in warnings[-1].getMessage()
@@ -120,8 +121,11 @@ def test_each_lowering_step_logs_its_own_warning(caplog: pytest.LogCaptureFixtur
     """FULL with single-token support and 2-token decodes is lowered twice (rules 2 and 4)."""
     caplog.set_level(logging.WARNING, logger="pagedkv")
     resolved = resolve_cudagraph_mode(
-        "full", S.UNIFORM_SINGLE_TOKEN_DECODE, backend_name="FLASH_ATTN",
-        attention_compiled_piecewise=True, uniform_decode_query_len=2,
+        "full",
+        S.UNIFORM_SINGLE_TOKEN_DECODE,
+        backend_name="FLASH_ATTN",
+        attention_compiled_piecewise=True,
+        uniform_decode_query_len=2,
     )
     assert resolved is M.PIECEWISE
     messages = [r.getMessage() for r in caplog.records if r.name == "pagedkv"]
@@ -142,25 +146,50 @@ def test_each_lowering_step_logs_its_own_warning(caplog: pytest.LogCaptureFixtur
 # phrase vLLM's warnings share (vllm/config/compilation.py) and a log is grepped for; the three
 # rules a backend's support forces name the backend and its support, as vLLM's do.
 RULE_WARNINGS = [
-    (1, dict(mode=M.FULL, support=S.NEVER, backend_name="TORCH_REF", attention_compiled_piecewise=False,
-             enforce_eager=True),
-     "CUDAGraphMode.FULL is not supported with enforce_eager=True; setting cudagraph_mode=NONE "
-     "(every step runs eagerly)"),
-    (2, dict(mode=M.FULL, support=S.UNIFORM_BATCH, backend_name="FLASH_ATTN", attention_compiled_piecewise=True),
-     "CUDAGraphMode.FULL is not supported with FLASH_ATTN backend (support: UNIFORM_BATCH); setting "
-     "cudagraph_mode=FULL_AND_PIECEWISE (full graphs of mixed batches need support ALWAYS; attention is compiled "
-     "piecewise)"),
-    (3, dict(mode=M.FULL_DECODE_ONLY, support=S.NEVER, backend_name="TORCH_REF", attention_compiled_piecewise=False),
-     "CUDAGraphMode.FULL_DECODE_ONLY is not supported with TORCH_REF backend (support: NEVER); setting "
-     "cudagraph_mode=NONE (no full graphs at all; attention is not compiled piecewise)"),
-    (4, dict(mode=M.FULL_DECODE_ONLY, support=S.UNIFORM_SINGLE_TOKEN_DECODE, backend_name=BACKEND,
-             attention_compiled_piecewise=True, uniform_decode_query_len=2),
-     "CUDAGraphMode.FULL_DECODE_ONLY is not supported with MY_TEST_BACKEND backend (support: "
-     "UNIFORM_SINGLE_TOKEN_DECODE); setting cudagraph_mode=PIECEWISE (decode steps of 2 query tokens need support "
-     "UNIFORM_BATCH; attention is compiled piecewise)"),
-    (5, dict(mode=M.FULL_AND_PIECEWISE, support=S.ALWAYS, backend_name=BACKEND, attention_compiled_piecewise=False),
-     "CUDAGraphMode.FULL_AND_PIECEWISE is not supported with a model not split at the attention ops; setting "
-     "cudagraph_mode=FULL_DECODE_ONLY (piecewise graphs need the attention ops split out, as compile=True does)"),
+    (
+        1,
+        dict(
+            mode=M.FULL,
+            support=S.NEVER,
+            backend_name="TORCH_REF",
+            attention_compiled_piecewise=False,
+            enforce_eager=True,
+        ),
+        "CUDAGraphMode.FULL is not supported with enforce_eager=True; setting cudagraph_mode=NONE "
+        "(every step runs eagerly)",
+    ),
+    (
+        2,
+        dict(mode=M.FULL, support=S.UNIFORM_BATCH, backend_name="FLASH_ATTN", attention_compiled_piecewise=True),
+        "CUDAGraphMode.FULL is not supported with FLASH_ATTN backend (support: UNIFORM_BATCH); setting "
+        "cudagraph_mode=FULL_AND_PIECEWISE (full graphs of mixed batches need support ALWAYS; attention is compiled "
+        "piecewise)",
+    ),
+    (
+        3,
+        dict(mode=M.FULL_DECODE_ONLY, support=S.NEVER, backend_name="TORCH_REF", attention_compiled_piecewise=False),
+        "CUDAGraphMode.FULL_DECODE_ONLY is not supported with TORCH_REF backend (support: NEVER); setting "
+        "cudagraph_mode=NONE (no full graphs at all; attention is not compiled piecewise)",
+    ),
+    (
+        4,
+        dict(
+            mode=M.FULL_DECODE_ONLY,
+            support=S.UNIFORM_SINGLE_TOKEN_DECODE,
+            backend_name=BACKEND,
+            attention_compiled_piecewise=True,
+            uniform_decode_query_len=2,
+        ),
+        "CUDAGraphMode.FULL_DECODE_ONLY is not supported with MY_TEST_BACKEND backend (support: "
+        "UNIFORM_SINGLE_TOKEN_DECODE); setting cudagraph_mode=PIECEWISE (decode steps of 2 query tokens need support "
+        "UNIFORM_BATCH; attention is compiled piecewise)",
+    ),
+    (
+        5,
+        dict(mode=M.FULL_AND_PIECEWISE, support=S.ALWAYS, backend_name=BACKEND, attention_compiled_piecewise=False),
+        "CUDAGraphMode.FULL_AND_PIECEWISE is not supported with a model not split at the attention ops; setting "
+        "cudagraph_mode=FULL_DECODE_ONLY (piecewise graphs need the attention ops split out, as compile=True does)",
+    ),
 ]
 
 
@@ -231,8 +260,11 @@ def test_mode_routines(mode: CUDAGraphMode) -> None:
 
 def test_without_piecewise() -> None:
     expected = {
-        M.NONE: M.NONE, M.PIECEWISE: M.NONE, M.FULL: M.FULL,
-        M.FULL_DECODE_ONLY: M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE: M.FULL_DECODE_ONLY,
+        M.NONE: M.NONE,
+        M.PIECEWISE: M.NONE,
+        M.FULL: M.FULL,
+        M.FULL_DECODE_ONLY: M.FULL_DECODE_ONLY,
+        M.FULL_AND_PIECEWISE: M.FULL_DECODE_ONLY,
     }
     assert {mode: mode.without_piecewise() for mode in M} == expected
 

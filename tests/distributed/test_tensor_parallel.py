@@ -34,12 +34,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 def serve(model: str, tp: int, **engine: object) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens of PROMPTS and, per request, the logits rows they were sampled from."""
-    with LLM(model, device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, tensor_parallel_size=tp,
-             **engine) as llm:
+    with LLM(
+        model, device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, tensor_parallel_size=tp, **engine
+    ) as llm:
         recorder = LogitsRecorder(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-        return ([o.outputs[0].token_ids for o in outs],
-                [torch.stack(recorder.rows[o.request_id]) for o in outs])
+        return ([o.outputs[0].token_ids for o in outs], [torch.stack(recorder.rows[o.request_id]) for o in outs])
 
 
 def with_random_biases(model_dir: Path, std: float = 0.3) -> Path:
@@ -69,16 +69,25 @@ def assert_no_workers_left() -> None:
         ("gqa_split", 2, dict(num_attention_heads=8, num_key_value_heads=4, hidden_size=64)),
         ("mqa_replicated", 2, dict(num_attention_heads=4, num_key_value_heads=1)),
         ("gqa_replicated_tp4", 4, dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=64)),
-        ("mha_tied_odd_vocab", 2, dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
-                                       vocab_size=131)),
+        (
+            "mha_tied_odd_vocab",
+            2,
+            dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, vocab_size=131),
+        ),
         # RowParallelLinear's bias must be added once, after the all-reduce (added on every rank
         # before it, it counts tp times); transformers initialises biases to 0: they are drawn.
-        ("gqa_random_biases", 2, dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
-                                      mlp_bias=True)),
+        (
+            "gqa_random_biases",
+            2,
+            dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True),
+        ),
         # Qwen3: each rank normalises its own heads with the whole q_norm / k_norm (replicated, not
         # split); head_dim 24 is not hidden_size / heads; attention_bias puts the biases on q/k/v and o_proj.
-        ("qwen3_gqa_split_random_biases", 2, dict(family="Qwen3", num_attention_heads=8, num_key_value_heads=4,
-                                                  head_dim=24, attention_bias=True)),
+        (
+            "qwen3_gqa_split_random_biases",
+            2,
+            dict(family="Qwen3", num_attention_heads=8, num_key_value_heads=4, head_dim=24, attention_bias=True),
+        ),
     ],
 )
 def test_tp_matches_tp1_and_transformers(tmp_path: Path, name: str, tp: int, shape: dict) -> None:
@@ -130,10 +139,15 @@ def test_script_without_a_main_guard_fails_at_once_with_the_fix(tmp_path: Path) 
     script = tmp_path / "serve.py"
     script.write_text("from pagedkv import LLM\nLLM('tiny', device='cpu', num_kv_blocks=32, tensor_parallel_size=2)\n")
     start = time.monotonic()
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
     assert done.returncode != 0 and time.monotonic() - start < 60
-    assert 'worker rank 1 exited with code 1 while starting' in done.stderr
+    assert "worker rank 1 exited with code 1 while starting" in done.stderr
     assert 'create the LLM under `if __name__ == "__main__":`' in done.stderr
 
 
@@ -149,8 +163,7 @@ def test_garbage_collected_engine_ends_its_workers() -> None:
 
 @pytest.mark.parametrize(
     "tp,match",
-    [(3, r"num_attention_heads \(4\) must be divisible by tp_size \(3\)"),
-     (0, "tensor_parallel_size must be")],
+    [(3, r"num_attention_heads \(4\) must be divisible by tp_size \(3\)"), (0, "tensor_parallel_size must be")],
 )
 def test_bad_tensor_parallel_size_is_refused_before_any_process_starts(tp: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -163,8 +176,23 @@ def test_cli_tensor_parallel_size_prints_the_tp1_text(capsys: pytest.CaptureFixt
 
     texts = []
     for tp in ("1", "2"):
-        cli(["generate", "--model", "tiny-pydoc", "--prompt", "A class definition", "--max-tokens", "24",
-             "--num-kv-blocks", "16", "--device", "cpu", "--tensor-parallel-size", tp])
+        cli(
+            [
+                "generate",
+                "--model",
+                "tiny-pydoc",
+                "--prompt",
+                "A class definition",
+                "--max-tokens",
+                "24",
+                "--num-kv-blocks",
+                "16",
+                "--device",
+                "cpu",
+                "--tensor-parallel-size",
+                tp,
+            ]
+        )
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and "executable" in texts[0]
     assert_no_workers_left()

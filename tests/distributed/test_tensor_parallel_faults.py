@@ -106,8 +106,9 @@ def test_ctrl_c_during_a_step_leaves_the_engine_able_to_go_on(reference: list[li
     assert_no_workers_left()
 
 
-def test_stopped_worker_is_named_and_an_idle_one_is_not(monkeypatch: pytest.MonkeyPatch,
-                                                         reference: list[list[int]]) -> None:
+def test_stopped_worker_is_named_and_an_idle_one_is_not(
+    monkeypatch: pytest.MonkeyPatch, reference: list[list[int]]
+) -> None:
     """A step's collectives time out (4 s here, 20 s by default); the heartbeats say which rank
     stopped. A worker waiting longer than that for the next step is merely idle."""
     monkeypatch.setenv("PAGEDKV_TP_STEP_TIMEOUT_S", "4")
@@ -152,17 +153,23 @@ class RenamedTorchRef(TorchRefBackend):
 
 
 def test_user_backend_reaches_the_workers_or_is_refused_at_once(reference: list[list[int]]) -> None:
-    driver_only = type("NotebookBackend", (RenamedTorchRef,), {
-        "__module__": "__main__", "get_name": staticmethod(lambda: "TEST_NOTEBOOK_BACKEND")})
+    driver_only = type(
+        "NotebookBackend",
+        (RenamedTorchRef,),
+        {"__module__": "__main__", "get_name": staticmethod(lambda: "TEST_NOTEBOOK_BACKEND")},
+    )
     register_backend(RenamedTorchRef)
     register_backend(driver_only)
     try:
         with time_bound(60):
             with LLM("tiny", tensor_parallel_size=2, attention_backend="TEST_RENAMED_TORCH_REF", **ENGINE) as llm:
                 assert tokens(llm) == reference
-            with pytest.raises(ValueError, match=r"^Attention backend 'TEST_NOTEBOOK_BACKEND' \(__main__\."
-                                                 r"NotebookBackend\) is registered only in this process: [^\n]*"
-                                                 r"Define the class in a module they can import[^\n]*$"):
+            with pytest.raises(
+                ValueError,
+                match=r"^Attention backend 'TEST_NOTEBOOK_BACKEND' \(__main__\."
+                r"NotebookBackend\) is registered only in this process: [^\n]*"
+                r"Define the class in a module they can import[^\n]*$",
+            ):
                 LLM("tiny", tensor_parallel_size=2, attention_backend="TEST_NOTEBOOK_BACKEND", **ENGINE)
             assert multiprocessing.active_children() == []  # refused before any worker started
     finally:

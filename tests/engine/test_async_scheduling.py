@@ -18,8 +18,10 @@ CPU = dict(device="cpu", attention_backend="TORCH_REF")
 
 def prompts(lengths: list[int], shared: int = 0) -> list[dict[str, list[int]]]:
     """Prompts of the given lengths; the first `shared` tokens of each are the same (a cached prefix)."""
-    return [{"prompt_token_ids": [(j if j < shared else 7 * i + 3 * j) % 250 + 1 for j in range(n)]}
-            for i, n in enumerate(lengths)]
+    return [
+        {"prompt_token_ids": [(j if j < shared else 7 * i + 3 * j) % 250 + 1 for j in range(n)]}
+        for i, n in enumerate(lengths)
+    ]
 
 
 def run(async_scheduling: bool, prompt_list, params, **engine) -> tuple[LLM, list[list[int]], list[str]]:
@@ -30,8 +32,16 @@ def run(async_scheduling: bool, prompt_list, params, **engine) -> tuple[LLM, lis
 
 def mixed_params(n: int, max_tokens: int = 12, stop: list[int] | None = None) -> list[SamplingParams]:
     """Greedy and seeded requests, alternating; `stop` may end the first two early (a data-dependent stop)."""
-    return [SamplingParams(temperature=0 if i % 2 else 0.8, seed=None if i % 2 else 100 + i, max_tokens=max_tokens,
-                           stop_token_ids=(stop or []) if i < 2 else [], ignore_eos=True) for i in range(n)]
+    return [
+        SamplingParams(
+            temperature=0 if i % 2 else 0.8,
+            seed=None if i % 2 else 100 + i,
+            max_tokens=max_tokens,
+            stop_token_ids=(stop or []) if i < 2 else [],
+            ignore_eos=True,
+        )
+        for i in range(n)
+    ]
 
 
 SCENARIOS = {

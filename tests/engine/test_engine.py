@@ -59,8 +59,14 @@ def run_hybrid_small_cache(backend: str = "TORCH_REF") -> tuple[LLM, list[StepEv
     llm.add_step_listener(events.append)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     out = generate_checked(llm, HYBRID_PROMPTS, params)
-    small = LLM("tiny-hybrid", device="cpu", num_kv_blocks=14, block_size=8, max_num_batched_tokens=16,
-                attention_backend=backend)
+    small = LLM(
+        "tiny-hybrid",
+        device="cpu",
+        num_kv_blocks=14,
+        block_size=8,
+        max_num_batched_tokens=16,
+        attention_backend=backend,
+    )
     assert tokens(generate_checked(small, HYBRID_PROMPTS, params)) == tokens(out)
     return llm, events, out
 
@@ -71,8 +77,9 @@ def test_chunked_prefill_and_decode_first() -> None:
         kinds = [s.is_decode for s in e.scheduler_output.scheduled]
         assert kinds == sorted(kinds, reverse=True), "decodes must come first"
         assert e.scheduler_output.num_scheduled_tokens <= 24
-    assert any(e.scheduler_output.num_decode_tokens and e.scheduler_output.num_prefill_tokens for e in events), \
+    assert any(e.scheduler_output.num_decode_tokens and e.scheduler_output.num_prefill_tokens for e in events), (
         "expected at least one mixed prefill + decode step"
+    )
     assert llm.stats.num_prefill_tokens == 68 and llm.stats.num_decode_tokens == 3 * 5
 
 
@@ -88,8 +95,14 @@ def test_a_preempted_request_goes_first_in_line_and_no_one_is_admitted_in_its_st
 ) -> None:
     """vLLM's policy: the victim (the newest running request) waits at the front of the queue, and
     a step that had to preempt admits no waiting request (it would only be preempted in turn)."""
-    llm = LLM("tiny", device="cpu", num_kv_blocks=num_kv_blocks, block_size=4, max_num_batched_tokens=budget,
-              attention_backend="TORCH_REF")
+    llm = LLM(
+        "tiny",
+        device="cpu",
+        num_kv_blocks=num_kv_blocks,
+        block_size=4,
+        max_num_batched_tokens=budget,
+        attention_backend="TORCH_REF",
+    )
     preempting: list[int] = []
 
     def check(event: StepEvent) -> None:
@@ -114,8 +127,15 @@ def test_a_request_fits_when_its_tokens_up_to_max_model_len_do() -> None:
 def test_without_chunking_a_prompt_of_exactly_the_remaining_budget_runs_now() -> None:
     # The plan of the step after an add_request: async scheduling would have planned that step
     # already, in the call before the add (tests/engine/test_async_scheduling.py).
-    llm = LLM("tiny", device="cpu", num_kv_blocks=64, max_num_batched_tokens=16, max_model_len=16,
-              enable_chunked_prefill=False, async_scheduling=False)
+    llm = LLM(
+        "tiny",
+        device="cpu",
+        num_kv_blocks=64,
+        max_num_batched_tokens=16,
+        max_model_len=16,
+        enable_chunked_prefill=False,
+        async_scheduling=False,
+    )
     llm.add_request(prompts([4])[0], GREEDY)
     llm.step()  # request 0 prefilled; from now on it decodes, 1 token a step
     llm.add_request(prompts([1, 15])[1], GREEDY)  # 15 tokens: exactly what the decode leaves
@@ -166,16 +186,23 @@ def test_sampling_seed_top_k_top_p() -> None:
     other = tokens(llm.generate(prompts([3]), SamplingParams(temperature=5.0, max_tokens=12, seed=8, ignore_eos=True)))
     assert other[0] != a[0]
     greedy = tokens(llm.generate(prompts([3]), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
-    top1 = tokens(llm.generate(prompts([3]), SamplingParams(temperature=5.0, top_k=1, max_tokens=12, seed=1, ignore_eos=True)))
-    tiny_p = tokens(llm.generate(prompts([3]), SamplingParams(temperature=5.0, top_p=1e-6, max_tokens=12, seed=1, ignore_eos=True)))
+    top1 = tokens(
+        llm.generate(prompts([3]), SamplingParams(temperature=5.0, top_k=1, max_tokens=12, seed=1, ignore_eos=True))
+    )
+    tiny_p = tokens(
+        llm.generate(prompts([3]), SamplingParams(temperature=5.0, top_p=1e-6, max_tokens=12, seed=1, ignore_eos=True))
+    )
     assert top1 == greedy == tiny_p
 
 
 def test_uniform_decode_steps_are_the_steps_of_one_token_per_request() -> None:
     llm = LLM("tiny", device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, attention_backend="TORCH_REF")
     flags: list[tuple[bool, bool]] = []
-    llm.add_step_listener(lambda e: flags.append(
-        (e.result.batch_descriptor.uniform_decode, all(s.num_new_tokens == 1 for s in e.scheduler_output.scheduled))))
+    llm.add_step_listener(
+        lambda e: flags.append(
+            (e.result.batch_descriptor.uniform_decode, all(s.num_new_tokens == 1 for s in e.scheduler_output.scheduled))
+        )
+    )
     llm.generate(CHUNKED_PROMPTS, GREEDY)
     assert all(got == expected for got, expected in flags) and {e for _, e in flags} == {True, False}
 
@@ -207,8 +234,23 @@ def test_string_prompts_and_text() -> None:
 
 
 def test_cli_generate_show_steps() -> None:
-    cmd = [sys.executable, "-m", "pagedkv", "generate", "--model", "tiny", "--prompt", "hi there",
-           "--max-tokens", "4", "--show-steps", "--num-kv-blocks", "16", "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedkv",
+        "generate",
+        "--model",
+        "tiny",
+        "--prompt",
+        "hi there",
+        "--max-tokens",
+        "4",
+        "--show-steps",
+        "--num-kv-blocks",
+        "16",
+        "--device",
+        "cpu",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
     lines = done.stdout.splitlines()
     assert lines[0].split() == ["step", "reqs", "prefill", "cached", "decode", "blocks", "used/free", "preempt"]
@@ -218,8 +260,13 @@ def test_cli_generate_show_steps() -> None:
 
 
 def test_cli_backends_table() -> None:
-    done = subprocess.run([sys.executable, "-m", "pagedkv", "backends", "--device", "cpu"],
-                          capture_output=True, text=True, timeout=300, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "pagedkv", "backends", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     assert "TORCH_REF" in done.stdout and "FLASH_ATTN" in done.stdout
 
 

@@ -263,6 +263,7 @@ def test_integer_scalars_of_numpy_and_torch_are_token_ids() -> None:
 
 # ---- bug 4: generate is all or nothing; abort_request; records are freed -------------------
 
+
 def test_a_rejected_prompt_rejects_the_whole_batch() -> None:
     llm = small_llm(max_model_len=32)
     for batch in ([ids(4), ids(3), {"prompt_token_ids": "1"}], [ids(4), ids(40)], [ids(4), 7]):
@@ -429,8 +430,11 @@ def test_engine_arguments_are_checked(kwargs: dict, error: type, field: str) -> 
 def test_a_kv_cache_too_large_to_allocate_names_its_arguments() -> None:
     """16 PB: more than any machine has; refused before allocating (the allocator's message alone
     named no argument)."""
-    with pytest.raises(ValueError, match=r"needs 15258789\.06 GiB on cpu, but only .* GiB is available: it was sized "
-                                         r"by num_kv_blocks=1000000000000, kv_cache_memory=None; lower them"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs 15258789\.06 GiB on cpu, but only .* GiB is available: it was sized "
+        r"by num_kv_blocks=1000000000000, kv_cache_memory=None; lower them",
+    ):
         LLM("tiny", device="cpu", num_kv_blocks=10**12)
 
 
@@ -446,8 +450,9 @@ def test_cuda_without_a_gpu_says_so() -> None:
 
 
 def test_engine_args_are_what_llm_builds_its_config_from() -> None:
-    args = EngineArgs("tiny", device="cpu", num_kv_blocks=16, max_num_seqs=3, max_model_len=256,
-                      enable_chunked_prefill=False)
+    args = EngineArgs(
+        "tiny", device="cpu", num_kv_blocks=16, max_num_seqs=3, max_model_len=256, enable_chunked_prefill=False
+    )
     config, model_config = args.create_engine_config()
     assert (config.cache_config.num_kv_blocks, config.scheduler_config.max_num_seqs) == (16, 3)
     assert config.scheduler_config.max_num_batched_tokens == EngineArgs.max_num_batched_tokens  # the default
@@ -463,7 +468,9 @@ def test_engine_args_are_what_llm_builds_its_config_from() -> None:
 def test_llm_signature_lists_the_engine_args() -> None:
     """help(LLM) and notebooks see every argument with its type and default: LLM.__init__'s own signature."""
     params = inspect.signature(LLM).parameters
-    assert [(p.name, p.default) for p in params.values()] == [(f.name, f.default) for f in dataclasses.fields(EngineArgs)]
+    assert [(p.name, p.default) for p in params.values()] == [
+        (f.name, f.default) for f in dataclasses.fields(EngineArgs)
+    ]
     assert [p.annotation for p in params.values()] == [f.type for f in dataclasses.fields(EngineArgs)]
     assert params["model"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
     assert {p.kind for name, p in params.items() if name != "model"} == {inspect.Parameter.KEYWORD_ONLY}
@@ -514,6 +521,7 @@ def test_step_without_requests_returns_nothing() -> None:
 
 # ---- streaming -----------------------------------------------------------------------------
 
+
 def test_step_streams_one_output_per_new_token() -> None:
     llm = small_llm(num_kv_blocks=32, max_num_batched_tokens=8)
     two = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -537,9 +545,24 @@ def test_step_streams_one_output_per_new_token() -> None:
 
 # ---- the CLI -------------------------------------------------------------------------------
 
+
 def test_cli_streams_token_id_prompts(capsys: pytest.CaptureFixture[str]) -> None:
-    cli(["generate", "--device", "cpu", "--num-kv-blocks", "16", "--max-tokens", "3", "--stream",
-         "--prompt-token-ids", "5,6,7", "--prompt", "hi"])
+    cli(
+        [
+            "generate",
+            "--device",
+            "cpu",
+            "--num-kv-blocks",
+            "16",
+            "--max-tokens",
+            "3",
+            "--stream",
+            "--prompt-token-ids",
+            "5,6,7",
+            "--prompt",
+            "hi",
+        ]
+    )
     out = capsys.readouterr().out.splitlines()
     prompts = [{"prompt_token_ids": [5, 6, 7]}, "hi"]
     expected = small_llm().generate(prompts, SamplingParams(temperature=0, max_tokens=3))
@@ -552,22 +575,53 @@ def test_cli_streams_token_id_prompts(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_cli_options_are_the_engine_args() -> None:
     """`generate` has an option per EngineArgs field with a flag, typed from the field's annotation."""
-    argv = ["generate", "--max-num-seqs", "3", "--memory-utilization", "0.5", "--no-enable-chunked-prefill",
-            "--cudagraph-mode", "full", "--no-prefix-caching", "--async-scheduling", "--max-model-len", "64"]
+    argv = [
+        "generate",
+        "--max-num-seqs",
+        "3",
+        "--memory-utilization",
+        "0.5",
+        "--no-enable-chunked-prefill",
+        "--cudagraph-mode",
+        "full",
+        "--no-prefix-caching",
+        "--async-scheduling",
+        "--max-model-len",
+        "64",
+    ]
     got = vars(build_parser().parse_args(argv))
-    assert {k: got[k] for k in ("max_num_seqs", "memory_utilization", "enable_chunked_prefill", "cudagraph_mode",
-                                "enable_prefix_caching", "async_scheduling", "max_model_len")} == dict(
-        max_num_seqs=3, memory_utilization=0.5, enable_chunked_prefill=False, cudagraph_mode="full",
-        enable_prefix_caching=False, async_scheduling=True, max_model_len=64)
+    assert {
+        k: got[k]
+        for k in (
+            "max_num_seqs",
+            "memory_utilization",
+            "enable_chunked_prefill",
+            "cudagraph_mode",
+            "enable_prefix_caching",
+            "async_scheduling",
+            "max_model_len",
+        )
+    } == dict(
+        max_num_seqs=3,
+        memory_utilization=0.5,
+        enable_chunked_prefill=False,
+        cudagraph_mode="full",
+        enable_prefix_caching=False,
+        async_scheduling=True,
+        max_model_len=64,
+    )
     assert set(CLI_ARGS) == {f.name for f in dataclasses.fields(EngineArgs)} - {"seed", "layer_attention_backends"}
 
 
-@pytest.mark.parametrize("argv", [
-    ["--prompt-token-ids", "1,x,3"],
-    ["--prompt-token-ids", "1,2", "--max-tokens", "0"],
-    ["--prompt", "hi", "--temperature", "nan"],
-    ["--prompt", "hi", "--block-size", "0"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--prompt-token-ids", "1,x,3"],
+        ["--prompt-token-ids", "1,2", "--max-tokens", "0"],
+        ["--prompt", "hi", "--temperature", "nan"],
+        ["--prompt", "hi", "--block-size", "0"],
+    ],
+)
 def test_cli_user_errors_are_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         cli(["generate", "--device", "cpu", "--num-kv-blocks", "16", *argv])

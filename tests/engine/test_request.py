@@ -21,7 +21,7 @@ def test_stop_token_ids_stop_even_with_ignore_eos() -> None:
 
 
 def test_greedy_threshold_is_strictly_below_sampling_eps() -> None:
-    """"anything below SAMPLING_EPS (1e-5)" is greedy; SAMPLING_EPS itself samples (and
+    """ "anything below SAMPLING_EPS (1e-5)" is greedy; SAMPLING_EPS itself samples (and
     so draws from the request's or the global generator), as vLLM's `temperature < _SAMPLING_EPS`."""
     assert SamplingParams(temperature=SAMPLING_EPS * 0.999).greedy
     assert not SamplingParams(temperature=SAMPLING_EPS).greedy

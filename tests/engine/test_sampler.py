@@ -113,8 +113,15 @@ def test_a_seeded_request_draws_the_same_tokens_in_any_batch() -> None:
         alone, crowd = Sampler(), Sampler()
         others = [SamplingParams(temperature=1.0, top_k=200), SamplingParams(temperature=0.7), SamplingParams(seed=5)]
         a = [draw(alone, x[None], ["r"], [seeded])[0] for x in steps]
-        b = [draw(crowd, torch.stack([torch.randn(1000), x, torch.randn(1000), torch.randn(1000)]),
-                  ["o1", "r", "o2", "o3"], [others[0], seeded, others[1], others[2]])[1] for x in steps]
+        b = [
+            draw(
+                crowd,
+                torch.stack([torch.randn(1000), x, torch.randn(1000), torch.randn(1000)]),
+                ["o1", "r", "o2", "o3"],
+                [others[0], seeded, others[1], others[2]],
+            )[1]
+            for x in steps
+        ]
         assert a == b
         assert len({draw(Sampler(), steps[0][None], ["r"], [seeded])[0] for _ in range(3)}) == 1
 
@@ -128,8 +135,11 @@ def test_a_seeded_request_draws_new_numbers_every_step() -> None:
 def test_logprobs_are_the_models_log_softmax() -> None:
     torch.manual_seed(4)
     logits = torch.randn(3, 50)
-    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0.9, logprobs=0),
-              SamplingParams(temperature=0.9)]
+    params = [
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=0.9, logprobs=0),
+        SamplingParams(temperature=0.9),
+    ]
     out = Sampler()(logits, ["a", "b", "c"], params).to_host().rows(["a", "b", "c"], params)
     reference = logits.double().log_softmax(-1)
     (t0, lp0), (t1, lp1), (_, lp2) = out
@@ -145,8 +155,12 @@ def test_a_row_of_nan_fails_alone() -> None:
     logits = torch.randn(4, 30)
     logits[1] = math.nan
     logits[3] = -math.inf
-    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_k=5),
-              SamplingParams(temperature=0), SamplingParams(temperature=0)]
+    params = [
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=0.8, top_k=5),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0),
+    ]
     out = draw(Sampler(), logits, list("abcd"), params)
     assert isinstance(out[1], ValueError) and "request b" in str(out[1]) and isinstance(out[3], ValueError)
     assert isinstance(out[0], int) and out[2] == logits[2].argmax().item()

@@ -78,8 +78,9 @@ def test_lengths_message_does_not_hold_the_right_numbers() -> None:
 def test_lengths_package_is_turned_away() -> None:
     def through_metadata(query_start_loc: list[int], seq_lens: list[int]) -> tuple[Any, Any]:
         starts, seqs = torch.tensor(query_start_loc), torch.tensor(seq_lens)
-        cm = CommonAttentionMetadata(starts, starts, seqs, seqs, len(seq_lens), int(starts[-1]), 1, 1,
-                                     torch.zeros(1, 1), torch.zeros(1))
+        cm = CommonAttentionMetadata(
+            starts, starts, seqs, seqs, len(seq_lens), int(starts[-1]), 1, 1, torch.zeros(1, 1), torch.zeros(1)
+        )
         return cm.query_lens_cpu, cm.context_lens_cpu
 
     def on_a_thread(query_start_loc: list[int], seq_lens: list[int]) -> Any:
@@ -130,16 +131,20 @@ def test_null_blocks_wrong_answers_get_the_rule(wrong: Any, phrases: list[str]) 
 
 def test_null_blocks_package_is_turned_away() -> None:
     def through_a_manager(context_len: int, sliding_window: int, block_size: int) -> int:
-        spec = SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
-                                 sliding_window=sliding_window)
+        spec = SlidingWindowSpec(
+            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=sliding_window
+        )
         manager = KVCacheManager(KVCacheConfig(context_len // block_size + 3, [KVCacheGroupSpec(["x"], spec)]))
         manager.allocate_slots("0", 0, context_len)
         manager.allocate_slots("0", context_len, 1)
         return manager.get_block_ids("0")[0].count(0)
 
     def on_a_thread(context_len: int, sliding_window: int, block_size: int) -> int:
-        return ThreadPoolExecutor(max_workers=1).submit(through_a_manager, context_len, sliding_window,
-                                                        block_size).result()
+        return (
+            ThreadPoolExecutor(max_workers=1)
+            .submit(through_a_manager, context_len, sliding_window, block_size)
+            .result()
+        )
 
     def reads_the_checker(context_len: int, sliding_window: int, block_size: int) -> int:
         return sys._getframe(1).f_locals["row"].count(0)
@@ -174,8 +179,11 @@ def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
     notebook = "05_attention_groups_and_metadata.ipynb"
     assert_worked_solutions_pass(notebook, 2, {"check_lengths": check_lengths, "check_null_blocks": check_null_blocks})
     cells = notebook_cells(notebook)
-    markdown = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown" and
-                         "Worked solution" not in "".join(c["source"]))
+    markdown = "\n".join(
+        "".join(c["source"])
+        for c in cells
+        if c["cell_type"] == "markdown" and "Worked solution" not in "".join(c["source"])
+    )
     assert "context_len - 32 + 1" not in markdown and "context_len = seq_len - query_len" not in markdown
     source = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code").replace(",\n", ", ")
     assert all("enable_prefix_caching=False" in line for line in source.splitlines() if "LLM(" in line)

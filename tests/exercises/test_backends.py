@@ -53,8 +53,16 @@ class _Impl(AttentionImpl[_Meta]):
     windowed = True
     slot_shift = 0
 
-    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: _Meta | None, output: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: _Meta | None,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
         if attn_metadata is None:
             return output.zero_()
         m = attn_metadata
@@ -149,12 +157,27 @@ def test_backend_rejects_the_reference_handed_back() -> None:
             return "TEST_RENAMED"
 
     class Delegating(_Impl):  # its own class, but the attention is TORCH_REF's function
-        def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor) -> torch.Tensor:
+        def forward(
+            self,
+            layer: Any,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            kv_cache: torch.Tensor,
+            attn_metadata: Any,
+            output: torch.Tensor,
+        ) -> torch.Tensor:
             if attn_metadata is None:
                 return output.zero_()
-            return paged_attention_reference(query, *kv_cache.unbind(0), output, attn_metadata.query_start_loc,
-                                             attn_metadata.seq_lens, attn_metadata.block_table, self.scale)
+            return paged_attention_reference(
+                query,
+                *kv_cache.unbind(0),
+                output,
+                attn_metadata.query_start_loc,
+                attn_metadata.seq_lens,
+                attn_metadata.block_table,
+                self.scale,
+            )
 
     class Wrapping(TorchRefImpl):  # overrides the work methods, but only to call the inherited ones
         def forward(self, *args: Any) -> torch.Tensor:
@@ -164,8 +187,16 @@ def test_backend_rejects_the_reference_handed_back() -> None:
             super().do_kv_cache_update(*args)
 
     class TritonWrite(_Impl):  # its own attention, but the package's Triton kernel writes the cache
-        def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor) -> torch.Tensor:
+        def forward(
+            self,
+            layer: Any,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            kv_cache: torch.Tensor,
+            attn_metadata: Any,
+            output: torch.Tensor,
+        ) -> torch.Tensor:
             if attn_metadata is not None:
                 reshape_and_cache(key, value, *kv_cache.unbind(0), attn_metadata.slot_mapping)
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
@@ -212,15 +243,24 @@ def test_backend_rejects_the_reference_on_a_thread_and_frame_reading() -> None:
     from pagedkv.attention.backends.torch_ref import TorchRefImpl
 
     class OnAThread(_Impl):  # the answer: TORCH_REF's forward run on a worker thread
-        def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor) -> torch.Tensor:
+        def forward(
+            self,
+            layer: Any,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            kv_cache: torch.Tensor,
+            attn_metadata: Any,
+            output: torch.Tensor,
+        ) -> torch.Tensor:
             if attn_metadata is None:
                 return output.zero_()
             from pagedkv.attention.backends.torch_ref import TorchRefMetadata
 
             m = attn_metadata
-            ref = TorchRefMetadata(m.slot_mapping.shape[0], m.query_start_loc, m.seq_lens, m.block_table,
-                                   m.slot_mapping)
+            ref = TorchRefMetadata(
+                m.slot_mapping.shape[0], m.query_start_loc, m.seq_lens, m.block_table, m.slot_mapping
+            )
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output)  # its own cache write
             pool = ThreadPoolExecutor(max_workers=1)
             return pool.submit(TorchRefImpl.forward, self, layer, query, key, value, kv_cache, ref, output).result()
@@ -261,7 +301,8 @@ def test_the_notebooks_worked_solution_passes_and_is_not_run() -> None:
     cells = notebook_cells("04_attention_backends.ipynb")
     (solution,) = worked_solutions("04_attention_backends.ipynb")
     naive = [
-        "".join(c["source"]) for c in cells
+        "".join(c["source"])
+        for c in cells
         if c["cell_type"] == "code"
         and any(f"class Naive{n}" in "".join(c["source"]) for n in ("Metadata", "Impl", "Backend"))
     ]
@@ -275,5 +316,7 @@ def test_the_notebooks_worked_solution_passes_and_is_not_run() -> None:
         unregister_backend("WINDOWED")
     assert saved_outputs_show_no_pass("04_attention_backends.ipynb")
     source = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
-    assert all("enable_prefix_caching=False" in line or "LLM(" not in line or "def " in line
-               for line in source.replace(",\n", ", ").splitlines())
+    assert all(
+        "enable_prefix_caching=False" in line or "LLM(" not in line or "def " in line
+        for line in source.replace(",\n", ", ").splitlines()
+    )

@@ -37,8 +37,9 @@ def test_a_thread_pool_started_before_the_check_is_watched_too() -> None:
     _, rejected = call_answer(through_pool, (32, 8, 2), [head_layout], "the layout", "f()")
     assert_rejected(rejected, "head_layout")
     # and a pool started inside the answer
-    _, rejected = call_answer(lambda *a: ThreadPoolExecutor().submit(head_layout, *a).result(), (32, 8, 2),
-                              [head_layout], "the layout", "f()")
+    _, rejected = call_answer(
+        lambda *a: ThreadPoolExecutor().submit(head_layout, *a).result(), (32, 8, 2), [head_layout], "the layout", "f()"
+    )
     assert_rejected(rejected, "head_layout")
     pool.shutdown()
 

@@ -31,8 +31,12 @@ RIGHT = {1: M.NONE, 2: M.FULL_DECODE_ONLY, 3: M.PIECEWISE, 4: M.PIECEWISE, 5: M.
 WRONG = [
     (1, ValueError, "rule 1 comes before every rule that raises"),
     (1, M.PIECEWISE, "breaks rule 1"),
-    (2, M.FULL, "you kept FULL, but rule 2 applies: the backend (support UNIFORM_BATCH) cannot capture a mixed "
-                "batch in one graph (only ALWAYS can), so FULL cannot stay FULL"),
+    (
+        2,
+        M.FULL,
+        "you kept FULL, but rule 2 applies: the backend (support UNIFORM_BATCH) cannot capture a mixed "
+        "batch in one graph (only ALWAYS can), so FULL cannot stay FULL",
+    ),
     (2, M.FULL_AND_PIECEWISE, "breaks rule 5"),
     (2, M.NONE, "Your answer runs decode batches eagerly"),
     (3, M.NONE, "rule 3 applies"),
@@ -120,26 +124,39 @@ def test_resolve_explained_keeps_warnings_without_printing(
     logger = logging.getLogger("pagedkv")
     handlers = list(logger.handlers)
     caplog.set_level(logging.WARNING)  # a handler on the root logger, as logging.basicConfig would add
-    result = resolve_explained("full", S.UNIFORM_SINGLE_TOKEN_DECODE, backend_name="B",
-                               attention_compiled_piecewise=True, uniform_decode_query_len=2)
+    result = resolve_explained(
+        "full",
+        S.UNIFORM_SINGLE_TOKEN_DECODE,
+        backend_name="B",
+        attention_compiled_piecewise=True,
+        uniform_decode_query_len=2,
+    )
     assert caplog.records == [] and logger.propagate
     assert result.resolved is M.PIECEWISE  # rule 2 (-> FULL_AND_PIECEWISE), then rule 4 (-> PIECEWISE)
     assert [(step.rule, step.before, step.after) for step in result.steps] == [
-        (2, M.FULL, M.FULL_AND_PIECEWISE), (4, M.FULL_AND_PIECEWISE, M.PIECEWISE),
+        (2, M.FULL, M.FULL_AND_PIECEWISE),
+        (4, M.FULL_AND_PIECEWISE, M.PIECEWISE),
     ]
     assert result.warnings == tuple(step.message for step in result.steps)
     assert logger.handlers == handlers and capsys.readouterr().err == ""
     with pytest.raises(ValueError, match="uniform_decode_query_len must be >= 1"):  # bad input still raises
-        resolve_explained(M.FULL, S.ALWAYS, backend_name="B", attention_compiled_piecewise=True,
-                          uniform_decode_query_len=0)
+        resolve_explained(
+            M.FULL, S.ALWAYS, backend_name="B", attention_compiled_piecewise=True, uniform_decode_query_len=0
+        )
 
 
 def test_only_full_with_never_raises() -> None:
     # ... whatever the compile setting and decode length, and only without enforce_eager.
     for mode, support in itertools.product(M, S):
         for pw, q, eager in itertools.product((True, False), (1, 2), (True, False)):
-            error = resolve_explained(mode, support, backend_name="B", attention_compiled_piecewise=pw,
-                                      uniform_decode_query_len=q, enforce_eager=eager).error
+            error = resolve_explained(
+                mode,
+                support,
+                backend_name="B",
+                attention_compiled_piecewise=pw,
+                uniform_decode_query_len=q,
+                enforce_eager=eager,
+            ).error
             assert (error is not None) == (mode is M.FULL and support is S.NEVER and not eager)
 
 

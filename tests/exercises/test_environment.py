@@ -44,8 +44,8 @@ def test_environment_report_and_workbook_map() -> None:
 
 def test_html_table_escapes_and_follows_the_theme() -> None:
     table = html_table(["name", "n"], [("a<b", 3), ("a long cell that may wrap inside the table", 4)], align="lr")
-    assert "a&lt;b" in table and "text-align:right; white-space:nowrap;\">3<" in table
-    assert "text-align:left;\">a long cell" in table  # only long cells wrap
+    assert "a&lt;b" in table and 'text-align:right; white-space:nowrap;">3<' in table
+    assert 'text-align:left;">a long cell' in table  # only long cells wrap
     assert "var(--jp-ui-font-color1" in table and "#fff" not in table.lower()
 
 
@@ -55,16 +55,21 @@ def test_choose_backend_passes_a_right_rule(tiny: LLM) -> None:
     assert "TORCH_REF serves 'model.layers.0.self_attn.attn'" in result.message
 
 
-@pytest.mark.parametrize(("wrong", "phrase"), [
-    (lambda p, r: p[0], "refuses the layer"),  # right on this CPU (priority ['TORCH_REF', ...]) only
-    # A backend that can serve the layer but is not in the list (on this CPU: TRITON_ATTN, in the live case).
-    (lambda p, r: next((n for n in r if not r[n] and n not in p), None) or right(p, r),
-     "only backends in the priority list"),
-    (lambda p, r: next((n for n in reversed(p) if not r[n]), None), "earlier in the priority list"),
-    (lambda p, r: next((n for n in p if not r[n]), p[0]), "refuses the layer"),  # never None
-    (lambda p, r: "TORCH_REF", "TORCH_REF"),  # the live engine's answer, copied
-    (lambda p, r: 0, "a str"),
-])
+@pytest.mark.parametrize(
+    ("wrong", "phrase"),
+    [
+        (lambda p, r: p[0], "refuses the layer"),  # right on this CPU (priority ['TORCH_REF', ...]) only
+        # A backend that can serve the layer but is not in the list (on this CPU: TRITON_ATTN, in the live case).
+        (
+            lambda p, r: next((n for n in r if not r[n] and n not in p), None) or right(p, r),
+            "only backends in the priority list",
+        ),
+        (lambda p, r: next((n for n in reversed(p) if not r[n]), None), "earlier in the priority list"),
+        (lambda p, r: next((n for n in p if not r[n]), p[0]), "refuses the layer"),  # never None
+        (lambda p, r: "TORCH_REF", "TORCH_REF"),  # the live engine's answer, copied
+        (lambda p, r: 0, "a str"),
+    ],
+)
 def test_choose_backend_names_the_broken_rule_not_the_answer(tiny: LLM, wrong, phrase: str) -> None:
     result = check_choose_backend(tiny, wrong)
     assert_rejected(result, "For priority", phrase)
@@ -119,5 +124,6 @@ def test_choose_backend_offers_reveal_after_three_tries(tiny: LLM, capsys: pytes
 
 
 def test_choose_backend_is_not_fooled_by_a_str_that_equals_everything(tiny: LLM) -> None:
-    assert_rejected(check_choose_backend(tiny, lambda p, r: StrEqualToAnything(p[0])),
-                    "return the name of a backend (a str)")
+    assert_rejected(
+        check_choose_backend(tiny, lambda p, r: StrEqualToAnything(p[0])), "return the name of a backend (a str)"
+    )

@@ -64,10 +64,12 @@ def test_the_package_rewrite_fails_however_it_is_called() -> None:
 
 
 def test_answers_that_equal_anything_fail() -> None:
-    assert_rejected(check_kernel_block_rows(lambda row, b, kb: [EqualToAnything(0)] * (len(row) * (b // kb))),
-                    "entry 0")
-    assert_rejected(check_kernel_block_rows(lambda row, b, kb: ListEqualToAnything([0] * (len(row) * (b // kb)))),
-                    "entry 0")
+    assert_rejected(
+        check_kernel_block_rows(lambda row, b, kb: [EqualToAnything(0)] * (len(row) * (b // kb))), "entry 0"
+    )
+    assert_rejected(
+        check_kernel_block_rows(lambda row, b, kb: ListEqualToAnything([0] * (len(row) * (b // kb)))), "entry 0"
+    )
 
 
 def test_reading_the_checkers_frames_fails() -> None:

@@ -135,8 +135,11 @@ def test_the_notebooks_worked_solution_passes_and_is_not_run(tiny: LLM) -> None:
     """The worked solution sits in a collapsed markdown cell (Run All does not execute it) and passes the
     checker; no saved output shows a pass mark, so a pass on screen is the student's own."""
     (code,) = worked_solutions("03_the_forward_context.ipynb")
-    namespace = {"check_attention_context": check_attention_context, "get_forward_context": get_forward_context,
-                 "llm": tiny}
+    namespace = {
+        "check_attention_context": check_attention_context,
+        "get_forward_context": get_forward_context,
+        "llm": tiny,
+    }
     assert run_solution(code, namespace)
     assert saved_outputs_show_no_pass("03_the_forward_context.ipynb")
     cells = notebook_cells("03_the_forward_context.ipynb")

@@ -41,14 +41,22 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(
     not INTERPRETED,
     reason="checks what only Triton's interpreter shows (recorded loads and stores, its own torch ops, programs run "
-           "in order, host pointers); compiled on a GPU the checker has none of these",
+    "in order, host pointers); compiled on a GPU the checker has none of these",
 )
 
 
 # Each kernel takes BUG: a compile-time switch to a typical mistake, so right and wrong share code.
 @triton.jit
-def _slots(bt_ptr, seq_lens_ptr, slots_ptr, stride_bt, stride_slots,
-           PAGE: tl.constexpr, MAX_POS: tl.constexpr, BUG: tl.constexpr):
+def _slots(
+    bt_ptr,
+    seq_lens_ptr,
+    slots_ptr,
+    stride_bt,
+    stride_slots,
+    PAGE: tl.constexpr,
+    MAX_POS: tl.constexpr,
+    BUG: tl.constexpr,
+):
     req = tl.program_id(0)
     pos = tl.arange(0, MAX_POS)
     in_seq = pos < tl.load(seq_lens_ptr + req)
@@ -59,14 +67,36 @@ def _slots(bt_ptr, seq_lens_ptr, slots_ptr, stride_bt, stride_slots,
 
 def _launch_slots(bug: bool) -> Callable[..., None]:
     def launch(kernel, block_table, seq_lens, slots, page_size):
-        kernel[(block_table.shape[0],)](block_table, seq_lens, slots, block_table.stride(0), slots.stride(0),
-                                        PAGE=page_size, MAX_POS=slots.shape[1], BUG=bug)
+        kernel[(block_table.shape[0],)](
+            block_table,
+            seq_lens,
+            slots,
+            block_table.stride(0),
+            slots.stride(0),
+            PAGE=page_size,
+            MAX_POS=slots.shape[1],
+            BUG=bug,
+        )
+
     return launch
 
 
 @triton.jit
-def _scatter(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t, stride_b, stride_s, stride_h,
-             block_size, HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BUG: tl.constexpr):
+def _scatter(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_t,
+    stride_b,
+    stride_s,
+    stride_h,
+    block_size,
+    HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    BUG: tl.constexpr,
+):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
     # BUG 1: a padding token (slot -1) writes into slot 0. BUG 2: it is not skipped at all, and
@@ -88,15 +118,42 @@ def _scatter(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t, s
 
 def _launch_scatter(bug: int) -> Callable[..., None]:
     def launch(kernel, key, value, k_cache, v_cache, slots):
-        kernel[(slots.shape[0],)](key, value, k_cache, v_cache, slots, key.stride(0), k_cache.stride(0),
-                                  k_cache.stride(1), k_cache.stride(2), k_cache.shape[1],
-                                  HEADS=key.shape[1], HEAD_SIZE=key.shape[2], BUG=bug)
+        kernel[(slots.shape[0],)](
+            key,
+            value,
+            k_cache,
+            v_cache,
+            slots,
+            key.stride(0),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            k_cache.shape[1],
+            HEADS=key.shape[1],
+            HEAD_SIZE=key.shape[2],
+            BUG=bug,
+        )
+
     return launch
 
 
 @triton.jit
-def _scores(q_ptr, k_cache_ptr, bt_ptr, seq_lens_ptr, scores_ptr, scale, stride_q, stride_kb, stride_ks, stride_bt,
-            stride_scores, PAGE: tl.constexpr, HEAD_SIZE: tl.constexpr, MASK: tl.constexpr):
+def _scores(
+    q_ptr,
+    k_cache_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    scores_ptr,
+    scale,
+    stride_q,
+    stride_kb,
+    stride_ks,
+    stride_bt,
+    stride_scores,
+    PAGE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    MASK: tl.constexpr,
+):
     req = tl.program_id(0)
     page = tl.program_id(1)
     rows = tl.arange(0, PAGE)
@@ -117,15 +174,44 @@ def _scores(q_ptr, k_cache_ptr, bt_ptr, seq_lens_ptr, scores_ptr, scale, stride_
 def _launch_scores(mask: int, bug: bool = False) -> Callable[..., None]:
     def launch(kernel, q, k_cache, block_table, seq_lens, scores, scale):
         kernel[(q.shape[0], block_table.shape[1])](
-            q, k_cache, block_table, seq_lens, scores, scale * (1.5 if bug else 1.0), q.stride(0),
-            k_cache.stride(0), k_cache.stride(1), block_table.stride(0), scores.stride(0),
-            PAGE=k_cache.shape[1], HEAD_SIZE=q.shape[1], MASK=mask)
+            q,
+            k_cache,
+            block_table,
+            seq_lens,
+            scores,
+            scale * (1.5 if bug else 1.0),
+            q.stride(0),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            block_table.stride(0),
+            scores.stride(0),
+            PAGE=k_cache.shape[1],
+            HEAD_SIZE=q.shape[1],
+            MASK=mask,
+        )
+
     return launch
 
 
 @triton.jit
-def _attend_pages(acc, m_i, l_i, q, k_base, v_base, bt_row, seq_len, first_page, end_page, scale,
-                  stride_kb, stride_ks, PAGE: tl.constexpr, HEAD_SIZE: tl.constexpr, RESCALE: tl.constexpr):
+def _attend_pages(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    bt_row,
+    seq_len,
+    first_page,
+    end_page,
+    scale,
+    stride_kb,
+    stride_ks,
+    PAGE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    RESCALE: tl.constexpr,
+):
     """Online softmax of a [G, D] query tile over pages [first_page, end_page)."""
     rows = tl.arange(0, PAGE)
     dims = tl.arange(0, HEAD_SIZE)
@@ -146,9 +232,26 @@ def _attend_pages(acc, m_i, l_i, q, k_base, v_base, bt_row, seq_len, first_page,
 
 
 @triton.jit
-def _attention(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, scale, stride_qt, stride_qh,
-               stride_kb, stride_ks, stride_kh, stride_bt, G: tl.constexpr, PAGE: tl.constexpr,
-               HEAD_SIZE: tl.constexpr, RESCALE: tl.constexpr, INTERLEAVE: tl.constexpr):
+def _attention(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    G: tl.constexpr,
+    PAGE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    RESCALE: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+):
     """Puzzles 5 and 6: program (request, KV head); G = 1 is puzzle 5."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -159,9 +262,23 @@ def _attention(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, s
     q = tl.load(q_ptr + q_ptrs)
     seq_len = tl.load(seq_lens_ptr + req)
     acc, m_i, l_i = _attend_pages(
-        tl.zeros([G, HEAD_SIZE], tl.float32), tl.full([G], float("-inf"), tl.float32), tl.zeros([G], tl.float32),
-        q, k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_kh, bt_ptr + req * stride_bt, seq_len,
-        0, tl.cdiv(seq_len, PAGE), scale, stride_kb, stride_ks, PAGE, HEAD_SIZE, RESCALE)
+        tl.zeros([G, HEAD_SIZE], tl.float32),
+        tl.full([G], float("-inf"), tl.float32),
+        tl.zeros([G], tl.float32),
+        q,
+        k_cache_ptr + kv_head * stride_kh,
+        v_cache_ptr + kv_head * stride_kh,
+        bt_ptr + req * stride_bt,
+        seq_len,
+        0,
+        tl.cdiv(seq_len, PAGE),
+        scale,
+        stride_kb,
+        stride_ks,
+        PAGE,
+        HEAD_SIZE,
+        RESCALE,
+    )
     tl.store(out_ptr + q_ptrs, acc / l_i[:, None])
 
 
@@ -170,16 +287,46 @@ def _launch_attention(bug: bool, heads: bool) -> Callable[..., None]:
         if not heads:  # one head: view it as [R, 1, D] and [blocks, page, 1, D]
             q, out, k_cache, v_cache = q[:, None], out[:, None], k_cache[:, :, None], v_cache[:, :, None]
         kernel[(q.shape[0], k_cache.shape[2])](
-            q, k_cache, v_cache, block_table, seq_lens, out, scale, q.stride(0), q.stride(1), k_cache.stride(0),
-            k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
-            G=q.shape[1] // k_cache.shape[2], PAGE=k_cache.shape[1], HEAD_SIZE=q.shape[2],
-            RESCALE=heads or not bug, INTERLEAVE=heads and bug)
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            out,
+            scale,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            block_table.stride(0),
+            G=q.shape[1] // k_cache.shape[2],
+            PAGE=k_cache.shape[1],
+            HEAD_SIZE=q.shape[2],
+            RESCALE=heads or not bug,
+            INTERLEAVE=heads and bug,
+        )
+
     return launch
 
 
 @triton.jit
-def _split_partial(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, part_ptr, lse_ptr, scale, stride_bt,
-                   stride_kb, stride_ks, PAGE: tl.constexpr, HEAD_SIZE: tl.constexpr, GUARD: tl.constexpr):
+def _split_partial(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    part_ptr,
+    lse_ptr,
+    scale,
+    stride_bt,
+    stride_kb,
+    stride_ks,
+    PAGE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    GUARD: tl.constexpr,
+):
     req = tl.program_id(0)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -190,9 +337,23 @@ def _split_partial(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, part_p
     end = tl.minimum(first + per_split, tl.cdiv(seq_len, PAGE))
     q = tl.load(q_ptr + req * HEAD_SIZE + dims)[None, :]
     acc, m_i, l_i = _attend_pages(
-        tl.zeros([1, HEAD_SIZE], tl.float32), tl.full([1], float("-inf"), tl.float32), tl.zeros([1], tl.float32),
-        q, k_cache_ptr, v_cache_ptr, bt_ptr + req * stride_bt, seq_len, first, end, scale, stride_kb, stride_ks,
-        PAGE, HEAD_SIZE, True)
+        tl.zeros([1, HEAD_SIZE], tl.float32),
+        tl.full([1], float("-inf"), tl.float32),
+        tl.zeros([1], tl.float32),
+        q,
+        k_cache_ptr,
+        v_cache_ptr,
+        bt_ptr + req * stride_bt,
+        seq_len,
+        first,
+        end,
+        scale,
+        stride_kb,
+        stride_ks,
+        PAGE,
+        HEAD_SIZE,
+        True,
+    )
     l_safe = tl.where(l_i == 0.0, 1.0, l_i) if GUARD else l_i  # BUG without GUARD: 0 / 0 for an empty split
     row = req * num_splits + split
     tl.store(part_ptr + row * HEAD_SIZE + dims[None, :], acc / l_safe[:, None])
@@ -215,28 +376,63 @@ def _launch_split(bug: bool) -> Callable[..., None]:
     def launch(partial, merge, q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits):
         parts = torch.empty(q.shape[0] * num_splits, q.shape[1], device=q.device)
         lse = torch.empty(q.shape[0] * num_splits, device=q.device)
-        partial[(q.shape[0], num_splits)](q, k_cache, v_cache, block_table, seq_lens, parts, lse, scale,
-                                          block_table.stride(0), k_cache.stride(0), k_cache.stride(1),
-                                          PAGE=k_cache.shape[1], HEAD_SIZE=q.shape[1], GUARD=not bug)
-        merge[(q.shape[0],)](parts, lse, out, num_splits, SPLITS=triton.next_power_of_2(num_splits),
-                             HEAD_SIZE=q.shape[1])
+        partial[(q.shape[0], num_splits)](
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            parts,
+            lse,
+            scale,
+            block_table.stride(0),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            PAGE=k_cache.shape[1],
+            HEAD_SIZE=q.shape[1],
+            GUARD=not bug,
+        )
+        merge[(q.shape[0],)](
+            parts, lse, out, num_splits, SPLITS=triton.next_power_of_2(num_splits), HEAD_SIZE=q.shape[1]
+        )
+
     return launch
 
 
 PUZZLES: dict[str, tuple[Callable[..., CheckResult], Any, Callable[[bool], Callable[..., None]], str]] = {
     # name: (checker, kernel(s), launcher factory taking `bug`, what the wrong answer's message shows)
-    "block_table_row": (P.check_block_table_row, _slots, _launch_slots,
-                        "slots[0, 1] is 20 (that is the first slot of the block: add the offset"),
-    "scatter": (P.check_scatter_kernel, _scatter, lambda bug: _launch_scatter(3 if bug else 0),
-                "k_cache[0, 1, 0, 0] is 0 (slot 1, where token 1 writes)"),
+    "block_table_row": (
+        P.check_block_table_row,
+        _slots,
+        _launch_slots,
+        "slots[0, 1] is 20 (that is the first slot of the block: add the offset",
+    ),
+    "scatter": (
+        P.check_scatter_kernel,
+        _scatter,
+        lambda bug: _launch_scatter(3 if bug else 0),
+        "k_cache[0, 1, 0, 0] is 0 (slot 1, where token 1 writes)",
+    ),
     "page_scores": (P.check_page_scores, _scores, lambda bug: _launch_scores(False, bug), "scores[0, 0] is "),
-    "masked_scores": (P.check_masked_scores, _scores, lambda bug: _launch_scores(0 if bug else 1),
-                      "(position 5 is past seq_len 5: it must score -inf)"),
+    "masked_scores": (
+        P.check_masked_scores,
+        _scores,
+        lambda bug: _launch_scores(0 if bug else 1),
+        "(position 5 is past seq_len 5: it must score -inf)",
+    ),
     "online_softmax": (P.check_online_softmax, _attention, lambda bug: _launch_attention(bug, False), "out[1, "),
-    "gqa": (P.check_gqa_attention, _attention, lambda bug: _launch_attention(bug, True),
-            "out[0, 1, 0] is 0.4449 (that is query head 1 attending to KV head 1 % 2 = 1: query head h reads KV head"),
-    "split_kv": (P.check_split_kv, (_split_partial, _split_merge), _launch_split,
-                 "is nan (never written, or a 0 / 0 or -inf - (-inf) on the way; a split with no pages has l = 0)"),
+    "gqa": (
+        P.check_gqa_attention,
+        _attention,
+        lambda bug: _launch_attention(bug, True),
+        "out[0, 1, 0] is 0.4449 (that is query head 1 attending to KV head 1 % 2 = 1: query head h reads KV head",
+    ),
+    "split_kv": (
+        P.check_split_kv,
+        (_split_partial, _split_merge),
+        _launch_split,
+        "is nan (never written, or a 0 / 0 or -inf - (-inf) on the way; a split with no pages has l = 0)",
+    ),
 }
 
 
@@ -257,7 +453,9 @@ def test_puzzle_checker_accepts_right_and_names_the_rule_a_wrong_entry_breaks(
     """A wrong kernel's message names the entry, its value and the rule, not the expected value;
     the third wrong try offers reveal(), which works that entry out (the expected value included)."""
     if name == "scatter" and not INTERPRETED:
-        pytest.skip("the wrong scatter's entry depends on which program stores last: in order only under the interpreter")
+        pytest.skip(
+            "the wrong scatter's entry depends on which program stores last: in order only under the interpreter"
+        )
     _, kernels, make_launch, wrong_text = PUZZLES[name]
     right = _check(name, kernels, make_launch(False))
     assert right.ok and repr(right).startswith(PASS_MARK), right.message
@@ -274,7 +472,7 @@ def test_puzzle_checker_accepts_right_and_names_the_rule_a_wrong_entry_breaks(
     expected = re.findall(r"(-?\d[\d.]*(?:e-?\d+)?|-inf)\.?$", worked.strip())
     assert expected and expected[-1] != entry.group(3), worked
     if expected[-1] not in ("0", "-1", "-inf"):  # those are rules ("stays 0", "gets -1"), not a secret
-        told = wrong.message.splitlines()[0][entry.end():]  # what the message says of the entry (not the case)
+        told = wrong.message.splitlines()[0][entry.end() :]  # what the message says of the entry (not the case)
         assert not re.search(rf"(?<![\d.]){re.escape(expected[-1])}(?![\d])", told)
 
 
@@ -283,8 +481,13 @@ def test_reveal_works_out_the_failing_entry_step_by_step(capsys: pytest.CaptureF
     for _ in range(3):
         wrong = _check("block_table_row", _slots, _launch_slots(True))
     assert "slots[0, 1] is 20" in wrong.message and "21" not in wrong.message.split("slots[0, 1]")[1]
-    assert _revealed(capsys).strip().endswith(
-        "request 0, position 1: page 1 // 4 = 0, block_table[0, 0] = 5, offset 1 % 4 = 1; slot = 5 * 4 + 1 = 21.")
+    assert (
+        _revealed(capsys)
+        .strip()
+        .endswith(
+            "request 0, position 1: page 1 // 4 = 0, block_table[0, 0] = 5, offset 1 % 4 = 1; slot = 5 * 4 + 1 = 21."
+        )
+    )
     assert _check("split_kv", (_split_partial, _split_merge), _launch_split(False)).ok
     for _ in range(3):
         _check("split_kv", (_split_partial, _split_merge), _launch_split(True))
@@ -311,8 +514,21 @@ def test_a_kernel_that_calls_pagedkvs_kernel_inside_is_refused() -> None:
     import pagedkv.kernels.reshape_and_cache as own_module
 
     @triton.jit
-    def wraps(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t, stride_b, stride_s, stride_h,
-              block_size, HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BUG: tl.constexpr):
+    def wraps(
+        key_ptr,
+        value_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_ptr,
+        stride_t,
+        stride_b,
+        stride_s,
+        stride_h,
+        block_size,
+        HEADS: tl.constexpr,
+        HEAD_SIZE: tl.constexpr,
+        BUG: tl.constexpr,
+    ):
         _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr)
 
     @triton.jit
@@ -320,14 +536,32 @@ def test_a_kernel_that_calls_pagedkvs_kernel_inside_is_refused() -> None:
         own_module._reshape_and_cache_kernel(key_ptr)
 
     @triton.jit
-    def through_helper(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t, stride_b, stride_s,
-                       stride_h, block_size, HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BUG: tl.constexpr):
+    def through_helper(
+        key_ptr,
+        value_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_ptr,
+        stride_t,
+        stride_b,
+        stride_s,
+        stride_h,
+        block_size,
+        HEADS: tl.constexpr,
+        HEAD_SIZE: tl.constexpr,
+        BUG: tl.constexpr,
+    ):
         helper(key_ptr)
 
-    assert_rejected(P.check_scatter_kernel(wraps, _launch_scatter(0)),
-                    "wraps calls _reshape_and_cache_kernel (from pagedkv.kernels.reshape_and_cache)")
-    assert_rejected(P.check_scatter_kernel(through_helper, _launch_scatter(0)),
-                    "through_helper calls ", "(from pagedkv.kernels.reshape_and_cache)")
+    assert_rejected(
+        P.check_scatter_kernel(wraps, _launch_scatter(0)),
+        "wraps calls _reshape_and_cache_kernel (from pagedkv.kernels.reshape_and_cache)",
+    )
+    assert_rejected(
+        P.check_scatter_kernel(through_helper, _launch_scatter(0)),
+        "through_helper calls ",
+        "(from pagedkv.kernels.reshape_and_cache)",
+    )
 
 
 def test_split_kv_checker_wants_both_kernels() -> None:
@@ -335,6 +569,7 @@ def test_split_kv_checker_wants_both_kernels() -> None:
 
 
 # --- answers that fooled the checker (issue 32), and other ways around the kernel ----------------
+
 
 @triton.jit
 def _copy(src_ptr, dst_ptr, N, BLOCK: tl.constexpr):
@@ -361,6 +596,7 @@ def _copy_launch(compute: Callable[..., torch.Tensor]) -> Callable[..., None]:
     def launch(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
         answer = compute(q, k_cache, v_cache, block_table, seq_lens, scale).contiguous()
         _launch_copy(kernel, answer, out)
+
     return launch
 
 
@@ -382,6 +618,7 @@ def test_a_launcher_that_launches_a_kernel_it_was_not_given_is_refused() -> None
 
 def test_a_launcher_that_allocates_views_copies_and_sizes_its_grid_passes() -> None:
     """What a launcher may do: views, copies, its own buffers, the longest sequence for a grid."""
+
     def launch(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
         assert int(seq_lens.max()) > 0
         q = q.clone().float()[:, :]
@@ -439,13 +676,27 @@ def _gqa_in_torch(q, k_cache, v_cache, block_table, seq_lens, out, scale):
 IN_TORCH = {  # puzzle: (checker, kernels it takes, the launcher's arguments -> the answer in torch, output index)
     "block_table_row": (P.check_block_table_row, 1, _slots_in_torch, 2),
     "page_scores": (P.check_page_scores, 1, _scores_in_torch, 4),
-    "masked_scores": (P.check_masked_scores, 1, lambda q, k, bt, lens, scores, scale: torch.where(
-        torch.arange(scores.shape[1]) < lens[:, None], _scores_in_torch(q, k, bt, lens, scores, scale), -torch.inf), 4),
-    "online_softmax": (P.check_online_softmax, 1, lambda q, k, v, bt, lens, out, scale:
-                       _attention_in_torch(q, k, v, bt, lens, scale), 5),
+    "masked_scores": (
+        P.check_masked_scores,
+        1,
+        lambda q, k, bt, lens, scores, scale: torch.where(
+            torch.arange(scores.shape[1]) < lens[:, None], _scores_in_torch(q, k, bt, lens, scores, scale), -torch.inf
+        ),
+        4,
+    ),
+    "online_softmax": (
+        P.check_online_softmax,
+        1,
+        lambda q, k, v, bt, lens, out, scale: _attention_in_torch(q, k, v, bt, lens, scale),
+        5,
+    ),
     "gqa": (P.check_gqa_attention, 1, _gqa_in_torch, 5),
-    "split_kv": (P.check_split_kv, 2, lambda q, k, v, bt, lens, out, scale, splits:
-                 _attention_in_torch(q, k, v, bt, lens, scale), 5),
+    "split_kv": (
+        P.check_split_kv,
+        2,
+        lambda q, k, v, bt, lens, out, scale, splits: _attention_in_torch(q, k, v, bt, lens, scale),
+        5,
+    ),
 }
 
 
@@ -492,8 +743,16 @@ def test_reading_values_into_python_or_writing_the_outputs_is_refused() -> None:
 
     def from_python(kernel, block_table, seq_lens, slots, page_size):
         table, lens = block_table.tolist(), seq_lens.tolist()  # tolist runs no aten op ...
-        answer = torch.tensor([[table[r][p // page_size] * page_size + p % page_size if p < lens[r] else -1
-                                for p in range(slots.shape[1])] for r in range(len(lens))], dtype=torch.int32)
+        answer = torch.tensor(
+            [
+                [
+                    table[r][p // page_size] * page_size + p % page_size if p < lens[r] else -1
+                    for p in range(slots.shape[1])
+                ]
+                for r in range(len(lens))
+            ],
+            dtype=torch.int32,
+        )
         _launch_copy(kernel, answer, slots)  # ... but making a tensor of the result does
 
     def writes_output(kernel, block_table, seq_lens, slots, page_size):
@@ -501,8 +760,9 @@ def test_reading_values_into_python_or_writing_the_outputs_is_refused() -> None:
         slots[:, -1] = -1
 
     assert_rejected(P.check_scatter_kernel(_scatter, through_numpy), "(aten.detach)")
-    assert_rejected(P.check_block_table_row(_copy, from_python), "makes a tensor from Python values",
-                    "(aten.lift_fresh)")
+    assert_rejected(
+        P.check_block_table_row(_copy, from_python), "makes a tensor from Python values", "(aten.lift_fresh)"
+    )
     assert_rejected(P.check_block_table_row(_slots, writes_output), "the launcher")
     assert "(aten.lift_fresh)" in P.check_block_table_row(_slots, writes_output).message  # the -1 itself
 
@@ -510,13 +770,15 @@ def test_reading_values_into_python_or_writing_the_outputs_is_refused() -> None:
         _launch_slots(False)(kernel, block_table, seq_lens, slots, page_size)
         slots.copy_(slots.clone())
 
-    assert_rejected(P.check_block_table_row(_slots, copies_into_output),
-                    "writes into its output slots itself (aten.copy_)")
+    assert_rejected(
+        P.check_block_table_row(_slots, copies_into_output), "writes into its output slots itself (aten.copy_)"
+    )
 
 
 def test_a_scatter_done_by_copies_in_the_launcher_is_refused() -> None:
     """The scatter needs no math: the launcher could move each token's row into a buffer laid out
     like the cache (slots read with tolist, which runs no aten op) and have a kernel copy it over."""
+
     def launch(kernel, key, value, k_cache, v_cache, slots):
         staged = torch.zeros(2, *k_cache.shape)
         for t, slot in enumerate(slots.tolist()):
@@ -531,6 +793,7 @@ def test_a_scatter_done_by_copies_in_the_launcher_is_refused() -> None:
 def test_python_math_passed_as_launch_arguments_is_refused() -> None:
     """Values worked out in Python (tolist runs no aten op) reach the output only through scalar
     launch arguments, one launch per entry: a kernel is launched once, with a grid."""
+
     @triton.jit
     def store(dst_ptr, index, value):
         tl.store(dst_ptr + index, value)
@@ -548,6 +811,7 @@ def test_python_math_passed_as_launch_arguments_is_refused() -> None:
 @interpreter_only
 def test_a_kernel_that_calls_torch_is_refused() -> None:
     """Under the interpreter a kernel body is Python and could call torch; on a GPU it would not compile."""
+
     @triton.jit
     def cheats(src_ptr, dst_ptr, N: tl.constexpr):
         torch.zeros(N).exp()
@@ -564,8 +828,16 @@ def test_a_launcher_that_calls_pagedkv_or_reads_the_checkers_frames_is_refused()
 
     def package(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
         n = seq_lens.tolist()
-        paged_attention_reference(q[:, None], k_cache[:, :, None], v_cache[:, :, None], out[:, None],
-                                  list(range(len(n) + 1)), n, block_table, scale)
+        paged_attention_reference(
+            q[:, None],
+            k_cache[:, :, None],
+            v_cache[:, :, None],
+            out[:, None],
+            list(range(len(n) + 1)),
+            n,
+            block_table,
+            scale,
+        )
         _launch_copy(kernel, out, out)
 
     def package_on_a_thread(*args):
@@ -605,11 +877,18 @@ def test_triton_interpreter_runs_torch_ops_while_launching_and_they_are_allowed(
 def test_a_launcher_that_writes_the_answer_around_torch_is_caught_by_the_idle_run() -> None:
     """A write through the tensor's address (ctypes) runs no aten op and escapes the dispatch mode;
     running the launcher once more with launches that do nothing catches it."""
+
     def launch(kernel, block_table, seq_lens, slots, page_size):
         _launch_slots(False)(kernel, block_table, seq_lens, slots, page_size)
         table, lens = block_table.tolist(), seq_lens.tolist()
-        answer = array.array("i", [table[r][p // page_size] * page_size + p % page_size if p < n else -1
-                                   for r, n in enumerate(lens) for p in range(slots.shape[1])])
+        answer = array.array(
+            "i",
+            [
+                table[r][p // page_size] * page_size + p % page_size if p < n else -1
+                for r, n in enumerate(lens)
+                for p in range(slots.shape[1])
+            ],
+        )
         ctypes.memmove(slots.data_ptr(), answer.buffer_info()[0], slots.numel() * 4)
 
     assert_rejected(P.check_block_table_row(_slots, launch), "gets the right answer without running the kernel")
@@ -621,8 +900,11 @@ def test_right_values_with_loads_of_keys_the_request_does_not_own_fail_the_memor
     the right values even when the kernel loads the rows past seq_len (another request's keys, or
     the null block's); the memory check names the program and the row."""
     result = P.check_masked_scores(_scores, _launch_scores(2))
-    assert_rejected(result, "the right values, but _scores program (0, 1)",
-                    "of k_cache that holds no key of the program's request (mask the loads past seq_len)")
+    assert_rejected(
+        result,
+        "the right values, but _scores program (0, 1)",
+        "of k_cache that holds no key of the program's request (mask the loads past seq_len)",
+    )
     assert "Hint: a kernel loads only what its program needs" in result.message
     assert result.reveal is not None
     assert "Every memory rule the kernel broke:\n_scores program (0, 1)" in result.reveal()
@@ -639,19 +921,36 @@ def test_two_programs_storing_one_entry_fail_the_memory_check() -> None:
 def test_a_launcher_with_the_first_cases_sizes_written_in_fails_a_later_case() -> None:
     """Each puzzle's later cases have other page and head sizes than its first (4 and 16), so a
     launcher that writes those numbers in instead of reading them from the tensors is caught."""
+
     def fixed_slots(kernel, block_table, seq_lens, slots, page_size):
         _launch_slots(False)(kernel, block_table, seq_lens, slots, 4)
 
     def fixed_scores(kernel, q, k_cache, block_table, seq_lens, scores, scale):
         kernel[(q.shape[0], block_table.shape[1])](
-            q, k_cache, block_table, seq_lens, scores, scale, q.stride(0), k_cache.stride(0), k_cache.stride(1),
-            block_table.stride(0), scores.stride(0), PAGE=4, HEAD_SIZE=16, MASK=1)
+            q,
+            k_cache,
+            block_table,
+            seq_lens,
+            scores,
+            scale,
+            q.stride(0),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            block_table.stride(0),
+            scores.stride(0),
+            PAGE=4,
+            HEAD_SIZE=16,
+            MASK=1,
+        )
 
     def fixed_scale(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
         _launch_attention(False, False)(kernel, q, k_cache, v_cache, block_table, seq_lens, out, 16**-0.5)
 
-    for result in (P.check_block_table_row(_slots, fixed_slots), P.check_masked_scores(_scores, fixed_scores),
-                   P.check_online_softmax(_attention, fixed_scale)):
+    for result in (
+        P.check_block_table_row(_slots, fixed_slots),
+        P.check_masked_scores(_scores, fixed_scores),
+        P.check_online_softmax(_attention, fixed_scale),
+    ):
         assert_rejected(result, "page size 8, head size 32")
 
 
@@ -660,9 +959,10 @@ def test_a_write_before_the_cache_is_caught_in_a_guard_block() -> None:
     """That write used to land in memory the cache does not own (the checker's process later
     aborted in free()). The recorder drops a store outside every tensor and names it; without the
     interpreter, the guard blocks around the caches catch it."""
-    assert_rejected(P.check_scatter_kernel(_scatter, _launch_scatter(2)),
-                    "program 2: stored 16 elements outside every tensor it was given: 16 elements before the start "
-                    "of k_cache")
+    assert_rejected(
+        P.check_scatter_kernel(_scatter, _launch_scatter(2)),
+        "program 2: stored 16 elements outside every tensor it was given: 16 elements before the start of k_cache",
+    )
 
 
 def test_a_failing_launch_is_reported_in_one_line() -> None:
@@ -675,6 +975,7 @@ def test_a_failing_launch_is_reported_in_one_line() -> None:
 
 
 # --- the notebook's cells ---------------------------------------------------------------------
+
 
 def _tagged_cells(tag: str) -> list[str]:
     cells = json.loads(NOTEBOOK.read_text())["cells"]
@@ -699,8 +1000,9 @@ def _run_fresh(scripts: list[str], tmp_path: Path) -> subprocess.CompletedProces
     runner = "import runpy, sys\nfor path in sys.argv[1:]:\n    runpy.run_path(path)\n"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-c", runner, *map(str, paths)], env=env, capture_output=True,
-                          text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-c", runner, *map(str, paths)], env=env, capture_output=True, text=True, timeout=240
+    )
 
 
 def test_each_worked_solution_passes_its_check_in_a_fresh_interpreter(tmp_path: Path) -> None:
@@ -725,7 +1027,7 @@ def test_no_worked_solution_runs_on_run_all() -> None:
     code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
     for solution in _solutions():
         first_def = next(line for line in solution.splitlines() if line.startswith("def "))
-        body = solution[solution.index(first_def) + len(first_def):].split("\n\n")[0]
+        body = solution[solution.index(first_def) + len(first_def) :].split("\n\n")[0]
         assert body not in code  # the solution's kernel body appears in no code cell
     exercises = [c for c in cells if "exercise" in c["metadata"].get("tags", [])]
     assert PASS_MARK not in "".join("".join(o.get("text", "")) for c in exercises for o in c.get("outputs", []))
@@ -748,8 +1050,12 @@ def test_without_triton_the_first_cell_says_what_to_install_and_the_source_cells
         "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
         "sys.meta_path.insert(0, NoTriton())\n"
     )
-    cell_1 = no_triton + "try:\n" + "".join("    " + line + "\n" for line in first.splitlines()) + (
-        "except ModuleNotFoundError as exc:\n    print('raised:', exc)\n")
+    cell_1 = (
+        no_triton
+        + "try:\n"
+        + "".join("    " + line + "\n" for line in first.splitlines())
+        + ("except ModuleNotFoundError as exc:\n    print('raised:', exc)\n")
+    )
     shown_as_text = (  # IPython stood in for by a module whose display prints the listing's HTML
         "import sys, types\n"
         "shown = types.ModuleType('IPython.display')\n"

@@ -69,7 +69,8 @@ def test_a_copy_kernel_records_exactly_its_loads_and_stores() -> None:
     got = [(a.kind, a.program, a.tensor, a.offsets.tolist(), a.inside, a.op) for a in run.accesses]
     assert got == [
         (kind, (row, 0, 0), name, list(range(4 * row, 4 * row + 4)), True, op)
-        for row in range(3) for op, (kind, name) in enumerate([("load", "src"), ("store", "dst")])
+        for row in range(3)
+        for op, (kind, name) in enumerate([("load", "src"), ("store", "dst")])
     ]
     assert log.touched("src", "load").all() and not log.touched("src", "store").any()
     assert log.touched("dst", "store", program=(1, 0, 0)).tolist() == [[False] * 4, [True] * 4, [False] * 4]
@@ -89,7 +90,8 @@ def test_a_load_one_past_the_end_is_flagged() -> None:
     outside = [a for a in log.launches[0].accesses if not a.inside]
     # row 0's fifth lane lands on src[1, 0] (inside); row 1's lands past the end of src and of dst
     assert [(a.kind, a.program, a.tensor, a.offsets.tolist()) for a in outside] == [
-        ("load", (1, 0, 0), "src", [8]), ("store", (1, 0, 0), "dst", [8]),
+        ("load", (1, 0, 0), "src", [8]),
+        ("store", (1, 0, 0), "dst", [8]),
     ]
     problems = log.problems(reads=["src"], writes=["dst"])
     assert problems[:2] == [
@@ -99,8 +101,10 @@ def test_a_load_one_past_the_end_is_flagged() -> None:
         "(dst has 8 elements; the furthest is 1 past its last)",
     ]
     # program 0 stored into dst[1, 0], which program 1 stores too: a race on a GPU
-    assert problems[2:] == ["copy_rows: dst[1, 0] stored by program 0 and program 1 (programs run in parallel "
-                            "on a GPU: which store lands last is not defined)"]
+    assert problems[2:] == [
+        "copy_rows: dst[1, 0] stored by program 0 and program 1 (programs run in parallel "
+        "on a GPU: which store lands last is not defined)"
+    ]
 
 
 def test_a_row_never_written_is_flagged() -> None:
@@ -111,8 +115,9 @@ def test_a_row_never_written_is_flagged() -> None:
         "dst: 1 of 3 rows never written (dst[1]): no program stored to them"
     ]
     partly = log.problems(reads=["src"], writes=["dst"], rows_written={"dst": 2})
-    assert partly == ["dst: 4 of 12 rows never written (dst[1, 0], dst[1, 1], dst[1, 2], dst[1, 3]): "
-                      "no program stored to them"]
+    assert partly == [
+        "dst: 4 of 12 rows never written (dst[1, 0], dst[1, 1], dst[1, 2], dst[1, 3]): no program stored to them"
+    ]
     assert log.problems(writes=["dst"], rows_written={"dst": 0}) == [
         "copy_skipping_row_1 program 0 (and 1 more program: 2): loaded 4 elements of src (first src[0, 0]), "
         "which it may not read (it may read no tensor)",
@@ -127,14 +132,21 @@ def test_tensors_the_caller_did_not_name_and_allowed_elements() -> None:
     assert log.launches[0].args == {"src_ptr": "src_ptr", "dst_ptr": "dst"}
     assert log.tensors["src_ptr"].shape == (2, 4)
     assert log.problems(reads=["src_ptr"], writes=["dst"], races=False) == []
-    row_0_only = log.problems(reads=["src_ptr"], writes=["dst"], races=False,
-                              allowed={"src_ptr": [0, 1, 2, 3]}, reasons={"src_ptr": "in a row of another program"})
-    assert row_0_only == ["sum_into_first program 1: loaded 4 elements of src_ptr in a row of another program "
-                          "(first src_ptr[1, 0])"]
+    row_0_only = log.problems(
+        reads=["src_ptr"],
+        writes=["dst"],
+        races=False,
+        allowed={"src_ptr": [0, 1, 2, 3]},
+        reasons={"src_ptr": "in a row of another program"},
+    )
+    assert row_0_only == [
+        "sum_into_first program 1: loaded 4 elements of src_ptr in a row of another program (first src_ptr[1, 0])"
+    ]
     per_program = {"src_ptr": lambda program: torch.arange(8).view(2, 4) // 4 == program[0]}
     assert log.problems(reads=["src_ptr"], writes=["dst"], races=False, allowed=per_program) == []
-    assert log.problems(reads=["src_ptr"], writes=["dst"])[0].startswith("sum_into_first: dst[0] stored by program 0 "
-                                                                         "and program 1")
+    assert log.problems(reads=["src_ptr"], writes=["dst"])[0].startswith(
+        "sum_into_first: dst[0] stored by program 0 and program 1"
+    )
     assert log.problems(writes=["dst"], races=False, scratch=True) == []  # src_ptr: the launcher's own tensor
     with pytest.raises(KeyError, match="'src', which record_accesses was not given"):
         log.problems(reads=["src"])
@@ -167,9 +179,15 @@ def test_atomics_are_loads_and_stores_and_do_not_race() -> None:
 
 def _patched_state() -> list[object]:
     builder, executor = interpreter.InterpreterBuilder, interpreter.GridExecutor
-    return [builder.create_masked_load, builder.create_masked_store, builder.create_atomic_rmw,
-            builder.create_atomic_cas, builder.set_grid_dim, executor._init_args_hst,
-            triton.runtime.jit.JITFunction.run]
+    return [
+        builder.create_masked_load,
+        builder.create_masked_store,
+        builder.create_atomic_rmw,
+        builder.create_atomic_cas,
+        builder.set_grid_dim,
+        executor._init_args_hst,
+        triton.runtime.jit.JITFunction.run,
+    ]
 
 
 @pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])

@@ -54,8 +54,9 @@ def test_wrong_sizes_name_the_rule_not_the_size() -> None:
     assert_rejected(doubled, "fn(27, 512, 64, ", "ONE latent row per token")
     case = [int(n) for n in re.findall(r"\d+", doubled.message.split(" = ")[0])]
     assert str(right_bytes(*case)) not in doubled.message and f"{right_bytes(*case):,}" not in doubled.message
-    assert_rejected(mla.check_mla_cache_bytes(lambda layers, rank, rope, tokens: layers * tokens * rank * 2),
-                    "also holds k_pe")
+    assert_rejected(
+        mla.check_mla_cache_bytes(lambda layers, rank, rope, tokens: layers * tokens * rank * 2), "also holds k_pe"
+    )
     assert_rejected(mla.check_mla_cache_bytes(lambda *a: 0), "one row of kv_lora_rank + qk_rope_head_dim")
 
 
@@ -82,20 +83,23 @@ def test_wrong_queries_name_the_rule() -> None:
         return torch.cat([torch.einsum("thn,hnl->thl", q[..., :nope], w_uk), q[..., nope:]], dim=-1)
 
     assert_rejected(mla.check_absorbed_query(all_uk_first), "head after head, W_UK[h]")
+
     def pe_first(q: torch.Tensor, w: torch.Tensor, nope: int) -> torch.Tensor:  # [q_pe | ql_nope]
         right = right_query(q, w, nope)
-        return torch.cat([right[..., w.shape[1]:], right[..., : w.shape[1]]], dim=-1)
+        return torch.cat([right[..., w.shape[1] :], right[..., : w.shape[1]]], dim=-1)
 
     assert not mla.check_absorbed_query(pe_first)
 
     def rope_dropped_to_zero(q: torch.Tensor, w: torch.Tensor, nope: int) -> torch.Tensor:
         right = right_query(q, w, nope)
-        right[..., w.shape[1]:] = 0
+        right[..., w.shape[1] :] = 0
         return right
 
     assert_rejected(mla.check_absorbed_query(rope_dropped_to_zero), "stays q_pe")
-    assert_rejected(mla.check_absorbed_query(lambda q, w, nope: right_query(q, w, nope)[..., : w.shape[1]]),
-                    "kv_lora_rank + qk_rope_head_dim")
+    assert_rejected(
+        mla.check_absorbed_query(lambda q, w, nope: right_query(q, w, nope)[..., : w.shape[1]]),
+        "kv_lora_rank + qk_rope_head_dim",
+    )
     rounded = mla.check_absorbed_query(lambda q, w, nope: right_query(q, w, nope).float())
     assert_rejected(rounded, "returned torch.float32", "dtype=q.dtype")
 
@@ -112,8 +116,10 @@ def test_the_package_fails_however_it_is_called() -> None:
         return MLAAttentionSpec(1, 1, rank + rope, torch.bfloat16).page_size_bytes * tokens * layers
 
     assert_rejected(mla.check_mla_cache_bytes(by_spec), "calls MLAAttentionSpec.page_size_bytes")
-    assert_rejected(mla.check_mla_cache_bytes(lambda *a: ThreadPoolExecutor().submit(by_spec, *a).result()),
-                    "calls MLAAttentionSpec.page_size_bytes")
+    assert_rejected(
+        mla.check_mla_cache_bytes(lambda *a: ThreadPoolExecutor().submit(by_spec, *a).result()),
+        "calls MLAAttentionSpec.page_size_bytes",
+    )
 
     assert_rejected(mla.check_decode_split(split_decodes_and_prefills), "pagedkv's own split_decodes_and_prefills")
 
@@ -126,15 +132,18 @@ def test_the_package_fails_however_it_is_called() -> None:
     def by_impl(q: torch.Tensor, w: torch.Tensor, nope: int) -> torch.Tensor:
         from pagedkv.attention.mla.common import MLACommonImpl
 
-        dims = SimpleNamespace(qk_nope_head_dim=nope, v_head_dim=w.shape[0] // q.shape[1] - nope,
-                               kv_lora_rank=w.shape[1])
+        dims = SimpleNamespace(
+            qk_nope_head_dim=nope, v_head_dim=w.shape[0] // q.shape[1] - nope, kv_lora_rank=w.shape[1]
+        )
         impl = SimpleNamespace(mla_dims=dims, num_heads=q.shape[1])
         MLACommonImpl.process_weights_after_loading(impl, w)  # type: ignore[arg-type]
         return torch.cat([torch.einsum("thn,hnl->thl", q[..., :nope], impl.W_UK), q[..., nope:]], dim=-1)
 
     assert_rejected(mla.check_absorbed_query(by_impl), "calls MLACommonImpl.process_weights_after_loading")
-    assert_rejected(mla.check_absorbed_query(lambda *a: ThreadPoolExecutor().submit(by_impl, *a).result()),
-                    "calls MLACommonImpl.process_weights_after_loading")
+    assert_rejected(
+        mla.check_absorbed_query(lambda *a: ThreadPoolExecutor().submit(by_impl, *a).result()),
+        "calls MLACommonImpl.process_weights_after_loading",
+    )
 
 
 def test_reading_the_checkers_frames_fails() -> None:
@@ -142,10 +151,14 @@ def test_reading_the_checkers_frames_fails() -> None:
         return sys._getframe(1).f_locals.get("expected", right_split(lens))
 
     assert_rejected(mla.check_decode_split(peek), "reading the checker's frames")
-    assert_rejected(mla.check_mla_cache_bytes(lambda *a: sys._getframe(1).f_locals.get("expected", 0)),
-                    "reading the checker's frames")
-    assert_rejected(mla.check_absorbed_query(lambda q, w, n: sys._getframe(1).f_locals.get("want", q)),
-                    "reading the checker's frames")
+    assert_rejected(
+        mla.check_mla_cache_bytes(lambda *a: sys._getframe(1).f_locals.get("expected", 0)),
+        "reading the checker's frames",
+    )
+    assert_rejected(
+        mla.check_absorbed_query(lambda q, w, n: sys._getframe(1).f_locals.get("want", q)),
+        "reading the checker's frames",
+    )
 
 
 def test_form_of_the_answer() -> None:
@@ -190,8 +203,9 @@ def test_reveal_works_out_the_size_and_the_query(capsys: pytest.CaptureFixture[s
 def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
     """Each worked solution sits in a collapsed markdown cell (Run All does not execute it) and passes its
     checker; no saved output of the notebook shows a pass mark, so a pass on screen is the student's own."""
-    checkers = {name: getattr(mla, name) for name in ("check_absorbed_query", "check_mla_cache_bytes",
-                                                      "check_decode_split")}
+    checkers = {
+        name: getattr(mla, name) for name in ("check_absorbed_query", "check_mla_cache_bytes", "check_decode_split")
+    }
     assert_worked_solutions_pass("11_mla.ipynb", 3, {"torch": torch, **checkers})
 
 
@@ -209,6 +223,7 @@ def test_values_that_equal_anything_fail() -> None:
 
     def any_tensor(q: torch.Tensor, w: torch.Tensor, nope: int) -> torch.Tensor:
         return torch.zeros(q.shape[0], q.shape[1], w.shape[1] + q.shape[2] - nope, dtype=q.dtype).as_subclass(
-            AlwaysClose)
+            AlwaysClose
+        )
 
     assert_rejected(mla.check_absorbed_query(any_tensor), "return a tensor")

@@ -30,6 +30,7 @@ def right_layout(hq: int, hkv: int, tp: int) -> tuple[int, int, int] | None:
 
 def reads_frames(fallback):  # noqa: ANN001, ANN201
     """An answer that looks up the stack for a checker's answer, else computes a (wrong) one."""
+
     def answer(*args: int) -> object:
         frame = sys._getframe(1)
         while frame is not None:
@@ -38,13 +39,17 @@ def reads_frames(fallback):  # noqa: ANN001, ANN201
                     return frame.f_locals[key]
             frame = frame.f_back
         return fallback(*args)
+
     return answer
 
 
 def test_the_right_answers_agree_with_the_package_where_it_answers() -> None:
     rng = random.Random(0)
-    made_up = [model_file._geometry(rng, kind) for kind in ("partitioned", "replicated", "uneven q", "uneven kv")
-               for _ in range(50)]
+    made_up = [
+        model_file._geometry(rng, kind)
+        for kind in ("partitioned", "replicated", "uneven q", "uneven kv")
+        for _ in range(50)
+    ]
     for hq, hkv, tp in [(hq, hkv, tp) for hq, hkv in MODEL_HEADS for tp in TP_SIZES] + made_up:
         try:
             layout = head_layout(hq, hkv, tp)
@@ -66,16 +71,19 @@ def test_qkv_width_passes_a_right_answer() -> None:
     assert "(7 + 2 x 1) heads x 128" in result.message  # Qwen2-7B at tp_size 4, worked by hand: 1152
 
 
-@pytest.mark.parametrize(("wrong", "phrases"), [
-    (lambda h, hq, hkv, d, tp: (hq + 2 * hkv) * d, ("fn(3584, 28, 4, 128, 4)", "whole model")),
-    (lambda h, hq, hkv, d, tp: 3 * (hq // tp) * d, ("fn(3584, 28, 4, 128, 4)", "own K and V")),
-    (lambda h, hq, hkv, d, tp: (hq // tp) * d, ("fn(3584, 28, 4, 128, 4)", "only the query part")),
-    # Right for Qwen2-7B (4 KV heads over 4 ranks), wrong once KV heads are replicated: a fixed case.
-    (lambda h, hq, hkv, d, tp: (hq // tp + 2 * (hkv // tp)) * d, ("fn(4096, 64, 8, 128, 16)", "replicated")),
-    (lambda h, hq, hkv, d, tp: (hq + 2 * hkv) * d // tp, ("fn(4096, 64, 8, 128, 16)", "never cut")),
-    (lambda h, hq, hkv, d, tp: 1152, ("fn(4096, 64, 8, 128, 16)", "is not it")),  # the notebook's number typed in
-    (lambda h, hq, hkv, d, tp: "many", ("fn(3584, 28, 4, 128, 4)", "an int")),
-])
+@pytest.mark.parametrize(
+    ("wrong", "phrases"),
+    [
+        (lambda h, hq, hkv, d, tp: (hq + 2 * hkv) * d, ("fn(3584, 28, 4, 128, 4)", "whole model")),
+        (lambda h, hq, hkv, d, tp: 3 * (hq // tp) * d, ("fn(3584, 28, 4, 128, 4)", "own K and V")),
+        (lambda h, hq, hkv, d, tp: (hq // tp) * d, ("fn(3584, 28, 4, 128, 4)", "only the query part")),
+        # Right for Qwen2-7B (4 KV heads over 4 ranks), wrong once KV heads are replicated: a fixed case.
+        (lambda h, hq, hkv, d, tp: (hq // tp + 2 * (hkv // tp)) * d, ("fn(4096, 64, 8, 128, 16)", "replicated")),
+        (lambda h, hq, hkv, d, tp: (hq + 2 * hkv) * d // tp, ("fn(4096, 64, 8, 128, 16)", "never cut")),
+        (lambda h, hq, hkv, d, tp: 1152, ("fn(4096, 64, 8, 128, 16)", "is not it")),  # the notebook's number typed in
+        (lambda h, hq, hkv, d, tp: "many", ("fn(3584, 28, 4, 128, 4)", "an int")),
+    ],
+)
 def test_qkv_width_names_the_mistake_not_the_answer(wrong, phrases: tuple[str, ...]) -> None:
     result = check_qkv_width(wrong, num_hidden=0)
     assert_rejected(result, *phrases)
@@ -123,15 +131,18 @@ def test_head_layout_passes_a_right_answer() -> None:
     assert result, result.message
 
 
-@pytest.mark.parametrize(("wrong", "phrases"), [
-    (lambda hq, hkv, tp: (hq // tp, hkv // tp, 1), ("KV heads per rank 0 is not it", "fraction of a head")),
-    (lambda hq, hkv, tp: (hq // tp, max(hkv // tp, 1), 1), ("replicas of each KV head 1 is not it",)),
-    (lambda hq, hkv, tp: (hq // tp, max(hkv // tp, 1), 2), ("nothing is copied",)),
-    # Never refuses: the notebook's valid table passes, a geometry the engine refuses does not.
-    (lambda hq, hkv, tp: (hq // tp, max(hkv // tp, 1), max(tp // hkv, 1)), ("the engine refuses this model",)),
-    (lambda hq, hkv, tp: None, ("your function refused them",)),
-    (lambda hq, hkv, tp: [hq // tp], ("tuple of three ints",)),
-])
+@pytest.mark.parametrize(
+    ("wrong", "phrases"),
+    [
+        (lambda hq, hkv, tp: (hq // tp, hkv // tp, 1), ("KV heads per rank 0 is not it", "fraction of a head")),
+        (lambda hq, hkv, tp: (hq // tp, max(hkv // tp, 1), 1), ("replicas of each KV head 1 is not it",)),
+        (lambda hq, hkv, tp: (hq // tp, max(hkv // tp, 1), 2), ("nothing is copied",)),
+        # Never refuses: the notebook's valid table passes, a geometry the engine refuses does not.
+        (lambda hq, hkv, tp: (hq // tp, max(hkv // tp, 1), max(tp // hkv, 1)), ("the engine refuses this model",)),
+        (lambda hq, hkv, tp: None, ("your function refused them",)),
+        (lambda hq, hkv, tp: [hq // tp], ("tuple of three ints",)),
+    ],
+)
 def test_head_layout_names_the_mistake_not_the_answer(wrong, phrases: tuple[str, ...]) -> None:
     result = check_head_layout(wrong)
     assert_rejected(result, *phrases)
@@ -168,6 +179,7 @@ def test_head_layout_has_cases_the_package_refuses_and_the_notebook_never_printe
     # code, which the guard cannot tell from the student's) raises on the geometries it refuses.
     printed = {(hq, hkv, tp): right_layout(hq, hkv, tp) for hq, hkv in MODEL_HEADS for tp in TP_SIZES}
     assert_rejected(check_head_layout(lambda hq, hkv, tp: printed.get((hq, hkv, tp), (0, 0, 0))), "For ")
+
     def package_arithmetic(hq: int, hkv: int, tp: int) -> tuple[int, int, int]:
         if hq % tp or (hkv >= tp and hkv % tp) or (hkv < tp and tp % hkv):
             raise ValueError("not divisible")  # what head_layout does where the answer is None

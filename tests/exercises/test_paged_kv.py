@@ -29,8 +29,7 @@ request 1: block 4, offset 1 -> 17; request 2: block 6, offset 3 -> 27."""
 @pytest.fixture
 def paged() -> LLM:
     """Notebook 02's exercise engine: blocks of 4, three prompts prefilled in one step."""
-    llm = LLM("tiny", device="cpu", num_kv_blocks=16, block_size=4, async_scheduling=False,
-              enable_prefix_caching=False)
+    llm = LLM("tiny", device="cpu", num_kv_blocks=16, block_size=4, async_scheduling=False, enable_prefix_caching=False)
     for prompt in ["blocks!", "slot", "paging"]:  # 8, 5 and 7 tokens with the begin-of-sequence token
         llm.add_request(prompt, GREEDY)
     llm.step()
@@ -97,11 +96,11 @@ def test_next_slot_mapping(paged: LLM) -> None:
 def test_next_slot_mapping_copying_the_messages_numbers_does_not_pass(paged: LLM) -> None:
     # For each entry, a guess there (the others right), then every number its message shows: none passes.
     for i in range(3):
-        guess = [*RIGHT_SLOTS[:i], 0, *RIGHT_SLOTS[i + 1:]]
+        guess = [*RIGHT_SLOTS[:i], 0, *RIGHT_SLOTS[i + 1 :]]
         result = check_next_slot_mapping(paged, guess)
         assert_rejected(result, f"entry {i}")
         for n in numbers_in(result.message):
-            assert not check_next_slot_mapping(paged, [*RIGHT_SLOTS[:i], n, *RIGHT_SLOTS[i + 1:]])
+            assert not check_next_slot_mapping(paged, [*RIGHT_SLOTS[:i], n, *RIGHT_SLOTS[i + 1 :]])
 
 
 def test_next_slot_mapping_is_not_fooled_by_an_answer_that_reads_frames(paged: LLM) -> None:
@@ -120,6 +119,8 @@ def test_next_slot_mapping_offers_reveal_after_three_tries(paged: LLM, capsys: p
     reveal()
     shown = capsys.readouterr().out
     assert shown.startswith("02: the next step's slot mapping, worked out:")
-    assert ("request 0, position 8: logical block 8 // 4 = 2, physical block row[2] = 7 (its row held 2 block(s), "
-            "so this step first takes block 7 from the head of the free queue), offset 8 % 4 = 0, "
-            "slot 7 * 4 + 0 = 28") in shown
+    assert (
+        "request 0, position 8: logical block 8 // 4 = 2, physical block row[2] = 7 (its row held 2 block(s), "
+        "so this step first takes block 7 from the head of the free queue), offset 8 % 4 = 0, "
+        "slot 7 * 4 + 0 = 28"
+    ) in shown

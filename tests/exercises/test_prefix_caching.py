@@ -44,8 +44,10 @@ def right_hit_length(cached_prompts: list[list[int]], prompt: list[int], block_s
     best = 0
     for cached in cached_prompts:
         n = 0
-        while (n < min(len(cached) // block_size, usable)
-               and cached[n * block_size:(n + 1) * block_size] == prompt[n * block_size:(n + 1) * block_size]):
+        while (
+            n < min(len(cached) // block_size, usable)
+            and cached[n * block_size : (n + 1) * block_size] == prompt[n * block_size : (n + 1) * block_size]
+        ):
             n += 1
         best = max(best, n)
     return best * block_size
@@ -69,7 +71,7 @@ def right_next_block(events: list[tuple[Any, ...]], num_blocks: int, block_size:
         _, req_id, tokens = event
         row = []
         for j in range((len(tokens) - (broken != "last token hits")) // block_size):
-            block = block_of.get(tuple(tokens[:(j + 1) * block_size]))
+            block = block_of.get(tuple(tokens[: (j + 1) * block_size]))
             if block is None:
                 break
             if broken != "hits stay free":
@@ -83,7 +85,7 @@ def right_next_block(events: list[tuple[Any, ...]], num_blocks: int, block_size:
             ref[block] = 1
             row.append(block)
         for j, block in enumerate(row[: len(tokens) // block_size]):
-            key = tuple(tokens[:(j + 1) * block_size])
+            key = tuple(tokens[: (j + 1) * block_size])
             if broken == "newest block caches" or (block not in key_of and key not in block_of):
                 key_of[block], block_of[key] = key, block
         rows[req_id] = row
@@ -98,8 +100,10 @@ def test_hit_length() -> None:
 
 def test_hit_length_rejects_wrong_answers() -> None:
     def common_tokens(cached_prompts: list[list[int]], prompt: list[int], block_size: int) -> int:
-        return max(next((i for i, (a, b) in enumerate(zip(c, prompt)) if a != b), min(len(c), len(prompt)))
-                   for c in cached_prompts)
+        return max(
+            next((i for i, (a, b) in enumerate(zip(c, prompt)) if a != b), min(len(c), len(prompt)))
+            for c in cached_prompts
+        )
 
     def without_last_token_rule(cached_prompts: list[list[int]], prompt: list[int], block_size: int) -> int:
         return right_hit_length(cached_prompts, [*prompt, -1], block_size)
@@ -144,7 +148,8 @@ def test_hit_length_rejects_the_package() -> None:
     assert_rejected(check_hit_length(served_on_a_real_manager), "calls KVCacheManager.__init__")
     assert_rejected(
         check_hit_length(lambda *a: ThreadPoolExecutor().submit(served_on_a_real_manager, *a).result()),
-        "calls KVCacheManager.__init__")
+        "calls KVCacheManager.__init__",
+    )
     result = check_hit_length(KVCacheManager.get_computed_blocks)
     assert not result and "pagedkv's own KVCacheManager.get_computed_blocks" in result.message
 
@@ -167,8 +172,10 @@ def test_next_block_rejects_each_broken_rule_every_time(broken: str) -> None:
 def test_next_block_rejects_wrong_answers() -> None:
     def ignores_hits(events: list[tuple[Any, ...]], num_blocks: int, block_size: int) -> int:
         # Tokens no other request has: the cache never hands a block back.
-        unique = [(e[0], e[1], [-1000 * k - i for i in range(len(e[2]))]) if e[0] == "add" else e
-                  for k, e in enumerate(events)]
+        unique = [
+            (e[0], e[1], [-1000 * k - i for i in range(len(e[2]))]) if e[0] == "add" else e
+            for k, e in enumerate(events)
+        ]
         return right_next_block(unique, num_blocks, block_size)
 
     def frees_first_block_first(events: list[tuple[Any, ...]], num_blocks: int, block_size: int) -> int:
@@ -219,8 +226,10 @@ def test_answers_copied_for_the_shown_cases_fail() -> None:
 
 def test_reveal_after_three_wrong_tries(capsys: pytest.CaptureFixture[str]) -> None:
     def common_tokens(cached_prompts: list[list[int]], prompt: list[int], block_size: int) -> int:
-        return max(next((i for i, (a, b) in enumerate(zip(c, prompt)) if a != b), min(len(c), len(prompt)))
-                   for c in cached_prompts)
+        return max(
+            next((i for i, (a, b) in enumerate(zip(c, prompt)) if a != b), min(len(c), len(prompt)))
+            for c in cached_prompts
+        )
 
     for _ in range(3):
         result = check_hit_length(common_tokens)
@@ -233,8 +242,14 @@ def test_reveal_after_three_wrong_tries(capsys: pytest.CaptureFixture[str]) -> N
     assert check_hit_length(right_hit_length)
 
     def no_cache(events: list[tuple[Any, ...]], num_blocks: int, block_size: int) -> int:
-        return right_next_block([(e[0], e[1], [-1000 * k - i for i in range(len(e[2]))]) if e[0] == "add" else e
-                                 for k, e in enumerate(events)], num_blocks, block_size)
+        return right_next_block(
+            [
+                (e[0], e[1], [-1000 * k - i for i in range(len(e[2]))]) if e[0] == "add" else e
+                for k, e in enumerate(events)
+            ],
+            num_blocks,
+            block_size,
+        )
 
     for _ in range(3):
         result = check_next_block(no_cache, num_hidden=0)  # random events may not fit without hits
@@ -281,10 +296,12 @@ def test_an_answer_that_raises_on_a_later_case_is_told_about_its_first_wrong_one
         return free[0]
 
     for _ in range(5):  # the random cases differ every call
-        assert_rejected(check_next_block(no_cache), "('add', 'B', [1, 2, 3, 4, 5, 6, 7, 8, 60, 61])",
-                        "= 2 is not the next block")
-    assert_rejected(check_hit_length(lambda cached, prompt, bs: [][0]), "fn([[7, 3, 9",
-                    "raised IndexError: list index out of range")
+        assert_rejected(
+            check_next_block(no_cache), "('add', 'B', [1, 2, 3, 4, 5, 6, 7, 8, 60, 61])", "= 2 is not the next block"
+        )
+    assert_rejected(
+        check_hit_length(lambda cached, prompt, bs: [][0]), "fn([[7, 3, 9", "raised IndexError: list index out of range"
+    )
 
 
 def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:

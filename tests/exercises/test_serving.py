@@ -28,8 +28,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 @pytest.fixture
 def llm() -> LLM:
     """Notebook 09's exercise engine after its first step: blocks of 4, 7 usable blocks, 12 tokens per step."""
-    engine = LLM("tiny", device="cpu", num_kv_blocks=8, block_size=4, max_num_batched_tokens=12,
-                 async_scheduling=False, enable_prefix_caching=False)
+    engine = LLM(
+        "tiny",
+        device="cpu",
+        num_kv_blocks=8,
+        block_size=4,
+        max_num_batched_tokens=12,
+        async_scheduling=False,
+        enable_prefix_caching=False,
+    )
     for prompt in ["abc", "defgh", "a much longer prompt"]:  # 4, 6 and 21 tokens
         engine.add_request(prompt, GREEDY)
     engine.step()  # 4 + 6 tokens, then the last 2 of the budget go to request 2's first chunk

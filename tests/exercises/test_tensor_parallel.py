@@ -55,9 +55,12 @@ def test_wrong_heads_name_the_rule_not_the_heads() -> None:
     assert "[0]" not in result.message and "[4, 5, 6, 7]" not in result.message
     local = check_rank_heads(lambda hq, hkv, tp, rank: (list(range(hq // tp)), heads_by_hand(hq, hkv, tp, rank)[1]))
     assert_rejected(local, "fn(32, 8, 2, 1)", "global indices")
-    round_robin = check_rank_heads(lambda hq, hkv, tp, rank: (heads_by_hand(hq, hkv, tp, rank)[0],
-                                                              heads_by_hand(hq, hkv, tp, rank)[1] if hkv >= tp
-                                                              else [rank % hkv]))
+    round_robin = check_rank_heads(
+        lambda hq, hkv, tp, rank: (
+            heads_by_hand(hq, hkv, tp, rank)[0],
+            heads_by_hand(hq, hkv, tp, rank)[1] if hkv >= tp else [rank % hkv],
+        )
+    )
     assert_rejected(round_robin, "the one its query heads attend to")
 
 
@@ -117,8 +120,9 @@ def test_reading_the_checkers_frames_fails() -> None:
         return sys._getframe(1).f_locals.get("expected", heads_by_hand(*args))
 
     assert_rejected(check_rank_heads(peek), "reading the checker's frames")
-    assert_rejected(check_kv_cache_bytes(lambda *a: sys._getframe(2).f_locals.get("expected", 0)),
-                    "reading the checker's frames")
+    assert_rejected(
+        check_kv_cache_bytes(lambda *a: sys._getframe(2).f_locals.get("expected", 0)), "reading the checker's frames"
+    )
 
 
 def test_form_of_the_answer() -> None:
@@ -164,8 +168,17 @@ def test_layout_table_llama3_8b_tp2_by_hand() -> None:
     html = layout_table(SHAPES["Llama-3-8B (32 q / 8 kv heads)"], 2)
     # Rank 1: query heads 16-31, KV heads 4-7; q 16 x 128 rows, k and v 4 x 128 each; the MLP's second
     # half (14336 / 2 = 7168); vocabulary 128256 / 2 = 64128 rows; KV per token: 2 x 4 x 128 x 2 B x 32 layers.
-    assert _cells(html, 1) == ["1", "16-31", "4-7", "2048 + 512 + 512", "2048-4095", "7168-14335 of each",
-                               "7168-14335", "64128-128255", "65,536 B"]
+    assert _cells(html, 1) == [
+        "1",
+        "16-31",
+        "4-7",
+        "2048 + 512 + 512",
+        "2048-4095",
+        "7168-14335 of each",
+        "7168-14335",
+        "64128-128255",
+        "65,536 B",
+    ]
 
 
 def test_layout_table_mqa_tp4_replicates_the_kv_head() -> None:

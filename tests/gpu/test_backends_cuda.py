@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.attention.backends.flash_attn import FlashAttentionBackend, flash_attn_version  # noqa: E402
@@ -31,8 +33,15 @@ BF16_MIN_ATOL = 0.5
 
 
 def generate(backend: str, dtype: str) -> tuple[LLM, list[RequestOutput], LogitsRecorder]:
-    llm = LLM(model="tiny", device="cuda", dtype=dtype, attention_backend=backend, max_model_len=512,
-              max_num_batched_tokens=128, num_kv_blocks=256)
+    llm = LLM(
+        model="tiny",
+        device="cuda",
+        dtype=dtype,
+        attention_backend=backend,
+        max_model_len=512,
+        max_num_batched_tokens=128,
+        num_kv_blocks=256,
+    )
     recorder = LogitsRecorder(llm)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
     return llm, outputs, recorder

@@ -27,7 +27,9 @@ from typing import Any
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
 
 import pagedkv.worker.model_runner as model_runner  # noqa: E402
 from pagedkv import LLM, SamplingParams  # noqa: E402
@@ -82,18 +84,24 @@ class Batch:
 
 # kind -> (capture key, batches replayed in its graph: fewer requests than captured, other lengths)
 KINDS = {
-    "decode": (BatchDescriptor(8, uniform_decode=True), [
-        Batch([1] * 8, [3000, 17, 900, 1, 2047, 64, 15, 511]),
-        Batch([1] * 5, [40, 2500, 3, 700, 1200]),
-        Batch([1], [3999]),
-        Batch([1] * 3, [0, 16, 31]),
-    ]),
-    "mixed": (BatchDescriptor(64), [
-        Batch([1, 1, 1, 40, 5], [1000, 30, 2000, 0, 77]),
-        Batch([1] * 7 + [57], [5, 600, 3000, 9, 100, 47, 1500, 0]),
-        Batch([30, 1, 2], [0, 2900, 18]),
-        Batch([1], [0]),
-    ]),
+    "decode": (
+        BatchDescriptor(8, uniform_decode=True),
+        [
+            Batch([1] * 8, [3000, 17, 900, 1, 2047, 64, 15, 511]),
+            Batch([1] * 5, [40, 2500, 3, 700, 1200]),
+            Batch([1], [3999]),
+            Batch([1] * 3, [0, 16, 31]),
+        ],
+    ),
+    "mixed": (
+        BatchDescriptor(64),
+        [
+            Batch([1, 1, 1, 40, 5], [1000, 30, 2000, 0, 77]),
+            Batch([1] * 7 + [57], [5, 600, 3000, 9, 100, 47, 1500, 0]),
+            Batch([30, 1, 2], [0, 2900, 18]),
+            Batch([1], [0]),
+        ],
+    ),
 }
 
 
@@ -154,10 +162,16 @@ class OneLayer:
                 blocks = self.block_table[i, positions // BLOCK].long()
                 self.slot_mapping[starts[i] : starts[i + 1]] = blocks * BLOCK + positions % BLOCK
         return CommonAttentionMetadata(
-            query_start_loc=self.query_start_loc, query_start_loc_cpu=self.query_start_loc.cpu(),
-            seq_lens=self.seq_lens, seq_lens_cpu=self.seq_lens.cpu(), num_reqs=r, num_actual_tokens=self.num_tokens,
-            max_query_len=max(batch.query_lens), max_seq_len=max(batch.seq_lens),
-            block_table_tensor=self.block_table, slot_mapping=self.slot_mapping,
+            query_start_loc=self.query_start_loc,
+            query_start_loc_cpu=self.query_start_loc.cpu(),
+            seq_lens=self.seq_lens,
+            seq_lens_cpu=self.seq_lens.cpu(),
+            num_reqs=r,
+            num_actual_tokens=self.num_tokens,
+            max_query_len=max(batch.query_lens),
+            max_seq_len=max(batch.seq_lens),
+            block_table_tensor=self.block_table,
+            slot_mapping=self.slot_mapping,
         )
 
     def attend(self, metadata: Any) -> None:
@@ -266,8 +280,15 @@ def prompt(i: int, length: int) -> dict[str, list[int]]:
 # up to 32 tokens): mixed steps of 64 tokens (eager), mixed steps of 20-27 tokens (padded to 24
 # or 32), decode steps of 11 requests down to 1 (padded to 16, 8, 4, 2, 1).
 ARRIVALS = {0: [(prompt(i, 3 + i), 12 + i) for i in range(10)], 4: [(prompt(10, 12), 4)], 7: [(prompt(11, 70), 3)]}
-ENGINE = dict(model="tiny", device="cuda", max_num_seqs=16, max_num_batched_tokens=64, num_kv_blocks=512,
-              max_model_len=1024, block_size=16)
+ENGINE = dict(
+    model="tiny",
+    device="cuda",
+    max_num_seqs=16,
+    max_num_batched_tokens=64,
+    num_kv_blocks=512,
+    max_model_len=1024,
+    block_size=16,
+)
 
 Step = tuple[CUDAGraphMode, BatchDescriptor, int, torch.Tensor]
 
@@ -323,12 +344,42 @@ def check_steps(steps: list[Step], eager: list[Step], atol: float | None) -> Non
 # 64, 20, 10, 10, 22, 11, 11, 64, 27, 11, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 1 (10 and 11 are decodes).
 _DECODES = [("F", 16)] * 4 + [("F", 8)] * 4 + [("F", 4)] * 2 + [("F", 2), ("F", 1), ("F", 1)]
 SCHEDULES = {
-    CUDAGraphMode.FULL_DECODE_ONLY: [("N", 64), ("N", 20), ("F", 16), ("F", 16), ("N", 22), ("F", 16), ("F", 16),
-                                     ("N", 64), ("N", 27)] + _DECODES,
-    CUDAGraphMode.FULL: [("N", 64), ("F", 24), ("F", 16), ("F", 16), ("F", 24), ("F", 16), ("F", 16), ("N", 64),
-                         ("F", 32)] + _DECODES,
-    CUDAGraphMode.FULL_AND_PIECEWISE: [("N", 64), ("P", 24), ("F", 16), ("F", 16), ("P", 24), ("F", 16), ("F", 16),
-                                       ("N", 64), ("P", 32)] + _DECODES,
+    CUDAGraphMode.FULL_DECODE_ONLY: [
+        ("N", 64),
+        ("N", 20),
+        ("F", 16),
+        ("F", 16),
+        ("N", 22),
+        ("F", 16),
+        ("F", 16),
+        ("N", 64),
+        ("N", 27),
+    ]
+    + _DECODES,
+    CUDAGraphMode.FULL: [
+        ("N", 64),
+        ("F", 24),
+        ("F", 16),
+        ("F", 16),
+        ("F", 24),
+        ("F", 16),
+        ("F", 16),
+        ("N", 64),
+        ("F", 32),
+    ]
+    + _DECODES,
+    CUDAGraphMode.FULL_AND_PIECEWISE: [
+        ("N", 64),
+        ("P", 24),
+        ("F", 16),
+        ("F", 16),
+        ("P", 24),
+        ("F", 16),
+        ("F", 16),
+        ("N", 64),
+        ("P", 32),
+    ]
+    + _DECODES,
 }
 
 
@@ -343,8 +394,9 @@ def triton_eager() -> list[Step]:
     ids=["FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE-compiled"],
 )
 def test_triton_graphs_give_eager_logits(mode: CUDAGraphMode, compile: bool, triton_eager: list[Step]) -> None:
-    llm, steps, recorder, outputs = run(attention_backend="TRITON_ATTN", dtype="float32", cudagraph_mode=mode,
-                                        compile=compile)
+    llm, steps, recorder, outputs = run(
+        attention_backend="TRITON_ATTN", dtype="float32", cudagraph_mode=mode, compile=compile
+    )
     assert llm.runner.cudagraph_mode is mode
     check_steps(steps, triton_eager, atol=FP32_ATOL)
     check_against_reference(llm, outputs, recorder, atol=FP32_ATOL)
@@ -353,8 +405,9 @@ def test_triton_graphs_give_eager_logits(mode: CUDAGraphMode, compile: bool, tri
 
 def test_torch_ref_runs_piecewise_and_refuses_full() -> None:
     _, eager, _, _ = run(attention_backend="TORCH_REF", dtype="float32", enforce_eager=True)
-    llm, steps, recorder, outputs = run(attention_backend="TORCH_REF", dtype="float32",
-                                        cudagraph_mode="FULL_AND_PIECEWISE", compile=True)
+    llm, steps, recorder, outputs = run(
+        attention_backend="TORCH_REF", dtype="float32", cudagraph_mode="FULL_AND_PIECEWISE", compile=True
+    )
     assert llm.runner.cudagraph_mode is CUDAGraphMode.PIECEWISE
     check_steps(steps, eager, atol=FP32_ATOL)
     check_against_reference(llm, outputs, recorder, atol=FP32_ATOL)
@@ -370,14 +423,15 @@ read another batch's inputs moves them by ~20."""
 
 @needs_fa4
 @pytest.mark.parametrize(
-    ("mode", "compile"), [(CUDAGraphMode.FULL_DECODE_ONLY, False), (CUDAGraphMode.FULL, False),
-                          (CUDAGraphMode.FULL_AND_PIECEWISE, True)],
+    ("mode", "compile"),
+    [(CUDAGraphMode.FULL_DECODE_ONLY, False), (CUDAGraphMode.FULL, False), (CUDAGraphMode.FULL_AND_PIECEWISE, True)],
     ids=["FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE-compiled"],
 )
 def test_flash_attn_graphs_give_eager_logits(mode: CUDAGraphMode, compile: bool) -> None:
     _, eager, _, _ = run(attention_backend="FLASH_ATTN", dtype="bfloat16", enforce_eager=True)
-    llm, steps, recorder, outputs = run(attention_backend="FLASH_ATTN", dtype="bfloat16", cudagraph_mode=mode,
-                                        compile=compile)
+    llm, steps, recorder, outputs = run(
+        attention_backend="FLASH_ATTN", dtype="bfloat16", cudagraph_mode=mode, compile=compile
+    )
     assert llm.runner.cudagraph_mode is mode
     assert [(m.name[0], k.num_tokens) for m, k, _, _ in steps] == SCHEDULES[mode]
     check_steps(steps, eager, atol=None)
@@ -426,10 +480,12 @@ def test_flash_attn_4_captures_in_the_benchmark_sequences() -> None:
     root = Path(__file__).resolve().parents[2]
     verdicts = {}
     for sequence in SEQUENCES:
-        result = subprocess.run([sys.executable, "-c", BENCHMARK_PROBE, sequence], cwd=root, capture_output=True,
-                                text=True, timeout=600)
-        verdicts[sequence] = result.stdout.strip().splitlines() or [f"no output (exit {result.returncode}): "
-                                                                      f"{result.stderr[-300:]}"]
+        result = subprocess.run(
+            [sys.executable, "-c", BENCHMARK_PROBE, sequence], cwd=root, capture_output=True, text=True, timeout=600
+        )
+        verdicts[sequence] = result.stdout.strip().splitlines() or [
+            f"no output (exit {result.returncode}): {result.stderr[-300:]}"
+        ]
     failed = {
         s: v for s, v in verdicts.items() if len(v) != len(s.split(",")) or not all(line.endswith(" ok") for line in v)
     }

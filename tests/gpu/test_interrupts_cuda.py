@@ -13,15 +13,27 @@ from pagedkv import LLM, SamplingParams
 from tests.engine.test_engine_api import assert_idle
 from tests.test_interrupts import PROMPTS, patch_point, tokens
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
 
-PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-          SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)]
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),
+]
 
 
 def engine() -> LLM:
-    return LLM("tiny", device="cuda", attention_backend="TRITON_ATTN", block_size=16, num_kv_blocks=64, dtype="float32",
-               cudagraph_mode="FULL_DECODE_ONLY", compile=False)
+    return LLM(
+        "tiny",
+        device="cuda",
+        attention_backend="TRITON_ATTN",
+        block_size=16,
+        num_kv_blocks=64,
+        dtype="float32",
+        cudagraph_mode="FULL_DECODE_ONLY",
+        compile=False,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
 from pagedkv.attention.backends.torch_ref import paged_attention_reference  # noqa: E402
@@ -26,9 +28,15 @@ def reference(batch: PagedBatch, sliding_window: int | None = None) -> torch.Ten
     """The reference backend's attention in float64."""
     out = torch.empty(batch.q.shape, dtype=torch.float64, device=batch.q.device)
     return paged_attention_reference(
-        batch.q.double(), batch.k_cache.double(), batch.v_cache.double(), out,
-        batch.query_start_loc.tolist(), batch.seq_lens.tolist(), batch.block_table,
-        batch.q.shape[2] ** -0.5, sliding_window=sliding_window,
+        batch.q.double(),
+        batch.k_cache.double(),
+        batch.v_cache.double(),
+        out,
+        batch.query_start_loc.tolist(),
+        batch.seq_lens.tolist(),
+        batch.block_table,
+        batch.q.shape[2] ** -0.5,
+        sliding_window=sliding_window,
     )
 
 
@@ -60,24 +68,40 @@ CASES = {
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", list(CASES))
 def test_llama_shapes(dtype: torch.dtype, case: str) -> None:
-    batch = random_paged_batch(*CASES[case], num_q_heads=32, num_kv_heads=8, head_size=128,
-                               dtype=dtype, device="cuda", seed=7)
+    batch = random_paged_batch(
+        *CASES[case], num_q_heads=32, num_kv_heads=8, head_size=128, dtype=dtype, device="cuda", seed=7
+    )
     assert_matches(run(batch), reference(batch), dtype)
 
 
 @pytest.mark.parametrize("head_size", [64, 80, 96, 256])
 @pytest.mark.parametrize("case", ["decode", "mixed"])
 def test_head_sizes(head_size: int, case: str) -> None:
-    batch = random_paged_batch(*CASES[case], num_q_heads=8, num_kv_heads=2, head_size=head_size,
-                               block_size=32, dtype=torch.bfloat16, device="cuda", seed=head_size)
+    batch = random_paged_batch(
+        *CASES[case],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_size=head_size,
+        block_size=32,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=head_size,
+    )
     assert_matches(run(batch), reference(batch), torch.bfloat16)
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(16, 1), (12, 4), (8, 8)], ids=["mqa", "gqa3", "mha"])
 @pytest.mark.parametrize("window", [None, 300])
 def test_head_layouts_and_sliding_window(num_q_heads: int, num_kv_heads: int, window: int | None) -> None:
-    batch = random_paged_batch(*CASES["mixed"], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                               head_size=128, dtype=torch.float16, device="cuda", seed=num_q_heads)
+    batch = random_paged_batch(
+        *CASES["mixed"],
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=128,
+        dtype=torch.float16,
+        device="cuda",
+        seed=num_q_heads,
+    )
     assert_matches(run(batch, sliding_window=window), reference(batch, window), torch.float16)
 
 
@@ -89,8 +113,16 @@ def test_head_layouts_and_sliding_window(num_q_heads: int, num_kv_heads: int, wi
 def test_poisoned_memory_head_sizes(case: str, head_size: int) -> None:
     # NaN between heads and tokens, the cache at the very end of its buffer, NaN in unowned blocks
     # and past each sequence (see `poison_batch`): a read outside the tensors turns into NaN.
-    batch = random_paged_batch(*CASES[case], num_q_heads=8, num_kv_heads=2, head_size=head_size,
-                               block_size=32, dtype=torch.bfloat16, device="cuda", seed=head_size)
+    batch = random_paged_batch(
+        *CASES[case],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_size=head_size,
+        block_size=32,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=head_size,
+    )
     out, stray = run_poisoned(batch)
     assert_matches(out, reference(batch), torch.bfloat16)
     assert stray == 0, f"{stray} values written outside the output and the split-KV workspace"
@@ -99,8 +131,16 @@ def test_poisoned_memory_head_sizes(case: str, head_size: int) -> None:
 @pytest.mark.parametrize("seed,window", [(0, None), (1, None), (2, 20)])
 def test_poisoned_memory_issue_reproducer(seed: int, window: int | None) -> None:
     # The batch of issue 8: 6 query / 2 KV heads, head size 80, blocks of 32, float32.
-    batch = random_paged_batch([37, 1, 10, 1], [0, 4, 54, 0], num_q_heads=6, num_kv_heads=2, head_size=80,
-                               block_size=32, device="cuda", seed=seed)
+    batch = random_paged_batch(
+        [37, 1, 10, 1],
+        [0, 4, 54, 0],
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_size=80,
+        block_size=32,
+        device="cuda",
+        seed=seed,
+    )
     out, stray = run_poisoned(batch, sliding_window=window)
     assert_matches(out, reference(batch, window), torch.float32)
     assert stray == 0, f"{stray} values written outside the output and the split-KV workspace"
@@ -127,8 +167,9 @@ def test_poisoned_reshape_and_cache(head_size: int) -> None:
 
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 def test_reshape_and_cache(slot_dtype: torch.dtype) -> None:
-    batch = random_paged_batch(*CASES["mixed"], num_q_heads=32, num_kv_heads=8, head_size=128,
-                               dtype=torch.bfloat16, device="cuda")
+    batch = random_paged_batch(
+        *CASES["mixed"], num_q_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, device="cuda"
+    )
     num_tokens = batch.q.shape[0]
     key = torch.randn(num_tokens + 4, 8, 128, device="cuda").bfloat16()
     value = torch.randn(num_tokens + 4, 8, 128, device="cuda").bfloat16()
@@ -169,15 +210,18 @@ def test_cuda_graph_replay_after_metadata_changes(kind: str, kernel: str) -> Non
         shapes = [([1] * 4 + [60, 200], lengths(6, 0, 3000, seed)) for seed in range(3)]
         shapes[1] = ([1, 1, 1, 200, 60, 1], lengths(6, 0, 3000, 11))
     batches = [
-        random_paged_batch(q, c, num_q_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
-                           device="cuda", seed=i)
+        random_paged_batch(
+            q, c, num_q_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, device="cuda", seed=i
+        )
         for i, (q, c) in enumerate(shapes)
     ]
     # Same tensor shapes for every batch: pad caches and block tables to the largest.
     num_blocks = max(b.kv_cache.shape[1] for b in batches)
     width = max(b.block_table.shape[1] for b in batches)
     for b in batches:
-        b.kv_cache = torch.cat([b.kv_cache, torch.randn_like(b.kv_cache[:, :1]).expand(2, num_blocks - b.kv_cache.shape[1], -1, -1, -1)], 1)
+        b.kv_cache = torch.cat(
+            [b.kv_cache, torch.randn_like(b.kv_cache[:, :1]).expand(2, num_blocks - b.kv_cache.shape[1], -1, -1, -1)], 1
+        )
         b.block_table = torch.nn.functional.pad(b.block_table, (0, width - b.block_table.shape[1]))
     live = batches[0]
     num_tokens = live.q.shape[0]
@@ -188,17 +232,32 @@ def test_cuda_graph_replay_after_metadata_changes(kind: str, kernel: str) -> Non
     def step() -> None:
         if kernel == "triton":
             unified_attention(
-                live.q, live.k_cache, live.v_cache, out, query_start_loc=live.query_start_loc,
-                seq_lens=live.seq_lens, max_query_len=max_query_len, max_seq_len=8192,
-                block_table=live.block_table, softmax_scale=128**-0.5, workspace=workspace,
+                live.q,
+                live.k_cache,
+                live.v_cache,
+                out,
+                query_start_loc=live.query_start_loc,
+                seq_lens=live.seq_lens,
+                max_query_len=max_query_len,
+                max_seq_len=8192,
+                block_table=live.block_table,
+                softmax_scale=128**-0.5,
+                workspace=workspace,
             )
         else:
             from flash_attn.cute import flash_attn_varlen_func
 
             result = flash_attn_varlen_func(
-                live.q, live.k_cache, live.v_cache, cu_seqlens_q=live.query_start_loc,
-                seqused_k=live.seq_lens, max_seqlen_q=max_query_len, max_seqlen_k=8192,
-                page_table=live.block_table, causal=True, softmax_scale=128**-0.5,
+                live.q,
+                live.k_cache,
+                live.v_cache,
+                cu_seqlens_q=live.query_start_loc,
+                seqused_k=live.seq_lens,
+                max_seqlen_q=max_query_len,
+                max_seqlen_k=8192,
+                page_table=live.block_table,
+                causal=True,
+                softmax_scale=128**-0.5,
             )
             out.copy_(result[0])
 

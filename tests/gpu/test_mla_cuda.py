@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.config import CUDAGraphMode  # noqa: E402
@@ -27,13 +29,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def run(path: Path, dtype: str = "float32", **engine: object) -> tuple[list[list[int]], dict[str, torch.Tensor], LLM]:
-    llm = LLM(str(path), device="cuda", dtype=dtype, num_kv_blocks=64, block_size=16,
-              attention_backend="TRITON_MLA", **engine)
+    llm = LLM(
+        str(path), device="cuda", dtype=dtype, num_kv_blocks=64, block_size=16, attention_backend="TRITON_MLA", **engine
+    )
     recorder = LogitsRecorder(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     recorder.detach()
-    return ([o.outputs[0].token_ids for o in outs],
-            {o.request_id: torch.stack(recorder.rows[o.request_id]) for o in outs}, llm)
+    return (
+        [o.outputs[0].token_ids for o in outs],
+        {o.request_id: torch.stack(recorder.rows[o.request_id]) for o in outs},
+        llm,
+    )
 
 
 @pytest.mark.parametrize("mode", ["NONE", "FULL_DECODE_ONLY"])
@@ -76,8 +82,14 @@ def test_grouped_moe_in_bf16_graphs_replay_the_eager_logits(tmp_path: Path) -> N
 
 def test_deepseek_v2_lite_preset_generates() -> None:
     """The real V2-Lite shapes (27 layers, 64 experts, kv_lora_rank 512) in bf16: a short greedy run."""
-    llm = LLM("deepseek-v2-lite", device="cuda", max_model_len=1024, max_num_seqs=8, num_kv_blocks=256,
-              attention_backend="TRITON_MLA")
+    llm = LLM(
+        "deepseek-v2-lite",
+        device="cuda",
+        max_model_len=1024,
+        max_num_seqs=8,
+        num_kv_blocks=256,
+        attention_backend="TRITON_MLA",
+    )
     out = llm.generate(["multi-head latent attention"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
     spec = llm.runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec
@@ -109,6 +121,7 @@ def test_decode_kernel_compiled_on_odd_shapes(name: str) -> None:
     """The compiled MLA decode kernel against float64 on shapes past the CPU tests' tiny ones
     (found fine by a random fuzz of 60 shapes on an H200; these are its extremes)."""
     heads, rank, rope, block_size, dtype, seq_lens = ODD_SHAPES[name]
-    batch = make_batch(seq_lens, num_heads=heads, kv_lora_rank=rank, rope_dim=rope, block_size=block_size,
-                       dtype=dtype, seed=len(name))
+    batch = make_batch(
+        seq_lens, num_heads=heads, kv_lora_rank=rank, rope_dim=rope, block_size=block_size, dtype=dtype, seed=len(name)
+    )
     check(run_kernel(*batch, rank, None), reference(*batch, rank), dtype)

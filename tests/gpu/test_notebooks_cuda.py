@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
@@ -29,6 +31,8 @@ def test_notebook_runs_on_gpu(path: Path, monkeypatch: pytest.MonkeyPatch) -> No
             if cell["cell_type"] != "code":
                 continue
             result = shell.run_cell("".join(cell["source"]), silent=True)
-            assert result.success, f"{path.name} cell {i} failed on {torch.cuda.get_device_name()}: {result.error_in_exec!r}"
+            assert result.success, (
+                f"{path.name} cell {i} failed on {torch.cuda.get_device_name()}: {result.error_in_exec!r}"
+            )
     finally:
         shell_module.InteractiveShell.clear_instance()

@@ -11,10 +11,16 @@ from pagedkv.engine.request import SamplingParams
 from pagedkv.engine.sampler import Sampler
 from tests.engine.test_sampler import FILTERS, LOGITS, draw, reference_probs
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
 
-MIXED = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=4),
-         SamplingParams(temperature=0.6), SamplingParams(temperature=1.0, min_p=0.1, logprobs=5)]
+MIXED = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=4),
+    SamplingParams(temperature=0.6),
+    SamplingParams(temperature=1.0, min_p=0.1, logprobs=5),
+]
 
 
 def test_sampling_a_batch_never_waits_for_the_gpu() -> None:
@@ -52,5 +58,8 @@ def test_a_seeded_request_draws_the_same_tokens_alone_and_in_a_crowd_on_the_gpu(
     seeded = SamplingParams(temperature=0.9, top_k=100, seed=21)
     alone, crowd = Sampler(), Sampler()
     a = [draw(alone, x[None], ["r"], [seeded])[0] for x in steps]
-    b = [draw(crowd, torch.stack([torch.randn(4096, device="cuda"), x]), ["o", "r"], [MIXED[2], seeded])[1] for x in steps]
+    b = [
+        draw(crowd, torch.stack([torch.randn(4096, device="cuda"), x]), ["o", "r"], [MIXED[2], seeded])[1]
+        for x in steps
+    ]
     assert a == b

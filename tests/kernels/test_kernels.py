@@ -21,8 +21,11 @@ DEVICE = "cpu"
 
 
 def dense_reference(
-    batch: PagedBatch, scale: float, sliding_window: int | None = None,
-    head_size_k: int | None = None, head_size_v: int | None = None,
+    batch: PagedBatch,
+    scale: float,
+    sliding_window: int | None = None,
+    head_size_k: int | None = None,
+    head_size_v: int | None = None,
 ) -> torch.Tensor:
     """Float64 attention per request and head; keys fetched slot by slot through the block table.
     `head_size_k` / `head_size_v`: attend with the first dims of q and K / of V only (default: all)."""
@@ -53,8 +56,13 @@ def dense_reference(
 def run_kernel(batch: PagedBatch, sliding_window: int | None = None, **kwargs: object) -> torch.Tensor:
     out = torch.full_like(batch.q, float("nan"))  # poisoned: every row must be written
     unified_attention(
-        batch.q, batch.k_cache, batch.v_cache, out, **batch.attention_kwargs(),
-        sliding_window=sliding_window, **kwargs,
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        out,
+        **batch.attention_kwargs(),
+        sliding_window=sliding_window,
+        **kwargs,
     )
     return out
 
@@ -135,9 +143,16 @@ def test_padding_tokens_and_empty_requests_are_left_alone() -> None:
     out = torch.full_like(padded_q, float("nan"))
     for max_query_len in (3, 16):  # an over-estimate only changes the launch shape
         unified_attention(
-            padded_q, batch.k_cache, batch.v_cache, out, query_start_loc=batch.query_start_loc,
-            seq_lens=batch.seq_lens, max_query_len=max_query_len, max_seq_len=64,
-            block_table=batch.block_table, softmax_scale=64**-0.5,
+            padded_q,
+            batch.k_cache,
+            batch.v_cache,
+            out,
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            max_query_len=max_query_len,
+            max_seq_len=64,
+            block_table=batch.block_table,
+            softmax_scale=64**-0.5,
         )
         assert_close(out[:4], ref, torch.float32)
         assert out[4:].isnan().all()
@@ -148,8 +163,15 @@ def test_matches_reference_backend() -> None:
     batch = random_paged_batch(*BATCHES["mixed"], num_q_heads=4, num_kv_heads=1, head_size=96, seed=11)
     expected = torch.empty_like(batch.q)
     torch_ref.paged_attention_reference(
-        batch.q, batch.k_cache, batch.v_cache, expected, batch.query_start_loc.tolist(),
-        batch.seq_lens.tolist(), batch.block_table, 96**-0.5, sliding_window=9,
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        expected,
+        batch.query_start_loc.tolist(),
+        batch.seq_lens.tolist(),
+        batch.block_table,
+        96**-0.5,
+        sliding_window=9,
     )
     torch.testing.assert_close(run_kernel(batch, sliding_window=9), expected, atol=2e-5, rtol=2e-5)
 
@@ -163,11 +185,20 @@ def test_value_head_size_of_its_own(head_size: int, head_size_v: int, num_splits
     batch = random_paged_batch(*BATCHES[kind], head_size=max(head_size, head_size_v), seed=head_size + head_size_v)
     buffer = torch.full((*batch.q.shape[:2], head_size_v + 8), float("nan"))
     out = buffer[..., :head_size_v]
-    config = None if num_splits == 1 else KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1,
-                                                       num_splits=num_splits)
+    config = (
+        None
+        if num_splits == 1
+        else KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=num_splits)
+    )
     kwargs = dict(batch.attention_kwargs(), softmax_scale=head_size**-0.5)
-    unified_attention(batch.q[..., :head_size], batch.k_cache[..., :head_size], batch.v_cache[..., :head_size_v], out,
-                      **kwargs, config=config)
+    unified_attention(
+        batch.q[..., :head_size],
+        batch.k_cache[..., :head_size],
+        batch.v_cache[..., :head_size_v],
+        out,
+        **kwargs,
+        config=config,
+    )
     ref = dense_reference(batch, head_size**-0.5, head_size_k=head_size, head_size_v=head_size_v)
     assert_close(out, ref, torch.float32)
     assert buffer[..., head_size_v:].isnan().all(), "the kernel wrote past V's head size"
@@ -175,8 +206,14 @@ def test_value_head_size_of_its_own(head_size: int, head_size_v: int, num_splits
 
 def test_attention_rejects_unsupported_inputs() -> None:
     batch = random_paged_batch([2], [0], head_size=64)
-    kwargs = dict(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, max_query_len=2,
-                  max_seq_len=2, block_table=batch.block_table, softmax_scale=1.0)
+    kwargs = dict(
+        query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+        max_query_len=2,
+        max_seq_len=2,
+        block_table=batch.block_table,
+        softmax_scale=1.0,
+    )
     q = torch.zeros(2, 4, 300)
     cache = torch.zeros(4, 16, 2, 300)
     with pytest.raises(ValueError, match="head size 300"):
@@ -194,7 +231,9 @@ def test_attention_rejects_unsupported_inputs() -> None:
     with pytest.raises(ValueError, match=r"q must be \[num_tokens, num_q_heads, head_size\]; got \(2, 256\)"):
         unified_attention(batch.q.flatten(1), batch.k_cache, batch.v_cache, batch.q.clone(), **kwargs)
     with pytest.raises(ValueError, match=r"inconsistent batch: .*block_table \(2,\); expected"):
-        unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.q.clone(), **kwargs | dict(block_table=batch.block_table[0]))
+        unified_attention(
+            batch.q, batch.k_cache, batch.v_cache, batch.q.clone(), **kwargs | dict(block_table=batch.block_table[0])
+        )
     with pytest.raises(TypeError, match="seq_lens must be a torch.Tensor, got list"):
         unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.q.clone(), **kwargs | dict(seq_lens=[2]))
     with pytest.raises(ValueError, match="k_cache is on meta, q on cpu: put them on one device"):
@@ -205,17 +244,29 @@ def test_attention_rejects_unsupported_inputs() -> None:
         unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.q.clone(), **kwargs | dict(softmax_scale="x"))
     workspace = SplitKVWorkspace(rows=8, num_q_heads=4, head_size=64, device=DEVICE)
     with pytest.raises(ValueError, match=r"workspace holds rows of \[4, 64\].*\[4, 32\]"):
-        unified_attention(batch.q, batch.k_cache, batch.v_cache[..., :32], torch.zeros(2, 4, 32), **kwargs,
-                          workspace=workspace, config=KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1,
-                                                                   num_splits=2))
+        unified_attention(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache[..., :32],
+            torch.zeros(2, 4, 32),
+            **kwargs,
+            workspace=workspace,
+            config=KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=2),
+        )
 
 
 def test_attention_on_cpu_tensors_rejects_indices_past_its_tensors() -> None:
     """Where the check costs no device sync (CPU tensors, the interpreter): each of these read
     outside a tensor, which on the CPU was a segfault that ended the Python process."""
     batch = random_paged_batch([3], [5], head_size=16, block_size=4)
-    kwargs = dict(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, max_query_len=3,
-                  max_seq_len=8, block_table=batch.block_table, softmax_scale=1.0)
+    kwargs = dict(
+        query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+        max_query_len=3,
+        max_seq_len=8,
+        block_table=batch.block_table,
+        softmax_scale=1.0,
+    )
 
     def call(**changes: object) -> None:
         unified_attention(batch.q, batch.k_cache, batch.v_cache, torch.empty_like(batch.q), **kwargs | changes)
@@ -311,18 +362,26 @@ def test_reshape_and_cache_then_attention_low_precision() -> None:
 def test_reshape_and_cache_rejects_mismatched_shapes() -> None:
     cache = torch.zeros(2, 4, 16, 2, 64)
     with pytest.raises(ValueError, match="do not match"):
-        reshape_and_cache(torch.zeros(3, 2, 32), torch.zeros(3, 2, 32), cache[0], cache[1], torch.zeros(3, dtype=torch.long))
+        reshape_and_cache(
+            torch.zeros(3, 2, 32), torch.zeros(3, 2, 32), cache[0], cache[1], torch.zeros(3, dtype=torch.long)
+        )
     with pytest.raises(ValueError, match="int32/int64"):
         reshape_and_cache(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), cache[0], cache[1], torch.zeros(3))
     with pytest.raises(ValueError, match="k_cache is on meta, key on cpu: put them on one device"):
-        reshape_and_cache(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), cache[0].to("meta"), cache[1],
-                          torch.zeros(3, dtype=torch.long))
+        reshape_and_cache(
+            torch.zeros(3, 2, 64),
+            torch.zeros(3, 2, 64),
+            cache[0].to("meta"),
+            cache[1],
+            torch.zeros(3, dtype=torch.long),
+        )
     with pytest.raises(TypeError, match="slot_mapping must be a torch.Tensor, got list"):
         reshape_and_cache(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), cache[0], cache[1], [0, 1, 2])
     if DEVICE == "cpu":  # checked where it is free (a slot past the cache was a segfault on the CPU)
         with pytest.raises(ValueError, match=r"slots in \[0, 64\) or -1 \(skip\), got values from 0 to 6400000"):
-            reshape_and_cache(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), cache[0], cache[1],
-                              torch.tensor([0, 5, 6_400_000]))
+            reshape_and_cache(
+                torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), cache[0], cache[1], torch.tensor([0, 5, 6_400_000])
+            )
 
 
 # --- the backends on top of the kernels ----------------------------------------------------------
@@ -338,8 +397,15 @@ def run_backend_in_the_engine(backend: str = "TRITON_ATTN") -> None:
 
     tokens = {}
     for name in (backend, "TORCH_REF"):
-        llm = LLM(model="tiny", device="cpu", dtype="float32", attention_backend=name,
-                  max_model_len=64, max_num_seqs=4, num_kv_blocks=16)
+        llm = LLM(
+            model="tiny",
+            device="cpu",
+            dtype="float32",
+            attention_backend=name,
+            max_model_len=64,
+            max_num_seqs=4,
+            num_kv_blocks=16,
+        )
         outputs = generate_checked(llm, ENGINE_PROMPTS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         tokens[name] = [o.outputs[0].token_ids for o in outputs]
     assert tokens[backend] == tokens["TORCH_REF"]

@@ -69,8 +69,13 @@ LAYOUTS = {
 def test_head_sizes_block_sizes_and_gqa(layout: str, seed: int) -> None:
     head_size, num_q_heads, num_kv_heads, block_size, query_lens, context_lens = LAYOUTS[layout]
     batch = random_paged_batch(
-        query_lens, context_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-        head_size=head_size, block_size=block_size, seed=seed,
+        query_lens,
+        context_lens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        block_size=block_size,
+        seed=seed,
     )
     check_poisoned_attention(batch)
 
@@ -108,8 +113,7 @@ def test_reshape_and_cache_writes_only_its_slots(head_size: int) -> None:
     before = kv_cache.clone()
     # Finite values around key/value: a store of a padded lane would put them into the NaN.
     key, value = (
-        poisoned(torch.randn(num_tokens + 2, num_kv_heads, head_size, generator=gen), gap, fill=7.0)
-        for _ in range(2)
+        poisoned(torch.randn(num_tokens + 2, num_kv_heads, head_size, generator=gen), gap, fill=7.0) for _ in range(2)
     )
     last = num_blocks * block_size - 1  # the last slot of the last block: the end of the cache
     slots = torch.cat([torch.randperm(last, generator=gen)[: num_tokens - 1], torch.tensor([last])])

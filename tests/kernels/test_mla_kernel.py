@@ -26,8 +26,14 @@ SCALE = 0.125
 
 
 def make_batch(
-    seq_lens: list[int], *, num_heads: int = 4, kv_lora_rank: int = 32, rope_dim: int = 16, block_size: int = 4,
-    dtype: torch.dtype = torch.float32, seed: int = 0,
+    seq_lens: list[int],
+    *,
+    num_heads: int = 4,
+    kv_lora_rank: int = 32,
+    rope_dim: int = 16,
+    block_size: int = 4,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, kv_cache, block_table, seq_lens) with blocks handed out in a random order."""
     gen = torch.Generator().manual_seed(seed)
@@ -38,7 +44,7 @@ def make_batch(
     block_table = torch.zeros(len(seq_lens), max_pages, dtype=torch.int32)
     used = 0
     for r, n in enumerate(pages):
-        block_table[r, :n] = order[used:used + n].int()
+        block_table[r, :n] = order[used : used + n].int()
         used += n
     width = kv_lora_rank + rope_dim
     kv_cache = torch.randn(num_blocks, block_size, width, generator=gen).to(dtype)
@@ -47,8 +53,9 @@ def make_batch(
     return q.to(DEVICE), kv_cache.to(DEVICE), block_table.to(DEVICE), seq.to(DEVICE)
 
 
-def reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-              kv_lora_rank: int) -> torch.Tensor:
+def reference(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, kv_lora_rank: int
+) -> torch.Tensor:
     """Float64 MQA over each request's rows: scores on all values, output from the latent part."""
     q, kv_cache, block_table = q.cpu().double(), kv_cache.cpu().double(), block_table.cpu()
     block_size = kv_cache.shape[1]
@@ -63,12 +70,21 @@ def reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor
     return out
 
 
-def run(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-        kv_lora_rank: int, splits: int | None, workspace: bool = True, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def run(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    splits: int | None,
+    workspace: bool = True,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     out = torch.full((q.shape[0], q.shape[1], kv_lora_rank), float("nan"), dtype=out_dtype or q.dtype, device=DEVICE)
     ws = MLADecodeWorkspace(q.shape[0], q.shape[1], kv_lora_rank, DEVICE, max_splits=8) if workspace else None
-    result = mla_decode_attention(q, kv_cache, block_table, seq_lens, SCALE, kv_lora_rank, out,
-                                  workspace=ws, num_kv_splits=splits)
+    result = mla_decode_attention(
+        q, kv_cache, block_table, seq_lens, SCALE, kv_lora_rank, out, workspace=ws, num_kv_splits=splits
+    )
     assert result is out
     assert not out.isnan().any(), "unwritten (NaN) output rows"
     return out
@@ -125,8 +141,18 @@ def test_early_launch_reads_the_query_written_just_before(splits: int) -> None:
     live, out = torch.empty_like(q), torch.empty(q.shape[0], q.shape[1], 32, dtype=q.dtype, device=DEVICE)
     for step in range(3):
         torch.mul(q, 1.0 - 0.5 * step, out=live)
-        mla_decode_attention(live, kv_cache, block_table, seq_lens, SCALE, 32, out,
-                             workspace=workspace, num_kv_splits=splits, early_launch=True)
+        mla_decode_attention(
+            live,
+            kv_cache,
+            block_table,
+            seq_lens,
+            SCALE,
+            32,
+            out,
+            workspace=workspace,
+            num_kv_splits=splits,
+            early_launch=True,
+        )
         check(out, reference(live, kv_cache, block_table, seq_lens, 32), torch.bfloat16)
 
 
@@ -174,8 +200,18 @@ def test_bad_input_is_named() -> None:
     out = torch.empty(1, 4, 32, device=DEVICE)
 
     def call(**overrides: object) -> None:
-        args = dict(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens, scale=SCALE,
-                    kv_lora_rank=32, out=out) | overrides
+        args = (
+            dict(
+                q=q,
+                kv_cache=kv_cache,
+                block_table=block_table,
+                seq_lens=seq_lens,
+                scale=SCALE,
+                kv_lora_rank=32,
+                out=out,
+            )
+            | overrides
+        )
         mla_decode_attention(**args)  # type: ignore[arg-type]
 
     with pytest.raises(ValueError, match="rows have 48 values but cache rows 40: both must be"):

@@ -100,13 +100,25 @@ def test_slot_mapping_hand_worked() -> None:
 
 def test_block_table_rewritten_into_kernel_blocks() -> None:
     spec = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    group = AttentionGroup(backend=None, layer_names=[], kv_cache_spec=spec, kv_cache_group_id=0,  # type: ignore[arg-type]
-                           num_heads=1, kernel_block_size=16)
+    group = AttentionGroup(
+        backend=None,
+        layer_names=[],
+        kv_cache_spec=spec,
+        kv_cache_group_id=0,  # type: ignore[arg-type]
+        num_heads=1,
+        kernel_block_size=16,
+    )
     table = torch.tensor([[7, 2], [4, 0]], dtype=torch.int32)
     common = CommonAttentionMetadata(
-        query_start_loc=torch.tensor([0, 1, 2]), query_start_loc_cpu=torch.tensor([0, 1, 2]),
-        seq_lens=torch.tensor([40, 3]), seq_lens_cpu=torch.tensor([40, 3]), num_reqs=2,
-        num_actual_tokens=2, max_query_len=1, max_seq_len=40, block_table_tensor=table,
+        query_start_loc=torch.tensor([0, 1, 2]),
+        query_start_loc_cpu=torch.tensor([0, 1, 2]),
+        seq_lens=torch.tensor([40, 3]),
+        seq_lens_cpu=torch.tensor([40, 3]),
+        num_reqs=2,
+        num_actual_tokens=2,
+        max_query_len=1,
+        max_seq_len=40,
+        block_table_tensor=table,
         slot_mapping=torch.tensor([2 * 32 + 7, 4 * 32 + 2]),
     )
     rewritten = group._to_kernel_blocks(common).block_table_tensor

@@ -101,7 +101,9 @@ def assert_pool_consistent(llm: LLM) -> None:
     for pool in llm.kv_cache_manager.block_pools:
         assert pool.num_free_blocks == pool.num_usable_blocks
         assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
-        assert all(pool.blocks[b.block_id] is b and b.block_hash == h for h, b in pool.cached_block_hash_to_block.items())
+        assert all(
+            pool.blocks[b.block_id] is b and b.block_hash == h for h, b in pool.cached_block_hash_to_block.items()
+        )
         assert sum(b.block_hash is not None for b in pool.blocks) == len(pool.cached_block_hash_to_block)
     assert not llm.kv_cache_manager.req_to_block_hashes
 
@@ -110,8 +112,10 @@ def shared_prefix_prompts(seed: int, n: int = 6) -> list[dict[str, list[int]]]:
     """Random prompts built from two shared system prompts plus random suffixes (some empty)."""
     rng = random.Random(seed)
     systems = [[rng.randrange(1, 250) for _ in range(rng.randint(5, 14))] for _ in range(2)]
-    return [{"prompt_token_ids": rng.choice(systems) + [rng.randrange(1, 250) for _ in range(rng.randint(0, 9))]}
-            for _ in range(n)]
+    return [
+        {"prompt_token_ids": rng.choice(systems) + [rng.randrange(1, 250) for _ in range(rng.randint(0, 9))]}
+        for _ in range(n)
+    ]
 
 
 def tokens(outs: list) -> list[list[int]]:
@@ -122,7 +126,9 @@ def tokens(outs: list) -> list[list[int]]:
 def test_outputs_identical_with_and_without_caching_under_preemption_and_chunks(seed: int) -> None:
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     prompts = shared_prefix_prompts(seed)
-    engine = dict(device="cpu", block_size=BS, num_kv_blocks=14, max_num_batched_tokens=10, attention_backend="TORCH_REF")
+    engine = dict(
+        device="cpu", block_size=BS, num_kv_blocks=14, max_num_batched_tokens=10, attention_backend="TORCH_REF"
+    )
     cached = LLM("tiny", enable_prefix_caching=True, **engine)
     outs = generate_checked(cached, prompts, params)  # logits checked against float64 transformers
     plain = LLM("tiny", enable_prefix_caching=False, **engine)
@@ -154,8 +160,9 @@ def test_cached_tokens_counted_as_predicted() -> None:
 def test_triton_attn_with_caching_matches_the_reference_and_the_uncached_run() -> None:
     pytest.importorskip("triton")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    engine = dict(device="cpu", block_size=BS, num_kv_blocks=24, max_num_batched_tokens=12,
-                  attention_backend="TRITON_ATTN")
+    engine = dict(
+        device="cpu", block_size=BS, num_kv_blocks=24, max_num_batched_tokens=12, attention_backend="TRITON_ATTN"
+    )
     prompts = shared_prefix_prompts(3, n=4)
     llm = LLM("tiny", **engine)
     outs = generate_checked(llm, prompts, params)

@@ -26,29 +26,62 @@ from tests.reference import LogitsRecorder, reference_logits
 transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-4
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 0.707, "mscale_all_dim": 1.0}  # mscale != mscale_all_dim: cos/sin and the softmax both scaled
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.707,
+    "mscale_all_dim": 1.0,
+}  # mscale != mscale_all_dim: cos/sin and the softmax both scaled
 V3_GROUPS = dict(n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5)
 CASES = {  # name -> (version, overrides of write_hf_deepseek)
     "v2-dense-and-moe": (2, {}),
-    "v2-q_lora-group_limited-yarn": (2, dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=2,
-                                             topk_group=1, routed_scaling_factor=1.5, rope_scaling=YARN,
-                                             max_position_embeddings=256)),
+    "v2-q_lora-group_limited-yarn": (
+        2,
+        dict(
+            q_lora_rank=24,
+            topk_method="group_limited_greedy",
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            rope_scaling=YARN,
+            max_position_embeddings=256,
+        ),
+    ),
     # 3 picks from the 2 experts of the one kept group: the third is an expert of a dropped group,
     # weighed 0 (DeepSeek-V2's code and transformers mask dropped groups' scores to 0).
-    "v2-group_limited-more-picks-than-kept": (2, dict(topk_method="group_limited_greedy", n_group=2, topk_group=1,
-                                                      num_experts_per_tok=3)),
+    "v2-group_limited-more-picks-than-kept": (
+        2,
+        dict(topk_method="group_limited_greedy", n_group=2, topk_group=1, num_experts_per_tok=3),
+    ),
     "v3-bias-groups-norm": (3, V3_GROUPS),
     "v3-rope-halves": (3, dict(V3_GROUPS, rope_interleave=False, norm_topk_prob=False)),
     # transformers and DeepSeek's code raise the softmax scale by mscale_all_dim under any scaling type.
-    "v3-linear-rope-mscale_all_dim": (3, dict(V3_GROUPS, rope_scaling={"rope_type": "linear", "factor": 2.0,
-                                                                       "mscale_all_dim": 1.0})),
+    "v3-linear-rope-mscale_all_dim": (
+        3,
+        dict(V3_GROUPS, rope_scaling={"rope_type": "linear", "factor": 2.0, "mscale_all_dim": 1.0}),
+    ),
     # 20 heads (two head blocks of the decode kernel, the second partly empty), a latent and a rope
     # part that are not powers of two, V wider than the no-rope part of K, biases, tied embeddings,
     # experts 30 wide (not a multiple of 4).
-    "v2-odd-shapes": (2, dict(hidden_size=80, num_attention_heads=20, kv_lora_rank=48, qk_nope_head_dim=8,
-                              qk_rope_head_dim=12, v_head_dim=40, q_lora_rank=12, attention_bias=True,
-                              tie_word_embeddings=True, first_k_dense_replace=0, moe_intermediate_size=30)),
+    "v2-odd-shapes": (
+        2,
+        dict(
+            hidden_size=80,
+            num_attention_heads=20,
+            kv_lora_rank=48,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=12,
+            v_head_dim=40,
+            q_lora_rank=12,
+            attention_bias=True,
+            tie_word_embeddings=True,
+            first_k_dense_replace=0,
+            moe_intermediate_size=30,
+        ),
+    ),
 }
 PROMPTS = [[(7 * i + 3 * j) % 120 + 3 for j in range(n)] for i, n in enumerate([1, 5, 12, 17, 33])]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -98,9 +131,17 @@ def test_hub_style_config(tmp_path: Path) -> None:
     config["rope_scaling"] = {"type" if k == "rope_type" else k: v for k, v in rope.items()}
     for key in ("dtype", "head_dim", "qk_head_dim", "transformers_version", "mlp_bias", "output_router_logits"):
         config.pop(key, None)
-    config.update(moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc", aux_loss_alpha=0.001, seq_aux=True,
-                  ep_size=1, num_nextn_predict_layers=1, torch_dtype="bfloat16",
-                  auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    config.update(
+        moe_layer_freq=1,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        aux_loss_alpha=0.001,
+        seq_aux=True,
+        ep_size=1,
+        num_nextn_predict_layers=1,
+        torch_dtype="bfloat16",
+        auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"},
+    )
     (path / "config.json").write_text(json.dumps(config))
     hf = hf_model(path, 3)
     assert hf.config.rope_parameters["rope_type"] == "yarn"  # transformers read the old spelling too
@@ -120,7 +161,10 @@ def test_v3_config_json_with_keys_left_out(tmp_path: Path) -> None:
     ours = load_config(str(path))
     assert isinstance(ours, DeepseekV2Config) and ours.rope_scaling is not None
     assert (ours.norm_topk_prob, ours.routed_scaling_factor, ours.rope_scaling["original_max_position_embeddings"]) == (
-        True, 2.5, 256)
+        True,
+        2.5,
+        256,
+    )
     hf = hf_model(path, 3)
     assert hf.config.rope_parameters["original_max_position_embeddings"] == 256
     error, argmax = logit_errors(engine(path), hf)
@@ -151,8 +195,16 @@ def test_chunked_prefills_mixed_with_decodes(tmp_path: Path) -> None:
 def test_correction_bias_chooses_experts_but_never_weighs_them() -> None:
     """V3's router: experts 0 and 1 get a large bias, so they are always chosen, with their plain
     sigmoid scores as weights (renormalised), not the biased ones."""
-    config = DeepseekV2Config(hidden_size=16, n_routed_experts=8, num_experts_per_tok=2, topk_method="noaux_tc",
-                              n_group=2, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+    config = DeepseekV2Config(
+        hidden_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        topk_method="noaux_tc",
+        n_group=2,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
     gate = DeepseekV2Gate(config)
     gate.weight.copy_(torch.randn(8, 16))
     gate.e_score_correction_bias.copy_(torch.tensor([10.0, 10.0, 0, 0, 0, 0, 0, 0]))
@@ -186,18 +238,33 @@ def test_v2_lite_yarn_matches_transformers() -> None:
     and cos/sin, and its softmax scale, which mscale_all_dim raises 1.59 times."""
     ours = PRESETS["deepseek-v2-lite"]
     assert isinstance(ours, DeepseekV2Config)
-    hf_config = transformers.DeepseekV2Config(**{k: getattr(ours, k) for k in (
-        "hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-        "v_head_dim", "max_position_embeddings", "rope_scaling")})
+    hf_config = transformers.DeepseekV2Config(
+        **{
+            k: getattr(ours, k)
+            for k in (
+                "hidden_size",
+                "num_attention_heads",
+                "q_lora_rank",
+                "kv_lora_rank",
+                "qk_nope_head_dim",
+                "qk_rope_head_dim",
+                "v_head_dim",
+                "max_position_embeddings",
+                "rope_scaling",
+            )
+        }
+    )
     hf_rope = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2RotaryEmbedding(hf_config)
     # Ours are computed in float64, transformers' in float32: equal to float32's rounding.
-    torch.testing.assert_close(rope_inv_freq(64, ours.rope_theta, ours.rope_scaling), hf_rope.inv_freq,
-                               rtol=2.5e-7, atol=0)
+    torch.testing.assert_close(
+        rope_inv_freq(64, ours.rope_theta, ours.rope_scaling), hf_rope.inv_freq, rtol=2.5e-7, atol=0
+    )
     positions = torch.tensor([0, 1, 100, 1000])  # farther on, that rounding grows into the angles
     freqs_cis = hf_rope(torch.zeros(1), positions[None])[0]  # complex: attention factor * e^(i angle)
     rope = RotaryEmbedding(64, ours.max_position_embeddings, ours.rope_theta, ours.rope_scaling, interleaved=True)
-    torch.testing.assert_close(rope.cos_sin_cache[positions], torch.cat([freqs_cis.real, freqs_cis.imag], dim=-1),
-                               atol=2e-5, rtol=0)
+    torch.testing.assert_close(
+        rope.cos_sin_cache[positions], torch.cat([freqs_cis.real, freqs_cis.imag], dim=-1), atol=2e-5, rtol=0
+    )
     with torch.device("meta"):
         hf_attention = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Attention(hf_config, 0)
     assert ours.softmax_scale == pytest.approx(hf_attention.scaling, rel=1e-12)
@@ -230,8 +297,11 @@ def test_rope_keys_are_read_as_transformers_reads_them(tmp_path: Path, spelling:
         edit_config_json(path, rope_parameters={k: v for k, v in rope.items() if k != "rope_theta"}, rope_theta=100.0)
         expected = (100.0, None)
     else:
-        edit_config_json(path, rope_scaling={"type" if k == "rope_type" else k: v for k, v in YARN.items()},
-                     rope_theta=rope["rope_theta"])
+        edit_config_json(
+            path,
+            rope_scaling={"type" if k == "rope_type" else k: v for k, v in YARN.items()},
+            rope_theta=rope["rope_theta"],
+        )
         expected = (rope["rope_theta"], "yarn")
     ours = load_config(str(path))
     assert isinstance(ours, DeepseekV2Config)
@@ -267,8 +337,9 @@ def test_null_expert_groups_are_named_as_null() -> None:
     """A V3 config.json with null groups is refused naming the nulls, not V3's defaults (8, 4) that a
     key left out would mean: DeepSeek's own router cannot run without groups either."""
     with pytest.raises(ValueError, match=r"got n_group=None, topk_group=None"):
-        DeepseekV2Config.from_hf_dict(dict(n_routed_experts=4, num_experts_per_tok=1, n_group=None, topk_group=None),
-                                      "deepseek_v3")
+        DeepseekV2Config.from_hf_dict(
+            dict(n_routed_experts=4, num_experts_per_tok=1, n_group=None, topk_group=None), "deepseek_v3"
+        )
 
 
 def test_multi_token_prediction_layers_are_skipped(tmp_path: Path) -> None:
@@ -278,10 +349,17 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path: Path) -> None:
     edit_config_json(path, num_nextn_predict_layers=1)
     weights_file = path / "model.safetensors"
     tensors = load_file(weights_file)
-    mtp = {name.replace("model.layers.2.", "model.layers.3."): t.clone() for name, t in tensors.items()
-           if name.startswith("model.layers.2.")}
-    mtp |= {"model.layers.3.eh_proj.weight": torch.randn(64, 128), "model.layers.3.enorm.weight": torch.ones(64),
-            "model.layers.3.hnorm.weight": torch.ones(64), "model.layers.3.shared_head.norm.weight": torch.ones(64)}
+    mtp = {
+        name.replace("model.layers.2.", "model.layers.3."): t.clone()
+        for name, t in tensors.items()
+        if name.startswith("model.layers.2.")
+    }
+    mtp |= {
+        "model.layers.3.eh_proj.weight": torch.randn(64, 128),
+        "model.layers.3.enorm.weight": torch.ones(64),
+        "model.layers.3.hnorm.weight": torch.ones(64),
+        "model.layers.3.shared_head.norm.weight": torch.ones(64),
+    }
     save_file(tensors | mtp, weights_file)
     error, argmax = logit_errors(engine(path), hf_model(path, 3))
     assert error <= ATOL and argmax
@@ -302,10 +380,13 @@ def test_router_stays_float32_in_bfloat16(tmp_path: Path) -> None:
         assert torch.equal(gate.e_score_correction_bias, tensors[f"{name}.e_score_correction_bias"])
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    (dict(topk_method="noaux_tc", n_group=2, topk_group=1), "'noaux_tc' is DeepSeek-V3's router"),
-    (dict(moe_layer_freq=2), "moe_layer_freq=2: every layer from first_k_dense_replace on is a MoE layer"),
-])
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(topk_method="noaux_tc", n_group=2, topk_group=1), "'noaux_tc' is DeepSeek-V3's router"),
+        (dict(moe_layer_freq=2), "moe_layer_freq=2: every layer from first_k_dense_replace on is a MoE layer"),
+    ],
+)
 def test_v2_configs_this_model_cannot_serve_are_refused(tmp_path: Path, changes: dict, message: str) -> None:
     path = write_hf_deepseek(tmp_path / "v2")
     edit_config_json(path, **changes)
@@ -316,17 +397,22 @@ def test_v2_configs_this_model_cannot_serve_are_refused(tmp_path: Path, changes:
 def test_v3_groups_of_one_expert_are_refused() -> None:
     message = r"two best experts: n_group=4 leaves 1 of the 4 experts per group; use n_group <= 2"
     with pytest.raises(ValueError, match=message):
-        DeepseekV2Config.from_hf_dict(dict(n_routed_experts=4, num_experts_per_tok=1, n_group=4, topk_group=1),
-                                      "deepseek_v3")
+        DeepseekV2Config.from_hf_dict(
+            dict(n_routed_experts=4, num_experts_per_tok=1, n_group=4, topk_group=1), "deepseek_v3"
+        )
 
 
 def test_v3_more_picks_than_kept_experts_is_refused() -> None:
     """noaux_tc masks dropped groups to -inf but weighs by the unmasked scores: picks past the kept
     experts would be arbitrary experts with real weights."""
-    message = r"num_experts_per_tok \(3\) exceeds the experts of the topk_group \(1\) groups .* use num_experts_per_tok <= 2"
+    message = (
+        r"num_experts_per_tok \(3\) exceeds the experts of the topk_group \(1\) groups .* use num_experts_per_tok <= 2"
+    )
     with pytest.raises(ValueError, match=message):
-        DeepseekV2Config.from_hf_dict(dict(n_routed_experts=4, num_experts_per_tok=3, n_group=2, topk_group=1,
-                                           topk_method="noaux_tc"), "deepseek_v3")
+        DeepseekV2Config.from_hf_dict(
+            dict(n_routed_experts=4, num_experts_per_tok=3, n_group=2, topk_group=1, topk_method="noaux_tc"),
+            "deepseek_v3",
+        )
 
 
 def test_v2_norm_topk_prob_is_refused(tmp_path: Path) -> None:
@@ -346,14 +432,20 @@ def test_checkpoint_missing_or_unknown_tensor_is_named(tmp_path: Path) -> None:
     tensors["model.layers.2.mlp.gate.e_score_correction_bias"] = bias
     tensors["model.layers.2.mlp.experts.4.up_proj.weight"] = torch.zeros(32, 64)  # there are 4 experts
     save_file(tensors, weights_file)
-    with pytest.raises(ValueError, match=r"'model\.layers\.2\.mlp\.experts\.4\.up_proj\.weight' has no matching "
-                                         r"parameter in DeepseekV3ForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"'model\.layers\.2\.mlp\.experts\.4\.up_proj\.weight' has no matching "
+        r"parameter in DeepseekV3ForCausalLM",
+    ):
         engine(path)
 
 
 def test_tensor_parallel_is_refused_by_name() -> None:
-    with pytest.raises(NotImplementedError, match=r"tensor_parallel_size=2: DeepseekV2ForCausalLM models run on "
-                                                  r"one rank only"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"tensor_parallel_size=2: DeepseekV2ForCausalLM models run on "
+        r"one rank only",
+    ):
         LLM("tiny-mla", device="cpu", tensor_parallel_size=2)
 
 
@@ -366,7 +458,10 @@ def test_tiny_mla_preset_depends_on_attention(monkeypatch: pytest.MonkeyPatch) -
         return [o.outputs[0].token_ids for o in LLM("tiny-mla", device="cpu").generate(prompts, params)]
 
     normal = continuations()
-    monkeypatch.setattr(MLAAttention, "forward", lambda self, q, kv_c_normed, k_pe: q.new_zeros(
-        q.shape[0], self.num_heads * self.mla_dims.v_head_dim))
+    monkeypatch.setattr(
+        MLAAttention,
+        "forward",
+        lambda self, q, kv_c_normed, k_pe: q.new_zeros(q.shape[0], self.num_heads * self.mla_dims.v_head_dim),
+    )
     blind = continuations()
     assert all(a != b for a, b in zip(normal, blind))

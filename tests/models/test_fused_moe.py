@@ -15,8 +15,11 @@ E, H, I = 5, 16, 12  # H != I: a transposed down_proj cannot line up; rows of 16
 
 def hf_expert_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {f"experts.{e}.{name}.weight": torch.randn(shape, generator=gen, dtype=torch.float64) / shape[1] ** 0.5
-            for e in range(E) for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))}
+    return {
+        f"experts.{e}.{name}.weight": torch.randn(shape, generator=gen, dtype=torch.float64) / shape[1] ** 0.5
+        for e in range(E)
+        for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))
+    }
 
 
 class Holder(torch.nn.Module):
@@ -40,15 +43,18 @@ def routing(tokens: int, top_k: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.rand(tokens, top_k, generator=gen, dtype=torch.float64), ids
 
 
-def reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+def reference(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, tensors: dict[str, torch.Tensor]
+) -> torch.Tensor:
     """Each token through each of its experts alone, in float64: sum_k weight_k * expert_k(x)."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for weight, e in zip(weights[t].tolist(), ids[t].tolist()):
             w = {n: tensors[f"experts.{e}.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj")}
             xt = x[t].double()
-            out[t] += weight * F.linear(F.silu(F.linear(xt, w["gate_proj"])) * F.linear(xt, w["up_proj"]), w["down_proj"])
+            out[t] += weight * F.linear(
+                F.silu(F.linear(xt, w["gate_proj"])) * F.linear(xt, w["up_proj"]), w["down_proj"]
+            )
     return out
 
 
@@ -95,8 +101,11 @@ def test_missing_expert_and_bad_shapes_are_named() -> None:
         loaded_experts(tensors)
     tensors = hf_expert_tensors()
     tensors["experts.1.down_proj.weight"] = tensors["experts.1.down_proj.weight"].T
-    with pytest.raises(ValueError, match=r"Shape mismatch loading expert 1 w2: this rank's slice \(12, 16\), "
-                                         r"parameter \(16, 12\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"Shape mismatch loading expert 1 w2: this rank's slice \(12, 16\), "
+        r"parameter \(16, 12\)",
+    ):
         loaded_experts(tensors)
     with pytest.raises(ValueError, match=r"FusedMoE loads one expert at a time.*got 0"):
         experts = FusedMoE(E, H, I)

@@ -35,10 +35,13 @@ def test_rms_norm_in_bfloat16_rounds_as_transformers_does() -> None:
         assert torch.equal(ours(x), theirs(x))
 
 
-@pytest.mark.parametrize("interleaved, expected", [
-    (True, [math.cos(1), math.sin(1), 0.0, 0.0]),  # pair (x0, x1) turns in place
-    (False, [math.cos(1), 0.0, math.sin(1), 0.0]),  # pair (x0, x2): the two halves
-])
+@pytest.mark.parametrize(
+    "interleaved, expected",
+    [
+        (True, [math.cos(1), math.sin(1), 0.0, 0.0]),  # pair (x0, x1) turns in place
+        (False, [math.cos(1), 0.0, math.sin(1), 0.0]),  # pair (x0, x2): the two halves
+    ],
+)
 def test_rope_keeps_each_rotated_pair_where_it_was(interleaved: bool, expected: list[float]) -> None:
     """head_dim 4, position 1: the first pair's frequency is theta^0 = 1, so x = e0 turns by 1 rad.
     Equal permutations of q and k leave q.k alone; the cached k_pe layout must still be DeepSeek's."""
@@ -49,13 +52,18 @@ def test_rope_keeps_each_rotated_pair_where_it_was(interleaved: bool, expected: 
     torch.testing.assert_close(k, torch.tensor([expected]))
 
 
-@pytest.mark.parametrize("name, first", [
-    ("llama", "LlamaAttention"), ("qwen3", "Qwen3Attention"), ("deepseek_v2", "DeepseekV2Attention")])
+@pytest.mark.parametrize(
+    "name, first", [("llama", "LlamaAttention"), ("qwen3", "Qwen3Attention"), ("deepseek_v2", "DeepseekV2Attention")]
+)
 def test_model_file_starts_at_its_attention_class(name: str, first: str) -> None:
     """Notebook 01 reads the model files: after the docstring and imports each one opens with its
     attention module; the config.json dataclasses and their defaults are in pagedkv/models/configs.py."""
     path = Path(pagedkv.models.__file__).parent / f"{name}.py"
-    body = [node for node in ast.parse(path.read_text()).body
-            if not isinstance(node, (ast.Import, ast.ImportFrom, ast.Expr))]  # Expr: the docstring
-    assert isinstance(body[0], ast.ClassDef) and body[0].name == first, \
+    body = [
+        node
+        for node in ast.parse(path.read_text()).body
+        if not isinstance(node, (ast.Import, ast.ImportFrom, ast.Expr))
+    ]  # Expr: the docstring
+    assert isinstance(body[0], ast.ClassDef) and body[0].name == first, (
         f"{path.name} opens with {ast.unparse(body[0]).splitlines()[0]!r}, not class {first}"
+    )

@@ -19,12 +19,22 @@ CONFIGS = {
     "mha": dict(num_attention_heads=4, num_key_value_heads=4),
     "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
     "mqa": dict(num_attention_heads=4, num_key_value_heads=1),
-    "dynamic-rope-head_dim-80": dict(num_key_value_heads=1, head_dim=80, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+    "dynamic-rope-head_dim-80": dict(
+        num_key_value_heads=1, head_dim=80, rope_scaling={"rope_type": "dynamic", "factor": 2.0}
+    ),
     "biases-head_dim-32": dict(attention_bias=True, mlp_bias=True, head_dim=32, num_key_value_heads=2),
     "llama3-rope-tied": dict(
-        num_attention_heads=8, num_key_value_heads=2, hidden_size=64, tie_word_embeddings=True,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        hidden_size=64,
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
     # Qwen3: per-head q_norm / k_norm (drawn by write_hf_llama) before RoPE; head_dim 24 != 64 / 4.
     "qwen3-gqa-head_dim-24": dict(family="Qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=24),
@@ -57,10 +67,14 @@ def _hf_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[li
     with torch.no_grad():
         for p in prompts:
             out = ref.generate(
-                torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                torch.tensor([p]),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
             )
-            outputs.append(out[0, len(p):].tolist())
+            outputs.append(out[0, len(p) :].tolist())
     return outputs
 
 
@@ -94,20 +108,34 @@ def test_sliding_window_matches_transformers_mistral(tmp_path: Path) -> None:
     """A Mistral directory (Llama weights + a sliding window on every layer) against transformers."""
     torch.manual_seed(0)
     config = transformers.MistralConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, sliding_window=8, initializer_range=0.3,
-        bos_token_id=1, eos_token_id=2,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=8,
+        initializer_range=0.3,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     transformers.MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
     ref = transformers.MistralForCausalLM.from_pretrained(tmp_path / "mistral", dtype=torch.float32).eval()
     prompt = PROMPTS[5]  # 48 tokens: far longer than the window
     with torch.no_grad():
-        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                                pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        expected = ref.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
     llm = LLM(str(tmp_path / "mistral"), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
     assert llm.runner.attn_layers["model.layers.0.self_attn.attn"].sliding_window == 8
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    assert out[0].outputs[0].token_ids == expected[0, len(prompt):].tolist()
+    assert out[0].outputs[0].token_ids == expected[0, len(prompt) :].tolist()
 
 
 def assert_last_logits_match(llm: LLM, ref: torch.nn.Module, prompt: list[int]) -> None:
@@ -124,8 +152,15 @@ def test_qwen2_directory_matches_transformers(tmp_path: Path) -> None:
     """Qwen2 = Llama + q/k/v biases: the loader maps it onto the same model file."""
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
     )
     transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen2")
     ref = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "qwen2", dtype=torch.float32).eval()
@@ -136,9 +171,11 @@ def test_qwen2_directory_matches_transformers(tmp_path: Path) -> None:
 
 def _without(*keys: str):
     """A config.json edit that deletes `keys`, as a transformers-4 save would not have written them."""
+
     def edit(hf: dict) -> None:
         for key in keys:
             del hf[key]
+
     return edit
 
 
@@ -153,47 +190,102 @@ FULL = "full_attention"
 # name -> (transformers class prefix, config fields, config.json edit, window of each of the 4 layers)
 WINDOW_CASES = {
     # transformers 4 wrote no layer_types: full attention below max_window_layers, windows from there.
-    "qwen2-no-layer_types": ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
-                             _without("layer_types"), [None, 8, 8, 8]),
+    "qwen2-no-layer_types": (
+        "Qwen2",
+        dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+        _without("layer_types"),
+        [None, 8, 8, 8],
+    ),
     # layer_types, when present, decide (here against what max_window_layers would say).
-    "qwen2-layer_types": ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=3,
-                                        layer_types=[SLIDING, FULL, SLIDING, FULL]), None, [8, None, 8, None]),
+    "qwen2-layer_types": (
+        "Qwen2",
+        dict(
+            use_sliding_window=True, sliding_window=8, max_window_layers=3, layer_types=[SLIDING, FULL, SLIDING, FULL]
+        ),
+        None,
+        [8, None, 8, None],
+    ),
     # use_sliding_window false switches every window off, whatever sliding_window and max_window_layers say.
-    "qwen2-window-off": ("Qwen2", dict(use_sliding_window=False, max_window_layers=0),
-                         lambda hf: (hf.update(sliding_window=8), hf.pop("layer_types")), [None] * 4),
+    "qwen2-window-off": (
+        "Qwen2",
+        dict(use_sliding_window=False, max_window_layers=0),
+        lambda hf: (hf.update(sliding_window=8), hf.pop("layer_types")),
+        [None] * 4,
+    ),
     # Qwen2.5-style config without use_sliding_window: transformers' default is False.
-    "qwen2-no-use_sliding_window": ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0),
-                                    _without("use_sliding_window", "layer_types"), [None] * 4),
+    "qwen2-no-use_sliding_window": (
+        "Qwen2",
+        dict(use_sliding_window=True, sliding_window=8, max_window_layers=0),
+        _without("use_sliding_window", "layer_types"),
+        [None] * 4,
+    ),
     # Mistral puts its window on every layer; with layer_types, AutoModel reads it as Ministral: per layer.
     "mistral": ("Mistral", dict(sliding_window=8), None, [8] * 4),
-    "mistral-layer_types": ("Mistral", dict(sliding_window=8), _setting(layer_types=[FULL, SLIDING] * 2),
-                            [None, 8, None, 8]),
+    "mistral-layer_types": (
+        "Mistral",
+        dict(sliding_window=8),
+        _setting(layer_types=[FULL, SLIDING] * 2),
+        [None, 8, None, 8],
+    ),
     # Qwen2 with use_sliding_window but neither layer_types nor max_window_layers: transformers'
     # default max_window_layers is 28, so a 4-layer model has no windowed layer.
-    "qwen2-default-max_window_layers": ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
-                                        _without("max_window_layers", "layer_types"), [None] * 4),
+    "qwen2-default-max_window_layers": (
+        "Qwen2",
+        dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+        _without("max_window_layers", "layer_types"),
+        [None] * 4,
+    ),
     # Llama has no window at all, whatever its config.json says (Qwen2's keys included).
     "llama-window-ignored": ("Llama", {}, _setting(sliding_window=8, layer_types=[SLIDING] * 4), [None] * 4),
-    "llama-use_sliding_window-ignored": ("Llama", {}, _setting(use_sliding_window=True, sliding_window=8,
-                                                               max_window_layers=0), [None] * 4),
+    "llama-use_sliding_window-ignored": (
+        "Llama",
+        {},
+        _setting(use_sliding_window=True, sliding_window=8, max_window_layers=0),
+        [None] * 4,
+    ),
     # Qwen3 reads its windows as Qwen2 does.
-    "qwen3-no-layer_types": ("Qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2),
-                             _without("layer_types"), [None, None, 8, 8]),
-    "qwen3-layer_types": ("Qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=3,
-                                        layer_types=[FULL, SLIDING, SLIDING, FULL]), None, [None, 8, 8, None]),
-    "qwen3-no-use_sliding_window": ("Qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0),
-                                    _without("use_sliding_window", "layer_types"), [None] * 4),
+    "qwen3-no-layer_types": (
+        "Qwen3",
+        dict(use_sliding_window=True, sliding_window=8, max_window_layers=2),
+        _without("layer_types"),
+        [None, None, 8, 8],
+    ),
+    "qwen3-layer_types": (
+        "Qwen3",
+        dict(
+            use_sliding_window=True, sliding_window=8, max_window_layers=3, layer_types=[FULL, SLIDING, SLIDING, FULL]
+        ),
+        None,
+        [None, 8, 8, None],
+    ),
+    "qwen3-no-use_sliding_window": (
+        "Qwen3",
+        dict(use_sliding_window=True, sliding_window=8, max_window_layers=0),
+        _without("use_sliding_window", "layer_types"),
+        [None] * 4,
+    ),
 }
 
 
 def _family_dir(path: Path, family: str, fields: dict, edit: Callable[[dict], object] | None) -> Path:
     """A 4-layer `{family}ForCausalLM` saved by transformers, its config.json then edited."""
     torch.manual_seed(0)
-    config = getattr(transformers, f"{family}Config")(**{
-        **dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False),
-        **fields,
-    })
+    config = getattr(transformers, f"{family}Config")(
+        **{
+            **dict(
+                vocab_size=128,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=512,
+                initializer_range=0.3,
+                tie_word_embeddings=False,
+            ),
+            **fields,
+        }
+    )
     getattr(transformers, f"{family}ForCausalLM")(config).save_pretrained(path)
     if edit is not None:
         hf = json.loads((path / "config.json").read_text())
@@ -223,8 +315,14 @@ def _no_context_lengths(hf: dict) -> None:
     del hf["rope_parameters"]["original_max_position_embeddings"]
 
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+}
 
 # name -> (family, config fields, config.json edit): keys a family reads its own way in transformers.
 FAMILY_KEY_CASES = {
@@ -239,8 +337,11 @@ FAMILY_KEY_CASES = {
     # Qwen3's defaults: max_position_embeddings 32768, head_dim 128 (not 64 / 4), 32 KV heads.
     "qwen3-default-context": ("Qwen3", dict(rope_parameters=LLAMA3), _no_context_lengths),
     "qwen3-default-head_dim": ("Qwen3", {}, _without("head_dim")),
-    "qwen3-default-num_key_value_heads": ("Qwen3", dict(num_attention_heads=32, num_key_value_heads=32, head_dim=8),
-                                          _without("num_key_value_heads")),
+    "qwen3-default-num_key_value_heads": (
+        "Qwen3",
+        dict(num_attention_heads=32, num_key_value_heads=32, head_dim=8),
+        _without("num_key_value_heads"),
+    ),
     # attention_bias puts biases on q/k/v and o_proj (as Llama's); the MLP has none, whatever mlp_bias says.
     "qwen3-bias-keys": ("Qwen3", dict(attention_bias=True), _setting(mlp_bias=True)),
 }
@@ -253,7 +354,9 @@ def test_family_keys_are_read_as_transformers_reads_them(tmp_path: Path, name: s
 
 
 @pytest.mark.parametrize(("preset", "billions", "non_embedding"), [("qwen3-0.6b", 0.6, 0.44), ("qwen3-8b", 8.2, 6.95)])
-def test_qwen3_presets_have_the_model_cards_parameter_counts(preset: str, billions: float, non_embedding: float) -> None:
+def test_qwen3_presets_have_the_model_cards_parameter_counts(
+    preset: str, billions: float, non_embedding: float
+) -> None:
     """The benchmark presets are the real models' shapes: counted on the meta device, the parameters
     (tied embeddings once) are what Qwen3-0.6B's and Qwen3-8B's model cards say, total and without
     the embeddings."""
@@ -268,15 +371,15 @@ def test_old_checkpoint_with_rotary_inv_freq_buffers_loads(tmp_path: Path) -> No
     `self_attn.rotary_emb.inv_freq`; it is derived from config.json, so it is skipped, not an error."""
     from safetensors.torch import load_file, save_file
 
-
     model_dir = write_hf_llama(tmp_path / "old")
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     path = model_dir / "model.safetensors"
     tensors = load_file(str(path))
     head_dim = 64 // 4
     for i in range(2):
-        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = \
-            10000.0 ** -(torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = 10000.0 ** -(
+            torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        )
     save_file(tensors, str(path), metadata={"format": "pt"})
     llm = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=32)
     assert_last_logits_match(llm, reference, [5, 9, 17, 3, 44, 101, 7])
@@ -291,4 +394,5 @@ def test_mistral_without_sliding_window_key_has_transformers_default_window(tmp_
     assert reference.sliding_window == 4096
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
     assert [llm.runner.attn_layers[f"model.layers.{i}.self_attn.attn"].sliding_window for i in range(4)] == [
-        reference.sliding_window] * 4
+        reference.sliding_window
+    ] * 4

@@ -66,7 +66,8 @@ def test_only_the_hf_checkpoint_files_are_read(tmp_path: Path, layout: str) -> N
     if layout == "single-file-beside-stale-shards":
         safetensors_torch.save_file(other, str(model_dir / "model-00001-of-00001.safetensors"))
         (model_dir / "model.safetensors.index.json").write_text(
-            json.dumps({"weight_map": {name: "model-00001-of-00001.safetensors" for name in other}}))
+            json.dumps({"weight_map": {name: "model-00001-of-00001.safetensors" for name in other}})
+        )
     ours, expected = _last_logits(model_dir)
     assert (ours - expected).abs().max().item() <= 1e-4
 
@@ -82,7 +83,9 @@ def test_shards_without_their_index_are_read(tmp_path: Path) -> None:
     """Shards named as save_pretrained names them, but no index.json: read all of them."""
     src = write_hf_llama(tmp_path / "src")
     model_dir = tmp_path / "model"
-    transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.float32).save_pretrained(model_dir, max_shard_size="40KB")
+    transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.float32).save_pretrained(
+        model_dir, max_shard_size="40KB"
+    )
     (model_dir / "model.safetensors.index.json").unlink()
     llm = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=16)
     reference = LLM(str(src), device="cpu", dtype="float32", num_kv_blocks=16)
@@ -100,8 +103,9 @@ def test_index_naming_a_missing_shard_is_a_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("stored", ["embedding-only", "lm_head-only", "both-equal", "both-different"])
-def test_tied_embeddings_read_as_transformers_reads_them(tmp_path: Path, stored: str,
-                                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_tied_embeddings_read_as_transformers_reads_them(
+    tmp_path: Path, stored: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """tie_word_embeddings with the embedding, the lm_head or both in the file. transformers ties
     the one table it finds to both uses, and unties a pair that differs (a file that is not a
     tied model, whatever its config says): so must the engine, saying so. Before, the engine
@@ -126,13 +130,17 @@ def test_tied_embeddings_read_as_transformers_reads_them(tmp_path: Path, stored:
     assert model.config.tie_word_embeddings == (not untied)
 
 
-@pytest.mark.parametrize(("changes", "tensor", "shapes"), [
-    (dict(intermediate_size=48), "mlp.down_proj.weight", r"checkpoint \(64, 96\), expected \(64, 48\)"),
-    (dict(num_key_value_heads=1), "self_attn.k_proj.weight", r"checkpoint \(32, 64\), expected \(16, 64\)"),
-    (dict(head_dim=32), "self_attn.k_proj.weight", r"checkpoint \(32, 64\), expected \(64, 64\)"),
-])
-def test_weights_of_other_sizes_than_config_json_are_refused(tmp_path: Path, changes: dict, tensor: str,
-                                                             shapes: str) -> None:
+@pytest.mark.parametrize(
+    ("changes", "tensor", "shapes"),
+    [
+        (dict(intermediate_size=48), "mlp.down_proj.weight", r"checkpoint \(64, 96\), expected \(64, 48\)"),
+        (dict(num_key_value_heads=1), "self_attn.k_proj.weight", r"checkpoint \(32, 64\), expected \(16, 64\)"),
+        (dict(head_dim=32), "self_attn.k_proj.weight", r"checkpoint \(32, 64\), expected \(64, 64\)"),
+    ],
+)
+def test_weights_of_other_sizes_than_config_json_are_refused(
+    tmp_path: Path, changes: dict, tensor: str, shapes: str
+) -> None:
     """A config.json that does not belong to its weights. Smaller sizes than the checkpoint's were
     loaded without a word (each layer cut its slice out of the larger tensor, as a tensor-parallel
     rank does): wrong weights, wrong tokens. The whole tensor is checked first now."""
@@ -164,12 +172,18 @@ def test_config_json_that_is_not_an_object(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "changes,message",
     [
-        (dict(model_type="gpt2", architectures=None), r"model_type 'gpt2' is not supported; supported model types: "
-                                                      r"\['llama', 'mistral', 'qwen2', 'qwen3', 'deepseek_v2', "
-                                                      r"'deepseek_v3'\]"),
+        (
+            dict(model_type="gpt2", architectures=None),
+            r"model_type 'gpt2' is not supported; supported model types: "
+            r"\['llama', 'mistral', 'qwen2', 'qwen3', 'deepseek_v2', "
+            r"'deepseek_v3'\]",
+        ),
         (dict(model_type="gpt2"), r"model_type 'gpt2' is not supported"),
-        (dict(model_type=None, architectures=["GPT2LMHeadModel"]), r"architectures \['GPT2LMHeadModel'\] is not "
-                                                                   r"supported; supported: \['LlamaForCausalLM'"),
+        (
+            dict(model_type=None, architectures=["GPT2LMHeadModel"]),
+            r"architectures \['GPT2LMHeadModel'\] is not "
+            r"supported; supported: \['LlamaForCausalLM'",
+        ),
         (dict(architectures=[]), r"architectures \[\] is not supported"),
         (dict(model_type="qwen2"), r"model_type 'qwen2' contradicts architectures \['LlamaForCausalLM'\]"),
     ],
@@ -182,15 +196,18 @@ def test_unsupported_or_contradictory_model_is_rejected(tmp_path: Path, changes:
         LLM(str(model_dir), device="cpu", num_kv_blocks=16)
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    (dict(num_attention_heads=0), r"num_attention_heads must be an int >= 1, got 0"),  # was a ZeroDivisionError
-    (dict(max_position_embeddings="1024"), r"max_position_embeddings must be an int >= 1, got '1024'"),
-    (dict(hidden_size=-64), r"hidden_size must be an int >= 1, got -64"),  # was torch's "Dimension size"
-    (dict(rms_norm_eps="x"), r"rms_norm_eps must be a number > 0, got 'x'"),  # was accepted
-    # Was the attention layer's message without the file (a Qwen3 config without num_key_value_heads has 32).
-    (dict(num_key_value_heads=3), r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
-    (dict(attention_bias="yes"), r"attention_bias must be true or false, got 'yes'"),  # was "missing 8 tensors"
-])
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(num_attention_heads=0), r"num_attention_heads must be an int >= 1, got 0"),  # was a ZeroDivisionError
+        (dict(max_position_embeddings="1024"), r"max_position_embeddings must be an int >= 1, got '1024'"),
+        (dict(hidden_size=-64), r"hidden_size must be an int >= 1, got -64"),  # was torch's "Dimension size"
+        (dict(rms_norm_eps="x"), r"rms_norm_eps must be a number > 0, got 'x'"),  # was accepted
+        # Was the attention layer's message without the file (a Qwen3 config without num_key_value_heads has 32).
+        (dict(num_key_value_heads=3), r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+        (dict(attention_bias="yes"), r"attention_bias must be true or false, got 'yes'"),  # was "missing 8 tensors"
+    ],
+)
 def test_config_json_numbers_are_checked_by_name(tmp_path: Path, changes: dict, message: str) -> None:
     """Named with the file's path (the model file's own checks say only "config.json")."""
     model_dir = write_hf_llama(tmp_path / "model")
@@ -222,8 +239,13 @@ def test_family_from_either_field_or_llama_without_both(tmp_path: Path) -> None:
     """model_type alone, architectures alone, or (a hand-written Llama config) neither."""
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, initializer_range=0.3,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.3,
     )
     transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen2")
     edit_config_json(tmp_path / "qwen2", model_type=None)
@@ -241,8 +263,11 @@ def test_family_from_either_field_or_llama_without_both(tmp_path: Path) -> None:
     "changes,message",
     [
         (dict(layer_types=["sliding_attention"]), r"layer_types must be a list with one entry per layer \(2\)"),
-        (dict(layer_types=["full_attention", "linear_attention"]), r"layer_types has unsupported entries "
-                                                                    r"\['linear_attention'\]"),
+        (
+            dict(layer_types=["full_attention", "linear_attention"]),
+            r"layer_types has unsupported entries "
+            r"\['linear_attention'\]",
+        ),
         (dict(sliding_window=0), r"sliding_window must be a positive int or None, got 0"),
     ],
     ids=["layer_types-length", "layer_types-entry", "sliding_window"],
@@ -370,9 +395,7 @@ def test_importing_pagedkv_leaves_the_environment_alone() -> None:
     assert _python(IMPORTS)["changed"] == []
 
 
-triton_only = pytest.mark.skipif(
-    not __import__("pagedkv.kernels").kernels.HAS_TRITON, reason="triton is not installed"
-)
+triton_only = pytest.mark.skipif(not __import__("pagedkv.kernels").kernels.HAS_TRITON, reason="triton is not installed")
 
 
 @triton_only
@@ -410,8 +433,10 @@ def test_tiny_preset_logits_spread_as_documented() -> None:
     llm = LLM("tiny", device="cpu", dtype="float32", num_kv_blocks=32)
     rows: list[torch.Tensor] = []
     llm.add_step_listener(lambda e: rows.extend(e.result.logits.clone()))
-    llm.generate([{"prompt_token_ids": [256, *b"Hello world"]}, {"prompt_token_ids": [256, *b"paged"]}],
-                 SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    llm.generate(
+        [{"prompt_token_ids": [256, *b"Hello world"]}, {"prompt_token_ids": [256, *b"paged"]}],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    )
     spread = torch.stack(rows).std(dim=-1)
     assert spread.min().item() > 1.5 and spread.max().item() < 12, spread
     embedding = llm.model.model.embed_tokens.weight

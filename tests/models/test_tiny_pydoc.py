@@ -88,7 +88,7 @@ def test_recorded_held_out_loss_is_reproduced(hf_model: torch.nn.Module) -> None
     assert len(stream) == LOG["val_tokens"]
     total, count = 0.0, 0
     for start in range(0, len(stream) - 1, seq_len):  # windows overlap by one: each token predicted once
-        window = stream[start:start + seq_len + 1][None]
+        window = stream[start : start + seq_len + 1][None]
         n = window.shape[1] - 1
         total += hf_model(window, labels=window).loss.item() * n  # HF shifts labels: mean over n
         count += n

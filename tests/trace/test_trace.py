@@ -42,7 +42,8 @@ def test_requests_phases_and_tokens(trace: StepTrace) -> None:
     first = trace[0]
     # Budget 16: the 13-token prompt fits, the next gets the 3 tokens left (chunked prefill).
     assert [(r.req_id, r.phase, r.num_computed_tokens, r.num_new_tokens) for r in first.scheduled] == [
-        ("0", "prefill", 0, 13), ("1", "prefill", 0, 3),
+        ("0", "prefill", 0, 13),
+        ("1", "prefill", 0, 3),
     ]
     assert first.num_prefill_tokens == 16 and first.num_decode_tokens == 0
     for record in trace:
@@ -68,8 +69,7 @@ def test_slot_mapping_follows_block_tables(trace: StepTrace) -> None:
         for group in trace.engine.kv_cache_groups:
             bs = group.spec.block_size
             expected = [
-                rows[rid][group.group_id][pos // bs] * bs + pos % bs
-                for rid, pos in zip(owners, record.positions)
+                rows[rid][group.group_id][pos // bs] * bs + pos % bs for rid, pos in zip(owners, record.positions)
             ]
             assert record.slot_mappings[group.group_id] == expected
 
@@ -152,7 +152,9 @@ def test_engine_info_describes_each_layers_cache(trace: StepTrace) -> None:
         layers = [i for i, t in enumerate(config.layer_types) if t == kind]
         assert by_window[window].layer_names == [f"model.layers.{i}.self_attn.attn" for i in layers]
         assert (by_window[window].spec.num_kv_heads, by_window[window].spec.head_size) == (
-            config.num_key_value_heads, head_size)
+            config.num_key_value_heads,
+            head_size,
+        )
     assert trace.engine.kv_cache_shapes == {
         name: [2, 24, 4, config.num_key_value_heads, head_size] for name in trace.engine.layer_names
     }

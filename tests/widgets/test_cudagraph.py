@@ -37,8 +37,12 @@ def warnings(html: str) -> list[str]:
         # rule 2: mixed FULL needs ALWAYS; compiled piecewise -> mixed batches go piecewise.
         (dict(mode="FULL", support=S.UNIFORM_BATCH), "FULL_AND_PIECEWISE", ["FULL", "PIECEWISE"], 1),
         # rule 2 then rule 4: two lowerings, two warnings.
-        (dict(mode="FULL", support=S.UNIFORM_SINGLE_TOKEN_DECODE, uniform_decode_query_len=3),
-         "PIECEWISE", ["PIECEWISE", "PIECEWISE"], 2),
+        (
+            dict(mode="FULL", support=S.UNIFORM_SINGLE_TOKEN_DECODE, uniform_decode_query_len=3),
+            "PIECEWISE",
+            ["PIECEWISE", "PIECEWISE"],
+            2,
+        ),
         # rule 5: no piecewise graphs without compile=True.
         (dict(mode="PIECEWISE", support=S.ALWAYS, attention_compiled_piecewise=False), "NONE", ["NONE", "NONE"], 1),
         # rule 1.
@@ -125,8 +129,11 @@ def test_warnings_are_shown_not_leaked(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_colours_follow_the_jupyterlab_theme() -> None:
     """No fixed colour: every colour is a --jp- theme variable, so dark themes stay readable."""
-    for explorer in (CudaGraphModeExplorer(), CudaGraphModeExplorer("FULL", backend="TORCH_REF"),
-                     CudaGraphModeExplorer("FULL", support=S.UNIFORM_BATCH)):
+    for explorer in (
+        CudaGraphModeExplorer(),
+        CudaGraphModeExplorer("FULL", backend="TORCH_REF"),
+        CudaGraphModeExplorer("FULL", support=S.UNIFORM_BATCH),
+    ):
         html = explorer.view.value
         assert not re.search(r"#[0-9a-fA-F]{3,6}\b|(?<![\w-])(white|black|rgb)(?![\w-])", html)
         declarations = re.findall(r"\b(?:color|background|border(?:-left|-right|-top|-bottom)?)\s*:\s*([^;\"]+)", html)
@@ -172,8 +179,10 @@ def test_split_view_draws_pieces_and_eager_ops_in_order(compiled_tiny) -> None:
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
     expected = [("piece", "0", "0")]
     for i, layer in enumerate(layers):  # per layer: cache write, attention, then the piece after it
-        expected += [("split-op", "unified_kv_cache_update", layer),
-                     ("split-op", "unified_attention_with_output", layer)]
+        expected += [
+            ("split-op", "unified_kv_cache_update", layer),
+            ("split-op", "unified_attention_with_output", layer),
+        ]
         # the pieces between layers are one graph, compiled once (#1); the last one differs (#2)
         expected.append(("piece", str(i + 1), "1" if i < 3 else "2"))
     assert boxes == expected
@@ -207,4 +216,3 @@ def test_messages_are_in_the_text_colour_and_the_controls_wrap() -> None:
     assert re.search(r'<div class="pkv-cg-error" style="[^"]*border-left: 4px solid var\(--jp-error-color1', error)
     for row in explorer.children[:2]:
         assert row.layout.flex_flow == "row wrap"
-

@@ -117,7 +117,6 @@ def test_display_falls_back_to_the_light_png_where_widgets_are_not_drawn() -> No
     assert np.array_equal(fallback, light)
 
 
-
 def test_dark_bars_are_lightened_and_the_suptitle_names_the_figure() -> None:
     fig, ax = plt.subplots(figsize=(3, 2))
     bars = ax.bar([0, 1], [1, 2], color="#000080")  # navy: 1.3:1 on the dark background

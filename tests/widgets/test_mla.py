@@ -53,7 +53,10 @@ def test_trace_records_the_builders_split(run: tuple[StepTrace, list[tuple[int, 
         assert split == (leading, leading, len(lens) - leading, sum(lens[leading:]))
     step2 = trace[1]
     assert [(r.req_id, r.phase, r.num_new_tokens) for r in step2.scheduled] == [
-        ("0", "decode", 1), ("1", "prefill", 1), ("2", "prefill", 14)]
+        ("0", "decode", 1),
+        ("1", "prefill", 1),
+        ("2", "prefill", 14),
+    ]
     assert step2.mla_split.num_decodes == 2  # request 1's one-token chunk counts as a decode
 
 
@@ -71,8 +74,11 @@ def test_tooltip_of_a_recomputed_request_counts_its_generated_tokens() -> None:
     """A preempted request recomputes its generated tokens too: they are not prompt positions."""
     llm = LLM("tiny-mla", device="cpu", num_kv_blocks=8, block_size=4, max_num_batched_tokens=32)
     with StepTrace.attach(llm) as trace:
-        llm.generate(["hello world!!", "abcdefghij", "a longer prompt"],
-                     SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        llm.generate(
+            ["hello world!!", "abcdefghij", "a longer prompt"],
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+            use_tqdm=False,
+        )
     recomputes = 0
     for i, record in enumerate(trace):
         prompt_lens = {r.req_id: r.num_prompt_tokens for r in record.scheduled}
@@ -146,13 +152,16 @@ def test_live_view_matches_the_replay() -> None:
 def test_a_big_batch_narrows_its_cells() -> None:
     llm = LLM("tiny-mla", device="cpu", num_kv_blocks=64, block_size=16, max_num_batched_tokens=256, max_num_seqs=64)
     with StepTrace.attach(llm) as trace:
-        llm.generate([f"p{i}" for i in range(50)] + ["x" * 200], SamplingParams(temperature=0, max_tokens=2,
-                                                                               ignore_eos=True), use_tqdm=False)
+        llm.generate(
+            [f"p{i}" for i in range(50)] + ["x" * 200],
+            SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+            use_tqdm=False,
+        )
     record = next(r for r in trace if r.mla_split.num_decodes == 50 and r.mla_split.num_prefills == 1)
     html = MLASplitView(trace, index=trace.steps.index(record)).value
     width = float(re.search(r'<svg class="pkv-mla-strip" width="(\d+)"', html).group(1))
     assert len(re.findall(r"<rect ", html)) == 50 + 8 and width <= 980
-    assert "text-anchor=\"middle\"" not in html  # too narrow for position numbers: none drawn
+    assert 'text-anchor="middle"' not in html  # too narrow for position numbers: none drawn
 
 
 HEX = re.compile(r"#[0-9a-fA-F]{6}\b|#[0-9a-fA-F]{3}\b")
@@ -191,7 +200,13 @@ def test_latent_cache_table() -> None:
     html = latent_cache_table(PRESETS_MLA, memory_bytes=40 * 10**9)
     row = re.search(r'<tr data-model="deepseek-v2-lite">(.*?)</tr>', html).group(1)
     text = re.sub(r"<[^>]+>", " ", row)
-    for expected in ("27", "MLA 576 values = 1,152 B", "MHA 5,120 values = 10,240 B", "8.9x", "MLA 1,286,008",
-                     "MHA 144,675"):
+    for expected in (
+        "27",
+        "MLA 576 values = 1,152 B",
+        "MHA 5,120 values = 10,240 B",
+        "8.9x",
+        "MLA 1,286,008",
+        "MHA 144,675",
+    ):
         assert expected in text, (expected, text)
     assert "tokens in 40 GB" in html and "(bfloat16)" in html

@@ -80,7 +80,8 @@ def notebook_shell(monkeypatch: pytest.MonkeyPatch) -> type:
 
 
 def test_live_view_in_a_notebook_redraws_at_most_every_interval_and_at_the_cell_end(
-    monkeypatch: pytest.MonkeyPatch, notebook_shell: type,
+    monkeypatch: pytest.MonkeyPatch,
+    notebook_shell: type,
 ) -> None:
     from pagedkv.widgets import common
 
@@ -113,7 +114,8 @@ class FakeClock:
 
 
 def test_live_view_in_a_notebook_shows_every_step_for_min_frame_s(
-    monkeypatch: pytest.MonkeyPatch, notebook_shell: type,
+    monkeypatch: pytest.MonkeyPatch,
+    notebook_shell: type,
 ) -> None:
     """Issue 32: "watch the view while generate runs" showed steps 1 -> 9 -> 20 in 0.5 s. With a
     minimum frame time every step is drawn and stays on screen at least that long."""
@@ -229,9 +231,7 @@ def test_step_player_follows_a_live_trace() -> None:
     assert f'data-step="{trace[-1].step}"' in view.value
 
 
-@pytest.mark.parametrize(
-    "plot", [plot_kv_cache_usage, plot_batch_composition, plot_request_timeline, plot_throughput]
-)
+@pytest.mark.parametrize("plot", [plot_kv_cache_usage, plot_batch_composition, plot_request_timeline, plot_throughput])
 def test_plots(hybrid_trace: StepTrace, plot) -> None:  # noqa: ANN001
     ax = plot(hybrid_trace)
     assert ax.get_title() and (ax.lines or ax.patches)
@@ -244,6 +244,7 @@ def test_plots(hybrid_trace: StepTrace, plot) -> None:  # noqa: ANN001
 
 
 # ---- paging, the player's label, ForwardContextView in a player -----------------------------
+
 
 @pytest.fixture(scope="module")
 def long_prefill_trace() -> StepTrace:
@@ -318,6 +319,7 @@ def test_forward_context_view_in_a_step_player(hybrid_trace: StepTrace) -> None:
 
 # ---- bad input, traces attached mid-run, players left behind ---------------------------------
 
+
 def test_view_index_out_of_range_is_refused_and_the_view_keeps_its_step(hybrid_trace: StepTrace) -> None:
     view = BlockTableView(hybrid_trace, index=0)
     n = len(hybrid_trace)
@@ -359,7 +361,8 @@ def test_timeline_of_a_trace_attached_mid_run_shows_a_request_only_preempted() -
 
 
 def test_a_player_left_on_an_earlier_step_draws_nothing_per_step_in_a_notebook(
-    monkeypatch: pytest.MonkeyPatch, notebook_shell: type,
+    monkeypatch: pytest.MonkeyPatch,
+    notebook_shell: type,
 ) -> None:
     """Re-running a player's cell leaves the old player alive (ipywidgets keeps it): while a cell
     runs it must not draw its views for each new step; its plot of the whole run catches up when
@@ -371,8 +374,9 @@ def test_a_player_left_on_an_earlier_step_draws_nothing_per_step_in_a_notebook(
     renders: list[str] = []
     for cls in (BlockTableView, PlotView):
         render = cls.render
-        monkeypatch.setattr(cls, "render", lambda self, record, _r=render: renders.append(type(self).__name__)
-                            or _r(self, record))
+        monkeypatch.setattr(
+            cls, "render", lambda self, record, _r=render: renders.append(type(self).__name__) or _r(self, record)
+        )
     plot = PlotView(trace)
     player = StepPlayer(trace, [BlockTableView(trace), plot])
     player.index = 0  # scrubbed back
@@ -421,7 +425,7 @@ def _theme_background(theme: str) -> str:
 
 
 def _luminance(color: str) -> float:
-    channels = [int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    channels = [int(color[i : i + 2], 16) / 255 for i in (1, 3, 5)]
     lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
     return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
 

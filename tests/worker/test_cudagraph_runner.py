@@ -125,20 +125,29 @@ SIZES = [1, 2, 4, 8, 16]  # max_num_seqs 8: decode graphs up to 8 requests
 DISPATCH = {
     M.NONE: {(3, True): (M.NONE, D(3, True)), (5, False): (M.NONE, D(5))},
     M.PIECEWISE: {
-        (3, True): (M.PIECEWISE, D(4)), (5, False): (M.PIECEWISE, D(8)), (16, False): (M.PIECEWISE, D(16)),
+        (3, True): (M.PIECEWISE, D(4)),
+        (5, False): (M.PIECEWISE, D(8)),
+        (16, False): (M.PIECEWISE, D(16)),
         (17, False): (M.NONE, D(17)),
     },
     M.FULL: {
-        (3, True): (M.FULL, D(4)), (5, False): (M.FULL, D(8)), (12, True): (M.FULL, D(16)),
+        (3, True): (M.FULL, D(4)),
+        (5, False): (M.FULL, D(8)),
+        (12, True): (M.FULL, D(16)),
         (17, True): (M.NONE, D(17, True)),
     },
     M.FULL_DECODE_ONLY: {
-        (3, True): (M.FULL, D(4, True)), (8, True): (M.FULL, D(8, True)), (12, True): (M.NONE, D(12, True)),
+        (3, True): (M.FULL, D(4, True)),
+        (8, True): (M.FULL, D(8, True)),
+        (12, True): (M.NONE, D(12, True)),
         (5, False): (M.NONE, D(5)),
     },
     M.FULL_AND_PIECEWISE: {
-        (1, True): (M.FULL, D(1, True)), (3, True): (M.FULL, D(4, True)), (12, True): (M.PIECEWISE, D(16)),
-        (5, False): (M.PIECEWISE, D(8)), (17, False): (M.NONE, D(17)),
+        (1, True): (M.FULL, D(1, True)),
+        (3, True): (M.FULL, D(4, True)),
+        (12, True): (M.PIECEWISE, D(16)),
+        (5, False): (M.PIECEWISE, D(8)),
+        (17, False): (M.NONE, D(17)),
     },
 }
 
@@ -266,8 +275,14 @@ def eager_steps() -> list[Step]:
 # (mode, compile) -> per step: (runtime mode, padded tokens) for the schedule of PROMPTS:
 # 8 prefill tokens, 3 + 3 + 2 prefill tokens, then decodes of 3, 3, 2 and 1 request(s).
 GRAPH_STEPS = {
-    (M.FULL_AND_PIECEWISE, True): [("PIECEWISE", 8), ("PIECEWISE", 8), ("FULL", 4), ("FULL", 4), ("FULL", 2),
-                                   ("FULL", 1)],
+    (M.FULL_AND_PIECEWISE, True): [
+        ("PIECEWISE", 8),
+        ("PIECEWISE", 8),
+        ("FULL", 4),
+        ("FULL", 4),
+        ("FULL", 2),
+        ("FULL", 1),
+    ],
     (M.FULL_DECODE_ONLY, False): [("NONE", 8), ("NONE", 8), ("FULL", 4), ("FULL", 4), ("FULL", 2), ("FULL", 1)],
     (M.FULL, False): [("FULL", 8), ("FULL", 8), ("FULL", 4), ("FULL", 4), ("FULL", 2), ("FULL", 1)],
 }
@@ -307,7 +322,11 @@ def test_piecewise_with_a_backend_that_cannot_capture(emulated_graphs: None, cap
         "setting cudagraph_mode=PIECEWISE" in caplog.text
     )
     assert [(m, d.num_tokens, calls) for m, d, calls, _ in steps] == [
-        ("PIECEWISE", 8, 1), ("PIECEWISE", 8, 1), ("PIECEWISE", 4, 1), ("PIECEWISE", 4, 1), ("PIECEWISE", 2, 1),
+        ("PIECEWISE", 8, 1),
+        ("PIECEWISE", 8, 1),
+        ("PIECEWISE", 4, 1),
+        ("PIECEWISE", 4, 1),
+        ("PIECEWISE", 2, 1),
         ("PIECEWISE", 1, 1),
     ]
     _assert_same_logits(steps, eager, 1e-5)
@@ -317,8 +336,10 @@ def test_cpu_engines_run_eagerly_and_say_why(caplog: pytest.LogCaptureFixture) -
     caplog.set_level(logging.INFO, logger="pagedkv")
     llm = LLM("tiny", device="cpu", num_kv_blocks=16, cudagraph_mode="FULL_AND_PIECEWISE")
     assert llm.runner.cudagraph_mode is M.NONE and llm.runner.dispatcher is None
-    assert "CUDAGraphMode.FULL_AND_PIECEWISE is not supported with a cpu device; setting cudagraph_mode=NONE " \
-           "(every step runs eagerly: CUDA graphs need a CUDA device; this engine runs on cpu)" in caplog.text
+    assert (
+        "CUDAGraphMode.FULL_AND_PIECEWISE is not supported with a cpu device; setting cudagraph_mode=NONE "
+        "(every step runs eagerly: CUDA graphs need a CUDA device; this engine runs on cpu)" in caplog.text
+    )
     caplog.clear()
     LLM("tiny", device="cpu", num_kv_blocks=16)
     assert "cudagraph_mode NONE: every step runs eagerly (CUDA graphs need a CUDA device" in caplog.text
@@ -377,8 +398,9 @@ def test_traces_without_graph_fields_still_load() -> None:
 def test_decode_graphs_cover_max_num_seqs_requests_of_several_tokens() -> None:
     """Decode steps of 2 query tokens, at most 4 requests: decode FULL graphs for 2..8 tokens
     (4 requests x 2 tokens), worked by hand; 8 tokens of uniform decode replays FULL."""
-    dispatcher = cudagraph.CudagraphDispatcher(M.FULL_DECODE_ONLY, [1, 2, 4, 8, 16], max_num_seqs=4,
-                                               uniform_decode_query_len=2)
+    dispatcher = cudagraph.CudagraphDispatcher(
+        M.FULL_DECODE_ONLY, [1, 2, 4, 8, 16], max_num_seqs=4, uniform_decode_query_len=2
+    )
     decode = sorted(k.num_tokens for mode, k in dispatcher.captures() if k.uniform_decode)
     assert decode == [2, 4, 8]
     assert dispatcher.dispatch(7, True) == (M.FULL, D(8, True))

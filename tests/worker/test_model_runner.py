@@ -27,12 +27,18 @@ from tests.conftest import needs_triton_on_cpu
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 
 
-def _reads(name: str, sizes: list[int | MultipleOf], base: type[AttentionBackend] = TorchRefBackend) -> type[AttentionBackend]:
+def _reads(
+    name: str, sizes: list[int | MultipleOf], base: type[AttentionBackend] = TorchRefBackend
+) -> type[AttentionBackend]:
     """A subclass of `base` whose kernel claims to read pages of `sizes` only."""
-    return type(name, (base,), {
-        "get_name": staticmethod(lambda: name),
-        "get_supported_kernel_block_sizes": staticmethod(lambda: list(sizes)),
-    })
+    return type(
+        name,
+        (base,),
+        {
+            "get_name": staticmethod(lambda: name),
+            "get_supported_kernel_block_sizes": staticmethod(lambda: list(sizes)),
+        },
+    )
 
 
 @pytest.fixture
@@ -126,6 +132,7 @@ def test_select_kernel_block_size() -> None:
 
 
 # ---- the profile run and memory-based sizing --------------------------------------------------
+
 
 def test_profile_run_outputs_zeros_and_writes_no_cache() -> None:
     llm = LLM("tiny", device="cpu", num_kv_blocks=8, max_num_batched_tokens=24, max_num_seqs=3)
@@ -277,8 +284,14 @@ def test_kv_sharing_layer_reads_its_targets_cache(monkeypatch) -> None:
 def test_kv_sharing_target_cannot_be_the_layer_itself() -> None:
     with set_current_engine_config(EngineConfig(model_config=ModelConfig(model="tiny"))):
         with pytest.raises(ValueError) as err:
-            Attention(4, 16, 0.25, 2, prefix="model.layers.2.self_attn.attn",
-                      kv_sharing_target_layer_name="model.layers.2.self_attn.attn")
+            Attention(
+                4,
+                16,
+                0.25,
+                2,
+                prefix="model.layers.2.self_attn.attn",
+                kv_sharing_target_layer_name="model.layers.2.self_attn.attn",
+            )
     assert str(err.value) == (
         "KV sharing target 'model.layers.2.self_attn.attn' of layer 'model.layers.2.self_attn.attn' "
         "cannot be the layer itself."

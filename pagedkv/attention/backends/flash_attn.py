@@ -49,10 +49,14 @@ from pagedkv.kv_cache.spec import KVCacheSpec
 def flash_attn_version() -> int | None:
     """4 if flash-attn 4 can run here (installed, GPU of compute capability >= 9.0), else 2 if
     flash-attn 2 is installed, else None. Only looks for the packages; importing comes later."""
-    has_fa4 = importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("flash_attn.cute") is not None
+    has_fa4 = (
+        importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("flash_attn.cute") is not None
+    )
     if has_fa4 and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
         return 4
-    if importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("flash_attn.flash_attn_interface"):
+    if importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec(
+        "flash_attn.flash_attn_interface"
+    ):
         return 2
     return None
 
@@ -116,9 +120,14 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             cu_seqlens_k = self.cu_seqlens_k[: cm.seq_lens.shape[0] + 1]
             torch.cumsum(cm.seq_lens, 0, dtype=torch.int32, out=cu_seqlens_k[1:])
         return FlashAttentionMetadata(
-            num_actual_tokens=cm.num_actual_tokens, max_query_len=max_query_len,
-            max_seq_len=max_seq_len, query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens,
-            cu_seqlens_k=cu_seqlens_k, block_table=cm.block_table_tensor, causal=cm.causal,
+            num_actual_tokens=cm.num_actual_tokens,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_start_loc=cm.query_start_loc,
+            seq_lens=cm.seq_lens,
+            cu_seqlens_k=cu_seqlens_k,
+            block_table=cm.block_table_tensor,
+            causal=cm.causal,
         )
 
 
@@ -154,17 +163,32 @@ class FlashAttentionImpl(TritonCacheWriter, AttentionImpl[FlashAttentionMetadata
         n = m.num_actual_tokens
         if self.version == 4:
             result = self.varlen(
-                query[:n], k_cache, v_cache, cu_seqlens_q=m.query_start_loc, seqused_k=m.seq_lens,
-                max_seqlen_q=m.max_query_len, max_seqlen_k=m.max_seq_len, page_table=m.block_table,
-                causal=True, softmax_scale=self.scale,
+                query[:n],
+                k_cache,
+                v_cache,
+                cu_seqlens_q=m.query_start_loc,
+                seqused_k=m.seq_lens,
+                max_seqlen_q=m.max_query_len,
+                max_seqlen_k=m.max_seq_len,
+                page_table=m.block_table,
+                causal=True,
+                softmax_scale=self.scale,
                 window_size=(None, None) if self.sliding_window is None else self.window,
                 num_splits=1,  # no split heuristic on host values (and SM 9.0 has no split-KV)
             )
         else:
             result = self.varlen(
-                query[:n], k_cache, v_cache, cu_seqlens_q=m.query_start_loc, cu_seqlens_k=m.cu_seqlens_k,
-                max_seqlen_q=m.max_query_len, max_seqlen_k=m.max_seq_len, softmax_scale=self.scale,
-                causal=True, window_size=self.window, block_table=m.block_table,
+                query[:n],
+                k_cache,
+                v_cache,
+                cu_seqlens_q=m.query_start_loc,
+                cu_seqlens_k=m.cu_seqlens_k,
+                max_seqlen_q=m.max_query_len,
+                max_seqlen_k=m.max_seq_len,
+                softmax_scale=self.scale,
+                causal=True,
+                window_size=self.window,
+                block_table=m.block_table,
             )
         output[:n].copy_(result[0] if isinstance(result, tuple) else result)
         return output

@@ -113,9 +113,16 @@ class TorchRefImpl(AttentionImpl[TorchRefMetadata]):
         n = attn_metadata.num_actual_tokens
         k_cache, v_cache = kv_cache.unbind(0)
         paged_attention_reference(
-            query[:n], k_cache, v_cache, output[:n],
-            attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu,
-            attn_metadata.block_table, self.scale, self.sliding_window, attn_metadata.causal,
+            query[:n],
+            k_cache,
+            v_cache,
+            output[:n],
+            attn_metadata.query_start_loc_cpu,
+            attn_metadata.seq_lens_cpu,
+            attn_metadata.block_table,
+            self.scale,
+            self.sliding_window,
+            attn_metadata.causal,
         )
         output[n:].zero_()  # padding rows
         return output

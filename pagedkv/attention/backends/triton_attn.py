@@ -82,15 +82,27 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
     def _metadata(self, cm: CommonAttentionMetadata, max_query_len: int, max_seq_len: int) -> TritonAttentionMetadata:
         spec = self.kv_cache_spec
         config = choose_config(
-            device=self.device, head_pad=next_power_of_2(spec.head_size), dtype=spec.dtype,
-            num_queries_per_kv=self.num_q_heads // spec.num_kv_heads, num_kv_heads=spec.num_kv_heads,
-            num_reqs=cm.num_reqs, num_tokens=cm.num_actual_tokens, max_query_len=max_query_len,
+            device=self.device,
+            head_pad=next_power_of_2(spec.head_size),
+            dtype=spec.dtype,
+            num_queries_per_kv=self.num_q_heads // spec.num_kv_heads,
+            num_kv_heads=spec.num_kv_heads,
+            num_reqs=cm.num_reqs,
+            num_tokens=cm.num_actual_tokens,
+            max_query_len=max_query_len,
             max_seq_len=max_seq_len,
         )
         return TritonAttentionMetadata(
-            num_actual_tokens=cm.num_actual_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
-            query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
-            slot_mapping=cm.slot_mapping, workspace=self.workspace, config=config, causal=cm.causal,
+            num_actual_tokens=cm.num_actual_tokens,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_start_loc=cm.query_start_loc,
+            seq_lens=cm.seq_lens,
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+            workspace=self.workspace,
+            config=config,
+            causal=cm.causal,
         )
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> TritonAttentionMetadata:
@@ -156,11 +168,18 @@ class TritonAttentionImpl(TritonCacheWriter, AttentionImpl[TritonAttentionMetada
         k_cache, v_cache = self._kv_views(kv_cache)
         # Rows past the batch's last token (CUDA graph padding) are left as they are.
         return unified_attention(
-            query, k_cache, v_cache, output,
-            query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens,
-            max_query_len=attn_metadata.max_query_len, max_seq_len=attn_metadata.max_seq_len,
-            block_table=attn_metadata.block_table, softmax_scale=self.scale,
-            sliding_window=self.sliding_window, workspace=attn_metadata.workspace,
+            query,
+            k_cache,
+            v_cache,
+            output,
+            query_start_loc=attn_metadata.query_start_loc,
+            seq_lens=attn_metadata.seq_lens,
+            max_query_len=attn_metadata.max_query_len,
+            max_seq_len=attn_metadata.max_seq_len,
+            block_table=attn_metadata.block_table,
+            softmax_scale=self.scale,
+            sliding_window=self.sliding_window,
+            workspace=attn_metadata.workspace,
             config=attn_metadata.config,
         )
 

@@ -143,19 +143,27 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[MLACommonMetadata[Any]])
         prefill = None
         if num_prefills:
             starts = cm.query_start_loc_cpu[num_decodes : cm.num_reqs + 1] - num_decode_tokens
-            prefill = self.build_prefill(MLAPrefillMetadata(
-                query_start_loc_cpu=starts.tolist(), seq_lens_cpu=seq_lens_cpu[num_decodes:],
-                block_table=cm.block_table_tensor[num_decodes : cm.num_reqs],
-                context_chunk_tokens=self.context_chunk_tokens,
-            ))
+            prefill = self.build_prefill(
+                MLAPrefillMetadata(
+                    query_start_loc_cpu=starts.tolist(),
+                    seq_lens_cpu=seq_lens_cpu[num_decodes:],
+                    block_table=cm.block_table_tensor[num_decodes : cm.num_reqs],
+                    context_chunk_tokens=self.context_chunk_tokens,
+                )
+            )
         decode = None
         if num_decodes:
             decode_lens = seq_lens_cpu[:num_decodes]
             decode = self.build_decode(cm, num_decodes, decode_lens, max_seq_len or max(decode_lens))
         return MLACommonMetadata(
-            num_actual_tokens=cm.num_actual_tokens, num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
-            num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens, slot_mapping=cm.slot_mapping,
-            decode=decode, prefill=prefill,
+            num_actual_tokens=cm.num_actual_tokens,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            num_prefills=num_prefills,
+            num_prefill_tokens=num_prefill_tokens,
+            slot_mapping=cm.slot_mapping,
+            decode=decode,
+            prefill=prefill,
         )
 
     def build_prefill(self, prefill: MLAPrefillMetadata) -> MLAPrefillMetadata:
@@ -169,8 +177,10 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[MLACommonMetadata[Any]])
         """The decode part; a backend whose kernel needs more (scratch, splits) overrides this.
         `max_seq_len` bounds every decode's length (the model's limit when capturing a graph)."""
         return MLADecodeMetadata(
-            block_table=cm.block_table_tensor[:num_decodes], seq_lens=cm.seq_lens[:num_decodes],
-            seq_lens_cpu=seq_lens_cpu, max_seq_len=max_seq_len,
+            block_table=cm.block_table_tensor[:num_decodes],
+            seq_lens=cm.seq_lens[:num_decodes],
+            seq_lens_cpu=seq_lens_cpu,
+            max_seq_len=max_seq_len,
         )
 
 
@@ -267,7 +277,11 @@ class MLACommonImpl(AttentionImpl[MLACommonMetadata[M]]):
         self.W_UV_T = w[:, dims.qk_nope_head_dim :].transpose(1, 2)
 
     def do_kv_cache_update(
-        self, layer: AttentionLayer, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+        self,
+        layer: AttentionLayer,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
         concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, slot_mapping)
@@ -316,8 +330,13 @@ class MLACommonImpl(AttentionImpl[MLACommonMetadata[M]]):
         over each request's cached rows -> [num_decodes, heads, kv_lora_rank]."""
 
     def forward_mha(
-        self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-        prefill: MLAPrefillMetadata, output: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        prefill: MLAPrefillMetadata,
+        output: torch.Tensor,
     ) -> None:
         """Prefill attention with per-head K and V: the new tokens' own latents (causal), then the
         cached context in chunks, merged by log-sum-exp::
@@ -329,11 +348,13 @@ class MLACommonImpl(AttentionImpl[MLACommonMetadata[M]]):
             start, end = prefill.query_start_loc_cpu[i], prefill.query_start_loc_cpu[i + 1]
             context_len = seq_len - (end - start)
             q_i = q[start:end]
-            out, lse = attention_with_lse(q_i, *self._up_project(kv_c_normed[start:end], k_pe[start:end]),
-                                          self.scale, causal_offset=0)
+            out, lse = attention_with_lse(
+                q_i, *self._up_project(kv_c_normed[start:end], k_pe[start:end]), self.scale, causal_offset=0
+            )
             for c in range(0, context_len, prefill.context_chunk_tokens):
-                rows = gather_latents(kv_cache, prefill.block_table[i], c, min(c + prefill.context_chunk_tokens,
-                                                                                 context_len))
+                rows = gather_latents(
+                    kv_cache, prefill.block_table[i], c, min(c + prefill.context_chunk_tokens, context_len)
+                )
                 k, v = self._up_project(*rows.split([self.mla_dims.kv_lora_rank, self.mla_dims.qk_rope_head_dim], -1))
                 out, lse = merge_attn_states(out, lse, *attention_with_lse(q_i, k, v, self.scale, causal_offset=None))
             output[start:end] = out.to(output.dtype)
@@ -342,8 +363,9 @@ class MLACommonImpl(AttentionImpl[MLACommonMetadata[M]]):
         """Latents [S, kv_lora_rank] and rope keys [S, rope] -> per-head K [S, H, qk_head_dim], V [S, H, v]."""
         assert self.kv_b_weight is not None
         dims = self.mla_dims
-        kv = (kv_c.to(self.kv_b_weight.dtype) @ self.kv_b_weight.T).view(-1, self.num_heads,
-                                                                           dims.qk_nope_head_dim + dims.v_head_dim)
+        kv = (kv_c.to(self.kv_b_weight.dtype) @ self.kv_b_weight.T).view(
+            -1, self.num_heads, dims.qk_nope_head_dim + dims.v_head_dim
+        )
         k_nope, v = kv.split([dims.qk_nope_head_dim, dims.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None, :].to(k_nope.dtype).expand(-1, self.num_heads, -1)], dim=-1)
         return k, v

@@ -47,8 +47,9 @@ class MLAAttention(Attention):
     ) -> None:
         # Set before Attention.__init__, which selects the backend and makes the impl with them.
         self.mla_dims = MLADims(kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
-        super().__init__(num_heads, self.mla_dims.latent_size, scale, num_kv_heads=1, prefix=prefix,
-                         attn_backend=attn_backend)
+        super().__init__(
+            num_heads, self.mla_dims.latent_size, scale, num_kv_heads=1, prefix=prefix, attn_backend=attn_backend
+        )
         # Not a submodule: the model's attention module owns kv_b_proj and its weight; this
         # layer only reads it (`process_weights_after_loading`), so the weight is listed once.
         self.__dict__["kv_b_proj"] = kv_b_proj
@@ -60,7 +61,13 @@ class MLAAttention(Attention):
                 f"{self.layer_name!r} needs one (TORCH_REF_MLA, TRITON_MLA)."
             )
         return self.attn_backend.get_impl_cls()(  # type: ignore[call-arg]
-            self.num_heads, self.head_size, self.scale, 1, None, self.kv_cache_dtype, self.attn_type,
+            self.num_heads,
+            self.head_size,
+            self.scale,
+            1,
+            None,
+            self.kv_cache_dtype,
+            self.attn_type,
             mla_dims=self.mla_dims,
         )
 

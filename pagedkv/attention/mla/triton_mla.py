@@ -99,14 +99,16 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
     heads x (qk_head_dim + v_head_dim) values per token (16 x (192 + 128) x 2 B = 10 KiB in bf16
     for DeepSeek-V2-Lite). A request longer than this goes through a loop of its own."""
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, layer_names: list[str], config: EngineConfig,
-                 device: torch.device) -> None:
+    def __init__(
+        self, kv_cache_spec: KVCacheSpec, layer_names: list[str], config: EngineConfig, device: torch.device
+    ) -> None:
         super().__init__(kv_cache_spec, layer_names, config, device)
         layer = config.compilation_config.static_forward_context[layer_names[0]]
         self.num_heads, self.kv_lora_rank = layer.num_heads, layer.mla_dims.kv_lora_rank
         # All layers of the group run one after another, so they share one scratch buffer.
-        self.workspace = MLADecodeWorkspace(config.scheduler_config.max_num_seqs, self.num_heads,
-                                            self.kv_lora_rank, device)
+        self.workspace = MLADecodeWorkspace(
+            config.scheduler_config.max_num_seqs, self.num_heads, self.kv_lora_rank, device
+        )
 
     def build_prefill(self, prefill: MLAPrefillMetadata) -> MLAPrefillMetadata:
         return group_prefill_passes(prefill, self.kv_cache_spec.block_size, self.prefill_tokens_per_pass, self.device)
@@ -115,14 +117,24 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
         self, cm: CommonAttentionMetadata, num_decodes: int, seq_lens_cpu: list[int], max_seq_len: int
     ) -> MLADecodeMetadata:
         common = super().build_decode(cm, num_decodes, seq_lens_cpu, max_seq_len)
-        splits = default_num_kv_splits(num_decodes, self.num_heads, max_seq_len, self.kv_cache_spec.block_size,
-                                       self.kv_cache_spec.dtype, self.device)
-        return TritonMLADecodeMetadata(**common.__dict__, workspace=self.workspace,
-                                       num_kv_splits=min(splits, self.workspace.rows // num_decodes))
+        splits = default_num_kv_splits(
+            num_decodes,
+            self.num_heads,
+            max_seq_len,
+            self.kv_cache_spec.block_size,
+            self.kv_cache_spec.dtype,
+            self.device,
+        )
+        return TritonMLADecodeMetadata(
+            **common.__dict__, workspace=self.workspace, num_kv_splits=min(splits, self.workspace.rows // num_decodes)
+        )
 
 
 def group_prefill_passes(
-    prefill: MLAPrefillMetadata, block_size: int, tokens_per_pass: int, device: torch.device,
+    prefill: MLAPrefillMetadata,
+    block_size: int,
+    tokens_per_pass: int,
+    device: torch.device,
 ) -> TritonMLAPrefillMetadata:
     """Group the prefills into passes of whole requests, in order, each within `tokens_per_pass`
     sequence tokens; a request longer than that on its own goes to `long_requests`."""
@@ -134,8 +146,14 @@ def group_prefill_passes(
             group, group_tokens = [], 0
         if too_long:
             a, b = prefill.query_start_loc_cpu[i], prefill.query_start_loc_cpu[i + 1]
-            long_requests.append((slice(a, b), MLAPrefillMetadata(
-                [0, b - a], [seq_len], prefill.block_table[i : i + 1], prefill.context_chunk_tokens)))
+            long_requests.append(
+                (
+                    slice(a, b),
+                    MLAPrefillMetadata(
+                        [0, b - a], [seq_len], prefill.block_table[i : i + 1], prefill.context_chunk_tokens
+                    ),
+                )
+            )
         else:
             group.append(i)
             group_tokens += seq_len
@@ -144,7 +162,9 @@ def group_prefill_passes(
     return TritonMLAPrefillMetadata(**prefill.__dict__, passes=passes, long_requests=long_requests)
 
 
-def _prefill_pass(prefill: MLAPrefillMetadata, requests: list[int], block_size: int, device: torch.device) -> PrefillPass:
+def _prefill_pass(
+    prefill: MLAPrefillMetadata, requests: list[int], block_size: int, device: torch.device
+) -> PrefillPass:
     """Host-side lists -> a few small device tensors, once per step (every layer reuses them)."""
     seq_lens = [prefill.seq_lens_cpu[i] for i in requests]
     num_blocks = [cdiv(n, block_size) for n in seq_lens]
@@ -156,7 +176,8 @@ def _prefill_pass(prefill: MLAPrefillMetadata, requests: list[int], block_size: 
     tokens = slice(starts[requests[0]], starts[requests[-1] + 1])
     query_start_loc = [starts[i] - tokens.start for i in requests] + [tokens.stop - tokens.start]
     return PrefillPass(
-        tokens=tokens, blocks=prefill.block_table[rows, cols].long(),
+        tokens=tokens,
+        blocks=prefill.block_table[rows, cols].long(),
         # Entries past a request's own blocks are never read (the kernel stops at seq_len).
         block_table=table.clamp(max=first[-1] - 1).to(device, torch.int32),
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
@@ -177,8 +198,13 @@ class TritonMLAImpl(MLACommonImpl[TritonMLADecodeMetadata]):
         return head_size_supported(dims.qk_head_dim) and head_size_supported(dims.v_head_dim)
 
     def forward_mha(
-        self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-        prefill: MLAPrefillMetadata, output: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        prefill: MLAPrefillMetadata,
+        output: torch.Tensor,
     ) -> None:
         """Each pass: gather the requests' latent rows (this step's are in the cache already),
         up-project them to per-head K and V, then one causal paged attention over all requests,
@@ -200,17 +226,30 @@ class TritonMLAImpl(MLACommonImpl[TritonMLADecodeMetadata]):
             k, v = self._up_project(*rows.flatten(0, 1).split([dims.kv_lora_rank, dims.qk_rope_head_dim], -1))
             paged = (rows.shape[0], rows.shape[1], self.num_heads)  # the gathered blocks, as pages
             unified_attention(  # K of qk_head_dim values, V (and the output) of v_head_dim
-                q[p.tokens].to(k.dtype), k.view(*paged, dims.qk_head_dim), v.view(*paged, dims.v_head_dim),
-                output[p.tokens], query_start_loc=p.query_start_loc, seq_lens=p.seq_lens,
-                max_query_len=p.max_query_len, max_seq_len=p.max_seq_len, block_table=p.block_table,
+                q[p.tokens].to(k.dtype),
+                k.view(*paged, dims.qk_head_dim),
+                v.view(*paged, dims.v_head_dim),
+                output[p.tokens],
+                query_start_loc=p.query_start_loc,
+                seq_lens=p.seq_lens,
+                max_query_len=p.max_query_len,
+                max_seq_len=p.max_seq_len,
+                block_table=p.block_table,
                 softmax_scale=self.scale,
             )
 
     def forward_mqa(self, q: torch.Tensor, kv_cache: torch.Tensor, decode: TritonMLADecodeMetadata) -> torch.Tensor:
         out = torch.empty(*q.shape[:2], self.mla_dims.kv_lora_rank, dtype=q.dtype, device=q.device)
         return mla_decode_attention(
-            q, kv_cache, decode.block_table, decode.seq_lens, self.scale, self.mla_dims.kv_lora_rank, out,
-            workspace=decode.workspace, num_kv_splits=decode.num_kv_splits,
+            q,
+            kv_cache,
+            decode.block_table,
+            decode.seq_lens,
+            self.scale,
+            self.mla_dims.kv_lora_rank,
+            out,
+            workspace=decode.workspace,
+            num_kv_splits=decode.num_kv_splits,
             early_launch=True,  # block_table and seq_lens are the step's metadata, written before any layer ran
         )
 
