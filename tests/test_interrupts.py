@@ -218,6 +218,7 @@ SIGINT_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_real_sigint_at_random_moments_never_changes_the_tokens(tmp_path: Path) -> None:
     """Issue 30's reproducer: SIGINT sent into generate() at random moments, then the same prompts
     again (twice: the second reads what the first cached). 22 of 30 reruns gave other tokens before."""

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # a fresh venv and a build: minutes
 INSTALL_TORCH = REPO / ".ci" / "install-torch"  # the CPU build without a GPU, as .ci/setup installs it
 VENV_GIB = 3  # the fresh venv (CPU torch, triton, jupyterlab) takes about 2.3 GiB
 EXECUTED_NOTEBOOK = "02_paged_kv_cache.ipynb"  # the engine, a trace and the live views

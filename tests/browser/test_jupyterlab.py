@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # JupyterLab and Chromium, every notebook twice: minutes
 ARTIFACTS = REPO / "tests" / "artifacts"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [

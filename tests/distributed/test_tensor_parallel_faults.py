@@ -64,6 +64,7 @@ def reference() -> list[list[int]]:
     return tokens(LLM("tiny", **ENGINE))
 
 
+@pytest.mark.slow
 def test_engines_side_by_side(reference: list[list[int]]) -> None:
     """tp=1 and two tp=2 engines in one process, interleaved; a tp=1 engine built while a tp=2 one
     lives is whole; a tp=2 start-up that fails leaves the others working."""
@@ -106,6 +107,7 @@ def test_ctrl_c_during_a_step_leaves_the_engine_able_to_go_on(reference: list[li
     assert_no_workers_left()
 
 
+@pytest.mark.slow
 def test_stopped_worker_is_named_and_an_idle_one_is_not(
     monkeypatch: pytest.MonkeyPatch, reference: list[list[int]]
 ) -> None:
@@ -152,6 +154,7 @@ class RenamedTorchRef(TorchRefBackend):
         return super().validate_configuration(**layer)
 
 
+@pytest.mark.slow
 def test_user_backend_reaches_the_workers_or_is_refused_at_once(reference: list[list[int]]) -> None:
     driver_only = type(
         "NotebookBackend",
@@ -178,6 +181,7 @@ def test_user_backend_reaches_the_workers_or_is_refused_at_once(reference: list[
     assert_no_workers_left()
 
 
+@pytest.mark.slow
 def test_notebook_10_engine_cells_run_twice() -> None:
     """The cell that builds a tp=1 and a tp=2 engine, run again while both still live (it used to
     hang), then the cell that prints rank 0's layers: their saved outputs each time."""

@@ -24,6 +24,7 @@ def v2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_hf_deepseek(tmp_path_factory.mktemp("mla") / "v2", version=2)
 
 
+@pytest.mark.slow
 @needs_triton
 def test_triton_mla_chunked_and_mixed_steps_match_transformers(v2_dir: Path) -> None:
     pytest.importorskip("triton")
@@ -36,6 +37,7 @@ def test_triton_mla_chunked_and_mixed_steps_match_transformers(v2_dir: Path) -> 
     assert max(splits) > 1  # decodes of several requests went through the Triton kernel together
 
 
+@pytest.mark.slow
 @needs_triton
 def test_triton_mla_prefill_with_v_wider_than_k_matches_transformers(tmp_path: Path) -> None:
     """v_head_dim 32 against K's 16 + 8 = 24: forward_mha's paged kernel reads V (and writes the
@@ -48,6 +50,7 @@ def test_triton_mla_prefill_with_v_wider_than_k_matches_transformers(tmp_path: P
     assert error <= ATOL and argmax
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["TORCH_REF_MLA", pytest.param("TRITON_MLA", marks=needs_triton)])
 def test_preemption_under_mla_loses_nothing(v2_dir: Path, backend: str) -> None:
     """Five requests in 12 usable blocks of 4 tokens: preempted, recomputed, same logits as transformers."""

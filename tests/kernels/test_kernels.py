@@ -411,6 +411,7 @@ def run_backend_in_the_engine(backend: str = "TRITON_ATTN") -> None:
     assert tokens[backend] == tokens["TORCH_REF"]
 
 
+@pytest.mark.slow
 def test_triton_backend_in_the_engine_matches_reference() -> None:
     run_backend_in_the_engine("TRITON_ATTN")
 

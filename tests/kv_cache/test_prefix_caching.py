@@ -156,6 +156,7 @@ def test_cached_tokens_counted_as_predicted() -> None:
     assert_pool_consistent(llm)
 
 
+@pytest.mark.slow
 @needs_triton_on_cpu("TRITON_ATTN")
 def test_triton_attn_with_caching_matches_the_reference_and_the_uncached_run() -> None:
     pytest.importorskip("triton")
