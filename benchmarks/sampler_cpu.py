@@ -65,19 +65,13 @@ def write_model(path: Path) -> None:
     import transformers
 
     torch.manual_seed(0)
+    # fmt: off
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-        bos_token_id=1,
-        eos_token_id=2,
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, max_position_embeddings=512,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=True, initializer_range=0.3, bos_token_id=1, eos_token_id=2,
     )
+    # fmt: on
     transformers.LlamaForCausalLM(config).save_pretrained(path)
 
 

@@ -56,26 +56,20 @@ def edit_config_json(model_dir: Path, **changes: object) -> None:
 
 
 def write_hf_llama(path: Path, *, family: str = "Llama", seed: int = 0, **overrides: object) -> Path:
-    """Save a randomly initialised `transformers.{family}ForCausalLM` (Llama, Qwen3) with `save_pretrained`.
+    """Save a randomly initialised `transformers.{family}ForCausalLM` (Llama, Mistral, Qwen2, Qwen3) with `save_pretrained`.
 
     Qwen3's per-head `q_norm` / `k_norm` weights are drawn around 1 (transformers sets them to 1):
     with ones, a model that swapped the two norms, or gave k the q norm, would compute the same.
     """
     transformers = pytest.importorskip("transformers")
+    # A wide init (initializer_range) makes logits peaked, so greedy argmax is far from ties.
+    # fmt: off
     fields = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        # A wide init makes logits peaked, so greedy argmax is far from ties.
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
+        vocab_size=128, hidden_size=64, intermediate_size=96, max_position_embeddings=512,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        initializer_range=0.3, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
     )
+    # fmt: on
     fields.update(overrides)
     torch.manual_seed(seed)
     config = getattr(transformers, f"{family}Config")(**fields)
@@ -98,27 +92,15 @@ def write_hf_deepseek(path: Path, *, version: int = 2, seed: int = 0, **override
     ignores it, or weighs experts by it, routes differently.
     """
     transformers = pytest.importorskip("transformers")
+    # fmt: off
     fields = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        q_lora_rank=None,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, max_position_embeddings=512,
+        num_hidden_layers=3, num_attention_heads=4,
+        q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
     )
+    # fmt: on
     fields.update(copy.deepcopy(overrides))  # transformers writes into the rope_scaling dict it is given
     config_cls, model_cls = (
         (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM)

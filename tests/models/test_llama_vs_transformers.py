@@ -106,21 +106,7 @@ def test_greedy_matches_transformers_under_preemption(tmp_path: Path) -> None:
 
 def test_sliding_window_matches_transformers_mistral(tmp_path: Path) -> None:
     """A Mistral directory (Llama weights + a sliding window on every layer) against transformers."""
-    torch.manual_seed(0)
-    config = transformers.MistralConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        sliding_window=8,
-        initializer_range=0.3,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    transformers.MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
+    write_hf_llama(tmp_path / "mistral", family="Mistral", sliding_window=8)
     ref = transformers.MistralForCausalLM.from_pretrained(tmp_path / "mistral", dtype=torch.float32).eval()
     prompt = PROMPTS[5]  # 48 tokens: far longer than the window
     with torch.no_grad():
@@ -150,19 +136,7 @@ def assert_last_logits_match(llm: LLM, ref: torch.nn.Module, prompt: list[int]) 
 
 def test_qwen2_directory_matches_transformers(tmp_path: Path) -> None:
     """Qwen2 = Llama + q/k/v biases: the loader maps it onto the same model file."""
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-    )
-    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen2")
+    write_hf_llama(tmp_path / "qwen2", family="Qwen2")
     ref = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "qwen2", dtype=torch.float32).eval()
     prompt = PROMPTS[4]
     llm = LLM(str(tmp_path / "qwen2"), device="cpu", num_kv_blocks=32)

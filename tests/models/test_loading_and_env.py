@@ -237,17 +237,7 @@ def test_quantized_checkpoint_is_refused(tmp_path: Path) -> None:
 
 def test_family_from_either_field_or_llama_without_both(tmp_path: Path) -> None:
     """model_type alone, architectures alone, or (a hand-written Llama config) neither."""
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.3,
-    )
-    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen2")
+    write_hf_llama(tmp_path / "qwen2", family="Qwen2")
     edit_config_json(tmp_path / "qwen2", model_type=None)
     assert load_config(str(tmp_path / "qwen2")).qkv_bias  # Qwen2's q/k/v biases, from architectures alone
     edit_config_json(tmp_path / "qwen2", model_type="qwen2", architectures=None)
