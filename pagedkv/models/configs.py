@@ -112,20 +112,14 @@ class LlamaConfig:
     eos_token_id: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        # fmt: off
         check_config_numbers(
             self,
             floats=("rms_norm_eps", "rope_theta"),
-            positive=(
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "num_key_value_heads",
-                "head_dim",
-                "max_position_embeddings",
-            ),
+            positive=("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "max_position_embeddings"),
         )
+        # fmt: on
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -255,25 +249,14 @@ class Qwen3Config(LlamaConfig):
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 # transformers' DeepseekV3Config defaults where they differ from V2's (the dataclass's): what a V3
 # config.json means by leaving one of these keys out.
+# fmt: off
 V3_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=129280,
-    hidden_size=7168,
-    intermediate_size=18432,
-    moe_intermediate_size=2048,
-    num_hidden_layers=61,
-    num_attention_heads=128,
-    n_routed_experts=256,
-    num_experts_per_tok=8,
-    n_shared_experts=1,
-    first_k_dense_replace=3,
-    n_group=8,
-    topk_group=4,
-    norm_topk_prob=True,
-    routed_scaling_factor=2.5,
-    max_position_embeddings=4096,
-    bos_token_id=0,
-    num_nextn_predict_layers=1,
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+    num_attention_heads=128, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=3,
+    n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=4096,
+    bos_token_id=0, num_nextn_predict_layers=1,
 )
+# fmt: on
 
 
 @dataclass
@@ -341,27 +324,16 @@ class DeepseekV2Config:
     eos_token_id: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        # fmt: off
         check_config_numbers(
             self,
             counts=("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"),
             floats=("rms_norm_eps", "rope_theta", "routed_scaling_factor"),
-            positive=(
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "moe_intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "q_lora_rank",
-                "kv_lora_rank",
-                "qk_nope_head_dim",
-                "qk_rope_head_dim",
-                "v_head_dim",
-                "n_routed_experts",
-                "num_experts_per_tok",
-                "max_position_embeddings",
-            ),
+            positive=("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                      "v_head_dim", "n_routed_experts", "num_experts_per_tok", "max_position_embeddings"),
         )
+        # fmt: on
         if self.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act={self.hidden_act!r} is not supported; DeepSeek models use 'silu'.")
         if self.topk_method not in TOPK_METHODS:

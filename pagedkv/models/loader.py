@@ -30,143 +30,67 @@ HFConfig = LlamaConfig | DeepseekV2Config  # Qwen3Config is a LlamaConfig
 CausalLM = LlamaForCausalLM | DeepseekV2ForCausalLM
 """Any model pagedkv serves: forward(input_ids, positions), compute_logits, load_weights."""
 
+
+def _tiny(**extra: Any) -> LlamaConfig:
+    """The "tiny" Llama shapes, with `extra` fields on top (a fresh config, so no preset shares a list)."""
+    # fmt: off
+    return LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                       bos_token_id=256, eos_token_id=[257], tie_word_embeddings=True, **extra)
+    # fmt: on
+
+
+def _qwen3(**extra: Any) -> Qwen3Config:
+    """What Qwen3-0.6B and Qwen3-8B share (their config.json; eos ids of generation_config.json)."""
+    # fmt: off
+    return Qwen3Config(vocab_size=151936, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, max_position_embeddings=40960, bos_token_id=151643,
+                       eos_token_id=[151645, 151643], **extra)
+    # fmt: on
+
+
+# Laid out by hand, one preset per few lines: the formatter's one key per line made the presets look alike.
+# fmt: off
 PRESETS: dict[str, HFConfig] = {
     # A few hundred thousand parameters: fast on a laptop CPU, big enough to show GQA.
-    "tiny": LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        bos_token_id=256,
-        eos_token_id=[257],
-        tie_word_embeddings=True,
-    ),
+    "tiny": _tiny(),
     # The same, with every other layer looking only at the last 32 tokens: two KV cache groups.
-    "tiny-hybrid": LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        bos_token_id=256,
-        eos_token_id=[257],
-        tie_word_embeddings=True,
-        sliding_window=32,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-    ),
+    "tiny-hybrid": _tiny(sliding_window=32, layer_types=["sliding_attention", "full_attention"] * 2),
     # Llama-3-8B's shapes, random weights: for GPU benchmarks.
     "llama3-8b": LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=131072,
-        bos_token_id=128000,
-        eos_token_id=[128001, 128009],
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, bos_token_id=128000, eos_token_id=[128001, 128009],
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
     ),
-    # Qwen3-0.6B's and Qwen3-8B's shapes (their config.json; eos ids of generation_config.json), random
-    # weights: for GPU benchmarks.
+    # Qwen3-0.6B's and Qwen3-8B's shapes, random weights: for GPU benchmarks.
     # head_dim 128 is not hidden_size / num_attention_heads for the 0.6B (1024 / 16 = 64).
-    "qwen3-0.6b": Qwen3Config(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=40960,
-        bos_token_id=151643,
-        eos_token_id=[151645, 151643],
-        tie_word_embeddings=True,
-    ),
-    "qwen3-8b": Qwen3Config(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=40960,
-        bos_token_id=151643,
-        eos_token_id=[151645, 151643],
-        tie_word_embeddings=False,
-    ),
+    "qwen3-0.6b": _qwen3(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                         tie_word_embeddings=True),
+    "qwen3-8b": _qwen3(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                       tie_word_embeddings=False),
     # Multi-head latent attention and a mixture of experts, as small as "tiny": 3 layers, the
     # first dense, then 4 routed experts (top 2) and 1 shared; the cache holds 32 + 8 values per token.
     "tiny-mla": DeepseekV2Config(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        q_lora_rank=None,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        max_position_embeddings=4096,
-        bos_token_id=256,
-        eos_token_id=[257],
-        tie_word_embeddings=True,
+        vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+        max_position_embeddings=4096, bos_token_id=256, eos_token_id=[257], tie_word_embeddings=True,
     ),
     # DeepSeek-V2-Lite's shapes (its config.json), random weights: for GPU benchmarks.
     "deepseek-v2-lite": DeepseekV2Config(
-        vocab_size=102400,
-        hidden_size=2048,
-        intermediate_size=10944,
-        moe_intermediate_size=1408,
-        num_hidden_layers=27,
-        num_attention_heads=16,
-        q_lora_rank=None,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        n_routed_experts=64,
-        num_experts_per_tok=6,
-        n_shared_experts=2,
-        first_k_dense_replace=1,
-        max_position_embeddings=163840,
-        bos_token_id=100000,
-        eos_token_id=[100001],
-        rope_scaling={
-            "type": "yarn",
-            "factor": 40,
-            "original_max_position_embeddings": 4096,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-        },
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1,
+        max_position_embeddings=163840, bos_token_id=100000, eos_token_id=[100001],
+        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
     ),
 }
+# fmt: on
 
 # Presets with trained weights, shipped as package data: name -> Hugging Face checkpoint directory.
 TRAINED_PRESETS: dict[str, Path] = {
