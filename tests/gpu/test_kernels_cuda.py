@@ -74,10 +74,9 @@ def test_llama_shapes(dtype: torch.dtype, case: str) -> None:
     assert_matches(run(batch), reference(batch), dtype)
 
 
-@pytest.mark.parametrize("head_size", [64, 80, 96, 256])
-@pytest.mark.parametrize("case", ["decode", "mixed"])
-def test_head_sizes(head_size: int, case: str) -> None:
-    batch = random_paged_batch(
+def _gqa_bf16_batch(case: str, head_size: int) -> PagedBatch:
+    """The case's batch with 8 query heads over 2 KV heads of `head_size`, bf16, block size 32."""
+    return random_paged_batch(
         *CASES[case],
         num_q_heads=8,
         num_kv_heads=2,
@@ -87,6 +86,12 @@ def test_head_sizes(head_size: int, case: str) -> None:
         device="cuda",
         seed=head_size,
     )
+
+
+@pytest.mark.parametrize("head_size", [64, 80, 96, 256])
+@pytest.mark.parametrize("case", ["decode", "mixed"])
+def test_head_sizes(head_size: int, case: str) -> None:
+    batch = _gqa_bf16_batch(case, head_size)
     assert_matches(run(batch), reference(batch), torch.bfloat16)
 
 
@@ -113,16 +118,7 @@ def test_head_layouts_and_sliding_window(num_q_heads: int, num_kv_heads: int, wi
 def test_poisoned_memory_head_sizes(case: str, head_size: int) -> None:
     # NaN between heads and tokens, the cache at the very end of its buffer, NaN in unowned blocks
     # and past each sequence (see `poison_batch`): a read outside the tensors turns into NaN.
-    batch = random_paged_batch(
-        *CASES[case],
-        num_q_heads=8,
-        num_kv_heads=2,
-        head_size=head_size,
-        block_size=32,
-        dtype=torch.bfloat16,
-        device="cuda",
-        seed=head_size,
-    )
+    batch = _gqa_bf16_batch(case, head_size)
     out, stray = run_poisoned(batch)
     assert_matches(out, reference(batch), torch.bfloat16)
     assert stray == 0, f"{stray} values written outside the output and the split-KV workspace"

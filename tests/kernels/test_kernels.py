@@ -206,14 +206,7 @@ def test_value_head_size_of_its_own(head_size: int, head_size_v: int, num_splits
 
 def test_attention_rejects_unsupported_inputs() -> None:
     batch = random_paged_batch([2], [0], head_size=64)
-    kwargs = dict(
-        query_start_loc=batch.query_start_loc,
-        seq_lens=batch.seq_lens,
-        max_query_len=2,
-        max_seq_len=2,
-        block_table=batch.block_table,
-        softmax_scale=1.0,
-    )
+    kwargs = batch.attention_kwargs() | dict(softmax_scale=1.0)  # max_query_len 2, max_seq_len 2
     q = torch.zeros(2, 4, 300)
     cache = torch.zeros(4, 16, 2, 300)
     with pytest.raises(ValueError, match="head size 300"):
@@ -259,14 +252,7 @@ def test_attention_on_cpu_tensors_rejects_indices_past_its_tensors() -> None:
     """Where the check costs no device sync (CPU tensors, the interpreter): each of these read
     outside a tensor, which on the CPU was a segfault that ended the Python process."""
     batch = random_paged_batch([3], [5], head_size=16, block_size=4)
-    kwargs = dict(
-        query_start_loc=batch.query_start_loc,
-        seq_lens=batch.seq_lens,
-        max_query_len=3,
-        max_seq_len=8,
-        block_table=batch.block_table,
-        softmax_scale=1.0,
-    )
+    kwargs = batch.attention_kwargs() | dict(softmax_scale=1.0)  # max_query_len 3, max_seq_len 8
 
     def call(**changes: object) -> None:
         unified_attention(batch.q, batch.k_cache, batch.v_cache, torch.empty_like(batch.q), **kwargs | changes)
