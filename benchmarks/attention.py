@@ -368,23 +368,7 @@ def sweep(kind: str, quick: bool) -> dict[str, object]:
         grid = [dict(long_prefill=a, short_prefill=b) for a, b in itertools.product(longs, shorts)]
     chosen = [c for c in cases(quick) if (c.kind == "decode") == (kind == "decode")]
     results = []
-    batches = {
-        c.name: [
-            random_paged_batch(
-                c.query_lens,
-                c.context_lens,
-                num_q_heads=HQ,
-                num_kv_heads=HKV,
-                head_size=D,
-                block_size=BLOCK,
-                dtype=DTYPE,
-                device="cuda",
-                seed=i,
-            )
-            for i in range(copies_for(kv_bytes(c)))
-        ]
-        for c in chosen
-    }
+    batches = {c.name: paged_batches(c) for c in chosen}
     for knobs in grid:
         tuning = make_tuning(knobs)
         times = {}

@@ -76,18 +76,23 @@ def counters(llm: LLM) -> tuple[int, int, int]:
     return llm.stats.num_steps, llm.stats.num_prefill_tokens, llm.stats.num_cached_tokens
 
 
-def timed_generate(llm: LLM, workload: Workload) -> dict[str, object]:
-    steps, _, cached = counters(llm)
-    seconds, outs = generate_s(llm, workload.prompts, workload.params)
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+def rates(llm: LLM, seconds: float, tokens: int, steps0: int, cached0: int) -> dict[str, object]:
+    """A timed run's wall time, output tokens (and their rate), and the steps and cached prompt
+    tokens it added to `llm`'s counters since they read `steps0` and `cached0`."""
     return {
         "seconds": seconds,
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / seconds,
-        "steps": llm.stats.num_steps - steps,
-        "cached_prompt_tokens": llm.stats.num_cached_tokens - cached,
-        "first_tokens": outs[0].outputs[0].token_ids[:8],
+        "steps": llm.stats.num_steps - steps0,
+        "cached_prompt_tokens": llm.stats.num_cached_tokens - cached0,
     }
+
+
+def timed_generate(llm: LLM, workload: Workload) -> dict[str, object]:
+    steps, _, cached = counters(llm)
+    seconds, outs = generate_s(llm, workload.prompts, workload.params)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return rates(llm, seconds, tokens, steps, cached) | {"first_tokens": outs[0].outputs[0].token_ids[:8]}
 
 
 def timed_stream(llm: LLM, workload: Workload) -> dict[str, object]:
@@ -121,15 +126,7 @@ def timed_stream(llm: LLM, workload: Workload) -> dict[str, object]:
         last = now
     sync()
     seconds = time.perf_counter() - start
-    return {
-        "seconds": seconds,
-        "output_tokens": tokens,
-        "output_tokens_per_s": tokens / seconds,
-        "steps": llm.stats.num_steps - steps0,
-        "cached_prompt_tokens": llm.stats.num_cached_tokens - cached,
-        "text_chars_streamed": chars,
-        "step_kinds": kinds,
-    }
+    return rates(llm, seconds, tokens, steps0, cached) | {"text_chars_streamed": chars, "step_kinds": kinds}
 
 
 def run_row(

@@ -132,6 +132,12 @@ def generate_s(
     return time.perf_counter() - start, outs
 
 
+def _git(*args: str) -> str:
+    """`git ARGS` in this checkout: its stripped stdout."""
+    done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=10)
+    return done.stdout.strip()
+
+
 def run_metadata() -> dict[str, object]:
     """Date, command line, versions and device of this run (every JSON written carries it)."""
     meta: dict[str, object] = {
@@ -148,20 +154,8 @@ def run_metadata() -> dict[str, object]:
         except ImportError:
             meta[module] = None
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            timeout=10,
-        ).stdout.strip()
+        commit = _git("rev-parse", "--short", "HEAD")
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
         meta["git_commit"] = (commit + (" (uncommitted changes)" if dirty else "")) or None
     except (OSError, subprocess.SubprocessError):
         meta["git_commit"] = None
