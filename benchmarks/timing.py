@@ -35,6 +35,17 @@ def bench_us(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
 
 
+def _replays_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """GPU milliseconds of `replays` back-to-back replays of `graph`, between two events on the current stream."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
 def graph_us(fns: Sequence[Callable[[], object]], rep_ms: float = 30.0) -> float:
     """Median GPU time of one call, from replays of a graph that cycles through `fns`."""
     stream = torch.cuda.Stream()
@@ -54,13 +65,7 @@ def graph_us(fns: Sequence[Callable[[], object]], rep_ms: float = 30.0) -> float
             for i in range(calls):
                 fns[i % len(fns)]()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(7):
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / calls)
+        times = [_replays_ms(graph, 1) / calls for _ in range(7)]
     del graph
     return statistics.median(times) * 1e3
 
@@ -72,21 +77,8 @@ def graph1_us(fn: Callable[[], object], rep_ms: float = 30.0) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    replays = max(5, min(2000, int(rep_ms / max(start.elapsed_time(end) / 5, 1e-3))))
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / replays)
+    replays = max(5, min(2000, int(rep_ms / max(_replays_ms(graph, 5) / 5, 1e-3))))
+    times = [_replays_ms(graph, replays) / replays for _ in range(5)]
     del graph
     return statistics.median(times) * 1e3
 
