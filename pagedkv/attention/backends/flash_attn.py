@@ -161,35 +161,28 @@ class FlashAttentionImpl(TritonCacheWriter, AttentionImpl[FlashAttentionMetadata
             raise NotImplementedError("FLASH_ATTN here implements causal (decoder) attention only")
         k_cache, v_cache = self._kv_views(kv_cache)
         n = m.num_actual_tokens
+        # The two versions name the keys' lengths and pages differently; the rest they take alike.
+        per_version: dict[str, Any]
         if self.version == 4:
-            result = self.varlen(
-                query[:n],
-                k_cache,
-                v_cache,
-                cu_seqlens_q=m.query_start_loc,
+            per_version = dict(
                 seqused_k=m.seq_lens,
-                max_seqlen_q=m.max_query_len,
-                max_seqlen_k=m.max_seq_len,
                 page_table=m.block_table,
-                causal=True,
-                softmax_scale=self.scale,
                 window_size=(None, None) if self.sliding_window is None else self.window,
                 num_splits=1,  # no split heuristic on host values (and SM 9.0 has no split-KV)
             )
         else:
-            result = self.varlen(
-                query[:n],
-                k_cache,
-                v_cache,
-                cu_seqlens_q=m.query_start_loc,
-                cu_seqlens_k=m.cu_seqlens_k,
-                max_seqlen_q=m.max_query_len,
-                max_seqlen_k=m.max_seq_len,
-                softmax_scale=self.scale,
-                causal=True,
-                window_size=self.window,
-                block_table=m.block_table,
-            )
+            per_version = dict(cu_seqlens_k=m.cu_seqlens_k, block_table=m.block_table, window_size=self.window)
+        result = self.varlen(
+            query[:n],
+            k_cache,
+            v_cache,
+            cu_seqlens_q=m.query_start_loc,
+            max_seqlen_q=m.max_query_len,
+            max_seqlen_k=m.max_seq_len,
+            softmax_scale=self.scale,
+            causal=True,
+            **per_version,
+        )
         output[:n].copy_(result[0] if isinstance(result, tuple) else result)
         return output
 
