@@ -91,6 +91,15 @@ def patch_point(llm: LLM, point: str, at: int) -> Interrupt:
     return interrupt
 
 
+def interrupted_requests(point: str, at: int, config: str) -> tuple[LLM, SamplingParams, list[str]]:
+    """An engine in `config` whose `point` raises at its `at`-th call, with PROMPTS added: the engine,
+    the sampling parameters and the request ids."""
+    kwargs, params = CONFIGS[config]
+    llm = engine(**kwargs)
+    patch_point(llm, point, at)
+    return llm, params, [llm.add_request(p, params) for p in PROMPTS]
+
+
 # (point, which call of it raises, configuration). One call per forward for attention / cache
 # write; "attention 2" at call 1 is the first prefill, at call 4 a decode step (greedy, no chunks).
 CASES = [
@@ -127,10 +136,7 @@ def test_step_interrupted_then_called_again_finishes_with_the_uninterrupted_toke
     point: str, at: int, config: str, expected: dict[str, list[list[int]]]
 ) -> None:
     """The interrupted step is undone and planned again: the run goes on as if never stopped."""
-    kwargs, params = CONFIGS[config]
-    llm = engine(**kwargs)
-    patch_point(llm, point, at)
-    ids = [llm.add_request(p, params) for p in PROMPTS]
+    llm, params, ids = interrupted_requests(point, at, config)
     final, interrupts = {}, 0
     while llm.has_unfinished_requests():
         try:
@@ -150,10 +156,7 @@ def test_step_interrupted_then_called_again_finishes_with_the_uninterrupted_toke
 def test_step_interrupted_then_aborted_leaves_nothing_unwritten_in_the_cache(
     point: str, at: int, config: str, expected: dict[str, list[list[int]]]
 ) -> None:
-    kwargs, params = CONFIGS[config]
-    llm = engine(**kwargs)
-    patch_point(llm, point, at)
-    ids = [llm.add_request(p, params) for p in PROMPTS]
+    llm, params, ids = interrupted_requests(point, at, config)
     with pytest.raises(KeyboardInterrupt):
         while llm.has_unfinished_requests():
             llm.step()
