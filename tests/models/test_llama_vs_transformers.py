@@ -242,25 +242,8 @@ WINDOW_CASES = {
 
 
 def _family_dir(path: Path, family: str, fields: dict, edit: Callable[[dict], object] | None) -> Path:
-    """A 4-layer `{family}ForCausalLM` saved by transformers, its config.json then edited."""
-    torch.manual_seed(0)
-    config = getattr(transformers, f"{family}Config")(
-        **{
-            **dict(
-                vocab_size=128,
-                hidden_size=64,
-                intermediate_size=96,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=512,
-                initializer_range=0.3,
-                tie_word_embeddings=False,
-            ),
-            **fields,
-        }
-    )
-    getattr(transformers, f"{family}ForCausalLM")(config).save_pretrained(path)
+    """A 4-layer `{family}ForCausalLM` written by `write_hf_llama`, its config.json then edited."""
+    write_hf_llama(path, family=family, **{"num_hidden_layers": 4, **fields})
     if edit is not None:
         hf = json.loads((path / "config.json").read_text())
         edit(hf)
