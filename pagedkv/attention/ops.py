@@ -127,5 +127,10 @@ def _attention_fake(
     return None
 
 
-register_op("unified_kv_cache_update", kv_cache_update, _kv_cache_update_fake, mutates_args=())
-register_op("unified_attention_with_output", _unified_attention_with_output, _attention_fake, mutates_args=("output",))
+def register_attention_ops(kv_cache_update_name: str, attention_name: str) -> None:
+    """Define the two ops a kind of attention layer calls, its cache write and its attention, under its names."""
+    register_op(kv_cache_update_name, kv_cache_update, _kv_cache_update_fake, mutates_args=())
+    register_op(attention_name, _unified_attention_with_output, _attention_fake, mutates_args=("output",))
+
+
+register_attention_ops("unified_kv_cache_update", "unified_attention_with_output")

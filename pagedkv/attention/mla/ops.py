@@ -8,42 +8,9 @@ can split the graph there.
 
 from __future__ import annotations
 
-import torch
+from pagedkv.attention.ops import register_attention_ops
 
-from pagedkv.attention.ops import attention_with_output, kv_cache_update, register_op
-
-
-def _mla_kv_cache_update(kv_c_normed: torch.Tensor, k_pe: torch.Tensor, layer_name: str) -> torch.Tensor:
-    return kv_cache_update(kv_c_normed, k_pe, layer_name)
-
-
-def _mla_kv_cache_update_fake(kv_c_normed: torch.Tensor, k_pe: torch.Tensor, layer_name: str) -> torch.Tensor:
-    return torch.empty(0, device=kv_c_normed.device, dtype=kv_c_normed.dtype)
-
-
-def _mla_attention_with_output(
-    q: torch.Tensor,
-    kv_c_normed: torch.Tensor,
-    k_pe: torch.Tensor,
-    output: torch.Tensor,
-    layer_name: str,
-    kv_cache_dummy_dep: torch.Tensor | None = None,
-) -> None:
-    attention_with_output(q, kv_c_normed, k_pe, output, layer_name)
-
-
-def _mla_attention_fake(
-    q: torch.Tensor,
-    kv_c_normed: torch.Tensor,
-    k_pe: torch.Tensor,
-    output: torch.Tensor,
-    layer_name: str,
-    kv_cache_dummy_dep: torch.Tensor | None = None,
-) -> None:
-    return None
-
-
-register_op("unified_mla_kv_cache_update", _mla_kv_cache_update, _mla_kv_cache_update_fake, mutates_args=())
-register_op(
-    "unified_mla_attention_with_output", _mla_attention_with_output, _mla_attention_fake, mutates_args=("output",)
-)
+# The MHA ops' functions serve as they are: the latents and rope keys take K's and V's places, and the
+# layer's impl knows what they are. MLA gets ops of its own names (as vLLM's unified_mla_* ops), so that
+# a compiled graph says which kind of layer it splits at.
+register_attention_ops("unified_mla_kv_cache_update", "unified_mla_attention_with_output")
