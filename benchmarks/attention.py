@@ -28,11 +28,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from batch_config import batch_config  # noqa: E402
 from timing import bench_us, copies_for, copy_bandwidth_gbps, graph1_us, graph_us, kernel_us  # noqa: E402
 
 from pagedkv.attention.backends.torch_ref import paged_attention_reference  # noqa: E402
 from pagedkv.kernels import SplitKVWorkspace, reshape_and_cache, unified_attention  # noqa: E402
-from pagedkv.kernels.attention_config import Tiles, Tuning, choose_config  # noqa: E402
+from pagedkv.kernels.attention_config import Tiles, Tuning  # noqa: E402
 from pagedkv.kernels.testing import PagedBatch, random_paged_batch  # noqa: E402
 
 HQ, HKV, D, BLOCK, DTYPE = 32, 8, 128, 16, torch.bfloat16
@@ -75,20 +76,7 @@ def triton_fn(batch: PagedBatch, tuning: Tuning | None) -> Callable[[], object]:
     out = torch.empty_like(batch.q)
     kwargs = batch.attention_kwargs()
     workspace = SplitKVWorkspace(batch.q.shape[0] * 64, HQ, D, "cuda")
-    config = None
-    if tuning is not None:
-        config = choose_config(
-            device=batch.q.device,
-            head_pad=D,
-            dtype=DTYPE,
-            num_queries_per_kv=HQ // HKV,
-            num_kv_heads=HKV,
-            num_reqs=len(batch.query_lens),
-            num_tokens=batch.q.shape[0],
-            max_query_len=batch.max_query_len,
-            max_seq_len=batch.max_seq_len,
-            tuning=tuning,
-        )
+    config = None if tuning is None else batch_config(batch, tuning)
     return lambda: unified_attention(
         batch.q, batch.k_cache, batch.v_cache, out, **kwargs, workspace=workspace, config=config
     )

@@ -33,8 +33,9 @@ import triton
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # PYTHONPATH first: lets an older checkout be timed
 
+from batch_config import batch_config  # noqa: E402
+
 from pagedkv.kernels import SplitKVWorkspace, reshape_and_cache, unified_attention  # noqa: E402
-from pagedkv.kernels.attention_config import choose_config  # noqa: E402
 from pagedkv.kernels.testing import PagedBatch, random_paged_batch  # noqa: E402
 
 HQ, HKV, D, BLOCK, DTYPE = 32, 8, 128, 16, torch.bfloat16
@@ -64,19 +65,7 @@ def attention_call(batch: PagedBatch, *, precomputed: bool) -> Callable[[], obje
     out = torch.empty_like(batch.q)
     kwargs = batch.attention_kwargs()
     workspace = SplitKVWorkspace(batch.q.shape[0] * 64, HQ, D, "cuda")
-    config = None
-    if precomputed:  # what the backend's metadata builder does once per step
-        config = choose_config(
-            device=batch.q.device,
-            head_pad=D,
-            dtype=DTYPE,
-            num_queries_per_kv=HQ // HKV,
-            num_kv_heads=HKV,
-            num_reqs=len(batch.query_lens),
-            num_tokens=batch.q.shape[0],
-            max_query_len=batch.max_query_len,
-            max_seq_len=batch.max_seq_len,
-        )
+    config = batch_config(batch) if precomputed else None  # what the backend's metadata builder does once per step
     k_cache, v_cache = batch.k_cache, batch.v_cache
     return lambda: unified_attention(batch.q, k_cache, v_cache, out, **kwargs, workspace=workspace, config=config)
 
