@@ -72,6 +72,15 @@ class _Raised:
         return f"{call} raised {type(self.error).__name__}: {first_line}."
 
 
+def _not_an_int(call: str, got: Any, what: str) -> CheckResult | None:
+    """The failed result for an answer that raised or is not a plain int (`what` it should be), else None."""
+    if isinstance(got, _Raised):
+        return CheckResult(False, got.message(call))
+    if type(got) is not int:  # a plain int: a subclass could make == say yes
+        return CheckResult(False, f"{call} returned {got!r}: return {what} (a Python int).")
+    return None
+
+
 def _keep_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn`, returning a `_Raised` instead of raising (the package guard still watches every call)."""
 
@@ -151,10 +160,8 @@ def check_hit_length(fn: Callable[[list[list[int]], list[int], int], Any], num_h
 
     for (cached, prompt, bs), got in zip(cases, results):
         call = f"fn({cached}, {prompt}, {bs})"
-        if isinstance(got, _Raised):
-            return CheckResult(False, got.message(call))
-        if type(got) is not int:  # a plain int: a subclass could make == say yes
-            return CheckResult(False, f"{call} returned {got!r}: return a number of tokens (a Python int).")
+        if (wrong := _not_an_int(call, got, "a number of tokens")) is not None:
+            return wrong
         expected = found(cached, prompt, bs)
         if got == expected:
             continue
@@ -345,10 +352,8 @@ def check_next_block(fn: Callable[[list[Event], int, int], Any], num_hidden: int
 
     for (events, num_blocks, bs), got in zip(cases, results):
         call = f"fn({events}, num_blocks={num_blocks}, block_size={bs})"
-        if isinstance(got, _Raised):
-            return CheckResult(False, got.message(call))
-        if type(got) is not int:  # a plain int: a subclass could make == say yes
-            return CheckResult(False, f"{call} returned {got!r}: return a block id (a Python int).")
+        if (wrong := _not_an_int(call, got, "a block id")) is not None:
+            return wrong
         steps = queues(events, num_blocks, bs)
         queue = steps[-1]
         if got == queue[0]:
