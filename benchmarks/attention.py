@@ -28,15 +28,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batch_config import batch_config  # noqa: E402
+from llama_batch import BLOCK, DTYPE, HKV, HQ, D, batch_config, llama_batch  # noqa: E402
 from timing import bench_us, copies_for, copy_bandwidth_gbps, graph1_us, graph_us, kernel_us  # noqa: E402
 
 from pagedkv.attention.backends.torch_ref import paged_attention_reference  # noqa: E402
 from pagedkv.kernels import SplitKVWorkspace, reshape_and_cache, unified_attention  # noqa: E402
 from pagedkv.kernels.attention_config import Tiles, Tuning  # noqa: E402
-from pagedkv.kernels.testing import PagedBatch, random_paged_batch  # noqa: E402
+from pagedkv.kernels.testing import PagedBatch  # noqa: E402
 
-HQ, HKV, D, BLOCK, DTYPE = 32, 8, 128, 16, torch.bfloat16
 HBM_GBPS = 4800.0
 
 
@@ -182,20 +181,7 @@ def fa4_available() -> str | None:
 
 def paged_batches(case: Case) -> list[PagedBatch]:
     """The case's input copies (seeded: the profiler pass rebuilds the same ones)."""
-    return [
-        random_paged_batch(
-            case.query_lens,
-            case.context_lens,
-            num_q_heads=HQ,
-            num_kv_heads=HKV,
-            head_size=D,
-            block_size=BLOCK,
-            dtype=DTYPE,
-            device="cuda",
-            seed=i,
-        )
-        for i in range(copies_for(kv_bytes(case)))
-    ]
+    return [llama_batch(case.query_lens, case.context_lens, seed=i) for i in range(copies_for(kv_bytes(case)))]
 
 
 def run_case(case: Case, tunings: dict[str, Tuning | None], with_peers: bool) -> dict[str, object]:

@@ -27,11 +27,13 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from llama_batch import HKV, HQ, llama_batch  # noqa: E402
+
 from pagedkv.kernels import SplitKVWorkspace  # noqa: E402
 from pagedkv.kernels import unified_attention as current  # noqa: E402
-from pagedkv.kernels.testing import PagedBatch, random_paged_batch  # noqa: E402
+from pagedkv.kernels.testing import PagedBatch  # noqa: E402
 
-HQ, HKV, BLOCK, DTYPE, ROUNDS = 32, 8, 16, torch.bfloat16, 3
+ROUNDS = 3
 CASES = {
     "decode 8x4096": ([1] * 8, [4095] * 8),
     "decode 32x4096": ([1] * 32, [4095] * 32),
@@ -57,16 +59,7 @@ def attention_call(kernel: Callable[..., torch.Tensor], batch: PagedBatch) -> Ca
 
 
 def compare(baseline: ModuleType, name: str, head_size: int) -> dict[str, object]:
-    batch = random_paged_batch(
-        *CASES[name],
-        num_q_heads=HQ,
-        num_kv_heads=HKV,
-        head_size=head_size,
-        block_size=BLOCK,
-        dtype=DTYPE,
-        device="cuda",
-        seed=head_size,
-    )
+    batch = llama_batch(*CASES[name], head_size=head_size, seed=head_size)
     calls = {"before": attention_call(baseline.unified_attention, batch), "after": attention_call(current, batch)}
     diff = (calls["before"]().float() - calls["after"]().float()).abs().max().item()
     rounds: dict[str, list[float]] = {version: [] for version in calls}

@@ -33,12 +33,10 @@ import triton
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # PYTHONPATH first: lets an older checkout be timed
 
-from batch_config import batch_config  # noqa: E402
+from llama_batch import DTYPE, HKV, HQ, D, batch_config, llama_batch  # noqa: E402
 
 from pagedkv.kernels import SplitKVWorkspace, reshape_and_cache, unified_attention  # noqa: E402
-from pagedkv.kernels.testing import PagedBatch, random_paged_batch  # noqa: E402
-
-HQ, HKV, D, BLOCK, DTYPE = 32, 8, 128, 16, torch.bfloat16
+from pagedkv.kernels.testing import PagedBatch  # noqa: E402
 
 
 @triton.jit
@@ -71,20 +69,8 @@ def attention_call(batch: PagedBatch, *, precomputed: bool) -> Callable[[], obje
 
 
 def cases() -> dict[str, Callable[[], object]]:
-    one = random_paged_batch(
-        [1], [4095], num_q_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=BLOCK, dtype=DTYPE, device="cuda"
-    )
-    w1 = random_paged_batch(
-        [1] * 128,
-        [1023] * 128,
-        num_q_heads=HQ,
-        num_kv_heads=HKV,
-        head_size=D,
-        block_size=BLOCK,
-        dtype=DTYPE,
-        device="cuda",
-        seed=1,
-    )
+    one = llama_batch([1], [4095])
+    w1 = llama_batch([1] * 128, [1023] * 128, seed=1)
     key = torch.randn(1, HKV, D, dtype=DTYPE, device="cuda")
     slot = torch.tensor([5], dtype=torch.int64, device="cuda")
     out = {
