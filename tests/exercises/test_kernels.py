@@ -171,8 +171,11 @@ def _scores(
     tl.store(scores_ptr + req * stride_scores + page * PAGE + rows, s)
 
 
-def _launch_scores(mask: int, bug: bool = False) -> Callable[..., None]:
+def _launch_scores(mask: int, bug: bool = False, sizes: tuple[int, int] | None = None) -> Callable[..., None]:
+    """`sizes`: (page size, head size) written in instead of read from the tensors (a wrong launcher)."""
+
     def launch(kernel, q, k_cache, block_table, seq_lens, scores, scale):
+        page, head_size = sizes or (k_cache.shape[1], q.shape[1])
         kernel[(q.shape[0], block_table.shape[1])](
             q,
             k_cache,
@@ -185,8 +188,8 @@ def _launch_scores(mask: int, bug: bool = False) -> Callable[..., None]:
             k_cache.stride(1),
             block_table.stride(0),
             scores.stride(0),
-            PAGE=k_cache.shape[1],
-            HEAD_SIZE=q.shape[1],
+            PAGE=page,
+            HEAD_SIZE=head_size,
             MASK=mask,
         )
 
@@ -925,23 +928,7 @@ def test_a_launcher_with_the_first_cases_sizes_written_in_fails_a_later_case() -
     def fixed_slots(kernel, block_table, seq_lens, slots, page_size):
         _launch_slots(False)(kernel, block_table, seq_lens, slots, 4)
 
-    def fixed_scores(kernel, q, k_cache, block_table, seq_lens, scores, scale):
-        kernel[(q.shape[0], block_table.shape[1])](
-            q,
-            k_cache,
-            block_table,
-            seq_lens,
-            scores,
-            scale,
-            q.stride(0),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            block_table.stride(0),
-            scores.stride(0),
-            PAGE=4,
-            HEAD_SIZE=16,
-            MASK=1,
-        )
+    fixed_scores = _launch_scores(1, sizes=(4, 16))
 
     def fixed_scale(kernel, q, k_cache, v_cache, block_table, seq_lens, out, scale):
         _launch_attention(False, False)(kernel, q, k_cache, v_cache, block_table, seq_lens, out, 16**-0.5)
