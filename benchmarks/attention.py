@@ -29,12 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llama_batch import BLOCK, DTYPE, HKV, HQ, D, batch_config, llama_batch  # noqa: E402
-from timing import bench_us, copies_for, copy_bandwidth_gbps, graph1_us, graph_us, kernel_us  # noqa: E402
-
 from pagedkv.attention.backends.torch_ref import paged_attention_reference  # noqa: E402
 from pagedkv.kernels import SplitKVWorkspace, reshape_and_cache, unified_attention  # noqa: E402
 from pagedkv.kernels.attention_config import Tiles, Tuning  # noqa: E402
 from pagedkv.kernels.testing import PagedBatch  # noqa: E402
+from timing import bench_us, copies_for, copy_bandwidth_gbps, graph1_us, graph_us, kernel_us  # noqa: E402
 
 HBM_GBPS = 4800.0
 
@@ -223,7 +222,9 @@ def profile_all(rows: list[dict[str, object]], chosen: list[Case], tunings: dict
         batches = paged_batches(case)
         fa4.update(profiled(lambda i, batches=batches: fa4_fn(batches[i], 1), len(batches)))
         for name, tuning in tunings.items():
-            row[name].update(profiled(lambda i, b=batches, t=tuning: triton_fn(b[i], t), len(batches)))
+            row[name].update(
+                profiled(lambda i, batches=batches, tuning=tuning: triton_fn(batches[i], tuning), len(batches))
+            )
         batches.clear()
         torch.cuda.empty_cache()
 

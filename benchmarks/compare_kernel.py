@@ -28,7 +28,6 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llama_batch import HKV, HQ, llama_batch  # noqa: E402
-
 from pagedkv.kernels import SplitKVWorkspace  # noqa: E402
 from pagedkv.kernels import unified_attention as current  # noqa: E402
 from pagedkv.kernels.testing import PagedBatch  # noqa: E402

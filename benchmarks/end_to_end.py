@@ -64,12 +64,11 @@ import readme_figures  # noqa: E402
 import startup  # noqa: E402
 import workloads  # noqa: E402
 from engine_bench import describe, engine_kwargs, error_text, generate_s, release, sync  # noqa: E402
+from pagedkv import LLM  # noqa: E402
+from pagedkv.models.loader import load_config  # noqa: E402
 from profiling import kernel_profile, profiled  # noqa: E402
 from step_timing import decode_breakdown, decode_latency  # noqa: E402
 from workloads import Workload  # noqa: E402
-
-from pagedkv import LLM  # noqa: E402
-from pagedkv.models.loader import load_config  # noqa: E402
 
 
 def counters(llm: LLM) -> tuple[int, int, int]:

@@ -34,7 +34,6 @@ import triton
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # PYTHONPATH first: lets an older checkout be timed
 
 from llama_batch import DTYPE, HKV, HQ, D, batch_config, llama_batch  # noqa: E402
-
 from pagedkv.kernels import SplitKVWorkspace, reshape_and_cache, unified_attention  # noqa: E402
 from pagedkv.kernels.testing import PagedBatch  # noqa: E402
 

@@ -44,9 +44,11 @@ def batch_config(batch: PagedBatch, tuning: Tuning | None = None) -> KernelConfi
     """`choose_config` for `batch` from its shapes and host-side lengths, as the backend's metadata
     builder calls it once per step; `tuning` None means choose_config's default tuning."""
     q, num_kv_heads = batch.q, batch.k_cache.shape[2]
+    # The kernel pads K and V heads to one width: the wider of the two (unified_attention's own default).
+    head_pad = max(triton.next_power_of_2(q.shape[2]), triton.next_power_of_2(batch.v_cache.shape[3]))
     return choose_config(
         device=q.device,
-        head_pad=triton.next_power_of_2(q.shape[2]),
+        head_pad=head_pad,
         dtype=q.dtype,
         num_queries_per_kv=q.shape[1] // num_kv_heads,
         num_kv_heads=num_kv_heads,

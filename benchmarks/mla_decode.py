@@ -31,10 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attention import measure, us  # noqa: E402
-from timing import copies_for, copy_bandwidth_gbps, graph_us  # noqa: E402
-
 from pagedkv.kernels import MLADecodeWorkspace, mla_decode, mla_decode_attention  # noqa: E402
 from pagedkv.kernels.mla_decode import MLATiles, default_num_kv_splits  # noqa: E402
+from timing import copies_for, copy_bandwidth_gbps, graph_us  # noqa: E402
 
 HEADS, RANK, ROPE, DTYPE = 16, 512, 64, torch.bfloat16
 WIDTH = RANK + ROPE

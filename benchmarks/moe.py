@@ -29,9 +29,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import bench_us, graph1_us  # noqa: E402
-
 from pagedkv.models.fused_moe import FusedMoE  # noqa: E402
+from timing import bench_us, graph1_us  # noqa: E402
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 64, 2048, 1408, 6
 

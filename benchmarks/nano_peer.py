@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from workloads import Workload
 
 RECORDED = {"qwen3-0.6b": {"output_tokens_per_s": 14836.0, "gpu": "H200", "date": "2026-12-02"}}

@@ -31,7 +31,6 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import engine_bench  # noqa: E402  (beside this file: the device, sync, release)
 from engine_bench import release, sync  # noqa: E402
-
 from pagedkv import LLM, SamplingParams  # noqa: E402
 
 

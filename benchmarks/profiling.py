@@ -16,8 +16,9 @@ import pstats
 import time
 from collections.abc import Callable
 
-import engine_bench
 import torch
+
+import engine_bench
 
 
 def profiled(fn: Callable[[], object], top: int, title: str) -> dict[str, float]:

@@ -39,7 +39,6 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine_bench  # noqa: E402  (beside this file)
-
 from pagedkv import LLM, SamplingParams  # noqa: E402
 
 BATCH = 128

@@ -21,10 +21,9 @@ import time
 from dataclasses import replace
 
 import engine_bench
+from pagedkv import LLM, SamplingParams
 from profiling import gpu_kernel_seconds
 from workloads import Workload
-
-from pagedkv import LLM, SamplingParams
 
 
 def decode_latency(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, float]:

@@ -24,10 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import engine_bench  # noqa: E402  (beside this file, as are the next two)
+from pagedkv import LLM, SamplingParams  # noqa: E402
 from step_timing import decode_latency  # noqa: E402
 from workloads import w1_prompts  # noqa: E402
-
-from pagedkv import LLM, SamplingParams  # noqa: E402
 
 
 def logits_check(device: str) -> float:
