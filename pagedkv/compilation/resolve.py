@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from pagedkv.attention.backend import AttentionCGSupport
 from pagedkv.config import CUDAGraphMode
@@ -155,17 +154,33 @@ def resolve_explained(
     return Resolution(configured, mode, tuple(steps), None)
 
 
-def resolve_cudagraph_mode(*args: Any, **kwargs: Any) -> CUDAGraphMode:
+def resolve_cudagraph_mode(
+    mode: CUDAGraphMode | str,
+    support: AttentionCGSupport,
+    *,
+    backend_name: str,
+    attention_compiled_piecewise: bool,
+    uniform_decode_query_len: int = 1,
+    enforce_eager: bool = False,
+) -> CUDAGraphMode:
     """The mode the engine can really run, given the weakest backend's support.
 
-    Takes `resolve_explained`'s arguments, passed on as they are (one parameter list, so the
-    two cannot drift apart), logs each of its steps as a warning and returns its mode.
+    Takes `resolve_explained`'s arguments (the same list, written out so callers see it;
+    tests/compilation/test_cudagraph_mode.py checks the two signatures stay equal), logs each
+    of its steps as a warning and returns its mode.
 
     Raises:
         ValueError: full graphs were asked for every batch (FULL) with a backend that cannot
             capture any, or an argument is malformed.
     """
-    result = resolve_explained(*args, **kwargs)
+    result = resolve_explained(
+        mode,
+        support,
+        backend_name=backend_name,
+        attention_compiled_piecewise=attention_compiled_piecewise,
+        uniform_decode_query_len=uniform_decode_query_len,
+        enforce_eager=enforce_eager,
+    )
     for step in result.steps:
         logger.warning("%s", step.message)
     if result.resolved is None:

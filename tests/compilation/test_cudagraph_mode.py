@@ -8,6 +8,7 @@ computed by any helper: 5 modes x 4 support levels, each line giving the 8 combi
 from __future__ import annotations
 
 import ast
+import inspect
 import itertools
 import logging
 import re
@@ -234,6 +235,14 @@ def test_bad_arguments(kwargs: dict, error: type[Exception], needle: str) -> Non
     args.update(kwargs)
     with pytest.raises(error, match=needle):
         resolve_cudagraph_mode(args.pop("mode"), args.pop("support"), **args)
+
+
+def test_the_engine_call_takes_exactly_resolve_explained_s_parameters() -> None:
+    # resolve_cudagraph_mode writes its parameters out (so editors and help() show them) and forwards
+    # them; this keeps the two lists from drifting: names, kinds, defaults and annotations all compared.
+    engine = inspect.signature(resolve_cudagraph_mode).parameters
+    explained = inspect.signature(resolve_explained).parameters
+    assert list(engine.values()) == list(explained.values())
 
 
 # ---- the enum itself ------------------------------------------------------------------------
