@@ -158,19 +158,25 @@ class ModelRunner:
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Attention groups first (they choose the kernel block size), then the KV cache, allocated
-        and bound by name (attn_utils.py), then one block table per KV cache group."""
-        self.kv_cache_config = kv_cache_config
-        self.attn_groups = init_attn_groups(self.attn_layers, kv_cache_config, self.config, self.device)
-        self.kv_caches = init_kv_cache(
-            self.attn_layers, kv_cache_config, self.attn_groups, self.config.cache_config, self.device
-        )
-        self.layer_kv_group = layer_kv_groups(self.attn_groups)
-        self.kv_group_causal = kv_group_causal(self.attn_groups, self.attn_layers)
+        and bound by name (attn_utils.py), then one block table per KV cache group.
+
+        Everything is built in locals and assigned to the runner at the end, and the group check
+        (`kv_group_causal`, which may raise) runs before anything is allocated: a failure (or a
+        KeyboardInterrupt) leaves the runner as it was."""
+        attn_groups = init_attn_groups(self.attn_layers, kv_cache_config, self.config, self.device)
+        group_causal = kv_group_causal(attn_groups, self.attn_layers)
+        kv_caches = init_kv_cache(self.attn_layers, kv_cache_config, attn_groups, self.config.cache_config, self.device)
         max_blocks = math.ceil(self.config.model_config.max_model_len / self.block_size)
-        self.block_tables = [
+        block_tables = [
             BlockTable(self.config.scheduler_config.max_num_seqs, max_blocks, g.kv_cache_spec.block_size, self.device)
             for g in kv_cache_config.kv_cache_groups
         ]
+        self.kv_cache_config = kv_cache_config
+        self.attn_groups = attn_groups
+        self.kv_caches = kv_caches
+        self.layer_kv_group = layer_kv_groups(attn_groups)
+        self.kv_group_causal = group_causal
+        self.block_tables = block_tables
 
     # ---- CUDA graphs ----------------------------------------------------------------
 

@@ -355,8 +355,12 @@ def test_causal_is_set_per_kv_cache_group_from_its_layers_attention_type() -> No
     assert [runner.common_attn_metadata(batch, g).causal for g in range(2)] == [False, True]
 
     runner.attn_layers[min(group0)].attn_type = AttentionType.DECODER
+    kv_caches, block_tables = runner.kv_caches, runner.block_tables
     with pytest.raises(ValueError, match=r"KV cache group 0 mixes attention types \['decoder', 'encoder_only'\]"):
         runner.initialize_kv_cache(runner.kv_cache_config)
+    # Refused before anything is allocated: the runner keeps what it had.
+    assert runner.kv_caches is kv_caches and runner.block_tables is block_tables
+    assert runner.kv_group_causal == [False, True]
 
 
 def test_layers_with_other_query_head_counts_get_their_own_group() -> None:
