@@ -36,6 +36,19 @@ def get_layers_from_config(config: EngineConfig, layer_type: type[T]) -> dict[st
     return {name: layer for name, layer in registry.items() if isinstance(layer, layer_type)}
 
 
+def register_layer(config: EngineConfig, prefix: str, layer: Any) -> None:
+    """Put `layer` in the static forward context under its unique name `prefix`.
+
+    The one way Attention and FusedMoE layers register (vLLM does it in each layer's __init__:
+    vllm/attention/layer.py, vllm/model_executor/layers/fused_moe/layer.py). Layers call it last in
+    __init__, once built, so that a constructor that fails leaves no half-made layer registered.
+    """
+    static_forward_context = config.compilation_config.static_forward_context
+    if prefix in static_forward_context:
+        raise ValueError(f"Duplicate layer name: {prefix}")
+    static_forward_context[prefix] = layer
+
+
 @dataclass(frozen=True)
 class BatchDescriptor:
     """The shape of a batch, as far as CUDA graphs care: the key a graph is captured under."""

@@ -23,6 +23,7 @@ from pagedkv.attention.backend import AttentionBackend, AttentionImpl, Attention
 from pagedkv.attention.selector import get_attn_backend
 from pagedkv.checks import check_int, check_optional_int
 from pagedkv.config import get_current_engine_config
+from pagedkv.forward_context import register_layer
 from pagedkv.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedkv.platforms import get_platform
 
@@ -78,16 +79,15 @@ class Attention(nn.Module):
             opaque = get_platform(config.device).opaque_attention_op()
         self.use_direct_call = not opaque
 
-        static_forward_context = config.compilation_config.static_forward_context
-        if prefix in static_forward_context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
         if kv_sharing_target_layer_name is not None:
-            validate_kv_sharing_target(prefix, kv_sharing_target_layer_name, static_forward_context, self)
+            validate_kv_sharing_target(
+                prefix, kv_sharing_target_layer_name, config.compilation_config.static_forward_context, self
+            )
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        static_forward_context[prefix] = self
 
         # An empty placeholder until the runner binds this layer's view of the cache.
         self.kv_cache = torch.tensor([])
+        register_layer(config, prefix, self)
 
     def make_impl(self) -> AttentionImpl[Any]:
         """This layer's impl, made by the selected backend (MLAAttention passes more)."""

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.config import get_current_engine_config
+from pagedkv.forward_context import register_layer
 from pagedkv.models.layers import SiluAndMul
 from pagedkv.models.parallel_layers import ShardId, copy_checked
 
@@ -98,14 +99,6 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, prefix: str = "") -> None:
         super().__init__()
-        if prefix:
-            # Registered by name, as attention layers are (vLLM's FusedMoE, vllm/model_executor/layers/
-            # fused_moe/layer.py): runners and compilers find it with `get_layers_from_config(config, FusedMoE)`.
-            # Stand-alone experts (no prefix, as in tests) register nowhere.
-            static_forward_context = get_current_engine_config().compilation_config.static_forward_context
-            if prefix in static_forward_context:
-                raise ValueError(f"Duplicate layer name: {prefix}")
-            static_forward_context[prefix] = self
         self.prefix = prefix
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.w13_weight = nn.Parameter(
@@ -119,6 +112,11 @@ class FusedMoE(nn.Module):
         """Set by `process_weights_after_loading` from the weights' device and dtype."""
         self.grouped_mm_traceable = False
         """Whether torch.compile can trace the grouped way too (set with `use_grouped_mm`)."""
+        if prefix:
+            # Registered by name, last (once built), as attention layers are (vLLM's FusedMoE,
+            # vllm/model_executor/layers/fused_moe/layer.py): runners and compilers find it with
+            # `get_layers_from_config(config, FusedMoE)`. Stand-alone experts (no prefix, as in tests) register nowhere.
+            register_layer(get_current_engine_config(), prefix, self)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         """Copy one expert's gate_proj ("w1"), up_proj ("w3") or down_proj ("w2") into its slot."""
