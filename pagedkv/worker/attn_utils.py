@@ -125,6 +125,12 @@ def select_kernel_block_size(backends: Sequence[type[AttentionBackend]], block_s
     )
 
 
+def max_blocks_per_request(config: EngineConfig) -> int:
+    """How many KV cache blocks a request of `max_model_len` tokens needs: the width of a block table
+    row (vLLM's max_num_blocks_per_req, vllm/v1/worker/gpu_model_runner.py). Integer ceil, no floats."""
+    return -(-config.model_config.max_model_len // config.cache_config.block_size)
+
+
 def init_attn_groups(
     layers: dict[str, Attention],
     kv_cache_config: KVCacheConfig,
@@ -138,7 +144,7 @@ def init_attn_groups(
     smaller, the group gets its persistent kernel block table here too.
     """
     max_reqs = config.scheduler_config.max_num_seqs
-    max_blocks = math.ceil(config.model_config.max_model_len / config.cache_config.block_size)
+    max_blocks = max_blocks_per_request(config)
     all_groups: list[list[AttentionGroup]] = []
     for group_id, group_spec in enumerate(kv_cache_config.kv_cache_groups):
         members = group_spec.layer_names + [

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ from pagedkv.worker.attn_utils import (
     init_kv_cache,
     kv_group_causal,
     layer_kv_groups,
+    max_blocks_per_request,
 )
 from pagedkv.worker.input_batch import (
     BlockTable,
@@ -152,7 +152,7 @@ class ModelRunner:
         if cache.kv_cache_memory is None:
             # Never more than a full batch of max-length requests can use.
             sched = self.config.scheduler_config
-            needed = sched.max_num_seqs * math.ceil(self.config.model_config.max_model_len / self.block_size) + 1
+            needed = sched.max_num_seqs * max_blocks_per_request(self.config) + 1
             config.num_blocks = min(config.num_blocks, needed)
         return config
 
@@ -166,7 +166,7 @@ class ModelRunner:
         attn_groups = init_attn_groups(self.attn_layers, kv_cache_config, self.config, self.device)
         group_causal = kv_group_causal(attn_groups, self.attn_layers)
         kv_caches = init_kv_cache(self.attn_layers, kv_cache_config, attn_groups, self.config.cache_config, self.device)
-        max_blocks = math.ceil(self.config.model_config.max_model_len / self.block_size)
+        max_blocks = max_blocks_per_request(self.config)
         block_tables = [
             BlockTable(self.config.scheduler_config.max_num_seqs, max_blocks, g.kv_cache_spec.block_size, self.device)
             for g in kv_cache_config.kv_cache_groups
