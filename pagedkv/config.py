@@ -147,6 +147,19 @@ class ParallelConfig:
     and its share of every matrix (pagedkv/models/parallel_layers.py)."""
 
 
+ATTENTION_OPS: tuple[str, ...] = (
+    "pagedkv::unified_attention_with_output",
+    "pagedkv::unified_kv_cache_update",
+    "pagedkv::unified_mla_attention_with_output",
+    "pagedkv::unified_mla_kv_cache_update",
+)
+"""The attention custom ops (pagedkv/attention/ops.py, pagedkv/attention/mla/ops.py), qualified.
+
+Spelled once here, the lowest layer, so that the default `splitting_ops` and the compiler's check
+that attention is split out (pagedkv/compilation/wrapper.py) read the same names; vLLM likewise
+lists its attention ops in one place (vllm/config/compilation.py, `_attention_ops`)."""
+
+
 @dataclass
 class CompilationConfig:
     """What layers publish by name, and how steps may be compiled / captured."""
@@ -156,14 +169,7 @@ class CompilationConfig:
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
     """What the runner tries to capture; lowered at start-up to what the attention backends
     and the device allow (`ModelRunner.capture_model`). `LLM` picks a device default."""
-    splitting_ops: list[str] = field(
-        default_factory=lambda: [
-            "pagedkv::unified_attention_with_output",
-            "pagedkv::unified_kv_cache_update",
-            "pagedkv::unified_mla_attention_with_output",
-            "pagedkv::unified_mla_kv_cache_update",
-        ]
-    )
+    splitting_ops: list[str] = field(default_factory=lambda: list(ATTENTION_OPS))
     """Ops the compiled graph is cut at; they run eagerly between the compiled pieces."""
     compile: bool = False
     """Trace the model's forward once with torch.compile and split it at `splitting_ops`

@@ -1,4 +1,9 @@
-"""The two attention custom ops, registered once in the `pagedkv` torch library.
+"""The attention custom ops, registered once in the `pagedkv` torch library.
+
+Each kind of attention layer gets a pair, a cache write and an attention: the MHA pair
+(`unified_kv_cache_update`, `unified_attention_with_output`) is registered here, the MLA pair
+(`unified_mla_*`) by pagedkv/attention/mla/ops.py with the same functions, four ops in all;
+their qualified names are listed once in `pagedkv.config.ATTENTION_OPS`.
 
 For torch.compile each call is one opaque node whose inputs are plain tensors and a
 layer name; the op looks up everything else (layer, KV cache, metadata, slot mapping)

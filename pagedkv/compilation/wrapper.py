@@ -29,15 +29,7 @@ from torch import nn
 from pagedkv.compilation.backend import PIECE_COMPILERS, PiecewiseBackend, PieceWrapper
 from pagedkv.compilation.cache import CacheReport, cache_report, enable_compile_cache
 from pagedkv.compilation.split import resolve_splitting_ops
-from pagedkv.config import CompilationConfig, EngineConfig
-
-ATTENTION_OPS = (
-    "pagedkv::unified_attention_with_output",
-    "pagedkv::unified_kv_cache_update",
-    "pagedkv::unified_mla_attention_with_output",
-    "pagedkv::unified_mla_kv_cache_update",
-)
-"""The ops that must be split out for attention to run eagerly between piecewise graphs."""
+from pagedkv.config import ATTENTION_OPS, CompilationConfig, EngineConfig
 
 logger = logging.getLogger("pagedkv")
 
@@ -48,6 +40,7 @@ def attention_compiled_piecewise(config: CompilationConfig) -> bool:
     Both: the cache-update op reads the step's slot mapping by layer name, which a graph
     captured around it would freeze.
     """
+    # ATTENTION_OPS is named in config (the lowest layer), where the default splitting_ops reads it too.
     return config.compile and all(op in config.splitting_ops for op in ATTENTION_OPS)
 
 
