@@ -59,7 +59,6 @@ class _LaunchedStep:
 
     sched: SchedulerOutput
     result: StepResult
-    block_ids: dict[str, list[list[int]]]
     requests: list[Request]
     """The requests that sample, in the order of the sampler's rows."""
     sampled: SamplerOutput
@@ -360,7 +359,7 @@ class LLM:
                 step=self.stats.num_steps,
                 scheduler_output=step.sched,
                 result=step.result,
-                block_ids=step.block_ids,
+                block_ids={s.request.request_id: s.block_ids for s in step.sched.scheduled},
                 num_free_blocks=[p.num_free_blocks for p in self.kv_cache_manager.block_pools],
                 finished_req_ids=[r.request_id for r in outputs if r.finished],
                 runner=self.runner,
@@ -387,7 +386,6 @@ class LLM:
                 self.stats.num_preemptions += len(sched.preempted_req_ids)
             if not sched.scheduled:
                 return False
-            block_ids = {s.request.request_id: s.block_ids for s in sched.scheduled}
             start = time.perf_counter()
             previous = self._launched[-1].sampled_tokens if self._launched else None
             result = (self._executor or self.runner).execute_model(sched.runner_input(), previous)
@@ -401,7 +399,6 @@ class LLM:
                     _LaunchedStep(
                         sched,
                         result,
-                        block_ids,
                         requests,
                         sampled.to_host(),
                         SampledTokens([r.request_id for r in requests], sampled.token_ids),
