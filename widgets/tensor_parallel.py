@@ -8,30 +8,24 @@ import ipywidgets
 
 from pagedkv.models.configs import LlamaConfig
 from pagedkv.models.layers import head_layout, rank_heads
+from pagedkv.models.loader import PRESETS
 from pagedkv.widgets.common import ACCENT, BASE_STYLE, BG_HEADER, BORDER, FG_MUTED, esc
 
-# Shapes of public checkpoints (config.json values), to pick from; one row a model.
+# Shapes of public checkpoints (config.json values), to pick from; one model a line. Llama-3-8B is the
+# "llama3-8b" preset itself, so the widget and the benchmarks' model cannot disagree on its shape.
 # fmt: off
-_SHAPE_ROWS: dict[str, tuple[int, int, int, int, int, int]] = {
-    # name:                                 (vocab,  hidden, mlp,   layers, q heads, kv heads)
-    "Llama-3-8B (32 q / 8 kv heads)":       (128256, 4096,   14336, 32,     32,      8),
-    "Llama-3-70B (64 q / 8 kv heads)":      (128256, 8192,   28672, 80,     64,      8),
-    "Qwen2-7B (28 q / 4 kv heads)":         (152064, 3584,   18944, 28,     28,      4),
-    "Llama-2-7B, MHA (32 q / 32 kv heads)": (32000,  4096,   11008, 32,     32,      32),
-    "an MQA model (32 q / 1 kv head)":      (32000,  4096,   11008, 32,     32,      1),
+SHAPES: dict[str, LlamaConfig] = {
+    "Llama-3-8B (32 q / 8 kv heads)": PRESETS["llama3-8b"],
+    "Llama-3-70B (64 q / 8 kv heads)": LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
+    "Qwen2-7B (28 q / 4 kv heads)": LlamaConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
+    "Llama-2-7B, MHA (32 q / 32 kv heads)": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
+    "an MQA model (32 q / 1 kv head)": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=1),
 }
 # fmt: on
-SHAPES: dict[str, LlamaConfig] = {
-    name: LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=mlp,
-        num_hidden_layers=layers,
-        num_attention_heads=q_heads,
-        num_key_value_heads=kv_heads,
-    )
-    for name, (vocab, hidden, mlp, layers, q_heads, kv_heads) in _SHAPE_ROWS.items()
-}
 
 DATAFLOW = """\
 x (whole, on every rank)
