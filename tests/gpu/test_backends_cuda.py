@@ -32,9 +32,9 @@ BF16_MIN_ATOL = 0.5
 """bf16 rounding alone moves these logits (|logit| up to ~20) by up to ~1; a broken backend by ~20."""
 
 
-def generate(backend: str, dtype: str) -> tuple[LLM, list[RequestOutput], LogitsRecorder]:
+def generate(backend: str, dtype: str, model: str = "tiny") -> tuple[LLM, list[RequestOutput], LogitsRecorder]:
     llm = LLM(
-        model="tiny",
+        model=model,
         device="cuda",
         dtype=dtype,
         attention_backend=backend,
@@ -58,14 +58,17 @@ def test_triton_matches_reference_fp32() -> None:
 
 
 @pytest.mark.skipif(flash_attn_version() is None, reason="flash_attn is not installed")
-def test_flash_attn_matches_reference_bf16() -> None:
+# "tiny-hybrid": every other layer sees only the last 32 tokens, and two prompts run past that, so
+# FLASH_ATTN's sliding-window branch (window_size passed to flash-attn) is checked too.
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_flash_attn_matches_reference_bf16(model: str) -> None:
     # flash-attn computes in fp16/bf16 only. In bf16 the greedy tokens of two correct backends may
     # part at a near-tie, so each run is checked against the float64 reference on its own tokens,
     # within twice the error TORCH_REF itself has in bf16 on the same prompts.
-    ref_llm, ref_outputs, ref_recorder = generate("TORCH_REF", "bfloat16")
+    ref_llm, ref_outputs, ref_recorder = generate("TORCH_REF", "bfloat16", model)
     ref_error = max(reference_errors(ref_llm, ref_outputs, ref_recorder).values())
     assert ref_error < 4 * BF16_MIN_ATOL, f"TORCH_REF in bf16 is {ref_error:.3g} off the float64 reference"
-    llm, outputs, recorder = generate("FLASH_ATTN", "bfloat16")
+    llm, outputs, recorder = generate("FLASH_ATTN", "bfloat16", model)
     check_against_reference(llm, outputs, recorder, atol=max(2 * ref_error, BF16_MIN_ATOL))
 
 
