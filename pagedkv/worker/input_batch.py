@@ -137,10 +137,17 @@ class HostBatch:
     """False for a CUDA graph capture's dummy batch: every slot is -1, nothing is written."""
 
     @classmethod
-    def from_scheduled(cls, scheduled: list[ScheduledTokens]) -> HostBatch:
+    def from_scheduled(cls, scheduled: list[ScheduledTokens], num_kv_cache_groups: int) -> HostBatch:
         """Pack the scheduler's requests: each one's new tokens after its cached ones."""
-        batch = cls([], [], [], [], [], [[] for _ in scheduled[0].block_ids], [], [])
+        batch = cls([], [], [], [], [], [[] for _ in range(num_kv_cache_groups)], [], [])
         for s in scheduled:
+            # zip below would silently drop a group (or a row): refuse a request that does not
+            # bring one block table row per KV cache group.
+            if len(s.block_ids) != num_kv_cache_groups:
+                raise ValueError(
+                    f"Request {s.req_id!r} brings block ids for {len(s.block_ids)} KV cache groups, "
+                    f"but the runner has {num_kv_cache_groups}."
+                )
             start, end = s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids)
             batch.req_ids.append(s.req_id)
             batch.token_ids += s.token_ids
@@ -163,7 +170,7 @@ class HostBatch:
             token_ids=[0] * sum(query_lens),
             positions=[p for n in query_lens for p in range(n)],
             query_lens=query_lens,
-            seq_lens=query_lens,
+            seq_lens=list(query_lens),  # its own list: the two are not one object to mutate
             block_ids=[[[] for _ in query_lens] for _ in range(num_kv_cache_groups)],
             logits_indices=[],
             sampling_req_ids=[],

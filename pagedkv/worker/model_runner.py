@@ -258,7 +258,7 @@ class ModelRunner:
         """Pack the scheduled tokens of all requests into flat tensors (see input_batch.py),
         padded to `num_padded_tokens` tokens and `num_padded_reqs` requests for a graph.
         Placeholder tokens take their ids from `previous` (the last step's samples) on the device."""
-        host = HostBatch.from_scheduled(scheduled)
+        host = HostBatch.from_scheduled(scheduled, len(self.block_tables))
         batch = self._stage_batch(host, num_padded_tokens, num_padded_reqs)
         placeholders = host.placeholders
         if placeholders:

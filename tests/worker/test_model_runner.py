@@ -315,12 +315,23 @@ def test_host_batch_packs_scheduled_tokens_with_their_block_ids() -> None:
         ScheduledTokens("B", [PLACEHOLDER_TOKEN_ID], 2, True, [[2]]),
         ScheduledTokens("C", [4, 5, 6], 0, False, [[5]]),
     ]
-    host = HostBatch.from_scheduled(scheduled)
+    host = HostBatch.from_scheduled(scheduled, 1)
     assert (host.token_ids, host.positions) == ([7, PLACEHOLDER_TOKEN_ID, 4, 5, 6], [5, 2, 0, 1, 2])
     assert (host.query_lens, host.seq_lens) == ([1, 1, 3], [6, 3, 3])
     assert host.block_ids == [[[3, 8], [2], [5]]]  # per KV cache group, per request
     assert (host.logits_indices, host.sampling_req_ids) == ([0, 1], ["A", "B"])
     assert host.placeholders == [(1, "B")] and host.writes_kv_cache
+    with pytest.raises(ValueError, match=r"Request 'C' brings block ids for 1 KV cache groups, but the runner has 2"):
+        HostBatch.from_scheduled(
+            [ScheduledTokens("A", [7], 5, True, [[3, 8], [1]]), ScheduledTokens("C", [4], 0, True, [[5]])], 2
+        )
+
+
+def test_capture_batch_has_its_own_seq_lens_list() -> None:
+    """for_capture's seq_lens equal its query_lens but are a separate list, not the same object."""
+    query_lens = [1, 2]
+    host = HostBatch.for_capture(query_lens, 2)
+    assert host.seq_lens == host.query_lens == [1, 2] and host.seq_lens is not host.query_lens
 
 
 def test_the_scheduler_sends_each_requests_block_rows() -> None:
