@@ -23,7 +23,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -101,29 +101,12 @@ class LLM:
         enable_prefix_caching: bool | None = EngineArgs.enable_prefix_caching,
         async_scheduling: bool | None = EngineArgs.async_scheduling,
     ) -> None:
-        args = EngineArgs(
-            model,
-            device=device,
-            dtype=dtype,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            attention_backend=attention_backend,
-            layer_attention_backends=layer_attention_backends,
-            enable_chunked_prefill=enable_chunked_prefill,
-            kv_cache_memory=kv_cache_memory,
-            memory_utilization=memory_utilization,
-            seed=seed,
-            cudagraph_mode=cudagraph_mode,
-            enforce_eager=enforce_eager,
-            compile=compile,
-            max_cudagraph_capture_size=max_cudagraph_capture_size,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_prefix_caching=enable_prefix_caching,
-            async_scheduling=async_scheduling,
-        )
+        # Every argument, by name, before anything below rebinds one (`model` is); passed on as one
+        # expression over EngineArgs' fields, so no argument can be dropped from the call silently
+        # (a field missing from this signature is a KeyError; test_llm_signature_lists_the_engine_args
+        # checks the other way round).
+        values = dict(locals())
+        args = EngineArgs(**{f.name: values[f.name] for f in fields(EngineArgs)})
         self.config, model_cfg = args.create_engine_config()
         self.model_config = model_cfg
         model = self.config.model_config.model

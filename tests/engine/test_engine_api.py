@@ -476,6 +476,23 @@ def test_llm_signature_lists_the_engine_args() -> None:
     assert {p.kind for name, p in params.items() if name != "model"} == {inspect.Parameter.KEYWORD_ONLY}
 
 
+def test_llm_passes_every_argument_to_engine_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of LLM's arguments reaches EngineArgs under its own name (none dropped or swapped)."""
+    given = {f.name: object() for f in dataclasses.fields(EngineArgs)}  # distinct markers, never checked
+
+    class Built(Exception):
+        pass
+
+    def capture(args: EngineArgs) -> None:
+        raise Built(args)
+
+    monkeypatch.setattr(EngineArgs, "create_engine_config", capture)
+    with pytest.raises(Built) as built:
+        LLM(**given)  # type: ignore[arg-type]
+    args = built.value.args[0]
+    assert all(getattr(args, name) is value for name, value in given.items())
+
+
 CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, CompilationConfig, EngineConfig)
 
 
