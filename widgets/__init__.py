@@ -37,6 +37,9 @@ wider than its output area):
     ForwardContextView   per layer name: metadata, slot mapping, KV cache shape
     MLASplitView         an MLA model's step: which tokens went to forward_mqa (decodes, latent MQA)
                          and which to forward_mha (prefills, K/V up-projected), and where they meet
+    SpecDecodeView       speculative decoding: per request with drafts, the proposed tokens, which the
+                         target accepted (✓ / ✗), the tokens it emitted, and the KV slots of the step's
+                         positions in its block-table row, the rejected ones written then rolled back
     PlotView             one of the plots below with a cursor at the step on display
 StepPlayer(trace, views)   Play + IntSlider; renders every view at the chosen step, then updates the
                            views and the step label together (they always name the same step).
@@ -99,6 +102,7 @@ from pagedkv.widgets.plots import (
     plot_throughput,
 )
 from pagedkv.widgets.slot_mapping import SlotMappingView
+from pagedkv.widgets.spec_decode import SpecDecodeView
 from pagedkv.widgets.tensor_parallel import TensorParallelLayoutView
 
 __all__ = [
@@ -111,6 +115,7 @@ __all__ = [
     "PiecewiseSplitView",
     "PlotView",
     "SlotMappingView",
+    "SpecDecodeView",
     "StepPlayer",
     "TensorParallelLayoutView",
     "ThemedFigure",

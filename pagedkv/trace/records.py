@@ -86,7 +86,8 @@ class RequestRecord:
 
     req_id: str
     phase: str
-    """"prefill" (prompt or recomputed tokens), "decode" (one new token), or "unscheduled"."""
+    """"prefill" (prompt or recomputed tokens), "decode" (one new token, or with speculative decoding
+    its last known token and the drafts after it), or "unscheduled"."""
     num_computed_tokens: int
     """Tokens whose K/V were already in the cache before this step."""
     num_new_tokens: int
@@ -97,6 +98,23 @@ class RequestRecord:
     num_cached_tokens: int = 0
     """Tokens found in the prefix cache when the request was admitted in this step: its first
     num_cached_tokens tokens (whole blocks) were not computed. 0 in every other step."""
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
+    """Speculative decoding: the proposed tokens this step verified, at its last len(draft_token_ids)
+    positions ([] without drafts, and in traces recorded before this field)."""
+    num_accepted_tokens: int | None = None
+    """Drafts the target accepted (a prefix of them); None without drafts. The rejected ones' K/V
+    were written in this step and rolled back after it: num_computed_tokens goes back past them."""
+    rolled_back_block_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    """Per KV cache group, blocks the rollback gave back (they held only rejected tokens); [] per group
+    or no list at all when nothing was rolled back."""
+    emitted_token_ids: list[int] = dataclasses.field(default_factory=list)
+    """With drafts: the tokens the step emitted, the accepted drafts and then the target's own token
+    (a correction, or a bonus when all were accepted); fewer when the request finished on one of them."""
+
+    @property
+    def num_rejected_tokens(self) -> int:
+        """Drafts the target rejected: their positions are the step's last ones."""
+        return len(self.draft_token_ids) - (self.num_accepted_tokens or 0)
 
 
 @dataclass

@@ -1,0 +1,155 @@
+"""SpecDecodeView: per request with drafts, the verdict of each draft, the emitted tokens and the KV slots written
+then rolled back, checked against slots worked out by hand on a hand-built step; and on a real tiny engine run with
+n-gram speculation, against the engine's own slot mapping."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from pagedkv.trace import (
+    AttentionGroupInfo,
+    EngineInfo,
+    KVCacheGroupInfo,
+    KVSpecInfo,
+    RequestRecord,
+    StepRecord,
+    StepTrace,
+)
+from pagedkv.widgets import SpecDecodeView
+from pagedkv.widgets.common import PALETTE
+from pagedkv.widgets.spec_decode import draft_slots
+from tests.widgets.test_widgets import HEX, NAMED
+
+BS = 4
+
+
+def hand_trace() -> StepTrace:
+    """One step, blocks of 4. Request 0: 6 tokens cached, its known token and 3 drafts at positions 6-9 (block
+    table [3, 7, 9]: positions 6, 7 in block 7, positions 8, 9 in block 9), 1 draft accepted, so the two in block 9
+    are rejected and block 9 is given back. Request 1: a plain decode at position 2 (block 2)."""
+    spec = KVSpecInfo("FullAttentionSpec", BS, 1, 8, "float32")
+    layer = "model.layers.0.self_attn.attn"
+    engine = EngineInfo(
+        model="hand",
+        device="cpu",
+        dtype="float32",
+        block_size=BS,
+        num_blocks=16,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        layer_names=[layer],
+        kv_cache_groups=[KVCacheGroupInfo(0, [layer], spec)],
+        attention_groups=[AttentionGroupInfo(0, "TORCH_REF", "TorchRefMetadataBuilder", [layer], spec, 2)],
+        kv_cache_shapes={layer: [2, 16, BS, 1, 8]},
+    )
+    speculated = RequestRecord(
+        "0",
+        "decode",
+        6,
+        4,
+        5,
+        [[3, 7, 9]],
+        draft_token_ids=[104, 105, 106],
+        num_accepted_tokens=1,
+        rolled_back_block_ids=[[9]],
+        emitted_token_ids=[104, 33],
+    )
+    plain = RequestRecord("1", "decode", 2, 1, 2, [[2]])
+    record = StepRecord(
+        step=7,
+        requests=[speculated, plain],
+        input_ids=[103, 104, 105, 106, 50],
+        positions=[6, 7, 8, 9, 2],
+        slot_mappings=[[30, 31, 36, 37, 10]],
+        num_blocks_in_use=[4],
+        num_free_blocks=[11],
+        preempted_req_ids=[],
+        finished_req_ids=[],
+        metadata=[],
+        attn_metadata_keys=[],
+        slot_mapping_keys=[],
+        cudagraph_mode="NONE",
+        batch_descriptor={"num_tokens": 5, "uniform_decode": False},
+        duration_s=0.0,
+    )
+    return StepTrace(engine, [record])
+
+
+def test_slots_by_hand() -> None:
+    trace = hand_trace()
+    record = trace[0]
+    slots = draft_slots(record, record.requests[0], trace.engine)
+    assert [(s.position, s.token_id, s.kind, s.slots) for s in slots] == [
+        (6, 103, "known", [30]),
+        (7, 104, "accepted", [31]),
+        (8, 105, "rejected", [36]),
+        (9, 106, "rejected", [37]),
+    ]
+    assert [s.blocks[0] for s in slots] == [(1, 7, 2), (1, 7, 3), (2, 9, 0), (2, 9, 1)]
+    assert record.requests[0].num_rejected_tokens == 2 and record.requests[1].num_rejected_tokens == 0
+
+
+def test_view_marks_verdicts_slots_and_the_block_given_back() -> None:
+    view = SpecDecodeView(hand_trace(), decode=lambda ids: bytes(ids).decode())
+    html = view.value
+    assert "1 request(s) verified 3 draft(s)" in html and "1 accepted (33%)" in html and "2 token(s) emitted" in html
+    assert re.findall(r'class="pkv-draft" data-kind="(\w+)"', html) == ["known", "accepted", "rejected", "rejected"]
+    kept = re.findall(r'class="pkv-slot" data-kind="(\w+)" data-slots="(\d+)" title="([^"]+)"', html)
+    assert kept == [
+        ("known", "30", "written, kept"),
+        ("accepted", "31", "written, kept"),
+        ("rejected", "36", "written, rolled back"),
+        ("rejected", "37", "written, rolled back"),
+    ]
+    assert html.count("✓ accepted") == 1 and html.count("✗ rejected") == 2  # glyphs, not colour alone
+    assert re.search(r'data-block="9" title="[^"]*given back', html) and re.search(
+        r'data-block="7" title="[^"]*written', html
+    )
+    assert "104 <b>h</b>" in html and "33 <b>!</b>" in html  # token text from `decode`
+    assert "a correction: the target's token where draft 2 was rejected" in html
+    assert "without drafts (query length as usual): 1 (no draft)" in html
+    assert repr(view) == "SpecDecodeView(step 7, 1 recorded)"
+
+
+def test_all_accepted_is_a_bonus_and_no_drafts_says_so() -> None:
+    trace = hand_trace()
+    r = trace[0].requests[0]
+    r.num_accepted_tokens, r.rolled_back_block_ids, r.emitted_token_ids = 3, [[]], [104, 105, 106, 10]
+    html = SpecDecodeView(trace).value
+    assert "a bonus" in html and "✗" not in html.split("pkv-emitted")[0].split("</table>")[0]
+    trace[0].requests[0] = RequestRecord("0", "decode", 6, 1, 5, [[3, 7]])
+    assert "no request verified drafts in this step" in SpecDecodeView(trace).value
+
+
+def test_theme_colours_and_width() -> None:
+    html = SpecDecodeView(hand_trace()).value
+    assert set(HEX.findall(html)) <= set(PALETTE) and not NAMED.findall(html)
+    assert "var(--jp-ui-font-color1" in html and "max-width: 100%" in html
+
+
+def test_old_traces_load_without_the_new_fields(tmp_path: Path) -> None:
+    trace = hand_trace()
+    loaded = StepTrace.load(trace.save(tmp_path / "spec.json"))
+    assert loaded.steps == trace.steps
+    payload = json.loads(trace.to_json())
+    for request in payload["steps"][0]["requests"]:  # a trace recorded before these fields
+        for field in ("draft_token_ids", "num_accepted_tokens", "rolled_back_block_ids", "emitted_token_ids"):
+            del request[field]
+    old = StepTrace.from_json(json.dumps(payload))
+    r = old[0].requests[0]
+    assert (r.draft_token_ids, r.num_accepted_tokens, r.rolled_back_block_ids, r.emitted_token_ids) == (
+        [],
+        None,
+        [],
+        [],
+    )
+
+
+@pytest.mark.parametrize("saved", sorted((Path(__file__).parents[2] / "notebooks" / "traces").glob("*.json")))
+def test_saved_notebook_traces_still_load(saved: Path) -> None:
+    trace = StepTrace.load(saved)
+    assert all(r.draft_token_ids == [] and r.num_accepted_tokens is None for s in trace for r in s.requests)
