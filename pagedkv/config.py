@@ -190,6 +190,41 @@ class CompilationConfig:
     `max_num_batched_tokens` (no step is larger)."""
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+"""The proposers: prompt lookup in the request's own tokens, or a smaller model run in the same engine."""
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: propose k tokens cheaply, verify them in one target pass of 1 + k tokens.
+
+    Field names are vLLM's (vllm/config/speculative.py), so `speculative_config` dicts carry over.
+    """
+
+    method: str
+    """"ngram" (prompt lookup: the tokens that followed the last n-gram's earlier occurrence) or
+    "draft_model" (a small model of the same vocabulary proposes greedily)."""
+    num_speculative_tokens: int
+    """k: drafts proposed per decoding request and step; a step verifies up to 1 + k tokens each."""
+    prompt_lookup_min: int = 1
+    """ngram: shortest suffix n-gram looked up."""
+    prompt_lookup_max: int = 4
+    """ngram: longest suffix n-gram looked up (the longest that matches wins)."""
+    model: str | None = None
+    """draft_model: a preset name or a local model directory (its vocabulary must be the target's)."""
+
+    @property
+    def uniform_decode_query_len(self) -> int:
+        """Query tokens of a decoding request that got all its drafts: 1 + k."""
+        return 1 + self.num_speculative_tokens
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a draft model writes past the verified tokens (its own drafts but the last), which
+        the scheduler allocates with the step; the n-gram proposer writes none."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
 @dataclass
 class EngineConfig:
     """Everything an engine needs, in one object."""
@@ -199,6 +234,8 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding, or None (one new token per decoding request and step)."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     attention_backend: str | None = None
     """Backend name forced for every layer (else chosen per layer by the selector)."""

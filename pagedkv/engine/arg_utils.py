@@ -16,6 +16,7 @@ import ast
 import enum
 import inspect
 import itertools
+import json
 import os
 import textwrap
 import typing
@@ -27,6 +28,7 @@ import torch
 
 from pagedkv.checks import check_bool, check_float, check_int, check_optional_bool, check_optional_int
 from pagedkv.config import (
+    SPECULATIVE_METHODS,
     CacheConfig,
     CompilationConfig,
     CUDAGraphMode,
@@ -34,6 +36,7 @@ from pagedkv.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from pagedkv.engine.checks import check_compilation, check_device, check_dtype, check_model, check_tensor_parallel
 from pagedkv.engine.request import SEED_RANGE
@@ -105,7 +108,13 @@ class EngineArgs:
     async_scheduling: bool | None = None
     """Plan and launch step N+1 while the GPU runs step N (vLLM's async_scheduling); None: on with
     CUDA, off on the CPU (where the model runs on the host thread, so nothing could overlap), unless
-    $PAGEDKV_ASYNC_SCHEDULING is "1" or "0"."""
+    $PAGEDKV_ASYNC_SCHEDULING is "1" or "0". Always off with speculative decoding (the next step's
+    drafts need this step's accepted tokens)."""
+    speculative_config: dict[str, Any] | None = None
+    """Speculative decoding (pagedkv.config.SpeculativeConfig, vLLM's keys), e.g. {"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method":
+    "draft_model", "model": "tiny-pydoc", "num_speculative_tokens": 2}; on the command line as JSON.
+    None: one new token per decoding request and step."""
 
     def create_engine_config(self) -> tuple[EngineConfig, HFConfig]:
         """Check every argument and resolve the defaults; returns the engine config and the model's config."""
@@ -158,10 +167,17 @@ class EngineArgs:
         check_optional_bool(
             "enable_prefix_caching", self.enable_prefix_caching, hint=" (None: on where the model allows it)"
         )
-        async_scheduling = resolve_async_scheduling(self.async_scheduling, device)
-
         model_cfg = load_config(model)
         check_tensor_parallel(tensor_parallel_size, model_cfg, device, compilation)
+        speculative = check_speculative_config(self.speculative_config, model_cfg)
+        if speculative is not None and speculative.model is not None:
+            check_tensor_parallel(tensor_parallel_size, load_config(speculative.model), device, compilation)
+        if speculative is not None and self.async_scheduling:
+            raise ValueError(
+                "async_scheduling=True cannot run with speculative_config: a step's drafts are proposed from the "
+                "tokens the step before accepted, so the host must read them first. Pass async_scheduling=None or False."
+            )
+        async_scheduling = speculative is None and resolve_async_scheduling(self.async_scheduling, device)
         if max_model_len is None:  # only None means "the model's limit"
             max_model_len = model_cfg.max_position_embeddings
         if max_model_len > model_cfg.max_position_embeddings:
@@ -193,8 +209,47 @@ class EngineArgs:
             device=device,
             attention_backend=self.attention_backend,
             layer_attention_backends=dict(layers or {}),
+            speculative_config=speculative,
         )
         return config, model_cfg
+
+
+def check_speculative_config(value: dict[str, Any] | None, model_cfg: HFConfig) -> SpeculativeConfig | None:
+    """`speculative_config` as a checked `SpeculativeConfig` (None stays None)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise TypeError(
+            'speculative_config must be a dict such as {"method": "ngram", "num_speculative_tokens": 4} or None, '
+            f"got {value!r}."
+        )
+    known = [f.name for f in fields(SpeculativeConfig)]
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(f"speculative_config has unknown key(s) {unknown}; the keys are {known}.")
+    method = value.get("method")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config['method'] must be one of {list(SPECULATIVE_METHODS)}, got {method!r}.")
+    if "num_speculative_tokens" not in value:
+        raise ValueError("speculative_config needs 'num_speculative_tokens' (drafts per step, e.g. 4).")
+    k = check_int("speculative_config['num_speculative_tokens']", value["num_speculative_tokens"], 1)
+    low = check_int("speculative_config['prompt_lookup_min']", value.get("prompt_lookup_min", 1), 1)
+    high = check_int("speculative_config['prompt_lookup_max']", value.get("prompt_lookup_max", 4), low)
+    draft = value.get("model")
+    if method == "ngram":
+        if draft is not None:
+            raise ValueError("speculative_config['model'] is for method 'draft_model'; 'ngram' proposes without one.")
+        return SpeculativeConfig(method, k, low, high)
+    if draft is None:
+        raise ValueError("speculative_config with method 'draft_model' needs 'model' (a preset name or a directory).")
+    draft = check_model(draft, sorted([*PRESETS, *TRAINED_PRESETS]), argument="speculative_config['model']")
+    draft_cfg = load_config(draft)
+    if draft_cfg.vocab_size != model_cfg.vocab_size:
+        raise ValueError(
+            f"The draft model {draft!r} has a vocabulary of {draft_cfg.vocab_size} tokens, the target "
+            f"{model_cfg.vocab_size}: a draft model must share the target's tokenizer."
+        )
+    return SpeculativeConfig(method, k, model=draft)
 
 
 def resolve_async_scheduling(value: bool | None, device: torch.device) -> bool:
@@ -260,9 +315,22 @@ def add_cli_args(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
         kwargs: dict[str, Any] = {"dest": name, "default": defaults[name], "help": help_text}
         if bool in kinds:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif any(typing.get_origin(k) is dict for k in kinds):
+            kwargs["type"] = json_object
         else:
             kwargs["type"] = int if int in kinds else float if float in kinds else str
         parser.add_argument(flag, **kwargs)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A command-line option's JSON object (argparse reports the ValueError as the option's error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f'expected a JSON object such as \'{{"method": "ngram"}}\', got {text!r}')
+    return value
 
 
 CLI_ARGS = [f.name for f in fields(EngineArgs) if cli_flag(f.name) is not None]

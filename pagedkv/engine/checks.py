@@ -35,14 +35,14 @@ def check_token_ids(name: str, value: object) -> list[int]:
     return checked
 
 
-def check_model(model: object, presets: list[str]) -> str:
+def check_model(model: object, presets: list[str], argument: str = "model") -> str:
     """A preset name or a directory path (str or os.PathLike) as a str; a model directory named
     like a preset wins over it (`resolve_model`)."""
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
     if not isinstance(model, str):
         raise TypeError(
-            f"model must be a preset name ({', '.join(presets)}) or the path of a Hugging Face "
+            f"{argument} must be a preset name ({', '.join(presets)}) or the path of a Hugging Face "
             f"model directory, got {model!r} ({type(model).__name__})."
         )
     return resolve_model(model)

@@ -27,6 +27,23 @@ class EngineStats:
     num_lookup_tokens: int = 0
     """Tokens of the requests admitted (new or resumed), all looked up in the prefix cache."""
 
+    num_draft_tokens: int = 0
+    """Speculative decoding: drafts verified (proposed and scheduled)."""
+    num_accepted_tokens: int = 0
+    """Drafts the target accepted."""
+    num_verified_steps: int = 0
+    """Request-steps that verified drafts (each also emits one token of the target's own)."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        """num_accepted_tokens / num_draft_tokens (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a request emitted per verifying step: 1 + its accepted drafts, averaged (0 before any)."""
+        return 1 + self.num_accepted_tokens / self.num_verified_steps if self.num_verified_steps else 0.0
+
     @property
     def prefix_cache_hit_rate(self) -> float:
         """num_cached_tokens / num_lookup_tokens (0 before any lookup)."""

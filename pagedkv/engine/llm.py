@@ -35,6 +35,7 @@ from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.checks import check_token_ids
 from pagedkv.engine.detokenizer import IncrementalDetokenizer, detokenize_batch
 from pagedkv.engine.events import EngineStats, StepEvent, StepListener
+from pagedkv.engine.rejection_sampler import RejectionSampler
 from pagedkv.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from pagedkv.engine.sampler import Sampler, SamplerOutput
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
@@ -43,7 +44,8 @@ from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.kv_cache.spec import SlidingWindowSpec
 from pagedkv.models.loader import PRESETS, generation_eos_token_ids
 from pagedkv.models.tokenizer import get_tokenizer
-from pagedkv.worker.input_batch import SampledTokens
+from pagedkv.spec_decode.ngram_proposer import NgramProposer
+from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, SampledTokens
 from pagedkv.worker.model_runner import ModelRunner, StepResult
 from pagedkv.worker.tp_executor import EngineDeadError, TensorParallelExecutor
 
@@ -100,6 +102,7 @@ class LLM:
         tensor_parallel_size: int = EngineArgs.tensor_parallel_size,
         enable_prefix_caching: bool | None = EngineArgs.enable_prefix_caching,
         async_scheduling: bool | None = EngineArgs.async_scheduling,
+        speculative_config: dict[str, Any] | None = EngineArgs.speculative_config,
     ) -> None:
         # Every argument, by name, before anything below rebinds one (`model` is); passed on as one
         # expression over EngineArgs' fields, so no argument can be dropped from the call silently
@@ -136,6 +139,13 @@ class LLM:
             self.config.scheduler_config, self.config.model_config.max_model_len, self.kv_cache_manager
         )
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.speculative_config = self.config.speculative_config
+        """Speculative decoding (pagedkv.config.SpeculativeConfig), or None."""
+        self._ngram: NgramProposer | None = None
+        spec = self.speculative_config
+        if spec is not None and spec.method == "ngram":
+            self._ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.stats = EngineStats()
         self._listeners: list[StepListener] = []
         self._ids = itertools.count()
@@ -373,9 +383,14 @@ class LLM:
             previous = self._launched[-1].sampled_tokens if self._launched else None
             result = (self._executor or self.runner).execute_model(sched.runner_input(), previous)
             requests = [self._requests[r] for r in result.batch.sampling_req_ids]
-            sampled = self.sampler(
-                result.logits, [r.request_id for r in requests], [r.sampling_params for r in requests]
-            )
+            req_ids, params = [r.request_id for r in requests], [r.sampling_params for r in requests]
+            drafts = {s.request.request_id: len(s.draft_token_ids) for s in sched.scheduled}
+            num_drafts = [drafts[r] for r in req_ids]
+            if any(num_drafts):  # one target row per draft and one after them: verify, then sample
+                assert result.draft_token_ids is not None
+                sampled = self.rejection_sampler(result.logits, req_ids, params, num_drafts, result.draft_token_ids)
+            else:
+                sampled = self.sampler(result.logits, req_ids, params)
             with deferred_interrupts():
                 self.scheduler.commit(sched)
                 self._launched.append(
@@ -384,7 +399,7 @@ class LLM:
                         result,
                         requests,
                         sampled.to_host(),
-                        SampledTokens([r.request_id for r in requests], sampled.token_ids),
+                        SampledTokens(req_ids, sampled.last_token_ids()),
                         start,
                     )
                 )
@@ -399,26 +414,54 @@ class LLM:
             raise
 
     def _book(
-        self, step: _LaunchedStep, rows: list[tuple[int | Exception, dict[int, float] | None]], stream: bool
+        self,
+        step: _LaunchedStep,
+        rows: list[tuple[list[int] | Exception, list[dict[int, float]] | None]],
+        stream: bool,
     ) -> list[RequestOutput]:
-        """Book a launched step's samples: tokens appended, stops checked, failed samples finished;
-        its outputs. Requests finished meanwhile (aborted, or stopped a step before) are skipped."""
+        """Book a launched step's samples: tokens appended (with drafts: the accepted ones and the
+        target's next), stops checked, failed samples finished, the next drafts proposed; its
+        outputs. Requests finished meanwhile (aborted, or stopped a step before) are skipped."""
+        self._read_drafts(step)
         live = [(r, row) for r, row in zip(step.requests, rows) if r.status is not RequestStatus.FINISHED]
         finished = self.scheduler.update(
             step.sched, {r.request_id: t for r, (t, _) in live if not isinstance(t, Exception)}
         )
-        for request, (token, logprobs) in live:
-            if isinstance(token, Exception):  # this request's failure alone: the others go on
-                self._end(request, "error", token)
+        for request, (tokens, logprobs) in live:
+            if isinstance(tokens, Exception):  # this request's failure alone: the others go on
+                self._end(request, "error", tokens)
                 finished.append(request)
-            elif logprobs is not None:
-                request.output_logprobs.append(logprobs)
+                continue
+            if logprobs is not None:  # one per token kept (a stop drops the ones after it)
+                request.output_logprobs += logprobs[: len(request.output_token_ids) - len(request.output_logprobs)]
+            if request.status is RequestStatus.RUNNING and self.speculative_config is not None:
+                request.spec_token_ids = self._propose(request)
         outputs = self._outputs([r for r, _ in live] if stream else finished)
         for request in finished:
             self._forget(request)
         self.stats.model_time_s += time.perf_counter() - step.start
         self._count(step.sched, finished)
         return outputs
+
+    def _propose(self, request: Request) -> list[int]:
+        """Drafts for a request's next step: an n-gram lookup in its tokens, or placeholders the
+        runner's draft model fills (it proposes on the device, right before the target verifies)."""
+        spec = self.speculative_config
+        assert spec is not None
+        if self._ngram is not None:
+            return self._ngram.propose(request.all_token_ids)
+        return [PLACEHOLDER_TOKEN_ID] * spec.num_speculative_tokens
+
+    @staticmethod
+    def _read_drafts(step: _LaunchedStep) -> None:
+        """Put the drafts a draft model proposed on the device into the step's plan (for traces)."""
+        scheduled = [s for s in step.sched.scheduled if s.draft_token_ids]
+        if not any(PLACEHOLDER_TOKEN_ID in s.draft_token_ids for s in scheduled):
+            return
+        assert step.result.draft_token_ids is not None
+        ids = step.result.draft_token_ids.tolist()
+        for s in scheduled:
+            s.draft_token_ids, ids = ids[: len(s.draft_token_ids)], ids[len(s.draft_token_ids) :]
 
     def _fail_step(self, sched: SchedulerOutput, error: Exception) -> None:
         req_ids = [s.request.request_id for s in sched.scheduled]
@@ -439,6 +482,10 @@ class LLM:
         self.stats.num_finished_requests += len(finished)
         self.stats.num_cached_tokens += sum(s.num_cached_tokens for s in sched.scheduled)
         self.stats.num_lookup_tokens += sum(s.num_lookup_tokens for s in sched.scheduled)
+        verified = [s for s in sched.scheduled if s.num_accepted_tokens is not None]
+        self.stats.num_draft_tokens += sum(len(s.draft_token_ids) for s in verified)
+        self.stats.num_accepted_tokens += sum(s.num_accepted_tokens or 0 for s in verified)
+        self.stats.num_verified_steps += len(verified)
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
         """The requests' outputs, their text brought up to date by one batched decode (only the

@@ -99,6 +99,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     """Sampled so far; grows through `append_output_token_id` (which keeps `all_token_ids` too)."""
     num_computed_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens proposed for its next decode step (speculative decoding), verified after its last
+    token; PLACEHOLDER_TOKEN_ID (-1) where a draft model in the runner proposes them then."""
     num_output_placeholders: int = 0
     """Tokens sampled in a step that ran but whose ids the host has not read yet (async scheduling:
     at most one). The next step computes them all the same: their ids come from the device."""

@@ -29,6 +29,15 @@ stops on an end-of-sequence token gets one wasted decode, whose token is dropped
 
     host:  plan 1 | plan 2 | book 1 | plan 3 | book 2 | plan 4 | book 3 ...
     GPU:          | step 1 ......... | step 2 ......... | step 3 .........
+
+Speculative decoding (vLLM's spec decode, vllm/v1/core/sched/scheduler.py): a decoding request with
+drafts (`Request.spec_token_ids`) runs its last token and k drafts in one step, 1 + k query tokens
+the budget pays for. `update` books the accepted drafts and the target's next token, and rolls the
+rest back: num_computed_tokens drops by the rejected drafts (their KV slots are written again next
+step) and blocks that held only rejected drafts go back to the pool (`KVCacheManager.trim`):
+
+    step:   [t d1 d2 d3]  positions 40..43, drafts d1 d2 accepted, d3 rejected, target token x
+    after:  tokens ... t d1 d2 x   num_computed_tokens 43 (x is computed next step), slot of 43 reused
 """
 
 from __future__ import annotations
@@ -66,14 +75,20 @@ class ScheduledRequest:
     block_ids: list[list[int]] = field(default_factory=list)
     """Per KV cache group, its block table row once the step is planned (a copy: later steps'
     allocations do not change it). Filled by `Scheduler.schedule`."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: the drafts verified in this step, after the request's last token (the
+    last len(draft_token_ids) of its num_new_tokens); -1 until a draft model's proposals are read."""
+    num_accepted_tokens: int | None = None
+    """Drafts accepted, once the step is booked (None without drafts)."""
+    rolled_back_block_ids: list[list[int]] = field(default_factory=list)
+    """Per KV cache group, the blocks given back at booking because they held only rejected drafts."""
 
     def __post_init__(self) -> None:
         self.num_computed_tokens = self.request.num_computed_tokens
-        self.samples = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens_with_placeholders
-        # Its one query token is an output token (its id may still be a placeholder).
-        self.is_decode = (
-            self.num_new_tokens == 1 and self.samples and self.num_computed_tokens >= self.request.num_prompt_tokens
-        )
+        known = self.num_new_tokens - len(self.draft_token_ids)
+        self.samples = self.num_computed_tokens + known == self.request.num_tokens_with_placeholders
+        # Its one known query token is an output token (its id may still be a placeholder).
+        self.is_decode = known == 1 and self.samples and self.num_computed_tokens >= self.request.num_prompt_tokens
 
 
 @dataclass
@@ -100,11 +115,18 @@ class SchedulerOutput:
         ones; a token the host has not read yet is PLACEHOLDER_TOKEN_ID (the runner fills it in)."""
         scheduled = []
         for s in self.scheduled:
-            end = s.num_computed_tokens + s.num_new_tokens
-            token_ids = s.request.token_ids_between(s.num_computed_tokens, end)
-            token_ids += [PLACEHOLDER_TOKEN_ID] * (s.num_new_tokens - len(token_ids))
+            known = s.num_new_tokens - len(s.draft_token_ids)
+            token_ids = s.request.token_ids_between(s.num_computed_tokens, s.num_computed_tokens + known)
+            token_ids += [PLACEHOLDER_TOKEN_ID] * (known - len(token_ids)) + s.draft_token_ids
             scheduled.append(
-                ScheduledTokens(s.request.request_id, token_ids, s.num_computed_tokens, s.samples, s.block_ids)
+                ScheduledTokens(
+                    s.request.request_id,
+                    token_ids,
+                    s.num_computed_tokens,
+                    s.samples,
+                    s.block_ids,
+                    num_draft_tokens=len(s.draft_token_ids),
+                )
             )
         return scheduled
 
@@ -171,6 +193,8 @@ class Scheduler:
             if request.num_output_placeholders and request.surely_finished(self.max_model_len):
                 i += 1  # its step in flight is its last
                 continue
+            drafts = self._drafts(request, budget) if n == 1 else []
+            n += len(drafts)
             while not kv.allocate_slots(
                 request.request_id, request.num_computed_tokens, n, token_ids=request.all_token_ids
             ):
@@ -182,7 +206,7 @@ class Scheduler:
                     break
             if request is None:
                 break
-            scheduled.append(ScheduledRequest(request, n))
+            scheduled.append(ScheduledRequest(request, n, draft_token_ids=drafts))
             budget -= n
             i += 1
 
@@ -215,14 +239,28 @@ class Scheduler:
             self.running.append(request)
             budget -= n
 
-        # Decodes first: kernels (and MLA) split the batch at num_decode_tokens.
-        scheduled.sort(key=lambda s: not s.is_decode)
+        # Decodes first, one-token ones before those with drafts: kernels (and MLA) split the batch
+        # at the leading requests of one query token.
+        scheduled.sort(key=lambda s: (not s.is_decode, s.num_new_tokens > 1))
         for s in scheduled:  # the rows the step reads, once every allocation of the plan is made
             s.block_ids = kv.get_block_ids(s.request.request_id)
         return SchedulerOutput(scheduled, preempted)
 
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """The drafts a decoding request verifies this step: its proposals, as many as the token budget
+        and its limits leave useful (the step emits at most drafts + 1 tokens)."""
+        if not request.spec_token_ids or request.num_computed_tokens < request.num_prompt_tokens:
+            return []
+        room = min(
+            budget - 1,
+            request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return request.spec_token_ids[: max(room, 0)]
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request.request_id)
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -253,21 +291,32 @@ class Scheduler:
             s.request.status = s.admitted_from
             self.waiting.appendleft(s.request)
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Book a committed step's sampled tokens: append them, finish and free what stopped.
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Book a committed step's sampled tokens (per request: its accepted drafts, then the target's
+        token): append them, roll back rejected drafts, finish and free what stopped.
 
-        A request finished meanwhile (a step late, or aborted) drops its token; a request
-        preempted meanwhile keeps it (the step computed it from the request's blocks of then)."""
+        A request finished meanwhile (a step late, or aborted) drops its tokens; a request
+        preempted meanwhile keeps them (the step computed them from the request's blocks of then)."""
         finished = []
         for s in output.scheduled:
             request = s.request
             if not s.samples or request.status is RequestStatus.FINISHED:
                 continue
             request.num_output_placeholders -= 1
-            if request.request_id not in sampled:  # its sampling failed: the engine ends it
+            request.spec_token_ids = []  # proposed for this step; the engine proposes anew
+            tokens = sampled.get(request.request_id)
+            if tokens is None:  # its sampling failed: the engine ends it
                 continue
-            request.append_output_token_id(sampled[request.request_id])
-            if request.check_stop(self.max_model_len):
-                self.finish_request(request, request.finish_reason)
-                finished.append(request)
+            if s.draft_token_ids:
+                s.num_accepted_tokens = len(tokens) - 1
+                if request.status is RequestStatus.RUNNING:
+                    request.num_computed_tokens -= len(s.draft_token_ids) - s.num_accepted_tokens
+            for token in tokens:
+                request.append_output_token_id(token)
+                if request.check_stop(self.max_model_len):
+                    self.finish_request(request, request.finish_reason)
+                    finished.append(request)
+                    break
+            if s.draft_token_ids and request.status is RequestStatus.RUNNING:
+                s.rolled_back_block_ids = self.kv_cache_manager.trim(request.request_id, request.num_tokens)
         return finished

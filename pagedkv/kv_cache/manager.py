@@ -196,6 +196,19 @@ class KVCacheManager:
             self.req_to_block_hashes[request_id] = known
         return known
 
+    def trim(self, request_id: str, num_tokens: int) -> list[list[int]]:
+        """Give back the trailing blocks no longer needed for the request's first `num_tokens` tokens
+        (speculative decoding: blocks taken for drafts that were all rejected); returns their ids per
+        group. They hold no known token, so none of them is cached."""
+        freed: list[list[int]] = []
+        for spec, pool, row in zip(self.specs, self.block_pools, self.req_to_blocks.get(request_id, [])):
+            keep = spec.blocks_needed(num_tokens)
+            extra = row[keep:]
+            del row[keep:]
+            pool.free_blocks(reversed(extra))
+            freed.append([b.block_id for b in extra])
+        return freed
+
     def free(self, request_id: str) -> None:
         """Give back every block of a finished or preempted request, last block first: its cached
         blocks then wait in the free queue with the deepest first in line for eviction, so a

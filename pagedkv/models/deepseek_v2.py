@@ -219,10 +219,10 @@ class DeepseekV2ForCausalLM(nn.Module):
     keeps them: the router's. Rounded to bf16 (8 significant bits), the weight and the bias that is
     added to the scores before the top-k can change which experts a token is sent to."""
 
-    def __init__(self, config: DeepseekV2Config) -> None:
+    def __init__(self, config: DeepseekV2Config, prefix: str = "model") -> None:
         super().__init__()
         self.config = config
-        self.model = DeepseekV2Model(config)
+        self.model = DeepseekV2Model(config, prefix)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

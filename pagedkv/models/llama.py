@@ -145,10 +145,10 @@ class LlamaForCausalLM(nn.Module):
     attention_type: ClassVar[type[LlamaAttention]] = LlamaAttention
     """The attention module of every layer: a family that only changes attention (Qwen3) swaps it."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, prefix: str = "model") -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attention_type=self.attention_type)
+        self.model = LlamaModel(config, prefix, attention_type=self.attention_type)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:  # both split by vocabulary rows the same way
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -358,20 +358,23 @@ def weight_bytes(config: HFConfig) -> tuple[int, int]:
     return sum(t.numel() * t.element_size() for t in tensors), sum(p.numel() for p in net.parameters())
 
 
-def load_model(model: str, config: HFConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
-    """Build the model on `device` and fill it: checkpoint tensors, or seeded random weights.
+def load_model(
+    model: str, config: HFConfig, dtype: torch.dtype, device: torch.device, seed: int = 0, prefix: str = "model"
+) -> CausalLM:
+    """Build the model on `device` and fill it: checkpoint tensors, or seeded random weights. Its
+    attention layers register as `{prefix}.layers.{i}...` (a draft model beside the target: "draft.model").
 
     Then each module with a `process_weights_after_loading` gets to prepare its weights for
     serving (MLA's attention layer splits kv_b_proj into W_UK and W_UV), as in vLLM.
     """
     _, model_cls = MODEL_REGISTRY[config.architecture]
     with torch.device(device):
-        net = model_cls(config)
+        net = model_cls(config, prefix)
     if model in ATTENTION_DRIVEN_PRESETS and get_tp_size() > 1:
         # Draw the whole model as one rank would, then keep this rank's shard: tensor-parallel
         # ranks serve exactly the weights of the single-rank engine.
         with single_rank():
-            whole = model_cls(config)
+            whole = model_cls(config, prefix)
         init_preset_weights(whole, model, seed)
         net.load_weights(whole.hf_state_dict().items())
     elif model in PRESETS:  # the big benchmark presets: each rank draws its own shard

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_map_only
 
 from pagedkv.compilation import resolve_cudagraph_mode
 from pagedkv.compilation.backend import CompiledPiece
+from pagedkv.compilation.resolve import Resolution, resolve_explained
 from pagedkv.compilation.wrapper import attention_compiled_piecewise
 from pagedkv.config import CUDAGraphMode, EngineConfig
 from pagedkv.forward_context import BatchDescriptor, get_forward_context
@@ -86,14 +87,25 @@ def cuda_graphs_unavailable_reason(device: torch.device) -> str | None:
 
 def resolve_engine_mode(
     config: EngineConfig, device: torch.device, attn_groups: list[list[AttentionGroup]]
-) -> CUDAGraphMode:
-    """The configured mode, lowered to what the device and the weakest attention backend allow.
+) -> tuple[CUDAGraphMode, Resolution]:
+    """The configured mode, lowered to what the device and the weakest attention backend allow,
+    and what the backends' rules alone made of it (also on a CPU, where the device then says NONE).
 
     Logs the result and why: the device (no CUDA, no graphs), or `resolve_cudagraph_mode`'s
     rules, whose every change is a warning naming the backend.
     """
     compilation = config.compilation_config
     configured = compilation.cudagraph_mode
+    support, backend = min_cudagraph_support(attn_groups)
+    piecewise = attention_compiled_piecewise(compilation)
+    spec = config.speculative_config
+    rules = dict(
+        backend_name=backend,
+        attention_compiled_piecewise=piecewise,
+        uniform_decode_query_len=spec.uniform_decode_query_len if spec is not None else 1,
+        enforce_eager=compilation.enforce_eager,
+    )
+    resolution = resolve_explained(configured, support, **rules)
     unavailable = cuda_graphs_unavailable_reason(device)
     if unavailable is not None and not compilation.enforce_eager:
         if configured is CUDAGraphMode.NONE:
@@ -106,16 +118,8 @@ def resolve_engine_mode(
                 device.type,
                 unavailable,
             )
-        return CUDAGraphMode.NONE
-    support, backend = min_cudagraph_support(attn_groups)
-    piecewise = attention_compiled_piecewise(compilation)
-    mode = resolve_cudagraph_mode(
-        configured,
-        support,
-        backend_name=backend,
-        attention_compiled_piecewise=piecewise,
-        enforce_eager=compilation.enforce_eager,
-    )
+        return CUDAGraphMode.NONE, resolution
+    mode = resolve_cudagraph_mode(configured, support, **rules)
     logger.info(
         "cudagraph_mode %s (configured %s; weakest attention support %s from %s; attention %s compiled piecewise).",
         mode.name,
@@ -124,20 +128,23 @@ def resolve_engine_mode(
         backend,
         "is" if piecewise else "is not",
     )
-    return mode
+    return mode, resolution
 
 
-def capture_num_reqs(descriptor: BatchDescriptor, max_num_seqs: int) -> int:
+def capture_num_reqs(descriptor: BatchDescriptor, max_num_seqs: int, uniform_decode_query_len: int = 1) -> int:
     """Request rows of a FULL graph: a replayed batch is padded to this many requests (query
-    length 0, sequence length 0), since the graph's metadata tensors have fixed shapes."""
+    length 0, sequence length 0), since the graph's metadata tensors have fixed shapes. A uniform
+    decode key holds `uniform_decode_query_len` (1 + k) tokens per request."""
+    if descriptor.uniform_decode:
+        return descriptor.num_tokens // uniform_decode_query_len
     return min(descriptor.num_tokens, max_num_seqs)
 
 
-def capture_query_lens(descriptor: BatchDescriptor, max_num_seqs: int) -> list[int]:
+def capture_query_lens(descriptor: BatchDescriptor, max_num_seqs: int, uniform_decode_query_len: int = 1) -> list[int]:
     """Query lengths of the dummy batch a graph is captured with: `capture_num_reqs` requests
-    sharing the tokens evenly (one each for a uniform decode), so that no dummy sequence is
+    sharing the tokens evenly (1 + k each for a uniform decode), so that no dummy sequence is
     longer than it must be."""
-    num_reqs = capture_num_reqs(descriptor, max_num_seqs)
+    num_reqs = capture_num_reqs(descriptor, max_num_seqs, uniform_decode_query_len)
     base, extra = divmod(descriptor.num_tokens, num_reqs)
     return [base + 1] * extra + [base] * (num_reqs - extra)
 
@@ -146,30 +153,47 @@ class CudagraphDispatcher:
     """Which graph, if any, runs a step: keyed on the padded token count and uniform decode.
 
     The keys are planned from the resolved mode: mixed batches get the mode's mixed routine
-    at every capture size; decode batches get their own FULL graphs (at most `max_num_seqs`
-    requests) when the mode runs decodes FULL and mixed batches otherwise.
+    at every capture size; uniform decode batches (every request `uniform_decode_query_len`
+    = 1 + k query tokens) get their own FULL graphs when the mode runs decodes FULL and mixed
+    batches otherwise, at `decode_sizes`: (1 + k) x each capture size of at most `max_num_seqs`
+    requests, so that a decode batch is padded with whole requests and never misses its graph
+    (vLLM rounds its capture sizes to multiples of 1 + k likewise, vllm/config/compilation.py).
+
+        k = 2:  decode_sizes [3, 6, 12, 24, ...]   a batch of 3 requests x 3 tokens -> key 12
     """
 
     def __init__(
-        self, mode: CUDAGraphMode, sizes: Sequence[int], max_num_seqs: int, uniform_decode_query_len: int = 1
+        self,
+        mode: CUDAGraphMode,
+        sizes: Sequence[int],
+        max_num_seqs: int,
+        uniform_decode_query_len: int = 1,
+        max_num_tokens: int | None = None,
     ) -> None:
         self.mode = mode
         self.sizes = sorted(sizes)
+        self.uniform_decode_query_len = uniform_decode_query_len
+        limit = max_num_tokens if max_num_tokens is not None else max(self.sizes, default=0)
+        self.decode_sizes = sorted(
+            {
+                uniform_decode_query_len * s
+                for s in self.sizes
+                if s <= max_num_seqs and uniform_decode_query_len * s <= limit
+            }
+        )
         self.keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {CUDAGraphMode.FULL: set()}
         self.keys[CUDAGraphMode.PIECEWISE] = set()
         mixed = mode.mixed_mode()
         if mixed is not CUDAGraphMode.NONE:
             self.keys[mixed].update(BatchDescriptor(s) for s in self.sizes)
         if mode.decode_mode() is CUDAGraphMode.FULL and mixed is not CUDAGraphMode.FULL:
-            largest = max_num_seqs * uniform_decode_query_len
-            self.keys[CUDAGraphMode.FULL].update(
-                BatchDescriptor(s, uniform_decode=True) for s in self.sizes if uniform_decode_query_len <= s <= largest
-            )
+            self.keys[CUDAGraphMode.FULL].update(BatchDescriptor(s, uniform_decode=True) for s in self.decode_sizes)
 
-    def padded_num_tokens(self, num_tokens: int) -> int | None:
-        """The smallest capture size >= num_tokens, None above the largest."""
-        i = bisect.bisect_left(self.sizes, num_tokens)
-        return self.sizes[i] if i < len(self.sizes) else None
+    def padded_num_tokens(self, num_tokens: int, uniform_decode: bool = False) -> int | None:
+        """The smallest capture size (a decode size for a uniform decode) >= num_tokens, None above the largest."""
+        sizes = self.decode_sizes if uniform_decode else self.sizes
+        i = bisect.bisect_left(sizes, num_tokens)
+        return sizes[i] if i < len(sizes) else None
 
     def dispatch(self, num_tokens: int, uniform_decode: bool) -> tuple[CUDAGraphMode, BatchDescriptor]:
         """FULL, then PIECEWISE, then NONE: the runtime mode and the key of this step's batch.
@@ -177,16 +201,17 @@ class CudagraphDispatcher:
         With a graph, the key's `num_tokens` is the padded count; without one (NONE) the batch
         runs as it is and the key describes it unpadded.
         """
-        padded = self.padded_num_tokens(num_tokens)
-        if padded is not None:
-            candidates = (
-                (CUDAGraphMode.FULL, BatchDescriptor(padded, uniform_decode)),
+        candidates = []
+        if uniform_decode and (padded := self.padded_num_tokens(num_tokens, uniform_decode=True)) is not None:
+            candidates.append((CUDAGraphMode.FULL, BatchDescriptor(padded, uniform_decode=True)))
+        if (padded := self.padded_num_tokens(num_tokens)) is not None:
+            candidates += [
                 (CUDAGraphMode.FULL, BatchDescriptor(padded)),
                 (CUDAGraphMode.PIECEWISE, BatchDescriptor(padded)),
-            )
-            for mode, key in candidates:
-                if key in self.keys[mode]:
-                    return mode, key
+            ]
+        for mode, key in candidates:
+            if key in self.keys[mode]:
+                return mode, key
         return CUDAGraphMode.NONE, BatchDescriptor(num_tokens, uniform_decode)
 
     def captures(self) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:

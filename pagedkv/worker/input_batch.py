@@ -16,7 +16,7 @@ Three requests, decodes first, block_size 4:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -110,6 +110,10 @@ class ScheduledTokens:
     block_ids: list[list[int]]
     """Per KV cache group, the request's block table row after the scheduler's allocation for this
     step: physical block ids, 0 = the null block (vLLM sends them in SchedulerOutput too)."""
+    num_draft_tokens: int = 0
+    """Speculative decoding: the last this-many `token_ids` are drafts to verify (PLACEHOLDER_TOKEN_ID
+    where the runner's draft model proposes them). The step returns logits for each of them and for
+    the token before them: 1 + num_draft_tokens rows."""
 
 
 @dataclass
@@ -130,9 +134,14 @@ class HostBatch:
     block_ids: list[list[list[int]]]
     """Per KV cache group, per request: its block table row."""
     logits_indices: list[int]
-    """Packed index of the last token of each request that samples."""
+    """Packed index of each token whose next token is sampled or verified: the last token of each request
+    that samples, and before it the token preceding each of its drafts."""
     sampling_req_ids: list[str]
-    """The requests that sample, in the order of `logits_indices`."""
+    """The requests that sample, in order (each owns 1 + its drafts of `logits_indices`)."""
+    num_draft_tokens: list[int] = field(default_factory=list)
+    """Per request, its drafts (the last of its query tokens); empty for a capture's dummy batch."""
+    draft_indices: list[int] = field(default_factory=list)
+    """Packed index of every draft token, request after request."""
     writes_kv_cache: bool = True
     """False for a CUDA graph capture's dummy batch: every slot is -1, nothing is written."""
 
@@ -157,8 +166,10 @@ class HostBatch:
             for rows, row in zip(batch.block_ids, s.block_ids):
                 rows.append(row)
             if s.samples:
-                batch.logits_indices.append(len(batch.token_ids) - 1)
+                batch.logits_indices += range(len(batch.token_ids) - 1 - s.num_draft_tokens, len(batch.token_ids))
                 batch.sampling_req_ids.append(s.req_id)
+            batch.num_draft_tokens.append(s.num_draft_tokens)
+            batch.draft_indices += range(len(batch.token_ids) - s.num_draft_tokens, len(batch.token_ids))
         return batch
 
     @classmethod
@@ -179,9 +190,11 @@ class HostBatch:
 
     @property
     def placeholders(self) -> list[tuple[int, str]]:
-        """(packed index, request) of every placeholder token: each is its request's last token."""
+        """(packed index, request) of every placeholder token: each is its request's last known token
+        (the drafts after it are not the previous step's samples)."""
         ends = itertools.accumulate(self.query_lens)
-        return [(end - 1, r) for r, end in zip(self.req_ids, ends) if self.token_ids[end - 1] == PLACEHOLDER_TOKEN_ID]
+        known = [end - 1 - d for end, d in zip(ends, self.num_draft_tokens or [0] * len(self.query_lens))]
+        return [(i, r) for r, i in zip(self.req_ids, known) if self.token_ids[i] == PLACEHOLDER_TOKEN_ID]
 
 
 @dataclass
@@ -215,8 +228,10 @@ class InputBatch:
     slot_mappings: list[torch.Tensor]
     """Per KV cache group: [num_tokens] flat slot of each new token."""
     logits_indices: torch.Tensor
-    """Row of the last token of each request that samples this step."""
+    """Row of each token whose next token is sampled or verified (`HostBatch.logits_indices`)."""
     sampling_req_ids: list[str]
+    draft_indices: torch.Tensor
+    """Row of every draft token (speculative decoding), request after request."""
 
     @property
     def num_reqs(self) -> int:

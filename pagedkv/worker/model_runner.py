@@ -22,11 +22,12 @@ import torch
 
 from pagedkv.attention.backend import CommonAttentionMetadata
 from pagedkv.attention.layer import Attention
+from pagedkv.compilation.resolve import Resolution
 from pagedkv.compilation.wrapper import CompiledForward, compile_model
 from pagedkv.config import CUDAGraphMode, EngineConfig, set_current_engine_config
 from pagedkv.forward_context import BatchDescriptor, get_layers_from_config, set_forward_context
 from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheSpec, get_kv_cache_config
-from pagedkv.models.loader import CausalLM, HFConfig, load_model, weight_bytes
+from pagedkv.models.loader import CausalLM, HFConfig, load_config, load_model, weight_bytes
 from pagedkv.worker import cudagraph
 from pagedkv.worker.attn_utils import (
     AttentionGroup,
@@ -37,6 +38,7 @@ from pagedkv.worker.attn_utils import (
     layer_kv_groups,
     max_blocks_per_request,
 )
+from pagedkv.worker.draft_model import DRAFT_PREFIX, DraftModelProposer
 from pagedkv.worker.input_batch import (
     BlockTable,
     HostBatch,
@@ -64,6 +66,8 @@ class StepResult:
     """[num sampling requests, vocab]"""
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
     """How the step ran: FULL (one graph replayed), PIECEWISE or NONE (eager)."""
+    draft_token_ids: torch.Tensor | None = None
+    """Speculative decoding: the drafts verified, packed request after request (on the device)."""
 
 
 class ModelRunner:
@@ -88,6 +92,20 @@ class ModelRunner:
                 self.device,
                 config.model_config.seed,
             )
+            self.drafter: DraftModelProposer | None = None
+            """With a draft model (speculative decoding): proposes each step's drafts; runs eagerly."""
+            spec = config.speculative_config
+            if spec is not None and spec.model is not None:
+                draft_config = load_config(spec.model)
+                draft = load_model(
+                    spec.model,
+                    draft_config,
+                    config.model_config.dtype,
+                    self.device,
+                    config.model_config.seed,
+                    DRAFT_PREFIX,
+                )
+                self.drafter = DraftModelProposer(draft, spec.num_speculative_tokens)
         self.graph_memory = cudagraph.GraphMemory()
         self.compiled_forward: CompiledForward | None = None
         """With `compilation_config.compile`: `self.model(...)` runs this piecewise-compiled forward."""
@@ -99,6 +117,12 @@ class ModelRunner:
             self.compiled_forward = compile_model(self.model, config, wrap_piece=wrap)
         self.cudagraph_mode = CUDAGraphMode.NONE
         """The resolved mode (`capture_model`); until then every step runs eagerly."""
+        self.cudagraph_resolution: Resolution | None = None
+        """What the lowering rules made of the configured mode for these attention groups and decode
+        query length (`capture_model`; computed on a CPU too, where the device then rules out graphs)."""
+        spec = config.speculative_config
+        self.uniform_decode_query_len = spec.uniform_decode_query_len if spec is not None else 1
+        """Query tokens of each request in a uniform decode step: 1 + speculative tokens."""
         self.dispatcher: cudagraph.CudagraphDispatcher | None = None
         self.full_graph: cudagraph.CUDAGraphWrapper | None = None
         """The FULL graphs, one per batch descriptor, around the whole model."""
@@ -188,12 +212,19 @@ class ModelRunner:
         first run eagerly with the capture's own metadata, so that every kernel (Triton,
         Inductor, flash-attn 4's JIT) is compiled and loaded outside the capture.
         """
-        self.cudagraph_mode = mode = cudagraph.resolve_engine_mode(self.config, self.device, self.attn_groups)
+        mode, self.cudagraph_resolution = cudagraph.resolve_engine_mode(self.config, self.device, self.attn_groups)
+        self.cudagraph_mode = mode
         if mode is CUDAGraphMode.NONE:
             self._log_startup("no CUDA graphs")
             return mode
         sched = self.config.scheduler_config
-        dispatcher = cudagraph.CudagraphDispatcher(mode, cudagraph.capture_sizes(self.config), sched.max_num_seqs)
+        dispatcher = cudagraph.CudagraphDispatcher(
+            mode,
+            cudagraph.capture_sizes(self.config),
+            sched.max_num_seqs,
+            self.uniform_decode_query_len,
+            sched.max_num_batched_tokens,
+        )
         self.buffers = cudagraph.InputBuffers(
             sched.max_num_batched_tokens, sched.max_num_seqs, len(self.block_tables), self.device
         )
@@ -227,7 +258,8 @@ class ModelRunner:
         A FULL graph keeps the capture metadata (`build_for_cudagraph_capture`: host-side
         bounds valid for every batch it will replay); PIECEWISE graphs leave attention out.
         """
-        query_lens = cudagraph.capture_query_lens(descriptor, self.config.scheduler_config.max_num_seqs)
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
+        query_lens = cudagraph.capture_query_lens(descriptor, max_num_seqs, self.uniform_decode_query_len)
         host = HostBatch.for_capture(query_lens, len(self.block_tables))
         batch = self._stage_batch(host, num_padded_tokens=descriptor.num_tokens)
         full = runtime_mode is CUDAGraphMode.FULL
@@ -254,11 +286,12 @@ class ModelRunner:
         num_padded_tokens: int | None = None,
         num_padded_reqs: int | None = None,
         previous: SampledTokens | None = None,
+        host: HostBatch | None = None,
     ) -> InputBatch:
         """Pack the scheduled tokens of all requests into flat tensors (see input_batch.py),
         padded to `num_padded_tokens` tokens and `num_padded_reqs` requests for a graph.
         Placeholder tokens take their ids from `previous` (the last step's samples) on the device."""
-        host = HostBatch.from_scheduled(scheduled, len(self.block_tables))
+        host = host or HostBatch.from_scheduled(scheduled, len(self.block_tables))
         batch = self._stage_batch(host, num_padded_tokens, num_padded_reqs)
         placeholders = host.placeholders
         if placeholders:
@@ -329,6 +362,7 @@ class ModelRunner:
             slot_mappings=slot_mappings,
             logits_indices=self._to_device(torch.tensor(host.logits_indices, dtype=torch.long), None),
             sampling_req_ids=host.sampling_req_ids,
+            draft_indices=self._to_device(torch.tensor(host.draft_indices, dtype=torch.long), None),
         )
 
     def _to_device(self, values: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
@@ -368,16 +402,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduled: list[ScheduledTokens], previous: SampledTokens | None = None) -> StepResult:
-        """Run the model on the scheduled tokens; return logits of the requests that sample.
-        Placeholder tokens (async scheduling) take their ids from `previous`, on the device."""
-        num_tokens = sum(len(s.token_ids) for s in scheduled)
-        uniform_decode = max(len(s.token_ids) for s in scheduled) == 1
+        """Run the model on the scheduled tokens; return logits of the requests that sample (with
+        drafts: one row per draft and one after them). Placeholder tokens (async scheduling) take
+        their ids from `previous`, and draft placeholders from the draft model, on the device."""
+        host = HostBatch.from_scheduled(scheduled, len(self.block_tables))
+        drafts = None
+        if self.drafter is not None and self.drafter.needs_proposals(host):
+            drafts = self.drafter.propose(host, self._draft_forward)
+        num_tokens = len(host.token_ids)
+        # Uniform decode: every request runs its last token and all k drafts (1 + k query tokens).
+        uniform_decode = set(host.query_lens) == {self.uniform_decode_query_len}
         mode, descriptor = CUDAGraphMode.NONE, BatchDescriptor(num_tokens, uniform_decode)
         if self.dispatcher is not None:
             mode, descriptor = self.dispatcher.dispatch(num_tokens, uniform_decode)
         full = mode is CUDAGraphMode.FULL
-        num_reqs = cudagraph.capture_num_reqs(descriptor, self.config.scheduler_config.max_num_seqs) if full else None
-        batch = self.prepare_inputs(scheduled, descriptor.num_tokens, num_reqs, previous)
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
+        num_reqs = cudagraph.capture_num_reqs(descriptor, max_num_seqs, self.uniform_decode_query_len) if full else None
+        batch = self.prepare_inputs(scheduled, descriptor.num_tokens, num_reqs, previous, host)
+        if drafts is not None:
+            batch.input_ids[batch.draft_indices] = drafts
         # Built in FULL steps too: builders rewrite their persistent buffers (graphs read those).
         attn_metadata, slot_mapping = self._build_metadata(batch, descriptor.num_tokens if full else num_tokens)
         if full:
@@ -395,4 +438,19 @@ class ModelRunner:
             ):
                 hidden = self._forward(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return StepResult(batch, attn_metadata, slot_mapping, descriptor, logits, mode)
+        if self.drafter is not None:  # the draft model's KV cache catches up on the step's tokens
+            with set_forward_context(attn_metadata, self.config, slot_mapping=slot_mapping):
+                self.drafter.model(batch.input_ids, batch.positions)
+        draft_token_ids = batch.input_ids[batch.draft_indices] if host.draft_indices else None
+        return StepResult(batch, attn_metadata, slot_mapping, descriptor, logits, mode, draft_token_ids)
+
+    def _draft_forward(self, host: HostBatch, input_ids: torch.Tensor | None) -> torch.Tensor:
+        """One forward of the draft model over a small batch of its own (pagedkv/worker/draft_model.py)."""
+        assert self.drafter is not None
+        batch = self._stage_batch(host)
+        if input_ids is not None:
+            batch.input_ids.copy_(input_ids)
+        attn_metadata, slot_mapping = self._build_metadata(batch, batch.num_tokens)
+        with set_forward_context(attn_metadata, self.config, slot_mapping=slot_mapping):
+            hidden = self.drafter.model(batch.input_ids, batch.positions)
+        return self.drafter.model.compute_logits(hidden[batch.logits_indices])
