@@ -24,6 +24,7 @@ from pagedkv.trace.records import (
 if TYPE_CHECKING:
     from pagedkv.engine.events import StepEvent
     from pagedkv.engine.llm import LLM
+    from pagedkv.engine.scheduler import ScheduledRequest
     from pagedkv.kv_cache.block_pool import BlockPool
     from pagedkv.kv_cache.spec import KVCacheSpec
 
@@ -139,6 +140,30 @@ def block_pool_record(pool: BlockPool) -> BlockPoolRecord:
     )
 
 
+def _request_record(s: ScheduledRequest, block_ids: list[list[int]]) -> RequestRecord:
+    """A scheduled request's part of the step; with drafts, what verifying them did."""
+    req, drafts = s.request, list(s.draft_token_ids)
+    emitted: list[int] = []
+    if drafts and s.num_accepted_tokens is not None:
+        # After Scheduler.update the output holds this step's tokens at the positions after the
+        # known token (speculation runs without async scheduling: no placeholders).
+        first = s.num_computed_tokens + 1
+        emitted = req.token_ids_between(first, first + s.num_accepted_tokens + 1)
+    return RequestRecord(
+        req.request_id,
+        "decode" if s.is_decode else "prefill",  # a request with drafts is a decode too
+        s.num_computed_tokens,
+        s.num_new_tokens,
+        req.num_prompt_tokens,
+        block_ids,
+        s.num_cached_tokens,
+        draft_token_ids=drafts,
+        num_accepted_tokens=s.num_accepted_tokens,
+        rolled_back_block_ids=[list(ids) for ids in s.rolled_back_block_ids],
+        emitted_token_ids=emitted,
+    )
+
+
 def step_record(event: StepEvent, llm: LLM, duration_s: float) -> StepRecord:
     """Turn a `StepEvent` into plain data.
 
@@ -146,20 +171,7 @@ def step_record(event: StepEvent, llm: LLM, duration_s: float) -> StepRecord:
     `ScheduledRequest`s keep what the step itself saw (computed tokens, decode or prefill).
     """
     sched, result = event.scheduler_output, event.result
-    requests = []
-    for s in sched.scheduled:
-        req = s.request
-        requests.append(
-            RequestRecord(
-                req.request_id,
-                "decode" if s.is_decode else "prefill",
-                s.num_computed_tokens,
-                s.num_new_tokens,
-                req.num_prompt_tokens,
-                event.block_ids[req.request_id],
-                s.num_cached_tokens,
-            )
-        )
+    requests = [_request_record(s, event.block_ids[s.request.request_id]) for s in sched.scheduled]
     manager = llm.kv_cache_manager
     for req in llm.scheduler.running:
         if req.request_id not in event.block_ids:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedkv import LLM, RequestOutput, SamplingParams
 from pagedkv.trace import (
     AttentionGroupInfo,
     EngineInfo,
@@ -153,3 +154,67 @@ def test_old_traces_load_without_the_new_fields(tmp_path: Path) -> None:
 def test_saved_notebook_traces_still_load(saved: Path) -> None:
     trace = StepTrace.load(saved)
     assert all(r.draft_token_ids == [] and r.num_accepted_tokens is None for s in trace for r in s.requests)
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+
+
+@pytest.fixture(scope="module")
+def ngram_run() -> tuple[StepTrace, list[RequestOutput], LLM]:
+    """A real tiny-pydoc run with n-gram speculation, blocks of 4 (rollbacks cross block boundaries)."""
+    llm = LLM("tiny-pydoc", device="cpu", block_size=4, num_kv_blocks=64, speculative_config=NGRAM)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with StepTrace.attach(llm) as trace:
+        outputs = llm.generate(["The for statement is used to", "A list is"], params, use_tqdm=False)
+    return trace, outputs, llm
+
+
+def test_a_real_run_records_drafts_verdicts_and_emitted_tokens(ngram_run: tuple[StepTrace, list, LLM]) -> None:
+    trace, outputs, llm = ngram_run
+    speculated = [(record, r) for record in trace for r in record.scheduled if r.draft_token_ids]
+    assert speculated and all(r.phase == "decode" and r.num_accepted_tokens is not None for _, r in speculated)
+    assert sum(len(r.draft_token_ids) for _, r in speculated) == llm.stats.num_draft_tokens
+    assert sum(r.num_accepted_tokens for _, r in speculated) == llm.stats.num_accepted_tokens
+    for output in outputs:  # the first token comes from the prefill; each later step emits its record's tokens
+        steps = [r for record in trace for r in record.scheduled if r.req_id == output.request_id][1:]
+        emitted = [t for r in steps for t in (r.emitted_token_ids or [])]
+        plain = sum(1 for r in steps if not r.draft_token_ids)  # decodes without a proposal: one token each
+        assert len(emitted) + plain == len(output.outputs[0].token_ids) - 1
+        assert all(
+            r.emitted_token_ids[: r.num_accepted_tokens] == r.draft_token_ids[: r.num_accepted_tokens]
+            for r in steps
+            if r.draft_token_ids
+        )
+
+
+def test_a_real_runs_slots_and_rollbacks(ngram_run: tuple[StepTrace, list, LLM]) -> None:
+    trace, _, _ = ngram_run
+    rolled_back = 0
+    for i, record in enumerate(trace):
+        start = 0
+        for r in record.scheduled:
+            if r.draft_token_ids:
+                slots = [s.slots[0] for s in draft_slots(record, r, trace.engine)]
+                assert slots == record.slot_mappings[0][start : start + r.num_new_tokens]  # the engine's own
+                for block in (r.rolled_back_block_ids or [[]])[0]:
+                    rolled_back += 1
+                    # It held only rejected positions, and the request's next row no longer has it.
+                    assert all(
+                        s.kind == "rejected" for s in draft_slots(record, r, trace.engine) if s.blocks[0][1] == block
+                    )
+                    later = [q for q in trace[i + 1].requests if q.req_id == r.req_id] if i + 1 < len(trace) else []
+                    assert all(block not in q.block_ids[0] for q in later)
+            start += r.num_new_tokens
+    assert rolled_back > 0  # blocks of 4 and 3 drafts: some rollbacks give a block back
+
+
+def test_a_real_run_drawn_live_and_replayed(ngram_run: tuple[StepTrace, list, LLM], tmp_path: Path) -> None:
+    trace, _, llm = ngram_run
+    index = next(i for i, record in enumerate(trace) if any(r.draft_token_ids for r in record.scheduled))
+    live = SpecDecodeView(trace, index=index, decode=llm.tokenizer.decode).value
+    replayed = SpecDecodeView(StepTrace.load(trace.save(tmp_path / "t.json")), index=index, decode=llm.tokenizer.decode)
+    assert live == replayed.value and "verified" in live and 'class="pkv-draft" data-kind="known"' in live
+    view = SpecDecodeView.attach(llm)
+    assert view.decode == llm.tokenizer.decode and view.trace.is_live
+    view.trace.detach()
+    view.close()
