@@ -14,11 +14,16 @@ wins with probability p_i), which needs no cumulative sum and no host sync, unli
 `torch.multinomial`. Rows with a top-k never touch the whole vocabulary after one `topk`: their k
 candidates, sorted, are all that top-p, min-p and the race need (sorting 151,936 logits per row
 is the expensive part of top-p). A request with a seed draws its q from its own generator, so its
-tokens depend on nothing else in the batch.
+tokens depend on nothing else in the batch. `target_probs` (the filtered p) is shared with the
+rejection sampler of speculative decoding (pagedkv/engine/rejection_sampler.py), which verifies
+drafts against the same p.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -28,16 +33,24 @@ from pagedkv.engine.request import SamplingParams
 
 @dataclass
 class SamplerOutput:
-    """One step's samples: on the device when made; `to_host` starts their copy to the host."""
+    """One step's samples: on the device when made; `to_host` starts their copy to the host.
+
+    A request has one row, or under speculative decoding 1 + k rows (its k drafts verified, vLLM's
+    vllm/v1/sample/rejection_sampler.py), of which it emits the first `num_tokens`.
+    """
 
     token_ids: torch.Tensor
     """[rows] int64: each row's token (0 in a failed row)."""
     failed: torch.Tensor
     """[rows] bool: the row's logits held NaN, or were all -inf: no token can be drawn."""
     logprob_token_ids: torch.Tensor | None = None
-    """[rows, 1 + N] int64, when a row asked for N logprobs: the sampled token, then the N most likely."""
+    """[rows, 1 + N] int64, when a row asked for N logprobs: the row's token, then the N most likely."""
     logprobs: torch.Tensor | None = None
     """[rows, 1 + N] float32: their log-probabilities (of the model's distribution, before temperature)."""
+    num_rows: list[int] | None = None
+    """Per request, its number of rows (1 + its drafts); None: one row each."""
+    num_tokens: torch.Tensor | None = None
+    """[requests] int64: the tokens each request emits this step (accepted drafts + 1); None: one each."""
     ready: torch.cuda.Event | None = None
     """Set by `to_host` on a GPU: done when the copies have landed."""
 
@@ -45,34 +58,131 @@ class SamplerOutput:
         """The same samples on their way to pinned host memory (non-blocking; `rows` waits)."""
         if self.token_ids.device.type == "cpu":
             return self
-        copy = [
-            t if t is None else t.to("cpu", non_blocking=True)
-            for t in (self.token_ids, self.failed, self.logprob_token_ids, self.logprobs)
-        ]
+        names = ("token_ids", "failed", "logprob_token_ids", "logprobs", "num_tokens")
+        copies = {n: t.to("cpu", non_blocking=True) for n in names if (t := getattr(self, n)) is not None}
         ready = torch.cuda.Event()
         ready.record()
-        return SamplerOutput(*copy, ready=ready)
+        return dataclasses.replace(self, **copies, ready=ready)
+
+    def last_token_ids(self) -> torch.Tensor:
+        """[requests] on the device: each request's last emitted token (the next step's input)."""
+        if self.num_rows is None or self.num_tokens is None:
+            return self.token_ids
+        starts = [0]
+        for n in self.num_rows[:-1]:
+            starts.append(starts[-1] + n)
+        return self.token_ids[to_device(starts, self.token_ids.device) + self.num_tokens - 1]
 
     def rows(
         self, req_ids: list[str], params: list[SamplingParams]
-    ) -> list[tuple[int | Exception, dict[int, float] | None]]:
-        """Per row, its token (or the error that ended its request) and the logprobs it asked for."""
+    ) -> list[tuple[list[int] | Exception, list[dict[int, float]] | None]]:
+        """Per request, its emitted tokens (or the error that ended it) and the logprobs it asked
+        for (one dict per emitted token)."""
         if self.ready is not None:
             self.ready.synchronize()
         tokens, failed = self.token_ids.tolist(), self.failed.tolist()
         top_ids = self.logprob_token_ids.tolist() if self.logprob_token_ids is not None else None
         top_lps = self.logprobs.tolist() if self.logprobs is not None else None
-        out: list[tuple[int | Exception, dict[int, float] | None]] = []
-        for row, (req_id, p) in enumerate(zip(req_ids, params)):
-            if failed[row]:
+        num_rows = self.num_rows or [1] * len(req_ids)
+        num_tokens = self.num_tokens.tolist() if self.num_tokens is not None else [1] * len(req_ids)
+        out: list[tuple[list[int] | Exception, list[dict[int, float]] | None]] = []
+        start = 0
+        for req_id, p, n_rows, n_tokens in zip(req_ids, params, num_rows, num_tokens):
+            emitted, start = range(start, start + n_tokens), start + n_rows
+            if any(failed[row] for row in emitted):  # a failed row the request did not reach does not end it
                 what = "greedy decoding has no token to choose" if p.greedy else "no token can be sampled"
                 out.append((ValueError(f"request {req_id}: its logits hold NaN (or are all -inf), so {what}"), None))
                 continue
             logprobs = None
             if p.logprobs is not None and top_ids is not None and top_lps is not None:
-                logprobs = dict(zip(top_ids[row][: 1 + p.logprobs], top_lps[row][: 1 + p.logprobs]))
-            out.append((tokens[row], logprobs))
+                n = 1 + p.logprobs
+                logprobs = [dict(zip(top_ids[row][:n], top_lps[row][:n])) for row in emitted]
+            out.append(([tokens[row] for row in emitted], logprobs))
         return out
+
+
+@dataclass
+class TargetProbs:
+    """The sampling distribution p of some rows of a batch (all with a top-k, or all without): the
+    logits after temperature, min-p, top-k and top-p, softmaxed; what a token is drawn from."""
+
+    rows: list[int]
+    """The batch rows, in order."""
+    index: torch.Tensor | None
+    """`rows` on the device; None when they are every row of the batch in order."""
+    probs: torch.Tensor
+    """[len(rows), columns] float32: p over each row's columns."""
+    column_token_ids: torch.Tensor | None
+    """[len(rows), columns]: the token of each column (a top-k row's candidates, most likely
+    first); None: column j is token j (the whole vocabulary)."""
+    widths: list[int]
+    """Per row, the columns it may use (its top-k, or the vocabulary): a seeded row's noise covers
+    only these, so that it does not depend on the other rows' k."""
+
+    def take(self, values: torch.Tensor) -> torch.Tensor:
+        """This group's entries of a [batch rows] tensor."""
+        return values if self.index is None else values[self.index]
+
+    def put(self, values: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """`into` [batch rows] with this group's rows replaced by `values` [len(rows)]."""
+        return values if self.index is None else into.index_copy(0, self.index, values)
+
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """[len(rows)] column per row -> its token id."""
+        if self.column_token_ids is None:
+            return columns
+        return self.column_token_ids.gather(1, columns[:, None])[:, 0]
+
+    def is_token(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[len(rows), columns] bool: the columns holding each row's `token_ids` entry (none for -1)."""
+        if self.column_token_ids is None:
+            return torch.arange(self.probs.shape[1], device=self.probs.device) == token_ids[:, None]
+        return self.column_token_ids == token_ids[:, None]
+
+
+def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> list[TargetProbs]:
+    """p of every non-greedy row of `logits` [rows, vocab] (float32), `params` one per row: the rows
+    with a top-k over their k best tokens only (one `topk`, sorted), the others over the vocabulary."""
+    vocab, device = logits.shape[1], logits.device
+    rows_by_kind: dict[bool, list[int]] = {True: [], False: []}  # with a top-k or not
+    for i, p in enumerate(params):
+        if not p.greedy:
+            rows_by_kind[0 < p.top_k < vocab].append(i)
+    groups = []
+    for top_k, rows in rows_by_kind.items():
+        if not rows:
+            continue
+        index = _index(rows, len(params), device)
+        group_logits, group_params = logits if index is None else logits[index], [params[i] for i in rows]
+        if top_k:
+            # values [rows, K] (sorted) and their token ids; column j of a row with k <= j: -inf.
+            k = to_device([p.top_k for p in group_params], device)
+            values, column_token_ids = group_logits.topk(int(max(p.top_k for p in group_params)), dim=-1)
+            values = values.masked_fill(torch.arange(values.shape[1], device=device) >= k[:, None], float("-inf"))
+            probs = _filter(values, group_params, sorted_descending=True).softmax(dim=-1)
+            groups.append(TargetProbs(rows, index, probs, column_token_ids, [p.top_k for p in group_params]))
+        else:
+            probs = _filter(group_logits, group_params, sorted_descending=False).softmax(dim=-1)
+            groups.append(TargetProbs(rows, index, probs, None, [vocab] * len(rows)))
+    return groups
+
+
+def argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax (the greedy token), and whether the row failed: held a NaN (argmax is the
+    NaN's index) or was all -inf (argmax is some -inf), so no real token can be picked."""
+    tokens = logits.argmax(dim=-1)
+    best = logits.gather(1, tokens[:, None])[:, 0]
+    return tokens, best.isnan() | (best == float("-inf"))
+
+
+def with_logprobs(output: SamplerOutput, logits: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
+    """`output` with the logprobs its rows ask for (`params` one per row), its tokens' first."""
+    n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+    if n is not None:
+        logprobs = logits.log_softmax(dim=-1)
+        token_ids = torch.cat([output.token_ids[:, None], logprobs.topk(n, dim=-1).indices], dim=1)
+        output.logprob_token_ids, output.logprobs = token_ids, logprobs.gather(1, token_ids)
+    return output
 
 
 class Sampler:
@@ -88,73 +198,38 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]) -> SamplerOutput:
         """logits [rows, vocab] of the requests `req_ids` (in row order) -> their next tokens."""
         logits = logits.float()
-        device = logits.device
-        tokens = logits.argmax(dim=-1)
-        # argmax of a row with a NaN is the NaN's index, of an all -inf row some -inf: no real token.
-        best = logits.gather(1, tokens[:, None])[:, 0]
-        failed = best.isnan() | (best == float("-inf"))
-        # Rows by how they are drawn: with a top-k (k candidates), without (the whole vocabulary).
-        candidate_rows = [i for i, p in enumerate(params) if not p.greedy and 0 < p.top_k < logits.shape[1]]
-        full_rows = [i for i, p in enumerate(params) if not p.greedy and not 0 < p.top_k < logits.shape[1]]
-        # A seeded request's generator state before this call: a step interrupted here (Ctrl-C)
-        # is run again, and must draw the same tokens as if it had run once.
+        tokens, failed = argmax_rows(logits)
+        with self.restoring_generators(req_ids):
+            for group in target_probs(logits, params):
+                generators = [self.generator(req_ids[i], params[i], logits.device) for i in group.rows]
+                tokens = group.put(group.token_ids(self.race(group.probs, generators, group.widths)), tokens)
+        return with_logprobs(SamplerOutput(tokens.masked_fill(failed, 0), failed), logits, params)
+
+    @contextmanager
+    def restoring_generators(self, req_ids: list[str]) -> Iterator[None]:
+        """On an exception, put the requests' generators back as they were before: a step
+        interrupted here (Ctrl-C) is run again, and must draw the same tokens as if it had run once."""
         states = {r: self._generators[r].get_state() for r in req_ids if r in self._generators}
         try:
-            for rows, draw in ((candidate_rows, self._sample_top_k), (full_rows, self._sample_full)):
-                if rows:
-                    index = _index(rows, len(params), device)
-                    sampled = draw(
-                        logits if index is None else logits[index],
-                        [params[i] for i in rows],
-                        [self._generator(req_ids[i], params[i], device) for i in rows],
-                    )
-                    tokens = sampled if index is None else tokens.index_copy(0, index, sampled)
+            yield
         except BaseException:
             for req_id, state in states.items():
                 self._generators[req_id].set_state(state)
             for req_id in set(req_ids) - states.keys():  # made in this call: made again, freshly seeded
                 self._generators.pop(req_id, None)
             raise
-        output = SamplerOutput(tokens.masked_fill(failed, 0), failed)
-        num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        if num_logprobs is not None:
-            output.logprob_token_ids, output.logprobs = _logprobs(logits, output.token_ids, num_logprobs)
-        return output
 
-    def _generator(self, req_id: str, params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    def generator(self, req_id: str, params: SamplingParams, device: torch.device) -> torch.Generator | None:
+        """A seeded request's own generator (made, seeded, at its first use); None without a seed."""
         if params.seed is None:
             return None
         if req_id not in self._generators:
             self._generators[req_id] = torch.Generator(device=device).manual_seed(params.seed)
         return self._generators[req_id]
 
-    def _sample_top_k(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> torch.Tensor:
-        """Rows that all have a top-k: filter and draw among each row's k best tokens only.
-
-        logits [rows, vocab] --topk(max k)--> values [rows, K] (sorted), their token ids
-        column j of a row with k <= j: -inf (so each row keeps its own k)
-        """
-        k = _to_device([p.top_k for p in params], logits.device)
-        values, token_ids = logits.topk(int(max(p.top_k for p in params)), dim=-1)
-        values = values.masked_fill(torch.arange(values.shape[1], device=logits.device) >= k[:, None], float("-inf"))
-        values = _filter(values, params, sorted_descending=True)
-        # A seeded row's noise covers its own k columns only, so that it does not depend on the
-        # other rows' k; its columns beyond k have probability 0 whatever their noise.
-        picks = self._race(values.softmax(dim=-1), generators, [p.top_k for p in params])
-        return token_ids.gather(1, picks[:, None])[:, 0]
-
-    def _sample_full(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> torch.Tensor:
-        """Rows without a top-k: filter and draw over the whole vocabulary."""
-        probs = _filter(logits, params, sorted_descending=False).softmax(dim=-1)
-        return self._race(probs, generators, [probs.shape[1]] * len(params))
-
-    def _race(self, probs: torch.Tensor, generators: list[torch.Generator | None], widths: list[int]) -> torch.Tensor:
-        """One draw per row of `probs`: argmax(p / q), q ~ Exp(1); a seeded row's q (its first
-        `width` columns) from its own generator, one request after the other."""
+    def race(self, probs: torch.Tensor, generators: list[torch.Generator | None], widths: list[int]) -> torch.Tensor:
+        """One draw (a column) per row of `probs`: argmax(p / q), q ~ Exp(1); a seeded row's q (its
+        first `width` columns) from its own generator, one row after the other."""
         noise = torch.empty_like(probs).exponential_()
         for row, (generator, width) in enumerate(zip(generators, widths)):
             if generator is not None:
@@ -163,11 +238,11 @@ class Sampler:
 
     @staticmethod
     def _seeded_noise(row: torch.Tensor, generator: torch.Generator) -> None:
-        """Fill one seeded request's row of the race's noise from its own generator."""
+        """Fill one seeded row of the race's noise from its request's own generator."""
         row.exponential_(generator=generator)
 
 
-def _to_device(values: list[int] | list[float], device: torch.device) -> torch.Tensor:
+def to_device(values: list[int] | list[float], device: torch.device) -> torch.Tensor:
     """A host list as a device tensor, copied without waiting: `torch.tensor(values, device=...)`
     would wait for everything queued on the GPU (the forward just launched) before copying."""
     return torch.tensor(values).to(device, non_blocking=True)
@@ -175,7 +250,7 @@ def _to_device(values: list[int] | list[float], device: torch.device) -> torch.T
 
 def _index(rows: list[int], num_rows: int, device: torch.device) -> torch.Tensor | None:
     """`rows` as an index tensor; None when they are every row in order (no gather needed)."""
-    return None if rows == list(range(num_rows)) else _to_device(rows, device)
+    return None if rows == list(range(num_rows)) else to_device(rows, device)
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams], sorted_descending: bool) -> torch.Tensor:
@@ -187,15 +262,15 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams], sorted_descendin
     it (in descending order) already reach it, so the most likely one always stays.
     """
     device = logits.device
-    temperature = _to_device([p.temperature for p in params], device)
+    temperature = to_device([p.temperature for p in params], device)
     logits = logits / temperature[:, None]
     if any(p.min_p > 0 for p in params):
-        min_p = _to_device([p.min_p for p in params], device)
+        min_p = to_device([p.min_p for p in params], device)
         low = logits.amax(dim=-1, keepdim=True) + min_p.log()[:, None]  # log(0) = -inf keeps all
         logits = logits.masked_fill(logits < low, float("-inf"))
     if all(p.top_p >= 1.0 for p in params):
         return logits
-    top_p = _to_device([p.top_p for p in params], device)
+    top_p = to_device([p.top_p for p in params], device)
     if sorted_descending:
         values, order = logits, None
     else:  # stable: of equal logits, the lower token id counts as the more likely
@@ -205,11 +280,3 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams], sorted_descendin
     if order is not None:
         drop = drop.scatter(1, order, drop)
     return logits.masked_fill(drop, float("-inf"))
-
-
-def _logprobs(logits: torch.Tensor, sampled: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's sampled token and its n most likely, with their log-probabilities ([rows, 1 + n])."""
-    logprobs = logits.log_softmax(dim=-1)
-    top = logprobs.topk(n, dim=-1)
-    token_ids = torch.cat([sampled[:, None], top.indices], dim=1)
-    return token_ids, logprobs.gather(1, token_ids)

@@ -38,9 +38,13 @@ def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
-def draw(sampler: Sampler, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]) -> list[int]:
+def draw(
+    sampler: Sampler, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]
+) -> list[int | Exception]:
+    """One call's token per request (one row each), or the error that ended it."""
     out = sampler(logits, req_ids, params).to_host().rows(req_ids, params)
-    return [token for token, _ in out]
+    assert all(isinstance(tokens, Exception) or len(tokens) == 1 for tokens, _ in out)
+    return [tokens if isinstance(tokens, Exception) else tokens[0] for tokens, _ in out]
 
 
 LOGITS = torch.tensor([2.0, 1.5, 1.4, 0.3, 0.0, -0.5, -1.0, -3.0, -3.5, -6.0])
@@ -142,7 +146,7 @@ def test_logprobs_are_the_models_log_softmax() -> None:
     ]
     out = Sampler()(logits, ["a", "b", "c"], params).to_host().rows(["a", "b", "c"], params)
     reference = logits.double().log_softmax(-1)
-    (t0, lp0), (t1, lp1), (_, lp2) = out
+    ([t0], [lp0]), ([t1], [lp1]), (_, lp2) = out
     top3 = reference[0].topk(3).indices.tolist()
     assert set(lp0) == {t0, *top3} and t0 == top3[0]
     assert list(lp1) == [t1] and lp2 is None

@@ -36,8 +36,8 @@ def test_sampling_a_batch_never_waits_for_the_gpu() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     rows = output.rows(req_ids, params)
-    assert [t for t, _ in rows[0::4]] == logits[0::4].argmax(-1).tolist()
-    assert all(len(lp) >= 1 for _, lp in rows[3::4])
+    assert [t for (t,), _ in rows[0::4]] == logits[0::4].argmax(-1).tolist()
+    assert all(lps is not None and len(lps[0]) >= 1 for _, lps in rows[3::4])
 
 
 @pytest.mark.parametrize("filters", FILTERS[::2])
