@@ -32,6 +32,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=6, ignore_eos=True)
 
 
+DRAFT = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2}
+
+
 def engine(**kwargs: Any) -> LLM:
     return LLM(
         "tiny",
@@ -55,6 +58,10 @@ CONFIGS: dict[str, tuple[dict[str, Any], SamplingParams]] = {
     "greedy": ({}, GREEDY),
     "seeded": ({}, SEEDED),
     "chunked": ({"max_num_batched_tokens": 8}, GREEDY),  # prompts over several steps
+    # Speculative decoding with a draft model (the target's own weights: it proposes 2 tokens every
+    # step); seeded, the rejection sampler draws from the requests' generators.
+    "spec": ({"speculative_config": DRAFT}, GREEDY),
+    "spec-seeded": ({"speculative_config": DRAFT}, SEEDED),
 }
 
 
@@ -111,6 +118,9 @@ CASES = [
     ("sampler", 5, "seeded"),  # mid-batch: earlier rows have drawn from their generators
     ("attention 1", 3, "seeded"),
     ("step", 2, "greedy"),
+    ("attention 5", 4, "spec"),  # a draft model layer: its proposals for the first decode step
+    ("attention 2", 3, "spec"),  # the target verifying the drafts
+    ("sampler", 4, "spec-seeded"),  # the rejection sampler, mid-batch
 ]
 IDS = [f"{point}@{at}-{config}" for point, at, config in CASES]
 

@@ -93,6 +93,16 @@ KINDS = {
             Batch([1] * 3, [0, 16, 31]),
         ],
     ),
+    # Speculative decoding, k = 2: every request 1 + 2 query tokens (a key of 8 requests x 3).
+    "spec_decode": (
+        BatchDescriptor(24, uniform_decode=True),
+        [
+            Batch([3] * 8, [3000, 17, 900, 1, 2045, 64, 15, 511]),
+            Batch([3] * 5, [40, 2500, 3, 700, 1200]),
+            Batch([3], [3990]),
+            Batch([3] * 3, [0, 16, 31]),
+        ],
+    ),
     "mixed": (
         BatchDescriptor(64),
         [
@@ -105,10 +115,14 @@ KINDS = {
 }
 
 
+UNIFORM_DECODE_QUERY_LEN = {"spec_decode": 3}
+"""Query tokens per request of a kind's uniform decode key (1 without an entry)."""
+
+
 class OneLayer:
     """A backend's builder and impl for one layer, on persistent step tensors of a key's shape."""
 
-    def __init__(self, backend_name: str, descriptor: BatchDescriptor) -> None:
+    def __init__(self, backend_name: str, descriptor: BatchDescriptor, uniform_decode_query_len: int = 1) -> None:
         device = torch.device("cuda")
         self.backend = load_backend(backend_name)
         config = EngineConfig(
@@ -125,7 +139,7 @@ class OneLayer:
         shape = self.backend.get_kv_cache_shape(NUM_BLOCKS, BLOCK, HKV, D)
         self.kv_cache = torch.randn(shape, generator=gen, device=device, dtype=DTYPE)
         self.num_tokens = descriptor.num_tokens
-        self.num_reqs = cudagraph.capture_num_reqs(descriptor, MAX_REQS)
+        self.num_reqs = cudagraph.capture_num_reqs(descriptor, MAX_REQS, uniform_decode_query_len)
         s, r = self.num_tokens, self.num_reqs
         self.q, self.out = (torch.zeros(s, HQ, D, device=device, dtype=DTYPE) for _ in range(2))
         self.k, self.v = (torch.zeros(s, HKV, D, device=device, dtype=DTYPE) for _ in range(2))
@@ -193,9 +207,11 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def capture(harness: OneLayer, descriptor: BatchDescriptor) -> cudagraph.TorchCUDAGraph:
+def capture(
+    harness: OneLayer, descriptor: BatchDescriptor, uniform_decode_query_len: int = 1
+) -> cudagraph.TorchCUDAGraph:
     """As `ModelRunner._capture` does it: dummy batch, capture metadata, warm-up, capture."""
-    lens = cudagraph.capture_query_lens(descriptor, MAX_REQS)
+    lens = cudagraph.capture_query_lens(descriptor, MAX_REQS, uniform_decode_query_len)
     metadata = harness.builder.build_for_cudagraph_capture(harness.load(Batch(lens, [0] * len(lens)), dummy=True))
     harness.attend(metadata)  # compiles every kernel outside the capture
     graph = cudagraph.TorchCUDAGraph(cudagraph.GraphMemory())
@@ -203,7 +219,11 @@ def capture(harness: OneLayer, descriptor: BatchDescriptor) -> cudagraph.TorchCU
     return graph
 
 
-SUPPORTS = {"decode": AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE, "mixed": AttentionCGSupport.ALWAYS}
+SUPPORTS = {
+    "decode": AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+    "spec_decode": AttentionCGSupport.UNIFORM_BATCH,
+    "mixed": AttentionCGSupport.ALWAYS,
+}
 """The support a builder must declare for its graphs to replay batches of each kind."""
 
 
@@ -211,11 +231,12 @@ SUPPORTS = {"decode": AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE, "mixed": A
 @pytest.mark.parametrize("backend_name", ["TRITON_ATTN", pytest.param("FLASH_ATTN", marks=needs_fa4)])
 def test_attention_replays_with_new_metadata(backend_name: str, kind: str) -> None:
     descriptor, batches = KINDS[kind]
-    harness = OneLayer(backend_name, descriptor)
+    query_len = UNIFORM_DECODE_QUERY_LEN.get(kind, 1)
+    harness = OneLayer(backend_name, descriptor, query_len)
     assert harness.builder.cudagraph_support.value >= SUPPORTS[kind].value, (
         f"{backend_name} declares {harness.builder.cudagraph_support.name}: its {kind} graphs are not used"
     )
-    graph = capture(harness, descriptor)
+    graph = capture(harness, descriptor, query_len)
     for batch in batches:
         common = harness.load(batch)
         harness.builder.build(common)  # the runner builds every step: builders refresh their buffers
