@@ -9,7 +9,7 @@ A *mode* names how a benchmark row builds its engine (`mode_kwargs`):
     FULL_AND_PIECEWISE
     <mode>+async, +sync   the same with async_scheduling on / off (else the engine's default)
 
-Used by end_to_end.py, prefix_caching.py, tensor_parallel.py and sampler_cpu.py.
+Used by end_to_end.py, prefix_caching.py, speculative.py, tensor_parallel.py and sampler_cpu.py.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import gc
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -130,6 +131,42 @@ def generate_s(
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # type: ignore[arg-type]
     sync()
     return time.perf_counter() - start, outs
+
+
+def timed_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, object]:
+    """Queue every prompt, step until done; seconds, TTFT per request, steps with prefill tokens."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    cached_before, prefill_before = llm.stats.num_cached_tokens, llm.stats.num_prefill_tokens
+    sync()
+    start = time.perf_counter()
+    ids = [llm.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    first_token: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {}
+    prefill_steps = 0
+    while llm.has_unfinished_requests():
+        before = llm.stats.num_prefill_tokens
+        outputs = llm.step()
+        prefill_steps += llm.stats.num_prefill_tokens > before
+        now = time.perf_counter()
+        for out in outputs:
+            first_token.setdefault(out.request_id, now - start)
+            tokens[out.request_id] = out.outputs[0].token_ids
+    sync()
+    seconds = time.perf_counter() - start
+    ttft = sorted(first_token[i] for i in ids)
+    return {
+        "seconds": seconds,
+        "output_tokens_per_s": sum(len(tokens[i]) for i in ids) / seconds,
+        "ttft_mean_s": statistics.mean(ttft),
+        "ttft_median_s": statistics.median(ttft),
+        "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
+        "ttft_max_s": ttft[-1],
+        "prefill_steps": prefill_steps,
+        "prefill_tokens_computed": llm.stats.num_prefill_tokens - prefill_before,
+        "cached_tokens": llm.stats.num_cached_tokens - cached_before,
+        "first_tokens": tokens[ids[0]][:8],
+        "tokens": [tokens[i] for i in ids],  # for the caller to compare across engines
+    }
 
 
 def _git(*args: str) -> str:

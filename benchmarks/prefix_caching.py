@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,50 +27,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-import engine_bench  # noqa: E402  (beside this file: the device, sync, release)
-from engine_bench import release, sync  # noqa: E402
-from pagedkv import LLM, SamplingParams  # noqa: E402
+import engine_bench  # noqa: E402  (beside this file: the device, release, the timed run)
+from engine_bench import release, timed_run  # noqa: E402
+from pagedkv import LLM  # noqa: E402
 
 
 def shared_prefix_prompts(args: argparse.Namespace, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(vocab) for _ in range(args.prefix_len)]
     return [prefix + [rng.randrange(vocab) for _ in range(args.suffix_len)] for _ in range(args.num_requests)]
-
-
-def timed_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, object]:
-    """Queue every prompt, step until done; seconds, TTFT per request, steps with prefill tokens."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    cached_before, prefill_before = llm.stats.num_cached_tokens, llm.stats.num_prefill_tokens
-    sync()
-    start = time.perf_counter()
-    ids = [llm.add_request({"prompt_token_ids": p}, params) for p in prompts]
-    first_token: dict[str, float] = {}
-    tokens: dict[str, list[int]] = {}
-    prefill_steps = 0
-    while llm.has_unfinished_requests():
-        before = llm.stats.num_prefill_tokens
-        outputs = llm.step()
-        prefill_steps += llm.stats.num_prefill_tokens > before
-        now = time.perf_counter()
-        for out in outputs:
-            first_token.setdefault(out.request_id, now - start)
-            tokens[out.request_id] = out.outputs[0].token_ids
-    sync()
-    seconds = time.perf_counter() - start
-    ttft = sorted(first_token[i] for i in ids)
-    return {
-        "seconds": seconds,
-        "output_tokens_per_s": sum(len(tokens[i]) for i in ids) / seconds,
-        "ttft_mean_s": statistics.mean(ttft),
-        "ttft_median_s": statistics.median(ttft),
-        "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
-        "prefill_steps": prefill_steps,
-        "prefill_tokens_computed": llm.stats.num_prefill_tokens - prefill_before,
-        "cached_tokens": llm.stats.num_cached_tokens - cached_before,
-        "first_tokens": tokens[ids[0]][:8],
-        "tokens": [tokens[i] for i in ids],  # compared across engines in main(), not saved
-    }
 
 
 def measure(args: argparse.Namespace, caching: bool) -> dict[str, object]:
