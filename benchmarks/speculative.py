@@ -207,9 +207,15 @@ def _cell(row: dict[str, object], key: str, width: int, spec: str) -> str:
     return f"{row[key]:{width}{spec}}" if key in row and row["k"] else " " * width
 
 
+def _graphs(resolved: dict[str, object]) -> str:
+    """The engine's CUDA graph mode and scheduling: speculation turns async scheduling off (the host reads
+    the accepted tokens before it proposes), so on a GPU the k = 0 rows run async unless --mode says +sync."""
+    return f"{resolved['cudagraph_mode']}, {'async' if resolved['async_scheduling'] else 'sync'}"
+
+
 def table(result: dict[str, object]) -> str:
     lines = [
-        f"{'model':<11}{'batch':>6}{'k':>3}  {'graphs':<19}{'s':>7}{'out tok/s':>11}{'x k=0':>7}{'decode tok/s':>14}"
+        f"{'model':<11}{'batch':>6}{'k':>3}  {'graphs, scheduling':<24}{'s':>7}{'out tok/s':>11}{'x k=0':>7}{'decode tok/s':>14}"
         f"{'x k=0':>7}{'accept':>8}{'mean len':>10}  identical to k=0"
     ]
     for rec in result["models"]:  # type: ignore[attr-defined]
@@ -219,7 +225,7 @@ def table(result: dict[str, object]) -> str:
                 continue
             same = f"{r['identical_requests']}/{r['batch']}" if "identical_requests" in r else ""
             lines.append(
-                f"{rec['model']:<11}{r['batch']:>6}{r['k']:>3}  {r['resolved']['cudagraph_mode']:<19}{r['seconds']:7.2f}"
+                f"{rec['model']:<11}{r['batch']:>6}{r['k']:>3}  {_graphs(r['resolved']):<24}{r['seconds']:7.2f}"
                 f"{r['output_tokens_per_s']:11.0f}{_cell(r, 'output_tokens_per_s_ratio', 7, '.2f')}"
                 f"{r['decode_tokens_per_s']:14.0f}{_cell(r, 'decode_tokens_per_s_ratio', 7, '.2f')}"
                 f"{_cell(r, 'acceptance_rate', 8, '.2f')}{_cell(r, 'mean_accepted_length', 10, '.2f')}  {same}"
@@ -242,7 +248,11 @@ def main() -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--mode", default="FULL", help="engine_bench mode (FULL: FULL CUDA graphs, no torch.compile)")
+    p.add_argument(
+        "--mode",
+        default="FULL",
+        help="engine_bench mode (FULL: FULL CUDA graphs, no torch.compile; FULL+sync: k = 0 too)",
+    )
     p.add_argument("--backend", default=None, help="attention backend (default: the platform's choice)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--kv-cache-gib", type=float, default=8)
