@@ -29,11 +29,12 @@ def propose_ngram(
     request's tokens left before max_tokens or max_model_len). [] when no n matches.
 
     Earliest, not latest: vLLM takes the earliest occurrence of the longest match (its KMP scan
-    over the reversed sequence keeps the last of the longest matches it meets), as Hugging Face's prompt lookup
-    does. The reason shows in a loop: in ``a b c a b c a b c a b c`` the latest earlier occurrence
-    of ``c a b c`` ends three tokens before the end, so it can propose only ``a b c``; the earliest
-    one leaves six tokens to propose from. On the repeat-a-passage workloads prompt lookup is for,
-    the n-gram's first occurrence is in the passage, whose continuation is the one wanted.
+    over the reversed sequence keeps the last of the longest matches it meets), and so does Hugging
+    Face's prompt lookup. The reason shows in a loop: in ``a b c a b c a b c a b c`` the latest
+    earlier occurrence of ``c a b c`` ends three tokens before the end, so it can propose only
+    ``a b c``; the earliest one leaves six tokens to propose from. On the repeat-a-passage workloads
+    prompt lookup is for, the n-gram's first occurrence is in the passage, whose continuation is
+    the one wanted.
 
     Cost: O(len) numpy work, shared by every n: one comparison of the whole sequence with its
     last token finds the candidate occurrences (positions holding that token), then each of the
