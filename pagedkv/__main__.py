@@ -96,6 +96,11 @@ def _generate(args: argparse.Namespace) -> None:
         if llm.prefix_caching
         else "prefix caching off"
     )
+    if llm.speculative_config is not None:
+        caching += (
+            f", {s.num_accepted_tokens} of {s.num_draft_tokens} drafts accepted ({s.acceptance_rate:.0%}; "
+            f"{s.mean_accepted_length:.2f} tokens per verifying step)"
+        )
     print(
         f"# {s.num_steps} steps, {s.num_prefill_tokens} prefill + {s.num_decode_tokens} decode tokens, {caching}, "
         f"{s.num_preemptions} preemptions, {elapsed:.2f} s, cudagraph_mode {llm.runner.cudagraph_mode.name}",
