@@ -143,6 +143,7 @@ class SpecDecodeView(TraceView):
     def _request(self, record: StepRecord, r: RequestRecord) -> str:
         color = request_color(r.req_id)
         slots = draft_slots(record, r, self.engine)
+        block_sizes = [group.spec.block_size for group in self.engine.kv_cache_groups]
         cells: dict[str, list[str]] = {"position": [], "token": [], "KV slot": []}
         for s in slots:
             mark = {"known": "known", "accepted": f"{ACCEPTED} accepted", "rejected": f"{REJECTED} rejected"}[s.kind]
@@ -156,13 +157,14 @@ class SpecDecodeView(TraceView):
                 f'<td class="pkv-draft" data-kind="{s.kind}" style="{cell}; background:{BG}">'
                 f"{self._text(s.token_id)}<br><span style='font-size:10px'>{mark}</span></td>"
             )
+            struck = ' style="text-decoration: line-through"' if rejected else ""
             where = "<br>".join(
-                f"{'g' + str(g) + ' ' if len(slots[0].slots) > 1 else ''}{slot} "
-                f"<span style='color:{FG_MUTED}; font-size:10px'>(block {phys}+{off})</span>"
-                for g, (slot, (_, phys, off)) in enumerate(zip(s.slots, s.blocks))
+                f"{'g' + str(g) + ' ' if len(slots[0].slots) > 1 else ''}<span{struck}>{slot}</span> "
+                f"<span style='color:{FG_MUTED}; font-size:10px'>= {phys}&times;{bs}+{off}</span>"
+                for g, (slot, (_, phys, off), bs) in enumerate(zip(s.slots, s.blocks, block_sizes))
             )
             fate = "written, rolled back" if rejected else "written, kept"
-            style = f"text-decoration: line-through; color:{FG_MUTED}" if rejected else ""
+            style = f"color:{FG_MUTED}" if rejected else ""
             cells["KV slot"].append(
                 f'<td class="pkv-slot" data-kind="{s.kind}" data-slots="{",".join(map(str, s.slots))}" '
                 f'title="{fate}" style="{cell}; {style}">{where}<br><span style="font-size:10px">{fate}</span></td>'
@@ -180,7 +182,7 @@ class SpecDecodeView(TraceView):
             f'<div class="pkv-spec-request" data-req-id="{esc(r.req_id)}" style="margin-top:8px">'
             f'<div><span style="display:inline-block; width:9px; height:9px; background:{color}"></span> '
             f"{what}</div>"
-            f'<div style="max-width:100%; overflow-x:auto"><table style="border-collapse:separate; border-spacing:2px">'
+            f'<div style="max-width:100%; overflow-x:auto"><table style="border-collapse:separate; border-spacing:2px; font-size:inherit">'
             f"{rows}</table></div>{self._emitted(r)}{self._block_row(r, slots)}</div>"
         )
 
