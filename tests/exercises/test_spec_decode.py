@@ -22,7 +22,7 @@ from pagedkv.exercises.spec_decode import (
     check_spec_modes,
 )
 from pagedkv.worker.input_batch import compute_slot_mapping
-from tests.exercises.checks import ListEqualToAnything, assert_rejected
+from tests.exercises.checks import ListEqualToAnything, assert_rejected, assert_worked_solutions_pass
 
 RIGHT_MODES = {"a": "FULL_DECODE_ONLY", "b": "NONE", "c": "PIECEWISE", "d": "PIECEWISE"}
 """Worked out by hand from pagedkv/compilation/resolve.py: TRITON_ATTN (ALWAYS) keeps its FULL decode graphs of 3
@@ -147,3 +147,14 @@ def test_reveal_after_three_wrong_tries(capsys: pytest.CaptureFixture[str]) -> N
     reveal()
     assert "rule 4: FULL_DECODE_ONLY -> NONE" in capsys.readouterr().out
     assert set(SPEC_MODE_CASES) == set(RIGHT_MODES)
+
+
+def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
+    """Each worked solution sits in a collapsed markdown cell (Run All does not execute it) and passes its checker;
+    no saved output of the notebook shows a pass mark, so a pass on screen is the student's own."""
+    checkers = {
+        "check_emitted": check_emitted,
+        "check_spec_modes": check_spec_modes,
+        "check_rollback_slots": check_rollback_slots,
+    }
+    assert_worked_solutions_pass("13_speculative_decoding.ipynb", 3, checkers)
