@@ -41,6 +41,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine_bench  # noqa: E402  (beside this file: the device, modes, the timed run, metadata)
@@ -270,6 +272,8 @@ def main() -> None:
     if args.passage_len < args.head_len + args.max_tokens:
         p.error("--passage-len must hold the head and the continuation: >= --head-len + --max-tokens")
     engine_bench.DEVICE = args.device
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("benchmarks/speculative.py needs a CUDA GPU (or --smoke: tiny on the CPU)")
     started = time.perf_counter()
     result: dict[str, object] = {"meta": engine_bench.run_metadata(), "args": vars(args), "models": []}
     print(json.dumps(result["meta"]), flush=True)
