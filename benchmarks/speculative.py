@@ -28,7 +28,9 @@ the last token, output tokens/s and its ratio to k = 0 in the same run, decode t
 request has its first token), the engine's acceptance rate and mean accepted length (1 + accepted
 drafts per verifying step), and whether the outputs equal k = 0's (greedy: they must in float32; in
 bf16 the 1 + k-row batches round differently and random weights have near-ties, so
-`identical_requests` counts them and `mean_tokens_as_k0` says how far they agree).
+`identical_requests` counts them and `mean_tokens_as_k0` says how far they agree), and the mean number
+of distinct token ids per output (`distinct`): a random model may fall into repeating one token, which
+prompt lookup then predicts from the output itself, whatever the passage holds.
 """
 
 from __future__ import annotations
@@ -106,13 +108,16 @@ def measured_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[st
     drafts, accepted, verified = (now - then for now, then in zip(_spec_counters(llm), before))
     # Once every request has its first token, all that is left is decoding (with drafts or not).
     decode_s = row["seconds"] - row["ttft_max_s"]  # type: ignore[operator]
-    decode_tokens = sum(len(t) - 1 for t in row["tokens"])  # type: ignore[attr-defined]
+    tokens: list[list[int]] = row["tokens"]  # type: ignore[assignment]
+    decode_tokens = sum(len(t) - 1 for t in tokens)
     row.update(
         decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else 0.0,
         num_draft_tokens=drafts,
         num_accepted_tokens=accepted,
         acceptance_rate=accepted / drafts if drafts else 0.0,
         mean_accepted_length=1 + accepted / verified if verified else 0.0,
+        # A random model may repeat one token: prompt lookup then predicts its own output, not the passage.
+        mean_distinct_tokens=sum(len(set(t)) for t in tokens) / len(tokens),
     )
     return row
 
@@ -218,7 +223,7 @@ def _graphs(resolved: dict[str, object]) -> str:
 def table(result: dict[str, object]) -> str:
     lines = [
         f"{'model':<11}{'batch':>6}{'k':>3}  {'graphs, scheduling':<24}{'s':>7}{'out tok/s':>11}{'x k=0':>7}{'decode tok/s':>14}"
-        f"{'x k=0':>7}{'accept':>8}{'mean len':>10}  identical to k=0"
+        f"{'x k=0':>7}{'accept':>8}{'mean len':>10}{'distinct':>10}  identical to k=0"
     ]
     for rec in result["models"]:  # type: ignore[attr-defined]
         for r in rec["rows"]:
@@ -230,7 +235,8 @@ def table(result: dict[str, object]) -> str:
                 f"{rec['model']:<11}{r['batch']:>6}{r['k']:>3}  {_graphs(r['resolved']):<24}{r['seconds']:7.2f}"
                 f"{r['output_tokens_per_s']:11.0f}{_cell(r, 'output_tokens_per_s_ratio', 7, '.2f')}"
                 f"{r['decode_tokens_per_s']:14.0f}{_cell(r, 'decode_tokens_per_s_ratio', 7, '.2f')}"
-                f"{_cell(r, 'acceptance_rate', 8, '.2f')}{_cell(r, 'mean_accepted_length', 10, '.2f')}  {same}"
+                f"{_cell(r, 'acceptance_rate', 8, '.2f')}{_cell(r, 'mean_accepted_length', 10, '.2f')}"
+                f"{r['mean_distinct_tokens']:10.1f}  {same}"
             )
     return "\n".join(line.rstrip() for line in lines)
 
