@@ -186,7 +186,7 @@ class CompilationConfig:
     """Padded token counts that get graphs. None: [1, 2, 4] and every multiple of 8 up to
     `max_cudagraph_capture_size`."""
     max_cudagraph_capture_size: int | None = None
-    """Largest default capture size. None: min(2 * max_num_seqs, 512); never more than
+    """Largest default capture size. None: min(2 * max_num_seqs * (1 + speculative tokens), 512); never more than
     `max_num_batched_tokens` (no step is larger)."""
 
 

@@ -85,6 +85,9 @@ class CommonAttentionMetadata:
     slot_mapping: torch.Tensor
     """int64 [num_tokens]: flat cache slot each new token is written to (-1 = padding)."""
     causal: bool = True
+    uniform_decode: bool = False
+    """Every request is a decode of the same query length (1 + speculative tokens): a FULL graph
+    captured for such a batch is replayed only for such batches, so its bounds may be that length."""
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:

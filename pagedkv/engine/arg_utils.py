@@ -99,8 +99,8 @@ class EngineArgs:
     None: on with CUDA (unless enforce_eager, or tensor_parallel_size > 1, which refuses it), off
     on the CPU. Compiled pieces are cached in $PAGEDKV_CACHE_DIR (pagedkv.compilation.cache)."""
     max_cudagraph_capture_size: int | None = CompilationConfig.max_cudagraph_capture_size
-    """Largest batch (tokens) that gets a graph; None: min(2 x max_num_seqs, 512), never more than
-    max_num_batched_tokens."""
+    """Largest batch (tokens) that gets a graph; None: min(2 x max_num_seqs x (1 + speculative tokens), 512),
+    never more than max_num_batched_tokens."""
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     """Processes, each holding a shard of the model (tensor parallelism)."""
     enable_prefix_caching: bool | None = None

@@ -56,7 +56,8 @@ def default_capture_sizes(max_size: int) -> list[int]:
 
 def capture_sizes(config: EngineConfig) -> list[int]:
     """The capture sizes of an engine: `CompilationConfig.cudagraph_capture_sizes`, or the
-    default ones up to min(2 * max_num_seqs, 512) (or `max_cudagraph_capture_size`).
+    default ones up to min(2 * max_num_seqs * (1 + k), 512) (or `max_cudagraph_capture_size`),
+    k the speculative tokens: a full batch of decodes with drafts then still gets a graph.
 
     No size is above `max_num_batched_tokens`: no step has more tokens.
     """
@@ -74,7 +75,9 @@ def capture_sizes(config: EngineConfig) -> list[int]:
         return sorted(set(explicit))
     limit = compilation.max_cudagraph_capture_size
     if limit is None:
-        limit = min(2 * sched.max_num_seqs, MAX_DEFAULT_CAPTURE_SIZE)
+        spec = config.speculative_config
+        query_len = spec.uniform_decode_query_len if spec is not None else 1
+        limit = min(2 * sched.max_num_seqs * query_len, MAX_DEFAULT_CAPTURE_SIZE)
     return default_capture_sizes(min(limit, budget))
 
 
@@ -186,7 +189,11 @@ class CudagraphDispatcher:
         mixed = mode.mixed_mode()
         if mixed is not CUDAGraphMode.NONE:
             self.keys[mixed].update(BatchDescriptor(s) for s in self.sizes)
-        if mode.decode_mode() is CUDAGraphMode.FULL and mixed is not CUDAGraphMode.FULL:
+        # Mixed FULL graphs serve single-token decodes too; 1 + k-token decodes get their own graphs,
+        # captured with that query length as the bound (a mixed graph must allow one long request).
+        if mode.decode_mode() is CUDAGraphMode.FULL and (
+            mixed is not CUDAGraphMode.FULL or uniform_decode_query_len > 1
+        ):
             self.keys[CUDAGraphMode.FULL].update(BatchDescriptor(s, uniform_decode=True) for s in self.decode_sizes)
 
     def padded_num_tokens(self, num_tokens: int, uniform_decode: bool = False) -> int | None:

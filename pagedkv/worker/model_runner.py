@@ -263,7 +263,9 @@ class ModelRunner:
         host = HostBatch.for_capture(query_lens, len(self.block_tables))
         batch = self._stage_batch(host, num_padded_tokens=descriptor.num_tokens)
         full = runtime_mode is CUDAGraphMode.FULL
-        metadata, slot_mapping = self._build_metadata(batch, descriptor.num_tokens, for_cudagraph_capture=full)
+        metadata, slot_mapping = self._build_metadata(
+            batch, descriptor.num_tokens, for_cudagraph_capture=full, uniform_decode=descriptor.uniform_decode
+        )
         for step_mode in (CUDAGraphMode.NONE, runtime_mode):
             with set_forward_context(
                 metadata,
@@ -372,7 +374,7 @@ class ModelRunner:
         return cudagraph.stage(buffer, values)
 
     def common_attn_metadata(
-        self, batch: InputBatch, kv_group: int, num_actual_tokens: int | None = None
+        self, batch: InputBatch, kv_group: int, num_actual_tokens: int | None = None, uniform_decode: bool = False
     ) -> CommonAttentionMetadata:
         """The batch as attention sees it in one KV cache group. Its request rows are the
         tensors' rows (padding requests included); `num_actual_tokens` defaults to the batch's
@@ -389,13 +391,21 @@ class ModelRunner:
             block_table_tensor=batch.block_tables[kv_group],
             slot_mapping=batch.slot_mappings[kv_group],
             causal=self.kv_group_causal[kv_group],
+            uniform_decode=uniform_decode,
         )
 
     def _build_metadata(
-        self, batch: InputBatch, num_actual_tokens: int, for_cudagraph_capture: bool = False
+        self,
+        batch: InputBatch,
+        num_actual_tokens: int,
+        for_cudagraph_capture: bool = False,
+        uniform_decode: bool = False,
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Layer name -> attention metadata, and layer name -> slot mapping, for one step."""
-        commons = [self.common_attn_metadata(batch, g, num_actual_tokens) for g in range(len(self.block_tables))]
+        commons = [
+            self.common_attn_metadata(batch, g, num_actual_tokens, uniform_decode)
+            for g in range(len(self.block_tables))
+        ]
         attn_metadata = build_attn_metadata(self.attn_groups, commons, for_cudagraph_capture)
         slot_mapping = {name: batch.slot_mappings[g] for name, g in self.layer_kv_group.items()}
         return attn_metadata, slot_mapping

@@ -117,11 +117,12 @@ def cudagraph_capture_bounds(cm: CommonAttentionMetadata, max_model_len: int) ->
     """(max_query_len, max_seq_len) to capture a batch with: bounds that hold for every batch
     replayed in its graph, since a graph keeps the host-side integers it was captured with.
 
-    A pure-decode capture keeps max_query_len = 1 (it is replayed for pure decodes only); any
-    other batch of N tokens may hold one request of up to N tokens. Any sequence may be as
-    long as the model allows.
+    A uniform decode capture keeps its query length (1, or 1 + k with speculative decoding: it is
+    replayed for such batches only); any other batch of N tokens may hold one request of up to N
+    tokens. Any sequence may be as long as the model allows.
     """
-    max_query_len = 1 if cm.max_query_len == 1 else max(cm.max_query_len, cm.num_actual_tokens)
+    uniform = cm.uniform_decode or cm.max_query_len == 1
+    max_query_len = cm.max_query_len if uniform else max(cm.max_query_len, cm.num_actual_tokens)
     return max_query_len, max_model_len
 
 
