@@ -118,6 +118,28 @@ def test_preemption_under_tp_keeps_every_request() -> None:
     assert_no_workers_left()
 
 
+@pytest.mark.parametrize(
+    "speculative_config",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        {"method": "draft_model", "model": "tiny-hybrid", "num_speculative_tokens": 2},
+    ],
+    ids=["ngram", "draft-model"],
+)
+def test_speculative_decoding_under_tp_gives_the_single_rank_tokens(speculative_config: dict) -> None:
+    """Drafts (from prompt lookup, or a draft model sharded on every rank) verified on two ranks, with
+    preemptions: the tokens of the single-rank engine without speculation."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [(5 * i + j % 6) % 250 + 3 for j in range(18)]} for i in range(5)]
+    engine = dict(device="cpu", num_kv_blocks=16, block_size=4, max_num_seqs=5, dtype="float32")
+    expected = [o.outputs[0].token_ids for o in LLM("tiny", **engine).generate(prompts, params, use_tqdm=False)]
+    with LLM("tiny", tensor_parallel_size=2, speculative_config=speculative_config, **engine) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.stats.num_draft_tokens > 0 and llm.stats.num_preemptions > 0
+    assert got == expected
+    assert_no_workers_left()
+
+
 def test_killed_worker_is_an_error_not_a_hang() -> None:
     llm = LLM("tiny", device="cpu", num_kv_blocks=32, tensor_parallel_size=2)
     llm.add_request("hello", GREEDY)
