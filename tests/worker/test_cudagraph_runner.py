@@ -37,6 +37,7 @@ from pagedkv.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from pagedkv.config import CUDAGraphMode as M
 from pagedkv.forward_context import BatchDescriptor as D
@@ -118,6 +119,23 @@ def test_capture_batches() -> None:
     assert cudagraph.capture_query_lens(D(2), max_num_seqs=8) == [1, 1]
     assert cudagraph.capture_num_reqs(D(16), max_num_seqs=8) == 8
     assert cudagraph.capture_num_reqs(D(4, uniform_decode=True), max_num_seqs=8) == 4
+
+
+def test_speculative_decode_keys_are_multiples_of_one_plus_k() -> None:
+    """k = 2: uniform decode batches get keys of 3 x (1, 2, 4, 8) tokens, so a batch of whole requests
+    is padded with whole requests; under FULL too (a mixed key's bounds must allow one long request)."""
+    config = _config(max_num_seqs=8)
+    config.speculative_config = SpeculativeConfig("ngram", 2)
+    assert cudagraph.capture_sizes(config)[-1] == 48  # 2 x 8 requests x 3 tokens
+    for mode in (M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE, M.FULL):
+        dispatcher = cudagraph.CudagraphDispatcher(mode, [1, 2, 4, 8, 16, 24], 8, 3, 2048)
+        assert dispatcher.decode_sizes == [3, 6, 12, 24]
+        # 3 requests x 3 tokens -> the 4-request key; 5 x 3 -> 8 x 3.
+        assert dispatcher.dispatch(9, uniform_decode=True) == (M.FULL, D(12, uniform_decode=True))
+        assert dispatcher.dispatch(15, uniform_decode=True) == (M.FULL, D(24, uniform_decode=True))
+    assert cudagraph.capture_query_lens(D(12, uniform_decode=True), 8, uniform_decode_query_len=3) == [3] * 4
+    assert cudagraph.capture_num_reqs(D(24, uniform_decode=True), 8, uniform_decode_query_len=3) == 8
+    assert cudagraph.capture_num_reqs(D(24), 8, uniform_decode_query_len=3) == 8  # a mixed key: any lengths
 
 
 SIZES = [1, 2, 4, 8, 16]  # max_num_seqs 8: decode graphs up to 8 requests
