@@ -22,7 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from pagedkv.models.loader import CausalLM
+from pagedkv.config import EngineConfig
+from pagedkv.models.loader import CausalLM, load_config, load_model
 from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, HostBatch
 
 DRAFT_PREFIX = "draft.model"
@@ -39,6 +40,17 @@ class DraftModelProposer:
     def __init__(self, model: CausalLM, num_speculative_tokens: int) -> None:
         self.model = model
         self.num_speculative_tokens = num_speculative_tokens
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> DraftModelProposer | None:
+        """The engine's draft model, built and loaded as the target is (inside its config's
+        `set_current_engine_config`), or None without one."""
+        spec = config.speculative_config
+        if spec is None or spec.model is None:
+            return None
+        model = config.model_config
+        draft = load_model(spec.model, load_config(spec.model), model.dtype, config.device, model.seed, DRAFT_PREFIX)
+        return cls(draft, spec.num_speculative_tokens)
 
     @staticmethod
     def needs_proposals(host: HostBatch) -> bool:

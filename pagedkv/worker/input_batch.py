@@ -207,6 +207,26 @@ class SampledTokens:
     """[len(req_ids)] int64 on the device."""
 
 
+def fill_placeholders(
+    input_ids: torch.Tensor, placeholders: list[tuple[int, str]], previous: SampledTokens | None
+) -> None:
+    """Copy the ids the previous step sampled into the placeholders (packed index, request),
+    device to device: the host never waits for them."""
+    if previous is None:
+        raise ValueError(
+            f"{len(placeholders)} scheduled token(s) are placeholders, but no previous step's "
+            "samples were given (execute_model's `previous`)."
+        )
+    row = {req_id: i for i, req_id in enumerate(previous.req_ids)}
+    missing = [r for _, r in placeholders if r not in row]
+    if missing:
+        raise ValueError(f"Requests {missing} have a placeholder token, but the previous step sampled none for them.")
+    index = torch.tensor([i for i, _ in placeholders], dtype=torch.long)
+    rows = torch.tensor([row[r] for _, r in placeholders], dtype=torch.long)
+    device = input_ids.device
+    input_ids[index.to(device, non_blocking=True)] = previous.token_ids[rows.to(device, non_blocking=True)]
+
+
 @dataclass
 class InputBatch:
     """Everything the model and the metadata builders read in one step."""

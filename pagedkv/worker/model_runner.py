@@ -26,8 +26,8 @@ from pagedkv.compilation.resolve import Resolution
 from pagedkv.compilation.wrapper import CompiledForward, compile_model
 from pagedkv.config import CUDAGraphMode, EngineConfig, set_current_engine_config
 from pagedkv.forward_context import BatchDescriptor, get_layers_from_config, set_forward_context
-from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheSpec, get_kv_cache_config
-from pagedkv.models.loader import CausalLM, HFConfig, load_config, load_model, weight_bytes
+from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheSpec
+from pagedkv.models.loader import CausalLM, HFConfig, load_model, weight_bytes
 from pagedkv.worker import cudagraph
 from pagedkv.worker.attn_utils import (
     AttentionGroup,
@@ -38,7 +38,7 @@ from pagedkv.worker.attn_utils import (
     layer_kv_groups,
     max_blocks_per_request,
 )
-from pagedkv.worker.draft_model import DRAFT_PREFIX, DraftModelProposer
+from pagedkv.worker.draft_model import DraftModelProposer
 from pagedkv.worker.input_batch import (
     BlockTable,
     HostBatch,
@@ -46,12 +46,11 @@ from pagedkv.worker.input_batch import (
     SampledTokens,
     ScheduledTokens,
     compute_slot_mapping,
+    fill_placeholders,
 )
-from pagedkv.worker.memory import check_fits
+from pagedkv.worker.memory import check_fits, kv_cache_config_for
 
 logger = logging.getLogger("pagedkv")
-
-CPU_DEFAULT_KV_CACHE_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -92,20 +91,8 @@ class ModelRunner:
                 self.device,
                 config.model_config.seed,
             )
-            self.drafter: DraftModelProposer | None = None
+            self.drafter: DraftModelProposer | None = DraftModelProposer.load(config)
             """With a draft model (speculative decoding): proposes each step's drafts; runs eagerly."""
-            spec = config.speculative_config
-            if spec is not None and spec.model is not None:
-                draft_config = load_config(spec.model)
-                draft = load_model(
-                    spec.model,
-                    draft_config,
-                    config.model_config.dtype,
-                    self.device,
-                    config.model_config.seed,
-                    DRAFT_PREFIX,
-                )
-                self.drafter = DraftModelProposer(draft, spec.num_speculative_tokens)
         self.graph_memory = cudagraph.GraphMemory()
         self.compiled_forward: CompiledForward | None = None
         """With `compilation_config.compile`: `self.model(...)` runs this piecewise-compiled forward."""
@@ -158,27 +145,10 @@ class ModelRunner:
         self.model.compute_logits(hidden[-self.config.scheduler_config.max_num_seqs :])
 
     def determine_kv_cache_config(self) -> KVCacheConfig:
-        specs = self.get_kv_cache_specs()
-        cache = self.config.cache_config
-        if cache.num_kv_blocks is not None:
-            return get_kv_cache_config(specs, num_blocks=cache.num_kv_blocks)
-        self.profile_run()
-        if cache.kv_cache_memory is not None:
-            budget = cache.kv_cache_memory
-        elif self.device.type == "cuda":
-            # What is still free after the weights and the profile run's activations, minus the
-            # share of the GPU the engine must leave alone (other engines in this process count too).
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - (1.0 - cache.memory_utilization) * total)
-        else:
-            budget = CPU_DEFAULT_KV_CACHE_BYTES
-        config = get_kv_cache_config(specs, memory_bytes=max(budget, 0))
-        if cache.kv_cache_memory is None:
-            # Never more than a full batch of max-length requests can use.
-            sched = self.config.scheduler_config
-            needed = sched.max_num_seqs * max_blocks_per_request(self.config) + 1
-            config.num_blocks = min(config.num_blocks, needed)
-        return config
+        """The KV cache's blocks: given, or what memory is left after a profile run (worker/memory.py)."""
+        return kv_cache_config_for(
+            self.config, self.get_kv_cache_specs(), self.device, self.profile_run, max_blocks_per_request(self.config)
+        )
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Attention groups first (they choose the kernel block size), then the KV cache, allocated
@@ -297,30 +267,8 @@ class ModelRunner:
         batch = self._stage_batch(host, num_padded_tokens, num_padded_reqs)
         placeholders = host.placeholders
         if placeholders:
-            self._fill_placeholders(batch.input_ids, placeholders, previous)
+            fill_placeholders(batch.input_ids, placeholders, previous)
         return batch
-
-    def _fill_placeholders(
-        self, input_ids: torch.Tensor, placeholders: list[tuple[int, str]], previous: SampledTokens | None
-    ) -> None:
-        """Copy the ids the previous step sampled into the placeholders (packed index, request),
-        device to device: the host never waits for them."""
-        if previous is None:
-            raise ValueError(
-                f"{len(placeholders)} scheduled token(s) are placeholders, but no previous step's "
-                "samples were given (execute_model's `previous`)."
-            )
-        row = {req_id: i for i, req_id in enumerate(previous.req_ids)}
-        missing = [r for _, r in placeholders if r not in row]
-        if missing:
-            raise ValueError(
-                f"Requests {missing} have a placeholder token, but the previous step sampled none for them."
-            )
-        index = torch.tensor([i for i, _ in placeholders], dtype=torch.long)
-        rows = torch.tensor([row[r] for _, r in placeholders], dtype=torch.long)
-        input_ids[index.to(self.device, non_blocking=True)] = previous.token_ids[
-            rows.to(self.device, non_blocking=True)
-        ]
 
     def _stage_batch(
         self, host: HostBatch, num_padded_tokens: int | None = None, num_padded_reqs: int | None = None

@@ -21,7 +21,8 @@ from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.loader import PRESETS
 from pagedkv.worker.attn_utils import init_attn_groups, select_kernel_block_size
 from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, HostBatch, ScheduledTokens
-from pagedkv.worker.model_runner import CPU_DEFAULT_KV_CACHE_BYTES, ModelRunner
+from pagedkv.worker.memory import CPU_DEFAULT_KV_CACHE_BYTES
+from pagedkv.worker.model_runner import ModelRunner
 from tests.conftest import needs_triton_on_cpu
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
