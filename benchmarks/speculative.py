@@ -18,8 +18,12 @@ Each round's prompt differs from the previous one only where the passage holds t
 a model reads its whole context, so G(i) need not equal G(i-1) (a random model need not settle on a
 fixed point): the JSON records per round how many leading tokens of its passage's continuation the
 model kept (`calibration`), and each request's timed prompt is the one of the round where it kept the
-most. Acceptance is then what the engine measures on those prompts: nothing is assumed, and the drafts
-are the engine's own NgramProposer's. Greedy, EOS ignored, prefix caching off (every run computes its
+most; the rounds run at each batch size, since bf16 rounds differently in batches of other shapes.
+A random-weight preset copies nothing, so no round keeps its continuation; `--attention-out-scale 0`
+zeroes every attention output projection after loading (every kernel still runs), which makes the
+next token a function of the current one: the model then copies its passage exactly, as a trained
+model asked to repeat one nearly does. Acceptance is then what the engine measures on those prompts:
+nothing is assumed, and the drafts are the engine's own NgramProposer's. Greedy, EOS ignored, prefix caching off (every run computes its
 whole prompt), each engine warmed up on the round-0 prompts of another seed (kernels compiled, 1 + k
 -token decode batches run) before its timed runs.
 
