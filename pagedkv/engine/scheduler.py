@@ -241,7 +241,7 @@ class Scheduler:
 
         # Decodes first, one-token ones before those with drafts: kernels (and MLA) split the batch
         # at the leading requests of one query token.
-        scheduled.sort(key=lambda s: (not s.is_decode, s.num_new_tokens > 1))
+        scheduled.sort(key=lambda s: (not s.is_decode, s.is_decode and s.num_new_tokens > 1))
         for s in scheduled:  # the rows the step reads, once every allocation of the plan is made
             s.block_ids = kv.get_block_ids(s.request.request_id)
         return SchedulerOutput(scheduled, preempted)
