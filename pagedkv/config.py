@@ -218,12 +218,6 @@ class SpeculativeConfig:
         """Query tokens of a decoding request that got all its drafts: 1 + k."""
         return 1 + self.num_speculative_tokens
 
-    @property
-    def num_lookahead_tokens(self) -> int:
-        """KV slots a draft model writes past the verified tokens (its own drafts but the last), which
-        the scheduler allocates with the step; the n-gram proposer writes none."""
-        return self.num_speculative_tokens if self.method == "draft_model" else 0
-
 
 @dataclass
 class EngineConfig:
