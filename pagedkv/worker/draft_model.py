@@ -37,9 +37,9 @@ the draft model in a forward context of its own, return the logits at the batch'
 class DraftModelProposer:
     """Greedy drafts from a small model, k forwards of one token per decoding request."""
 
-    def __init__(self, model: CausalLM, num_speculative_tokens: int) -> None:
+    def __init__(self, model: CausalLM) -> None:
         self.model = model
-        self.num_speculative_tokens = num_speculative_tokens
+        """The draft model; how many drafts each request gets is the scheduler's plan (its placeholders)."""
 
     @classmethod
     def load(cls, config: EngineConfig) -> DraftModelProposer | None:
@@ -50,7 +50,7 @@ class DraftModelProposer:
             return None
         model = config.model_config
         draft = load_model(spec.model, load_config(spec.model), model.dtype, config.device, model.seed, DRAFT_PREFIX)
-        return cls(draft, spec.num_speculative_tokens)
+        return cls(draft)
 
     @staticmethod
     def needs_proposals(host: HostBatch) -> bool:
