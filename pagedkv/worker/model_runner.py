@@ -38,7 +38,7 @@ from pagedkv.worker.attn_utils import (
     layer_kv_groups,
     max_blocks_per_request,
 )
-from pagedkv.worker.draft_model import DraftModelProposer
+from pagedkv.worker.draft_model import DRAFT_PREFIX, DraftModelProposer
 from pagedkv.worker.input_batch import (
     BlockTable,
     HostBatch,
@@ -120,6 +120,8 @@ class ModelRunner:
         self.kv_cache_config: KVCacheConfig
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.attn_groups: list[list[AttentionGroup]] = []
+        self.draft_attn_groups: list[list[AttentionGroup]] = []
+        """Per KV cache group, the attention groups holding draft model layers (speculative decoding)."""
         self.layer_kv_group: dict[str, int] = {}
         """Layer name -> its KV cache group: whose slot mapping the layer reads each step."""
         self.kv_group_causal: list[bool] = []
@@ -167,6 +169,11 @@ class ModelRunner:
         ]
         self.kv_cache_config = kv_cache_config
         self.attn_groups = attn_groups
+        # The draft model's proposal forwards build only its own groups' metadata.
+        self.draft_attn_groups = [
+            [g for g in groups if any(name.startswith(DRAFT_PREFIX) for name in g.layer_names)]
+            for groups in attn_groups
+        ]
         self.kv_caches = kv_caches
         self.layer_kv_group = layer_kv_groups(attn_groups)
         self.kv_group_causal = group_causal
@@ -348,13 +355,15 @@ class ModelRunner:
         num_actual_tokens: int,
         for_cudagraph_capture: bool = False,
         uniform_decode: bool = False,
+        attn_groups: list[list[AttentionGroup]] | None = None,
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """Layer name -> attention metadata, and layer name -> slot mapping, for one step."""
+        """Layer name -> attention metadata (of `attn_groups`, default all), and layer name -> slot
+        mapping, for one step."""
         commons = [
             self.common_attn_metadata(batch, g, num_actual_tokens, uniform_decode)
             for g in range(len(self.block_tables))
         ]
-        attn_metadata = build_attn_metadata(self.attn_groups, commons, for_cudagraph_capture)
+        attn_metadata = build_attn_metadata(attn_groups or self.attn_groups, commons, for_cudagraph_capture)
         slot_mapping = {name: batch.slot_mappings[g] for name, g in self.layer_kv_group.items()}
         return attn_metadata, slot_mapping
 
@@ -408,7 +417,7 @@ class ModelRunner:
         batch = self._stage_batch(host)
         if input_ids is not None:
             batch.input_ids.copy_(input_ids)
-        attn_metadata, slot_mapping = self._build_metadata(batch, batch.num_tokens)
+        attn_metadata, slot_mapping = self._build_metadata(batch, batch.num_tokens, attn_groups=self.draft_attn_groups)
         with set_forward_context(attn_metadata, self.config, slot_mapping=slot_mapping):
             hidden = self.drafter.model(batch.input_ids, batch.positions)
         return self.drafter.model.compute_logits(hidden[batch.logits_indices])

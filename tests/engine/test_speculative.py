@@ -112,8 +112,8 @@ def test_draft_model_gets_its_own_kv_cache_group_and_attention_group() -> None:
 class ForcedDrafts:
     """Drafts made from the expected output, wrong from position `wrong` on (K: all right)."""
 
-    def __init__(self, llm: LLM, expected: dict[str, list[int]], wrong: int) -> None:
-        self.llm, self.expected, self.wrong = llm, expected, wrong
+    def __init__(self, expected: dict[str, list[int]], wrong: int) -> None:
+        self.expected, self.wrong = expected, wrong
 
     def __call__(self, request: Any) -> list[int]:
         done = len(request.output_token_ids)
@@ -125,7 +125,7 @@ class ForcedDrafts:
 def test_drafts_rejected_at_each_position_are_rolled_back(wrong: int, expected: list[list[int]]) -> None:
     llm = LLM("tiny", speculative_config=NGRAM, **SMALL)
     ids = [llm.add_request(p, GREEDY) for p in PROMPTS]
-    forced = ForcedDrafts(llm, dict(zip(ids, expected)), wrong)
+    forced = ForcedDrafts(dict(zip(ids, expected)), wrong)
     llm._propose = forced  # type: ignore[method-assign]
     steps = record_steps(llm)
     final = {}
