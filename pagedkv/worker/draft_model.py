@@ -24,7 +24,7 @@ import torch
 
 from pagedkv.config import EngineConfig
 from pagedkv.models.loader import CausalLM, load_config, load_model
-from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, HostBatch
+from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, HostBatch, ScheduledTokens
 
 DRAFT_PREFIX = "draft.model"
 """Where the draft model's layers register (`draft.model.layers.0.self_attn.attn`, ...)."""
@@ -74,16 +74,19 @@ class DraftModelProposer:
         previous: torch.Tensor | None = None
         for j in range(longest):
             active = [r for r, n in enumerate(num_drafts.tolist()) if n > j]
-            step = HostBatch(
-                req_ids=[host.req_ids[rows[r]] for r in active],
-                token_ids=[host.token_ids[known[r]] if j == 0 else 0 for r in active],
-                positions=[host.positions[known[r]] + j for r in active],
-                query_lens=[1] * len(active),
-                seq_lens=[host.positions[known[r]] + j + 1 for r in active],
-                block_ids=[[group[rows[r]] for r in active] for group in host.block_ids],
-                logits_indices=list(range(len(active))),
-                sampling_req_ids=[host.req_ids[rows[r]] for r in active],
-            )
+            # Each active request: one token (its last known one, then its latest draft) after the
+            # tokens before it, sampled; the token ids after the first forward come from the device.
+            one_token_each = [
+                ScheduledTokens(
+                    host.req_ids[rows[r]],
+                    [host.token_ids[known[r]] if j == 0 else 0],
+                    host.positions[known[r]] + j,
+                    True,
+                    [group[rows[r]] for group in host.block_ids],
+                )
+                for r in active
+            ]
+            step = HostBatch.from_scheduled(one_token_each, len(host.block_ids))
             input_ids = None if previous is None else previous[active]
             tokens = forward(step, input_ids).argmax(dim=-1)
             if drafts is None:
