@@ -1,7 +1,7 @@
 """Speculative decoding with n-gram prompt lookup on a repeat-the-passage workload: output tokens/s and
 acceptance with k = 0 (no speculation), 2 and 4 drafts, in one run (issue 34).
 
-    python benchmarks/speculative.py --models llama3-8b qwen3-8b [--json out.json]   # H200, ~5 min (estimate)
+    python benchmarks/speculative.py --models llama3-8b qwen3-8b [--json out.json]   # H200, ~6 min
     python benchmarks/speculative.py --smoke                                           # CPU, tiny, < 1 min
 
 Workload (token ids only, deterministic from `--seed`): request r's prompt is a shared instruction
@@ -9,7 +9,7 @@ Workload (token ids only, deterministic from `--seed`): request r's prompt is a 
 passage's first `--head-len` ids again: "repeat the passage". A trained model would continue by
 copying the passage, which prompt lookup predicts. A random-weight preset does not copy: its
 greedy continuation is whatever it computes. So the passage is made to hold that continuation,
-measured on the engine itself (the k = 0 engine, greedy, all requests together):
+measured on the engine under test itself (the one with k drafts, greedy, all B requests together):
 
     round 0   passage = head + A[head:]      (random ids)        -> greedy continuation G0
     round i   passage = head + G(i-1) + the rest of A            -> G(i)
@@ -18,17 +18,23 @@ Each round's prompt differs from the previous one only where the passage holds t
 a model reads its whole context, so G(i) need not equal G(i-1) (a random model need not settle on a
 fixed point): the JSON records per round how many leading tokens of its passage's continuation the
 model kept (`calibration`), and each request's timed prompt is the one of the round where it kept the
-most; the rounds run at each batch size, since bf16 rounds differently in batches of other shapes.
+most. The rounds run per k and batch size: in bf16 a matmul rounds differently for another number of
+rows (16 decodes of 1 token, or of 1 + k), so the continuation a k = 0 engine computes need not be
+the one the k = 4 engine computes, and a request whose prompt no longer holds its continuation gets
+no drafts (a batch-invariant mode would remove that). The k = 0 engine, kept alive
+for the whole model, is then timed on exactly the prompts of each k (its speed does not depend on
+what they hold; its row says which k's prompts it ran).
 A random-weight preset copies nothing, so no round keeps its continuation; `--attention-out-scale 0`
 zeroes every attention output projection after loading (every kernel still runs), which makes the
 next token a function of the current one: the model then copies its passage exactly, as a trained
 model asked to repeat one nearly does. Acceptance is then what the engine measures on those prompts:
-nothing is assumed, and the drafts are the engine's own NgramProposer's. Greedy, EOS ignored, prefix caching off (every run computes its
-whole prompt), each engine warmed up on the round-0 prompts of another seed (kernels compiled, 1 + k
--token decode batches run) before its timed runs.
+nothing is assumed, and the drafts are the engine's own NgramProposer's. Greedy, EOS ignored, prefix
+caching off (every run computes its whole prompt), each engine warmed up on the round-0 prompts of
+another seed (kernels compiled, 1 + k-token decode batches run) before its timed runs.
 
 Rows: per model, batch (the first B requests, all queued at once) and k: wall seconds from queueing to
-the last token, output tokens/s and its ratio to k = 0 in the same run, decode tokens/s (after every
+the last token, output tokens/s and its ratio to k = 0 on the same prompts in the same run, how the
+steps ran (`steps_by_graph_mode`: FULL graph replays or eager), decode tokens/s (after every
 request has its first token), the engine's acceptance rate and mean accepted length (1 + accepted
 drafts per verifying step), and whether the outputs equal k = 0's (greedy: they must in float32; in
 bf16 the 1 + k-row batches round differently and random weights have near-ties, so
@@ -108,8 +114,10 @@ def _spec_counters(llm: LLM) -> tuple[int, int, int]:
 
 def measured_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, object]:
     """`engine_bench.timed_run` (greedy, EOS ignored), plus decode tokens/s and the drafts verified and accepted."""
-    before = _spec_counters(llm)
+    before, modes_before = _spec_counters(llm), dict(llm.stats.num_steps_by_graph_mode)
     row = timed_run(llm, prompts, max_tokens)
+    # How the steps ran: FULL graph replays, or eager ("NONE") where a batch had no graph.
+    modes = {m: n - modes_before.get(m, 0) for m, n in llm.stats.num_steps_by_graph_mode.items()}
     drafts, accepted, verified = (now - then for now, then in zip(_spec_counters(llm), before))
     # Once every request has its first token, all that is left is decoding (with drafts or not).
     decode_s = row["seconds"] - row["ttft_max_s"]  # type: ignore[operator]
@@ -121,6 +129,7 @@ def measured_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[st
         num_accepted_tokens=accepted,
         acceptance_rate=accepted / drafts if drafts else 0.0,
         mean_accepted_length=1 + accepted / verified if verified else 0.0,
+        steps_by_graph_mode={m: n for m, n in modes.items() if n},
         # A random model may repeat one token: prompt lookup then predicts its own output, not the passage.
         mean_distinct_tokens=sum(len(set(t)) for t in tokens) / len(tokens),
     )
@@ -172,6 +181,8 @@ def calibrate(llm: LLM, work: Passages, args: argparse.Namespace) -> tuple[list[
         rounds.append({"mean_tokens_kept": sum(kept) / len(kept), "requests_kept_all": kept.count(args.max_tokens)})
         print(json.dumps({"calibration_round": i, **rounds[-1]}), flush=True)
         continuations = out
+        if kept.count(args.max_tokens) == len(kept):  # a fixed point: later rounds would repeat this one
+            break
     chosen = {
         "rounds": rounds,
         "chosen_round": [i for _, i, _ in best],
@@ -180,51 +191,69 @@ def calibrate(llm: LLM, work: Passages, args: argparse.Namespace) -> tuple[list[
     return [p for _, _, p in best], chosen
 
 
+def _warm_up(llm: LLM, warm: Passages, args: argparse.Namespace) -> None:
+    """Every batch size once, drafts proposed from the passages: kernels compiled, 1 + k-token batches run."""
+    for batch in args.batches:
+        measured_run(llm, warm.prompts(warm.continuations(args.max_tokens))[:batch], args.warmup_tokens)
+
+
+def _compare(row: dict[str, object], ref: dict[str, object]) -> None:
+    """Ratios to the k = 0 row on the same prompts, and how far the outputs agree with it."""
+    same = [a == b for a, b in zip(row["tokens"], ref["tokens"])]  # type: ignore[call-overload]
+    row["identical_outputs"] = all(same)
+    row["identical_requests"] = sum(same)
+    # Where a request first differs from k = 0 (its length where identical), averaged.
+    row["mean_tokens_as_k0"] = sum(map(common_prefix, row["tokens"], ref["tokens"])) / len(same)  # type: ignore[call-overload]
+    for key in ("output_tokens_per_s", "decode_tokens_per_s"):
+        row[f"{key}_ratio"] = row[key] / ref[key]  # type: ignore[operator]
+
+
 def measure_model(model: str, args: argparse.Namespace) -> dict[str, object]:
+    """Per k > 0 and batch: calibrate the prompts on the engine with k drafts, then time it and the
+    k = 0 engine (kept alive for the whole model) on those same prompts."""
     vocab = load_config(model).vocab_size
     work, warm = draw(args.seed, args, vocab), draw(args.seed + 1, args, vocab)
     prompt_len = len(work.prompts(work.continuations(args.max_tokens))[0])
-    record: dict[str, object] = {"model": model, "prompt_len": prompt_len, "rows": []}
-    # Per batch size: bf16 rounds differently in batches of other shapes, so a continuation measured
-    # in a batch of 16 need not be the one a request alone computes (near-ties of random logits).
-    prompts: dict[int, list[list[int]]] = {}
-    baseline: dict[int, dict[str, object]] = {}
-    for k in args.ks:
-        llm: LLM | None = None
-        try:
-            start = time.perf_counter()
-            llm = build(model, k, args, prompt_len)
-            built_s = time.perf_counter() - start
-            resolved = engine_bench.describe(llm)
-            for batch in args.batches:  # warm-up: every batch size, drafts proposed from the passages
-                measured_run(llm, warm.prompts(warm.continuations(args.max_tokens))[:batch], args.warmup_tokens)
-            if not prompts:  # the first engine (k = 0) measures the continuations, at each batch size
-                calibration = {}
+    rows: list[dict[str, object]] = []
+    record: dict[str, object] = {"model": model, "prompt_len": prompt_len, "calibration": {}, "rows": rows}
+
+    def timed(llm: LLM, k: int, batch: int, prompts: list[list[int]], calibrated_on: int) -> dict[str, object]:
+        row = {"batch": batch, "k": k, "calibrated_on_k": calibrated_on, **engines[k]}
+        row.update(measured_run(llm, prompts, args.max_tokens))
+        print(json.dumps({"model": model, **{key: v for key, v in row.items() if key != "tokens"}}), flush=True)
+        rows.append(row)
+        return row
+
+    engines: dict[int, dict[str, object]] = {}  # k -> startup seconds and what the engine resolved
+    base: LLM | None = None
+    llm: LLM | None = None
+    try:
+        for k in args.ks:
+            try:
+                start = time.perf_counter()
+                llm = build(model, k, args, prompt_len)
+                engines[k] = {"startup_s": time.perf_counter() - start, "resolved": engine_bench.describe(llm)}
+                _warm_up(llm, warm, args)
+                if k == 0:
+                    base = llm
+                    if len(args.ks) > 1:
+                        continue
                 for batch in args.batches:
                     subset = dataclasses.replace(work, passages=work.passages[:batch])
-                    prompts[batch], calibration[str(batch)] = calibrate(llm, subset, args)
-                record["calibration"] = calibration
-            for batch in args.batches:
-                row: dict[str, object] = {"batch": batch, "k": k, "startup_s": built_s, "resolved": resolved}
-                row.update(measured_run(llm, prompts[batch], args.max_tokens))
-                if k == 0:
-                    baseline[batch] = row
-                elif batch in baseline:
-                    ref = baseline[batch]
-                    same = [a == b for a, b in zip(row["tokens"], ref["tokens"])]  # type: ignore[call-overload]
-                    row["identical_outputs"] = all(same)
-                    row["identical_requests"] = sum(same)
-                    # Where a request first differs from k = 0 (its length where identical), averaged.
-                    row["mean_tokens_as_k0"] = sum(map(common_prefix, row["tokens"], ref["tokens"])) / batch  # type: ignore[call-overload]
-                    for key in ("output_tokens_per_s", "decode_tokens_per_s"):
-                        row[f"{key}_ratio"] = row[key] / ref[key]  # type: ignore[operator]
-                print(json.dumps({"model": model, **{key: v for key, v in row.items() if key != "tokens"}}), flush=True)
-                record["rows"].append(row)  # type: ignore[attr-defined]
-        except Exception as exc:  # noqa: BLE001  (one engine failing leaves the others' rows)
-            record["rows"].append({"k": k, "error": error_text(exc)})  # type: ignore[attr-defined]
-        llm = None  # the next engine needs its memory
+                    prompts, record["calibration"][f"k={k} batch={batch}"] = calibrate(llm, subset, args)  # type: ignore[index]
+                    ref = timed(base, 0, batch, prompts, k) if k and base is not None else None
+                    row = timed(llm, k, batch, prompts, k)
+                    if ref is not None:
+                        _compare(row, ref)
+            except Exception as exc:  # noqa: BLE001  (one engine failing leaves the others' rows)
+                rows.append({"k": k, "error": error_text(exc)})
+            if llm is not base:
+                llm = None  # the next engine needs its memory
+                release()
+    finally:
+        base = llm = None
         release()
-    for row in record["rows"]:  # type: ignore[attr-defined]
+    for row in rows:
         row.pop("tokens", None)
     return record
 
@@ -242,7 +271,7 @@ def _graphs(resolved: dict[str, object]) -> str:
 
 def table(result: dict[str, object]) -> str:
     lines = [
-        f"{'model':<11}{'batch':>6}{'k':>3}  {'graphs, scheduling':<24}{'s':>7}{'out tok/s':>11}{'x k=0':>7}{'decode tok/s':>14}"
+        f"{'model':<11}{'batch':>6}{'k':>3}{'prompts':>9}  {'graphs, scheduling':<24}{'s':>7}{'out tok/s':>11}{'x k=0':>7}{'decode tok/s':>14}"
         f"{'x k=0':>7}{'accept':>8}{'mean len':>10}{'distinct':>10}  identical to k=0"
     ]
     for rec in result["models"]:  # type: ignore[attr-defined]
@@ -252,7 +281,7 @@ def table(result: dict[str, object]) -> str:
                 continue
             same = f"{r['identical_requests']}/{r['batch']}" if "identical_requests" in r else ""
             lines.append(
-                f"{rec['model']:<11}{r['batch']:>6}{r['k']:>3}  {_graphs(r['resolved']):<24}{r['seconds']:7.2f}"
+                f"{rec['model']:<11}{r['batch']:>6}{r['k']:>3}{'k=' + str(r['calibrated_on_k']):>9}  {_graphs(r['resolved']):<24}{r['seconds']:7.2f}"
                 f"{r['output_tokens_per_s']:11.0f}{_cell(r, 'output_tokens_per_s_ratio', 7, '.2f')}"
                 f"{r['decode_tokens_per_s']:14.0f}{_cell(r, 'decode_tokens_per_s_ratio', 7, '.2f')}"
                 f"{_cell(r, 'acceptance_rate', 8, '.2f')}{_cell(r, 'mean_accepted_length', 10, '.2f')}"
@@ -270,7 +299,7 @@ def main() -> None:
     p.add_argument("--passage-len", type=int, default=512)
     p.add_argument("--head-len", type=int, default=32, help="passage tokens repeated after the separator")
     p.add_argument("--instruction-len", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=2, help="calibration runs (1: the random passages themselves)")
+    p.add_argument("--rounds", type=int, default=4, help="calibration runs (1: the random passages themselves)")
     p.add_argument("--warmup-tokens", type=int, default=32)
     p.add_argument("--prompt-lookup-min", type=int, default=1)
     p.add_argument("--prompt-lookup-max", type=int, default=4)

@@ -16,6 +16,8 @@ class EngineStats:
     """Counters over the engine's life."""
 
     num_steps: int = 0
+    num_steps_by_graph_mode: dict[str, int] = field(default_factory=dict)
+    """How the steps ran: "FULL" (one CUDA graph replayed), "PIECEWISE" or "NONE" (eager) -> steps."""
     num_preemptions: int = 0
     num_prefill_tokens: int = 0
     """Prompt (and recomputed) tokens run through the model."""

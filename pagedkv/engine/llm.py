@@ -440,7 +440,7 @@ class LLM:
         for request in finished:
             self._forget(request)
         self.stats.model_time_s += time.perf_counter() - step.start
-        self._count(step.sched, finished)
+        self._count(step, finished)
         return outputs
 
     def _propose(self, request: Request) -> list[int]:
@@ -475,8 +475,11 @@ class LLM:
             f"and their KV cache blocks freed{later}."
         )
 
-    def _count(self, sched: SchedulerOutput, finished: list[Request]) -> None:
+    def _count(self, step: _LaunchedStep, finished: list[Request]) -> None:
+        sched = step.sched
         self.stats.num_steps += 1
+        mode = step.result.cudagraph_mode.name
+        self.stats.num_steps_by_graph_mode[mode] = self.stats.num_steps_by_graph_mode.get(mode, 0) + 1
         self.stats.num_prefill_tokens += sched.num_prefill_tokens
         self.stats.num_decode_tokens += sched.num_decode_tokens
         self.stats.num_finished_requests += len(finished)

@@ -275,6 +275,15 @@ def test_a_rejected_prompt_rejects_the_whole_batch() -> None:
     assert llm.stats.num_steps == 0, "nothing ran"
 
 
+def test_stats_count_how_each_step_ran() -> None:
+    """`num_steps_by_graph_mode` agrees with what each step's result says (eager on the CPU: "NONE")."""
+    llm = small_llm()
+    seen: list[str] = []
+    llm.add_step_listener(lambda event: seen.append(event.result.cudagraph_mode.name))
+    llm.generate([ids(4), ids(9, start=20)], GREEDY)
+    assert seen and llm.stats.num_steps_by_graph_mode == {"NONE": len(seen)} and llm.stats.num_steps == len(seen)
+
+
 @pytest.mark.parametrize("error", [RuntimeError("listener broke"), KeyboardInterrupt()])
 def test_generate_aborts_its_requests_when_interrupted(error: BaseException) -> None:
     llm = small_llm()

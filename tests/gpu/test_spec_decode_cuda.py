@@ -15,6 +15,7 @@ page tables in tests/gpu/test_cudagraph_cuda.py (kind "spec_decode").
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import pytest
 import torch
@@ -66,6 +67,7 @@ def test_uniform_spec_decode_steps_replay_full_graphs(backend: str, dtype: str) 
     for mode, is_uniform_key, padded, lens in uniform:
         assert mode is CUDAGraphMode.FULL and is_uniform_key, f"a uniform decode step of {lens} ran {mode.name}"
         assert padded % (1 + K) == 0 and padded >= sum(lens)
+    assert llm.stats.num_steps_by_graph_mode == dict(Counter(mode.name for mode, *_ in steps))
     eager, _, _ = run("tiny", enforce_eager=True, **common)
     assert graphed == eager
     if dtype == "float32":

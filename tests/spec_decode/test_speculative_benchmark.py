@@ -26,12 +26,15 @@ def test_smoke_run_speculates_and_keeps_greedy_outputs(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     (model,) = json.loads(out.read_text())["models"]
-    rows = {(r["batch"], r["k"]): r for r in model["rows"]}
-    assert sorted(rows) == [(b, k) for b in (1, 4) for k in (0, 2, 4)], model["rows"]
-    for (_, k), row in rows.items():
+    # Each k > 0 engine is timed with the k = 0 engine on the prompts calibrated on it.
+    rows = {(r["batch"], r["k"], r["calibrated_on_k"]): r for r in model["rows"]}
+    assert len(rows) == len(model["rows"])
+    assert sorted(rows) == sorted((b, k, c) for b in (1, 4) for c in (2, 4) for k in (0, c)), model["rows"]
+    for (_, k, _), row in rows.items():
         assert (row["num_draft_tokens"] > 0) == (k > 0), row
         assert 0 <= row["num_accepted_tokens"] <= row["num_draft_tokens"]
         if k:
             assert row["identical_outputs"], row
-    assert {b: len(c["rounds"]) for b, c in model["calibration"].items()} == {"1": 2, "4": 2}  # per batch size
+    rounds = {key: len(c["rounds"]) for key, c in model["calibration"].items()}  # per k and batch size
+    assert rounds == {f"k={k} batch={b}": 2 for k in (2, 4) for b in (1, 4)}
     assert "identical to k=0" in done.stdout  # the table was printed
