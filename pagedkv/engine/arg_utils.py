@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.attention.selector import ENV_VAR as ATTENTION_BACKEND_ENV
 from pagedkv.checks import check_bool, check_float, check_int, check_optional_bool, check_optional_int
 from pagedkv.config import (
     SPECULATIVE_METHODS,
@@ -44,6 +45,8 @@ from pagedkv.models.loader import PRESETS, TRAINED_PRESETS, HFConfig, load_confi
 
 ASYNC_SCHEDULING_ENV = "PAGEDKV_ASYNC_SCHEDULING"
 """Overrides the device default of `async_scheduling` (the CPU test suite runs once with it on)."""
+BATCH_INVARIANT_ENV = "PAGEDKV_BATCH_INVARIANT"
+"""Turns `batch_invariant` on ("1") where the argument is None (vLLM's VLLM_BATCH_INVARIANT)."""
 
 
 @dataclass
@@ -115,6 +118,11 @@ class EngineArgs:
     "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method":
     "draft_model", "model": "tiny-pydoc", "num_speculative_tokens": 2}; on the command line as JSON.
     None: one new token per decoding request and step."""
+    batch_invariant: bool | None = None
+    """Bitwise-identical logits for a request whatever else is in its batch and however its prompt was
+    chunked or cached (pagedkv/kernels/batch_invariant.py): fixed-tile matmuls, per-row norms and
+    softmax, attention without split-KV. Costs speed; turns compile off (Inductor tiles by batch) and
+    picks TRITON_ATTN on CUDA unless a backend is given. None: $PAGEDKV_BATCH_INVARIANT ("1"), else off."""
 
     def create_engine_config(self) -> tuple[EngineConfig, HFConfig]:
         """Check every argument and resolve the defaults; returns the engine config and the model's config."""
@@ -156,6 +164,7 @@ class EngineArgs:
         tensor_parallel_size = check_int(
             "tensor_parallel_size", self.tensor_parallel_size, 1, hint=" (processes, each holding a shard of the model)"
         )
+        batch_invariant = resolve_batch_invariant(self.batch_invariant)
         compilation = check_compilation(
             self.cudagraph_mode,
             self.enforce_eager,
@@ -163,6 +172,7 @@ class EngineArgs:
             self.max_cudagraph_capture_size,
             device,
             tensor_parallel_size,
+            batch_invariant,
         )
         check_optional_bool(
             "enable_prefix_caching", self.enable_prefix_caching, hint=" (None: on where the model allows it)"
@@ -191,7 +201,9 @@ class EngineArgs:
                 f"max_model_len ({max_model_len}) so that any prompt fits one step."
             )
         config = EngineConfig(
-            model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            model_config=ModelConfig(
+                model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, batch_invariant=batch_invariant
+            ),
             cache_config=CacheConfig(
                 block_size=block_size,
                 num_kv_blocks=num_kv_blocks,
@@ -207,7 +219,7 @@ class EngineArgs:
             compilation_config=compilation,
             parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             device=device,
-            attention_backend=self.attention_backend,
+            attention_backend=self.attention_backend or batch_invariant_backend(batch_invariant, device),
             layer_attention_backends=dict(layers or {}),
             speculative_config=speculative,
         )
@@ -252,17 +264,46 @@ def check_speculative_config(value: dict[str, Any] | None, model_cfg: HFConfig) 
     return SpeculativeConfig(method, k, model=draft)
 
 
+def env_flag(var: str, default: bool, unset: str) -> bool:
+    """$var as a bool: "1" on, "0" off, unset `default` (described by `unset` in the error)."""
+    env = os.environ.get(var, "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"${var}={env!r}: use 1 (on), 0 (off) or leave it unset ({unset}).")
+    return env == "1" if env else default
+
+
 def resolve_async_scheduling(value: bool | None, device: torch.device) -> bool:
     """The `async_scheduling` argument, or the device's default ($PAGEDKV_ASYNC_SCHEDULING overrides it)."""
     if value is not None:
         return check_bool("async_scheduling", value)
-    env = os.environ.get(ASYNC_SCHEDULING_ENV, "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"${ASYNC_SCHEDULING_ENV}={env!r}: use 1 (on), 0 (off) or leave it unset (on with CUDA).")
-    return env == "1" if env else device.type == "cuda"
+    return env_flag(ASYNC_SCHEDULING_ENV, device.type == "cuda", "on with CUDA")
 
 
-RESOLVED_AT_START_UP = ("device", "dtype", "max_model_len", "cudagraph_mode", "compile", "async_scheduling")
+def resolve_batch_invariant(value: bool | None) -> bool:
+    """The `batch_invariant` argument, or $PAGEDKV_BATCH_INVARIANT where it is None."""
+    if value is not None:
+        return check_bool("batch_invariant", value)
+    return env_flag(BATCH_INVARIANT_ENV, False, "off")
+
+
+def batch_invariant_backend(batch_invariant: bool, device: torch.device) -> str | None:
+    """The backend `batch_invariant` picks where none is given: on CUDA the selector would prefer
+    FLASH_ATTN, whose kernels choose their splits from the batch; TRITON_ATTN can run without them.
+    ($PAGEDKV_ATTENTION_BACKEND still wins, as it does over None.)"""
+    if not batch_invariant or device.type != "cuda" or os.environ.get(ATTENTION_BACKEND_ENV):
+        return None
+    return "TRITON_ATTN"
+
+
+RESOLVED_AT_START_UP = (
+    "device",
+    "dtype",
+    "max_model_len",
+    "cudagraph_mode",
+    "compile",
+    "async_scheduling",
+    "batch_invariant",
+)
 """Arguments whose default, None, `create_engine_config` resolves from the model or the machine; the
 config field of the same name holds the resolved value (its own default serves configs built by hand)."""
 

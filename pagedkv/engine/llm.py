@@ -103,6 +103,7 @@ class LLM:
         enable_prefix_caching: bool | None = EngineArgs.enable_prefix_caching,
         async_scheduling: bool | None = EngineArgs.async_scheduling,
         speculative_config: dict[str, Any] | None = EngineArgs.speculative_config,
+        batch_invariant: bool | None = EngineArgs.batch_invariant,
     ) -> None:
         # Every argument, by name, before anything below rebinds one (`model` is); passed on as one
         # expression over EngineArgs' fields, so no argument can be dropped from the call silently
