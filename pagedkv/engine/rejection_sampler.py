@@ -67,7 +67,7 @@ class RejectionSampler:
         with self.sampler.restoring_generators(req_ids):
             generators = [None if p.greedy else self.sampler.generator(r, p, device) for r, p in zip(req_ids, params)]
             uniform = self._uniforms(draft_rows, num_draft_tokens, generators, len(row_request), device)
-            for group in target_probs(logits, row_params):
+            for group in target_probs(logits, row_params, self.sampler.batch_invariant):
                 group_drafts = group.take(drafts)
                 is_draft = group.is_token(group_drafts)
                 p_draft = group.probs.masked_fill(~is_draft, 0).sum(dim=-1)
@@ -85,7 +85,7 @@ class RejectionSampler:
         first_stop = torch.full((len(num_rows),), len(row_request), dtype=torch.long, device=device)
         first_stop = first_stop.scatter_reduce(0, to_device(row_request, device), stop, reduce="amin")
         output = SamplerOutput(tokens.masked_fill(failed, 0), failed, num_rows=num_rows, num_tokens=first_stop + 1)
-        return with_logprobs(output, logits, row_params)
+        return with_logprobs(output, logits, row_params, self.sampler.batch_invariant)
 
     @staticmethod
     def _uniforms(

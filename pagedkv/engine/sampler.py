@@ -22,13 +22,14 @@ drafts against the same p.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from pagedkv.engine.request import SamplingParams
+from pagedkv.kernels import batch_invariant
 
 
 @dataclass
@@ -140,9 +141,10 @@ class TargetProbs:
         return self.column_token_ids == token_ids[:, None]
 
 
-def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> list[TargetProbs]:
+def target_probs(logits: torch.Tensor, params: list[SamplingParams], invariant: bool = False) -> list[TargetProbs]:
     """p of every non-greedy row of `logits` [rows, vocab] (float32), `params` one per row: the rows
-    with a top-k over their k best tokens only (one `topk`, sorted), the others over the vocabulary."""
+    with a top-k over their k best tokens only (one `topk`, sorted), the others over the vocabulary.
+    `invariant`: each row's softmax and top-p sums independent of the other rows (`rowwise`)."""
     vocab, device = logits.shape[1], logits.device
     rows_by_kind: dict[bool, list[int]] = {True: [], False: []}  # with a top-k or not
     for i, p in enumerate(params):
@@ -159,10 +161,10 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> list[Tar
             k = to_device([p.top_k for p in group_params], device)
             values, column_token_ids = group_logits.topk(int(max(p.top_k for p in group_params)), dim=-1)
             values = values.masked_fill(torch.arange(values.shape[1], device=device) >= k[:, None], float("-inf"))
-            probs = _filter(values, group_params, sorted_descending=True).softmax(dim=-1)
+            probs = rowwise(_softmax, _filter(values, group_params, True, invariant), invariant)
             groups.append(TargetProbs(rows, index, probs, column_token_ids, [p.top_k for p in group_params]))
         else:
-            probs = _filter(group_logits, group_params, sorted_descending=False).softmax(dim=-1)
+            probs = rowwise(_softmax, _filter(group_logits, group_params, False, invariant), invariant)
             groups.append(TargetProbs(rows, index, probs, None, [vocab] * len(rows)))
     return groups
 
@@ -175,20 +177,34 @@ def argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, best.isnan() | (best == float("-inf"))
 
 
-def with_logprobs(output: SamplerOutput, logits: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
+def with_logprobs(
+    output: SamplerOutput, logits: torch.Tensor, params: list[SamplingParams], invariant: bool = False
+) -> SamplerOutput:
     """`output` with the logprobs its rows ask for (`params` one per row), its tokens' first."""
     n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
     if n is not None:
-        logprobs = logits.log_softmax(dim=-1)
+        logprobs = rowwise(lambda rows: rows.log_softmax(dim=-1), logits, invariant)
         token_ids = torch.cat([output.token_ids[:, None], logprobs.topk(n, dim=-1).indices], dim=1)
         output.logprob_token_ids, output.logprobs = token_ids, logprobs.gather(1, token_ids)
     return output
 
 
-class Sampler:
-    """Greedy, or temperature + min-p + top-k + top-p sampling, batched, with optional per-request seeds."""
+def _softmax(rows: torch.Tensor) -> torch.Tensor:
+    return rows.softmax(dim=-1)
 
-    def __init__(self) -> None:
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """fn(rows); with `invariant`, in fixed-size blocks of rows, so that every call has the same shape
+    and no kernel choice depends on how many rows there are (pagedkv/kernels/batch_invariant.py)."""
+    return batch_invariant.row_blocks(fn, rows) if invariant else fn(rows)
+
+
+class Sampler:
+    """Greedy, or temperature + min-p + top-k + top-p sampling, batched, with optional per-request seeds.
+    With `batch_invariant`, each row's softmax, log-softmax and top-p sums run in fixed-shape blocks."""
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
         self._generators: dict[str, torch.Generator] = {}
         """A seeded request's own generator, made at its first sampled token."""
 
@@ -200,10 +216,11 @@ class Sampler:
         logits = logits.float()
         tokens, failed = argmax_rows(logits)
         with self.restoring_generators(req_ids):
-            for group in target_probs(logits, params):
+            for group in target_probs(logits, params, self.batch_invariant):
                 generators = [self.generator(req_ids[i], params[i], logits.device) for i in group.rows]
                 tokens = group.put(group.token_ids(self.race(group.probs, generators, group.widths)), tokens)
-        return with_logprobs(SamplerOutput(tokens.masked_fill(failed, 0), failed), logits, params)
+        output = SamplerOutput(tokens.masked_fill(failed, 0), failed)
+        return with_logprobs(output, logits, params, self.batch_invariant)
 
     @contextmanager
     def restoring_generators(self, req_ids: list[str]) -> Iterator[None]:
@@ -253,7 +270,9 @@ def _index(rows: list[int], num_rows: int, device: torch.device) -> torch.Tensor
     return None if rows == list(range(num_rows)) else to_device(rows, device)
 
 
-def _filter(logits: torch.Tensor, params: list[SamplingParams], sorted_descending: bool) -> torch.Tensor:
+def _filter(
+    logits: torch.Tensor, params: list[SamplingParams], sorted_descending: bool, invariant: bool = False
+) -> torch.Tensor:
     """Temperature, then min-p, then top-p (vLLM's order; top-k was applied by the caller).
 
     min-p keeps tokens whose probability is at least min_p x the largest one, i.e. whose logit is
@@ -275,8 +294,8 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams], sorted_descendin
         values, order = logits, None
     else:  # stable: of equal logits, the lower token id counts as the more likely
         values, order = logits.sort(dim=-1, descending=True, stable=True)
-    probs = values.softmax(dim=-1)
-    drop = probs.cumsum(dim=-1) - probs >= top_p[:, None]
+    probs = rowwise(_softmax, values, invariant)
+    drop = rowwise(lambda rows: rows.cumsum(dim=-1), probs, invariant) - probs >= top_p[:, None]
     if order is not None:
         drop = drop.scatter(1, order, drop)
     return logits.masked_fill(drop, float("-inf"))

@@ -145,3 +145,25 @@ def choose_config(
         num_tiles = cdiv(max(max_seq_len, 1), block_n)
         num_splits = _num_splits(num_reqs * num_kv_heads, num_tiles, slots, tuning.split_overhead_tiles)
     return KernelConfig(block_m, block_n, num_warps, num_stages, num_splits)
+
+
+def batch_invariant_config(
+    *, device: torch.device, head_pad: int, dtype: torch.dtype, num_queries_per_kv: int
+) -> KernelConfig:
+    """One launch config for every batch (pagedkv/kernels/batch_invariant.py says why): the tiles of
+    `choose_config` depend on the batch's shape, and with them the order in which a query row's keys
+    are summed. Here nothing does:
+
+    * one tile shape (query rows, keys per tile) for prefills and decodes alike; key tiles start at
+      key 0 for every row, so a row meets its keys in the same tiles whichever batch it is in (tiles
+      past its last key are fully masked: they add exact zeros and rescale by exactly 1);
+    * no split-KV (one split, whatever the sequence): splits would merge partial sums, and a prefill
+      row is never split, so its decode twin must not be either.
+    """
+    on_gpu = device.type == "cuda" and not interpreting()
+    tensor_cores = on_gpu and dtype != torch.float32
+    block_m = max(16, next_power_of_2(num_queries_per_kv))
+    if not tensor_cores:
+        return KernelConfig(block_m, 16, 4, 2 if on_gpu else 1)
+    wide = head_pad > 128
+    return KernelConfig(block_m, 32 if wide else 64, 4, 2)

@@ -107,6 +107,12 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if get_current_engine_config().model_config.batch_invariant:
+            # Each expert's matmul has as many rows as tokens routed to it, which the batch decides.
+            raise NotImplementedError(
+                "batch_invariant=True: FusedMoE layers (mixture-of-experts models) have no batch-invariant "
+                "path here; use a dense model (llama, qwen3, tiny, tiny-pydoc) or batch_invariant=False."
+            )
         self.act_fn = SiluAndMul()  # on each expert's [gate | up] rows, as in LlamaMLP
         self.use_grouped_mm = False
         """Set by `process_weights_after_loading` from the weights' device and dtype."""

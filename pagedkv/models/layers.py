@@ -11,6 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedkv.config import get_current_engine_config
+from pagedkv.kernels import batch_invariant
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 like the reference implementation."""
@@ -19,11 +22,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        # The batch-invariant mode reduces each row on its own, in one order (kernels/batch_invariant.py).
+        invariant = get_current_engine_config().model_config.batch_invariant
+        self.norm = batch_invariant.rms_norm if invariant else batch_invariant.rms_norm_reference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.norm(x, self.weight, self.eps)
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:

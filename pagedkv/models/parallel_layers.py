@@ -19,18 +19,20 @@ rank every layer is the plain layer it replaces (`ReplicatedLinear` is whole on 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.config import get_current_engine_config
 from pagedkv.distributed import (
     get_tp_rank,
     get_tp_size,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from pagedkv.kernels import batch_invariant
 from pagedkv.models.layers import head_layout, rank_heads
 
 logger = logging.getLogger("pagedkv")
@@ -142,6 +144,11 @@ def _load_tied(model: nn.Module, held: dict[str, torch.Tensor]) -> None:
     embedding.weight_loader(embedding, embed if embed is not None else head)
 
 
+def linear_op() -> Callable[..., torch.Tensor]:
+    """F.linear, or its batch-invariant twin when the engine being built asks for that mode."""
+    return batch_invariant.linear if get_current_engine_config().model_config.batch_invariant else F.linear
+
+
 class _ParallelLinear(nn.Module):
     """A weight [out_rows, in_cols] of this rank, an optional bias, and the loader they share."""
 
@@ -152,6 +159,7 @@ class _ParallelLinear(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.linear = linear_op()
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -176,7 +184,7 @@ class ReplicatedLinear(_ParallelLinear):
         copy_checked(param.data, loaded, "ReplicatedLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -207,7 +215,7 @@ class ColumnParallelLinear(_ParallelLinear):
         copy_checked(param.data.narrow(0, offset, rows), loaded.narrow(0, start, rows), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -263,7 +271,7 @@ class RowParallelLinear(_ParallelLinear):
         copy_checked(param.data, loaded.narrow(1, get_tp_rank() * cols, cols), "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        y = tensor_model_parallel_all_reduce(self.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -311,6 +319,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, split by vocabulary rows like the embedding (so the two can be
     tied): each rank computes the logits of its ids; an all-gather puts them side by side."""
 
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.linear = linear_op()
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = tensor_model_parallel_all_gather(F.linear(hidden_states, self.weight))
+        logits = tensor_model_parallel_all_gather(self.linear(hidden_states, self.weight))
         return logits[..., : self.num_embeddings]

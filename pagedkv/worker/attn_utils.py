@@ -131,6 +131,22 @@ def max_blocks_per_request(config: EngineConfig) -> int:
     return -(-config.model_config.max_model_len // config.cache_config.block_size)
 
 
+def check_batch_invariance(layers: dict[str, Attention]) -> None:
+    """The batch-invariant mode refuses, at start-up, a layer whose backend cannot keep a query row's
+    computation independent of its batch (vLLM raises the same under VLLM_BATCH_INVARIANT=1)."""
+    refused: dict[str, list[str]] = {}
+    for name, layer in layers.items():
+        if not layer.attn_backend.supports_batch_invariance():
+            refused.setdefault(layer.attn_backend.get_name(), []).append(name)
+    if refused:
+        backend, names = next(iter(refused.items()))
+        raise RuntimeError(
+            f"batch_invariant=True: attention backend {backend} does not support batch invariance (its kernels "
+            f"choose splits or tiles from the batch), and it serves {len(names)} layer(s), e.g. {names[0]!r}. "
+            "Use attention_backend='TRITON_ATTN' or 'TORCH_REF', or batch_invariant=False."
+        )
+
+
 def init_attn_groups(
     layers: dict[str, Attention],
     kv_cache_config: KVCacheConfig,

@@ -1,0 +1,87 @@
+"""Batch-invariant matmul, RMSNorm and (log-)softmax: a row's result never depends on the other rows.
+
+Why one prompt's logits change with its batch, although every row is computed on its own: a
+floating-point sum depends on its order, and the order is chosen from the *whole* problem's shape.
+
+    y[m, :] = x[m, :] @ W         cuBLAS picks a kernel for (M, N, K): tile 64x128 or 128x256,
+                                  split-K in 2 or 4 (partial sums added at the end), ... so the
+                                  K-sum of row m runs in another order when M changes.
+    rms(x[m, :]), softmax(...)    a reduction kernel picks how many threads share one row from
+                                  the number of rows; more rows, fewer threads per row.
+
+The cure (vllm/model_executor/layers/batch_invariant.py; Thinking Machines, "Defeating
+Nondeterminism in LLM Inference", 2025) is to fix every such choice independently of the batch:
+
+    matmul    one tile shape for every M (it may depend on N and K, the weight's), each output
+              tile reduced over all of K by one program in one order: no split-K.
+    RMSNorm   one program per row, the row's sum in one fixed order.
+    softmax   the same, per row.
+
+On CUDA, matmul and RMSNorm are the Triton kernels of batch_invariant_triton.py. On the CPU (and
+under TRITON_INTERPRET, whose programs run one by one in numpy) the same idea is applied to torch's
+own kernels: rows go in blocks of `ROWS`, so every library call sees the same shape, whatever the
+batch; the sampler's softmax, log-softmax and top-p sums do so on every device:
+
+    x [M, K]  ->  pad to a multiple of ROWS  ->  [ROWS, K] @ W.T  for each block  ->  y [M, N]
+
+Slower (a call per block), but exactly as the tests check: a row's bits no longer depend on M.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv.kernels.common import interpreting
+
+ROWS = 16
+"""Rows per library call on the CPU path: every call sees [ROWS, ...]."""
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    """CUDA runs the kernels of batch_invariant_triton.py (imported there only: `import pagedkv` works
+    without Triton)."""
+    return x.is_cuda and not interpreting()
+
+
+def row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn applied to `x` ([rows, ...]) in blocks of ROWS rows, the last one zero-padded: every call
+    has the same shape, so torch picks the same kernel (and summation order) for every batch."""
+    rows = x.shape[0]
+    padded = -(-rows // ROWS) * ROWS
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, *x.shape[1:])])
+    return torch.cat([fn(block) for block in x.split(ROWS)])[:rows]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose every output row is bitwise the same whatever the other rows (x [..., K])."""
+    rows = x.reshape(-1, x.shape[-1])
+    if _use_triton(x):
+        from pagedkv.kernels.batch_invariant_triton import matmul_triton
+
+        y = matmul_triton(rows, weight, bias)
+    else:
+        y = row_blocks(lambda block: F.linear(block, weight, bias), rows)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight, normalised in float32 (the formula of transformers' LlamaRMSNorm)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm_reference`, each row reduced on its own in a fixed order (x [..., N])."""
+    rows = x.reshape(-1, x.shape[-1])
+    if _use_triton(x):
+        from pagedkv.kernels.batch_invariant_triton import rms_norm_triton
+
+        y = rms_norm_triton(rows, weight, eps)
+    else:
+        y = row_blocks(lambda block: rms_norm_reference(block, weight, eps), rows)
+    return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -1,0 +1,118 @@
+"""The CUDA kernels of the batch-invariant mode (pagedkv/kernels/batch_invariant.py says why):
+a matmul with one tile shape for every M and no split-K, and an RMSNorm of one program per row."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.kernels.common import next_power_of_2
+
+MATMUL_TILES = (64, 64, 64, 4, 3)
+"""(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the matmul, for every shape."""
+
+
+@triton.jit
+def _matmul_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_ym,
+    stride_yn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # One program = one [BLOCK_M, BLOCK_N] tile of y, summed over all of K in order (no split-K).
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk,
+            mask=(rm[:, None] < M) & (kk[None, :] < K),
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
+            mask=(rn[None, :] < N) & (kk[:, None] < K),
+            other=0.0,
+        )
+        acc = tl.dot(x, w, acc, input_precision="ieee" if x.dtype == tl.float32 else "tf32")
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn,
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
+
+
+def matmul_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: tuple[int, ...] = MATMUL_TILES
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias) with one tile shape for every M (`tiles`, see MATMUL_TILES)."""
+    block_m, block_n, block_k, num_warps, num_stages = tiles
+    M, K = x.shape
+    N = weight.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    _matmul_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        M,
+        N,
+        K,
+        *x.stride(),
+        *weight.stride(),
+        *y.stride(),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return y
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, stride_x, stride_y, BLOCK: tl.constexpr):
+    # One program per row: the whole row in one block, reduced by tl.sum in one fixed order.
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    # As the reference: normalise in float32, round to the input dtype, then scale by the weight.
+    normed = (x * inv).to(y_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
+    tl.store(y_ptr + row * stride_y + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+def rms_norm_triton(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of `rows` [M, N] by one program, in the dtype the reference returns."""
+    rows = rows.contiguous()
+    y = torch.empty(rows.shape, dtype=torch.promote_types(rows.dtype, weight.dtype), device=rows.device)
+    if rows.shape[0]:
+        n = rows.shape[1]
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, weight, y, n, eps, rows.stride(0), y.stride(0), BLOCK=next_power_of_2(n)
+        )
+    return y
