@@ -1,0 +1,40 @@
+"""The batch-invariant mode on CUDA (bf16, TRITON_ATTN, its Triton matmul and RMSNorm, FULL decode
+graphs): a request's logits bitwise the same alone, in a batch of 64, chunked, after a prefix-cache
+hit and after preemption; and, without the mode, cuBLAS makes them differ."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from pagedkv.config import CUDAGraphMode  # noqa: E402
+from tests.engine.test_batch_invariant import TARGET, differing_steps, engine, others, target_logits  # noqa: E402
+
+MODES = [pytest.param({"enforce_eager": True}, id="eager"), pytest.param({}, id="graphs")]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("model", ["tiny", "qwen3-0.6b"])
+def test_logits_are_bitwise_the_same_in_any_batch_on_cuda(model: str, mode: dict[str, object]) -> None:
+    kwargs = dict(model=model, max_model_len=512, **mode)
+    llm = engine("TRITON_ATTN", "bfloat16", True, enable_prefix_caching=False, max_num_seqs=64, **kwargs)
+    if not mode:
+        assert llm.runner.cudagraph_mode is CUDAGraphMode.FULL_DECODE_ONLY  # compile off: FULL decode graphs
+    alone = target_logits(llm, [])
+    for n in (1, 15, 63):
+        assert differing_steps(alone, target_logits(llm, others(n, seed=n))) == 0, f"in a batch of {n + 1}"
+    chunked = engine("TRITON_ATTN", "bfloat16", True, enable_prefix_caching=True, max_num_batched_tokens=24, **kwargs)
+    assert differing_steps(alone, target_logits(chunked, others(7))) == 0, "chunked at 24 tokens"
+    assert differing_steps(alone, target_logits(chunked, others(3, seed=5), warm=[TARGET[:33] + [5]])) == 0
+    assert chunked.stats.num_cached_tokens >= 32
+    tight = engine("TRITON_ATTN", "bfloat16", True, enable_prefix_caching=False, num_kv_blocks=10, **kwargs)
+    assert differing_steps(alone, target_logits(tight, [[7 + i] * 16 for i in range(4)], batch_tokens=20)) == 0
+    assert tight.resumed > 0  # type: ignore[attr-defined]
+
+
+def test_without_the_mode_a_batch_changes_the_bf16_logits() -> None:
+    off = engine("TRITON_ATTN", "bfloat16", False, model="qwen3-0.6b", max_model_len=512, max_num_seqs=64)
+    assert differing_steps(target_logits(off, []), target_logits(off, others(63))) > 0

@@ -1,0 +1,38 @@
+"""The CUDA kernels of the batch-invariant mode, run in Triton's interpreter on tiny tiles: right
+against float64, and a row's bits independent of how many rows share the call."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton's interpreter on CPU tensors (tests/gpu runs the compiled kernels)",
+)
+
+TILES = (16, 16, 16, 4, 1)  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages: small, so M crosses several tiles
+
+
+def test_fixed_tile_matmul_matches_float64_and_keeps_rows_invariant() -> None:
+    from pagedkv.kernels.batch_invariant_triton import matmul_triton
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(37, 40), torch.randn(24, 40), torch.randn(24)
+    full = matmul_triton(x, w, b, TILES)
+    torch.testing.assert_close(full.double(), x.double() @ w.double().T + b.double(), rtol=1e-5, atol=1e-5)
+    for m in (1, 3, 16, 17):
+        assert torch.equal(matmul_triton(x[:m], w, b, TILES), full[:m]), f"{m} rows"
+
+
+def test_rms_norm_kernel_matches_float64_per_row() -> None:
+    from pagedkv.kernels.batch_invariant_triton import rms_norm_triton
+
+    torch.manual_seed(1)
+    x, g = torch.randn(9, 48), torch.randn(48)
+    got = rms_norm_triton(x, g, 1e-6)
+    ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * g.double()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(rms_norm_triton(x[4:5], g, 1e-6), got[4:5])
