@@ -7,7 +7,9 @@
 bf16, 32 query heads / 8 KV heads / head size 128, block size 16, random page tables.
 flash-attn 4 (`flash_attn.cute`) is used when importable, with `num_splits=1` (its split-KV
 path asserts "SplitKV not supported on SM 9.0" in 4.0.0b36). Dense SDPA reads contiguous K/V
-(no paging): the ceiling. Prints a table; writes every number as JSON.
+(no paging): the ceiling. Prints a table; writes every number as JSON. Decode shapes also run
+TRITON_ATTN over an fp8 (e4m3) copy of the cache ("triton_fp8": K/V at 1 byte per value, per-tensor
+scales; GB/s of the bytes it actually reads) beside the bf16 cache of the same run.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pagedkv.attention.backends.torch_ref import paged_attention_reference  # no
 from pagedkv.kernels import SplitKVWorkspace, reshape_and_cache, unified_attention  # noqa: E402
 from pagedkv.kernels.attention_config import Tiles, Tuning  # noqa: E402
 from pagedkv.kernels.testing import PagedBatch  # noqa: E402
+from pagedkv.kv_cache.fp8 import K_SCALE_CONSTANT, V_SCALE_CONSTANT, kv_scale, quantize_fp8  # noqa: E402
 from timing import bench_us, copies_for, copy_bandwidth_gbps, graph1_us, graph_us, kernel_us  # noqa: E402
 
 HBM_GBPS = 4800.0
@@ -62,6 +65,12 @@ def kv_bytes(case: Case) -> int:
     return 2 * seq * HKV * D * 2 + 2 * sum(case.query_lens) * HQ * D * 2  # K, V + q, out
 
 
+def kv_bytes_fp8(case: Case) -> int:
+    """What a pass over an fp8 cache reads and writes: K, V at 1 byte + q, out at 2."""
+    seq = sum(q + c for q, c in zip(case.query_lens, case.context_lens))
+    return 2 * seq * HKV * D * 1 + 2 * sum(case.query_lens) * HQ * D * 2
+
+
 def causal_flops(case: Case) -> float:
     pairs = sum(q * c + q * (q + 1) / 2 for q, c in zip(case.query_lens, case.context_lens))
     return 4.0 * pairs * HQ * D
@@ -77,6 +86,18 @@ def triton_fn(batch: PagedBatch, tuning: Tuning | None) -> Callable[[], object]:
     config = None if tuning is None else batch_config(batch, tuning)
     return lambda: unified_attention(
         batch.q, batch.k_cache, batch.v_cache, out, **kwargs, workspace=workspace, config=config
+    )
+
+
+def triton_fp8_fn(batch: PagedBatch) -> Callable[[], object]:
+    """TRITON_ATTN over an fp8 copy of the batch's cache (scales from its amax, as the profile run sets them)."""
+    k_scale, v_scale = kv_scale(batch.k_cache, K_SCALE_CONSTANT), kv_scale(batch.v_cache, V_SCALE_CONSTANT)
+    k8, v8 = quantize_fp8(batch.k_cache, k_scale), quantize_fp8(batch.v_cache, v_scale)
+    out = torch.empty_like(batch.q)
+    kwargs = batch.attention_kwargs()
+    workspace = SplitKVWorkspace(batch.q.shape[0] * 64, HQ, D, "cuda")
+    return lambda: unified_attention(
+        batch.q, k8, v8, out, **kwargs, workspace=workspace, k_scale=k_scale, v_scale=v_scale
     )
 
 
@@ -195,6 +216,9 @@ def run_case(case: Case, tunings: dict[str, Tuning | None], with_peers: bool) ->
     }
     for name, tuning in tunings.items():
         row[name] = measure(lambda i, tuning=tuning: triton_fn(batches[i], tuning), copies)
+    if case.kind == "decode":
+        row["bytes_fp8"] = kv_bytes_fp8(case)
+        row["triton_fp8"] = measure(lambda i: triton_fp8_fn(batches[i]), copies)
     if with_peers:
         if fa4_available() is None:
             row["fa4"] = measure(lambda i: fa4_fn(batches[i], 1), copies)
@@ -255,6 +279,19 @@ def run_reshape(tokens: int) -> dict[str, object]:
 
 
 # --- reporting --------------------------------------------------------------------------------
+
+
+def fp8_summary(rows: list[dict[str, object]]) -> list[str]:
+    """One line per decode shape: bf16 and fp8 cache times, fp8's speed-up and bandwidth."""
+    lines = [f"{'case':<18} {'B*L':>8} {'bf16 us':>9} {'fp8 us':>9} {'speed-up':>9} {'fp8 GB/s':>9}"]
+    for row in rows:
+        bf16, fp8 = us(row.get("triton")), us(row.get("triton_fp8"))
+        if bf16 is None or fp8 is None:
+            continue
+        b, n = (int(x) for x in str(row["case"]).split()[1].split("x"))
+        gbps = float(row["bytes_fp8"]) / fp8 / 1e3  # type: ignore[arg-type]
+        lines.append(f"{row['case']:<18} {b * n:>8} {bf16:>9.1f} {fp8:>9.1f} {bf16 / fp8:>8.2f}x {gbps:>9.0f}")
+    return lines
 
 
 def us(entry: object, key: str = "graph_us") -> float | None:
@@ -399,6 +436,8 @@ def main() -> None:
         rows_for = [dict(r, triton=r.get(name, r.get("triton"))) for r in rows]
         print(f"\n== TRITON_ATTN ({name}) — GPU time under a CUDA graph; 'eager' = do_bench with L2 flush ==")
         print("\n".join(summarize(rows_for, "triton", copy_gbps)))
+    print("\n== TRITON_ATTN decode, fp8 (e4m3) cache vs bf16 cache (graph time; GB/s of the bytes each reads) ==")
+    print("\n".join(fp8_summary(rows)))
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from pagedkv.kv_cache.fp8 import FP8_KV_CACHE_DTYPES
+
 
 class CUDAGraphMode(enum.Enum):
     """How a step is run: eagerly, as piecewise graphs between attention ops, or one full graph.
@@ -119,7 +121,8 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     """Blocks per KV cache group; None sizes the cache from `memory_utilization` / `kv_cache_memory`."""
     cache_dtype: str = "auto"
-    """"auto" stores K/V in the model dtype; otherwise a torch dtype name such as "float16"."""
+    """"auto" stores K/V in the model dtype; "fp8" / "fp8_e4m3" in float8_e4m3fn with a scale per layer
+    (pagedkv/kv_cache/fp8.py); otherwise a torch dtype name such as "float16"."""
     memory_utilization: float = 0.9
     """CUDA only: fraction of total GPU memory the engine may use (weights + activations + KV)."""
     kv_cache_memory: int | None = None
@@ -243,9 +246,7 @@ class EngineConfig:
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
-        if self.cache_config.cache_dtype == "auto":
-            return self.model_config.dtype
-        return parse_dtype(self.cache_config.cache_dtype)
+        return parse_kv_cache_dtype(self.cache_config.cache_dtype, self.model_config.dtype)
 
 
 _DTYPES = {
@@ -268,6 +269,19 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}.")
     return _DTYPES[dtype]
+
+
+def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: "auto" (the model's), "fp8" / "fp8_e4m3" (float8_e4m3fn), or a dtype name."""
+    if name == "auto":
+        return model_dtype
+    if name in FP8_KV_CACHE_DTYPES:
+        return FP8_KV_CACHE_DTYPES[name]
+    if name not in _DTYPES:
+        raise ValueError(
+            f"Unknown kv_cache_dtype {name!r}; use 'auto', one of {sorted(FP8_KV_CACHE_DTYPES)} or {sorted(_DTYPES)}."
+        )
+    return _DTYPES[name]
 
 
 _current_config: EngineConfig | None = None

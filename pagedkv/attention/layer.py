@@ -24,6 +24,7 @@ from pagedkv.attention.selector import get_attn_backend
 from pagedkv.checks import check_int, check_optional_int
 from pagedkv.config import get_current_engine_config
 from pagedkv.forward_context import register_layer
+from pagedkv.kv_cache.fp8 import K_SCALE_CONSTANT, V_SCALE_CONSTANT, is_fp8, kv_scale
 from pagedkv.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedkv.platforms import get_platform
 
@@ -74,6 +75,12 @@ class Attention(nn.Module):
             selected=config.layer_attention_backends.get(prefix, config.attention_backend),
         )
         self.impl = self.make_impl()
+        # An fp8 cache stores K / _k_scale and V / _v_scale (pagedkv/kv_cache/fp8.py): float32 scalars on
+        # the device, so kernels read them without a host sync and a CUDA graph sees their updates.
+        self._k_scale = torch.ones((), dtype=torch.float32, device=config.device)
+        self._v_scale = torch.ones((), dtype=torch.float32, device=config.device)
+        self.calculate_kv_scales = is_fp8(self.kv_cache_dtype)
+        """Set the scales from the next profile run's K and V (`calc_kv_scales`); then False."""
         opaque = config.compilation_config.opaque_attention_op
         if opaque is None:
             opaque = get_platform(config.device).opaque_attention_op()
@@ -111,6 +118,13 @@ class Attention(nn.Module):
             attn_type=self.attn_type,
             sliding_window=self.sliding_window,
         )
+
+    def calc_kv_scales(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The fp8 cache's scales from this K and V: amax / 200 for K, amax / 100 for V, so what the
+        profile run saw lands well below e4m3's 448 (vllm/attention/layer.py, calc_kv_scales)."""
+        self._k_scale.copy_(kv_scale(key, K_SCALE_CONSTANT))
+        self._v_scale.copy_(kv_scale(value, V_SCALE_CONSTANT))
+        self.calculate_kv_scales = False
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Called once by the runner: this layer's view of its group's backing buffer."""

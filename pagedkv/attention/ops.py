@@ -32,6 +32,9 @@ class AttentionOpLayer(AttentionLayer, Protocol):
 
     impl: AttentionImpl[Any]
     kv_cache: torch.Tensor
+    calculate_kv_scales: bool
+
+    def calc_kv_scales(self, key: torch.Tensor, value: torch.Tensor) -> None: ...
 
 
 def get_attention_context(layer_name: str) -> tuple[Any, AttentionOpLayer, torch.Tensor, torch.Tensor | None]:
@@ -85,6 +88,8 @@ def attention_with_output(
 ) -> None:
     """Attention of `layer_name` over its paged cache, written into `output`."""
     attn_metadata, layer, kv_cache, _ = get_attention_context(layer_name)
+    if attn_metadata is None and layer.calculate_kv_scales:  # the profile run calibrates an fp8 cache
+        layer.calc_kv_scales(key, value)
     layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata, output)
 
 

@@ -7,6 +7,10 @@ slot % block_size]`, and likewise for `value`. One Triton program moves one toke
 KV heads, K and V), which is a few kilobytes of contiguous memory on each side: plenty for
 wide, coalesced loads and stores. Slot -1 marks a padding token (CUDA-graph padding, say):
 its program returns without touching the cache.
+
+An fp8 (e4m3) cache stores `x / scale` saturated to +-448, one byte per value, with one float32
+scale for K and one for V (pagedkv/kv_cache/fp8.py says why): the same scatter, one division and
+a cast more (vLLM: reshape_and_cache_flash's kv_cache_dtype "fp8", csrc/cache_kernels.cu).
 """
 
 from __future__ import annotations
@@ -15,7 +19,41 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.kernels.common import check_attention_dtype, check_tensors, next_power_of_2
+from pagedkv.kernels.common import check_attention_dtype, check_tensors, interpreting, next_power_of_2
+
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+"""Cache dtypes stored quantized (x / scale); tl.float8e4nv is e4m3fn on the GPU and in the interpreter."""
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """y (float32, within +-448) rounded to the nearest e4m3 value, ties to even, still float32.
+
+    Works around Triton's CPU interpreter (triton 3.9), whose float -> fp8 cast rounds a mantissa
+    up without carrying into the exponent (0.0309 becomes 0.0156, not 0.03125); values already on
+    the e4m3 grid it casts exactly. The GPU's cast (cvt.rn.satfinite) needs none of this.
+    Normal range: keep 3 of float32's 23 mantissa bits (add half an e4m3 step, plus one for ties
+    to even, and clear the rest: a carry moves into the exponent as it should). Below 2^-6 the
+    e4m3 step is fixed at 2^-9: shift by 2^-6 into the binade whose step that is, round, shift back.
+    """
+    a = tl.abs(y)
+    sub = a < 0.015625
+    a = tl.where(sub, a + 0.015625, a)
+    bits = a.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+    r = bits.to(tl.float32, bitcast=True)
+    r = tl.where(sub, r - 0.015625, r)
+    sign = y.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize(x, scale, FP8_MAX: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """x / scale saturated to +-FP8_MAX, in float32 (the store casts it to the cache's fp8)."""
+    y = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX)
+    if SOFT_ROUND:
+        y = _round_to_e4m3(y)
+    return y
 
 
 @triton.jit
@@ -25,6 +63,8 @@ def _reshape_and_cache_kernel(
     k_cache_ptr,
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size], any strides
     slot_mapping_ptr,  # [num_tokens], int32 or int64, -1 = skip
+    k_scale_ptr,
+    v_scale_ptr,  # float32 scalars (fp8 cache only)
     stride_key_t,
     stride_key_h,
     stride_key_d,
@@ -44,6 +84,9 @@ def _reshape_and_cache_kernel(
     HEAD_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr,  # next power of two of NUM_KV_HEADS (tile shapes must be powers of 2)
     HEAD_PAD: tl.constexpr,  # next power of two of HEAD_SIZE
+    FP8: tl.constexpr,  # quantize into an fp8 cache
+    FP8_MAX: tl.constexpr,
+    SOFT_ROUND: tl.constexpr,  # round to e4m3 in software (the interpreter's cast rounds wrongly)
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -63,8 +106,11 @@ def _reshape_and_cache_kernel(
     v = tl.load(value_ptr + token64 * stride_value_t + heads * stride_value_h + dims * stride_value_d, mask=mask)
     k_dst = k_cache_ptr + block * stride_kc_b + offset * stride_kc_s + heads * stride_kc_h + dims * stride_kc_d
     v_dst = v_cache_ptr + block * stride_vc_b + offset * stride_vc_s + heads * stride_vc_h + dims * stride_vc_d
-    tl.store(k_dst, k, mask=mask)
-    tl.store(v_dst, v, mask=mask)
+    if FP8:
+        k = _quantize(k, tl.load(k_scale_ptr), FP8_MAX, SOFT_ROUND)
+        v = _quantize(v, tl.load(v_scale_ptr), FP8_MAX, SOFT_ROUND)
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(
@@ -73,6 +119,8 @@ def reshape_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write `key`/`value` [num_tokens, num_kv_heads, head_size] into their cache slots.
 
@@ -80,9 +128,13 @@ def reshape_and_cache(
     views (e.g. `kv_cache[0]` and `kv_cache[1]` of the `(2, num_blocks, ...)` layout).
     `slot_mapping` (int32 or int64) has one slot per token; -1 skips the token. Only the first
     `slot_mapping.shape[0]` tokens are written, so `key` may carry extra padding rows.
+    An fp8 cache (float8_e4m3fn) takes `k_scale` / `v_scale`, float32 scalar tensors, and stores
+    `key / k_scale` and `value / v_scale` saturated to +-448.
     No host synchronisation: safe inside a CUDA graph.
     """
     _check_shapes(key, value, k_cache, v_cache, slot_mapping)
+    fp8 = k_cache.dtype in FP8_CACHE_DTYPES
+    check_kv_scales(fp8, k_scale, v_scale, k_cache.device)
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
@@ -93,6 +145,8 @@ def reshape_and_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale if fp8 else slot_mapping,  # unread without fp8
+        v_scale if fp8 else slot_mapping,
         *key.stride(),
         *value.stride(),
         *k_cache.stride(),
@@ -102,6 +156,9 @@ def reshape_and_cache(
         HEAD_SIZE=head_size,
         HEADS_PAD=next_power_of_2(num_kv_heads),
         HEAD_PAD=next_power_of_2(head_size),
+        FP8=fp8,
+        FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0,
+        SOFT_ROUND=fp8 and interpreting(),
         num_warps=4,
     )
 
@@ -144,4 +201,22 @@ def _check_shapes(
             f"{slot_mapping.min().item()} to {slot_mapping.max().item()}"
         )
     check_attention_dtype(key.dtype, "key")
-    check_attention_dtype(k_cache.dtype, "k_cache")
+    if k_cache.dtype not in FP8_CACHE_DTYPES:
+        check_attention_dtype(k_cache.dtype, "k_cache")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must share a dtype, got {k_cache.dtype} and {v_cache.dtype}")
+
+
+def check_kv_scales(
+    fp8: bool, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, device: torch.device
+) -> None:
+    """An fp8 cache needs both scales, float32 scalars on the cache's device; another cache none."""
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale / v_scale are for an fp8 KV cache; this cache stores the model dtype as it is")
+        return
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+            raise ValueError(f"an fp8 KV cache needs {name} as a float32 tensor of one element, got {scale!r}")
+        if scale.device != device:
+            raise ValueError(f"{name} is on {scale.device}, the KV cache on {device}")

@@ -21,6 +21,12 @@ The grid is (query tile, KV head, split):
   read or written; for a power-of-two head the mask is compiled out. V may have a head size of
   its own (`HEAD_SIZE_V`, the size of the output): MLA's prefill attends with K of 192 values
   and V of 128.
+* An **fp8 cache** (e4m3, one byte per value; pagedkv/kv_cache/fp8.py) holds `x / scale`. A tile
+  is loaded as fp8 and cast to the query's dtype (exact: every e4m3 value is a bf16 / fp16 value),
+  and the dequantizing multiply `* scale` is folded into scalars: q . (k * k_scale) =
+  (q . k) * k_scale joins the softmax scale, and sum p (v * v_scale) = v_scale * sum p v
+  multiplies the output once. So a decode reads half the bytes of a bf16 cache and does no
+  extra work per element but the cast.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from pagedkv.kernels.common import (
     interpreting,
     next_power_of_2,
 )
+from pagedkv.kernels.reshape_and_cache import FP8_CACHE_DTYPES, check_kv_scales
 from pagedkv.kernels.split_kv import SplitKVWorkspace, merge_splits
 
 LOG2_E = 1.4426950408889634
@@ -134,8 +141,8 @@ def _attend_key_tile(
         block = tl.load(block_table_row + page).to(tl.int64)
     k_rows = (block * stride_kc_b + offset * stride_kc_s)[:, None]
     v_rows = (block * stride_vc_b + offset * stride_vc_s)[:, None]
-    k = _load_kv(k_base + k_rows + dims_kv_k, in_seq, dim_ok, MASKED, PADDED)
-    v = _load_kv(v_base + v_rows + dims_kv_v, in_seq, v_dim_ok, MASKED, PADDED_V)
+    k = _load_kv(k_base + k_rows + dims_kv_k, in_seq, dim_ok, MASKED, PADDED).to(q.dtype)  # fp8: exact
+    v = _load_kv(v_base + v_rows + dims_kv_v, in_seq, v_dim_ok, MASKED, PADDED_V).to(q.dtype)
 
     s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
     if MASKED:
@@ -168,6 +175,8 @@ def _unified_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_table_ptr,
+    k_scale_ptr,
+    v_scale_ptr,  # fp8 cache: float32 scalars (stored * scale = value)
     num_reqs,
     num_splits,
     qk_scale,
@@ -203,6 +212,7 @@ def _unified_attention_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """One program: one query tile of one request, one KV head, one share of its keys."""
     q_tile = tl.program_id(0)
@@ -258,6 +268,8 @@ def _unified_attention_kernel(
     mine_start = tiles_start + split * per_split
     mine_end = tl.minimum(mine_start + per_split, tiles_end)
 
+    if FP8:  # dequantizing K scales every score: fold it into the softmax scale
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     v_dims = tl.arange(0, HEAD_PAD_V)
@@ -366,6 +378,8 @@ def _unified_attention_kernel(
     # --- write back ---------------------------------------------------------------------------
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: output 0, weight exp2(-inf) = 0
     out = acc / l_safe[:, None]
+    if FP8:  # dequantizing V scales the weighted sum (each split's alike, so the merge is unchanged)
+        out = out * tl.load(v_scale_ptr)
     out_rows = tokens * num_splits + split
     tl.store(
         out_ptr + out_rows[:, None] * stride_o_t + heads[:, None] * stride_o_h + v_dims[None, :] * stride_o_d,
@@ -392,6 +406,8 @@ def unified_attention(
     sliding_window: int | None = None,
     workspace: SplitKVWorkspace | None = None,
     config: KernelConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a ragged batch; writes `out` and returns it.
 
@@ -406,9 +422,12 @@ def unified_attention(
     CUDA graph captured with them stays correct for any batch within them. `workspace` holds
     the split-KV scratch (allocated once by the metadata builder); without it, scratch is
     allocated per call. With a workspace the call does no allocation and no host sync.
-    `config` overrides the tile heuristics (benchmarks, tuning).
+    `config` overrides the tile heuristics (benchmarks, tuning). An fp8 cache (float8_e4m3fn)
+    needs `k_scale` / `v_scale`, float32 scalar tensors: the cache holds K / k_scale, V / v_scale.
     """
     _check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table)
+    fp8 = k_cache.dtype in FP8_CACHE_DTYPES
+    check_kv_scales(fp8, k_scale, v_scale, k_cache.device)
     _check_window(sliding_window)
     if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
         raise TypeError(f"softmax_scale must be a float (1 / sqrt(head_size), usually), got {softmax_scale!r}")
@@ -466,6 +485,8 @@ def unified_attention(
         query_start_loc,
         seq_lens,
         block_table,
+        k_scale if fp8 else seq_lens,  # unread without fp8
+        v_scale if fp8 else seq_lens,
         num_reqs,
         config.num_splits,
         softmax_scale * LOG2_E,
@@ -490,6 +511,7 @@ def unified_attention(
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreting() and q.dtype == torch.bfloat16,
+        FP8=fp8,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -537,10 +559,13 @@ def _check_inputs(
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
     check_head_size(q.shape[2])
     check_head_size(v_cache.shape[3])
-    for name, tensor in (("q", q), ("k_cache", k_cache), ("out", out)):
+    for name, tensor in (("q", q), ("out", out)):  # the cache: its own check below
         check_attention_dtype(tensor.dtype, name)
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"KV cache dtypes {k_cache.dtype} / {v_cache.dtype} must equal the query dtype {q.dtype}")
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (q.dtype, *FP8_CACHE_DTYPES):
+        raise ValueError(
+            f"KV cache dtypes {k_cache.dtype} / {v_cache.dtype} must both equal the query dtype {q.dtype} "
+            f"or both be one of {list(FP8_CACHE_DTYPES)}"
+        )
     for name, tensor in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
         if tensor.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {tensor.dtype}")

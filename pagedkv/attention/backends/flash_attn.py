@@ -42,6 +42,7 @@ from pagedkv.attention.backend import (
 from pagedkv.attention.backends.triton_attn import TritonCacheWriter, cudagraph_capture_bounds
 from pagedkv.config import EngineConfig
 from pagedkv.kernels import HAS_TRITON
+from pagedkv.kv_cache.fp8 import is_fp8
 from pagedkv.kv_cache.spec import KVCacheSpec
 
 
@@ -230,4 +231,9 @@ class FlashAttentionBackend(AttentionBackend):
             reasons.append("CUDA required, but no CUDA device is visible")
         if not (head_size % 8 == 0 and 8 <= head_size <= 256):
             reasons.append(f"head size {head_size} not supported (a multiple of 8 up to 256)")
+        if is_fp8(kv_cache_dtype):
+            reasons.append(
+                "an fp8 KV cache needs flash-attn 4's fp8 path, which runs on Blackwell (sm_100) only; "
+                "TRITON_ATTN reads an fp8 cache on any GPU"
+            )
         return reasons

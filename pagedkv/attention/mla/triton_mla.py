@@ -258,6 +258,8 @@ class TritonMLABackend(TritonBackendRules, MLACommonBackend):
     """Triton MLA decode: CUDA, or the CPU under Triton's interpreter (slow; for learning)."""
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
+    # No fp8 latent cache: mla_decode and the prefill's gather read the cache in the model dtype, so the
+    # selector refuses "fp8" here with the declared list (TRITON_ATTN dequantizes an MHA cache on load).
     supported_kv_cache_dtypes = supported_dtypes
     supported_devices = ("cuda", "cpu")
 
