@@ -8,6 +8,7 @@ A *mode* names how a benchmark row builds its engine (`mode_kwargs`):
     FULL_DECODE_ONLY,     graphs (PIECEWISE, FULL_AND_PIECEWISE), without it otherwise
     FULL_AND_PIECEWISE
     <mode>+async, +sync   the same with async_scheduling on / off (else the engine's default)
+    <mode>+invariant      the same with batch_invariant=True (bitwise-identical logits in any batch)
 
 Used by end_to_end.py, prefix_caching.py, speculative.py, tensor_parallel.py and sampler_cpu.py.
 """
@@ -46,11 +47,11 @@ piecewise graphs with async scheduling on and off."""
 
 def mode_kwargs(mode: str) -> dict[str, object]:
     """`LLM` keyword arguments of a mode (see the module docstring); a ValueError names the valid ones."""
-    name, plus, scheduling = mode.partition("+")
-    if (name not in ("default", "eager", *GRAPH_MODES)) or (plus and scheduling not in ("async", "sync")):
+    name, *suffixes = mode.split("+")
+    if name not in ("default", "eager", *GRAPH_MODES) or any(x not in ("async", "sync", "invariant") for x in suffixes):
         raise ValueError(
             f"unknown mode {mode!r}: one of default, eager, {', '.join(GRAPH_MODES)}, "
-            "optionally followed by +async or +sync"
+            "optionally followed by +async or +sync, and +invariant"
         )
     kwargs: dict[str, object] = {}
     if name == "eager":
@@ -58,8 +59,11 @@ def mode_kwargs(mode: str) -> dict[str, object]:
     elif name != "default":
         piecewise = CUDAGraphMode[name].requires_piecewise_compilation()
         kwargs.update(cudagraph_mode=name, compile=piecewise, enforce_eager=False)
-    if scheduling:
-        kwargs["async_scheduling"] = scheduling == "async"
+    for suffix in suffixes:
+        if suffix == "invariant":
+            kwargs["batch_invariant"] = True
+        else:
+            kwargs["async_scheduling"] = suffix == "async"
     return kwargs
 
 
@@ -90,6 +94,7 @@ def describe(llm: LLM) -> dict[str, object]:
         "prefix_caching": llm.prefix_caching,
         "attention_backends": backends,
         "dtype": str(llm.config.model_config.dtype).removeprefix("torch."),
+        "batch_invariant": llm.config.model_config.batch_invariant,
     }
 
 
@@ -101,6 +106,8 @@ def resolved_label(resolved: dict[str, object]) -> str:
     parts.append("async" if resolved.get("async_scheduling") else "sync")
     if not resolved.get("prefix_caching", True):
         parts.append("prefix caching off")
+    if resolved.get("batch_invariant"):
+        parts.append("batch-invariant")
     return ", ".join(parts)
 
 

@@ -50,6 +50,7 @@ def measure(args: argparse.Namespace, caching: bool) -> dict[str, object]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.prefix_len + args.suffix_len + args.max_tokens + 16,
         kv_cache_memory=args.kv_cache_gib * 2**30,
+        batch_invariant=args.batch_invariant,
     )
     vocab = llm.model_config.vocab_size
     timed_run(llm, shared_prefix_prompts(args, vocab, seed=1), args.max_tokens)  # warm-up, another prefix
@@ -77,6 +78,11 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--kv-cache-gib", type=int, default=16)
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="both engines in the batch-invariant mode: cached or not, each request's tokens must be identical",
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     engine_bench.DEVICE = args.device
@@ -96,6 +102,7 @@ def main() -> None:
                 "max_num_batched_tokens",
                 "cudagraph_mode",
                 "dtype",
+                "batch_invariant",
             )
         },
     }
@@ -103,11 +110,12 @@ def main() -> None:
     on, off = rows
     result["throughput_ratio"] = on["output_tokens_per_s"] / off["output_tokens_per_s"]
     # With and without caching the prefix's K/V come from differently shaped batches, so in bf16
-    # rounding differs and a greedy run on random weights (many near-ties) may diverge: count them.
+    # rounding differs and a greedy run on random weights (many near-ties) may diverge: count them
+    # (with --batch-invariant every request must be identical).
     result["identical_requests"] = sum(a == b for a, b in zip(on.pop("tokens"), off.pop("tokens")))
     print(
         f"\n{args.model}: {args.num_requests} requests, shared prefix {args.prefix_len} + suffix {args.suffix_len}, "
-        f"{args.max_tokens} new tokens, {rows[0]['resolved_mode']}"
+        f"{args.max_tokens} new tokens, {rows[0]['resolved_mode']}{', batch-invariant' if args.batch_invariant else ''}"
     )
     print(
         f"{'prefix caching':<16}{'s':>8}{'out tok/s':>11}{'TTFT mean':>11}{'median':>9}{'p90':>9}"

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
+from pagedkv.kv_cache.fp8 import is_fp8
+
 if TYPE_CHECKING:
     from pagedkv.config import EngineConfig
     from pagedkv.kv_cache.spec import KVCacheSpec
@@ -105,6 +107,9 @@ class AttentionLayer(Protocol):
     num_heads: int
     num_kv_heads: int
     head_size: int
+    _k_scale: torch.Tensor
+    _v_scale: torch.Tensor
+    """An fp8 KV cache's float32 scales (stored * scale = value); 1.0 otherwise."""
 
 
 M = TypeVar("M")
@@ -174,6 +179,10 @@ class AttentionImpl(ABC, Generic[M]):
         `attn_metadata` is None in the profile run: fill `output` with zeros.
         """
 
+    def kv_scales(self, layer: AttentionLayer) -> dict[str, torch.Tensor]:
+        """`k_scale` / `v_scale` keywords for the kernels: the layer's scales with an fp8 cache, else none."""
+        return dict(k_scale=layer._k_scale, v_scale=layer._v_scale) if is_fp8(self.kv_cache_dtype) else {}
+
     def do_kv_cache_update(
         self,
         layer: AttentionLayer,
@@ -240,6 +249,14 @@ class AttentionBackend(ABC):
     def unavailable_reason(cls) -> str | None:
         """Why the backend cannot run at all here (missing package), or None."""
         return None
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        """Whether its metadata builder and kernels compute a query row the same way in every batch
+        (`ModelConfig.batch_invariant`): no split-KV or tile choice made from the batch's shape.
+        An engine in the batch-invariant mode refuses a backend that does not (vLLM's
+        AttentionBackend.supports_batch_invariance, checked under VLLM_BATCH_INVARIANT)."""
+        return False
 
     @classmethod
     def supports_block_size(cls, block_size: int) -> bool:

@@ -38,6 +38,7 @@ from pagedkv.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    parse_kv_cache_dtype,
 )
 from pagedkv.engine.checks import check_compilation, check_device, check_dtype, check_model, check_tensor_parallel
 from pagedkv.engine.request import SEED_RANGE
@@ -81,6 +82,9 @@ class EngineArgs:
     """Per-layer overrides, layer name -> backend name (e.g. {"model.layers.3.self_attn.attn": "TORCH_REF"})."""
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     """Split long prompts over several steps; off, a whole prompt must fit one step's budget."""
+    kv_cache_dtype: str = CacheConfig.cache_dtype
+    """What the KV cache stores: "auto" (the model dtype), or "fp8" / "fp8_e4m3" (float8_e4m3fn: half the bytes
+    of bf16, so twice the blocks, with a per-layer K and V scale from the profile run; pagedkv/kv_cache/fp8.py)."""
     kv_cache_memory: int | None = CacheConfig.kv_cache_memory
     """Bytes for the KV cache; None: on a GPU what `memory_utilization` leaves after the weights and
     a profile run, on the CPU a fixed default (either way no more than max_num_seqs requests of
@@ -158,6 +162,9 @@ class EngineArgs:
                 f"{{'model.layers.3.self_attn.attn': 'TORCH_REF'}}, or None; got {layers!r}."
             )
         enable_chunked_prefill = check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        if not isinstance(self.kv_cache_dtype, str):
+            raise TypeError(f"kv_cache_dtype must be a name such as 'auto' or 'fp8', got {self.kv_cache_dtype!r}.")
+        parse_kv_cache_dtype(self.kv_cache_dtype, dtype)  # an unknown name is refused here, before any build
         kv_cache_memory = check_optional_int("kv_cache_memory", self.kv_cache_memory, 1, hint=" (bytes) or None")
         memory_utilization = check_float("memory_utilization", self.memory_utilization, 0, 1, low_open=True)
         seed = check_int("seed", self.seed, *SEED_RANGE)
@@ -207,6 +214,7 @@ class EngineArgs:
             cache_config=CacheConfig(
                 block_size=block_size,
                 num_kv_blocks=num_kv_blocks,
+                cache_dtype=self.kv_cache_dtype,
                 kv_cache_memory=kv_cache_memory,
                 memory_utilization=memory_utilization,
             ),
@@ -219,7 +227,11 @@ class EngineArgs:
             compilation_config=compilation,
             parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             device=device,
-            attention_backend=self.attention_backend or batch_invariant_backend(batch_invariant, device),
+            attention_backend=(
+                batch_invariant_backend(batch_invariant, device)
+                if self.attention_backend is None
+                else self.attention_backend
+            ),
             layer_attention_backends=dict(layers or {}),
             speculative_config=speculative,
         )

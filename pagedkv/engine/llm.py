@@ -92,6 +92,7 @@ class LLM:
         attention_backend: str | None = EngineArgs.attention_backend,
         layer_attention_backends: dict[str, str] | None = EngineArgs.layer_attention_backends,
         enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill,
+        kv_cache_dtype: str = EngineArgs.kv_cache_dtype,
         kv_cache_memory: int | None = EngineArgs.kv_cache_memory,
         memory_utilization: float = EngineArgs.memory_utilization,
         seed: int = EngineArgs.seed,
@@ -139,7 +140,7 @@ class LLM:
         self.scheduler = Scheduler(
             self.config.scheduler_config, self.config.model_config.max_model_len, self.kv_cache_manager
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.config.model_config.batch_invariant)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.speculative_config = self.config.speculative_config
         """Speculative decoding (pagedkv.config.SpeculativeConfig), or None."""

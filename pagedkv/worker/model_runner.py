@@ -32,6 +32,7 @@ from pagedkv.worker import cudagraph
 from pagedkv.worker.attn_utils import (
     AttentionGroup,
     build_attn_metadata,
+    check_batch_invariance,
     init_attn_groups,
     init_kv_cache,
     kv_group_causal,
@@ -117,6 +118,8 @@ class ModelRunner:
         """Persistent step inputs, once graphs are captured (eager steps use fresh tensors, so a
         recorded step keeps its own values)."""
         self.attn_layers: dict[str, Attention] = get_layers_from_config(config, Attention)
+        if config.model_config.batch_invariant:
+            check_batch_invariance(self.attn_layers)
         self.kv_cache_config: KVCacheConfig
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.attn_groups: list[list[AttentionGroup]] = []
@@ -138,9 +141,11 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_run(self) -> None:
         """Run the largest batch without metadata (attention outputs zeros), so that its
-        activations are counted before the KV cache takes what memory is left."""
+        activations are counted before the KV cache takes what memory is left. With an fp8 KV
+        cache its K and V also set each layer's scales (`Attention.calc_kv_scales`): so the
+        tokens are every id in turn, not one id repeated."""
         n = self.config.scheduler_config.max_num_batched_tokens
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        ids = torch.arange(n, device=self.device) % self.model.config.vocab_size
         positions = torch.arange(n, device=self.device) % self.config.model_config.max_model_len
         with set_forward_context(None, self.config):
             hidden = self.model(ids, positions)
@@ -148,9 +153,12 @@ class ModelRunner:
 
     def determine_kv_cache_config(self) -> KVCacheConfig:
         """The KV cache's blocks: given, or what memory is left after a profile run (worker/memory.py)."""
-        return kv_cache_config_for(
+        kv_cache_config = kv_cache_config_for(
             self.config, self.get_kv_cache_specs(), self.device, self.profile_run, max_blocks_per_request(self.config)
         )
+        if any(layer.calculate_kv_scales for layer in self.attn_layers.values()):
+            self.profile_run()  # an fp8 cache's scales, where num_kv_blocks skipped the sizing's profile run
+        return kv_cache_config
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Attention groups first (they choose the kernel block size), then the KV cache, allocated

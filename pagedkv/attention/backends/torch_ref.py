@@ -5,6 +5,9 @@ reads K/V only through the block table, exactly like a paged kernel:
 
     block_table[i] = [7, 2, 9]        block_size 4, seq_len 10
     keys of request i = cache[7][0:4] ++ cache[2][0:4] ++ cache[9][0:2]
+
+An fp8 cache (pagedkv/kv_cache/fp8.py) is quantized on write (x / scale, saturated to +-448) and
+dequantized on load (stored * scale), then attended to in the usual compute dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pagedkv.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from pagedkv.kv_cache.fp8 import dequantize_fp8, quantize_fp8
 
 
 @dataclass
@@ -33,6 +37,8 @@ class TorchRefMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     causal: bool = True
+    batch_invariant: bool = False
+    """Attend row by row over exactly each row's keys (`paged_attention_reference(per_row=True)`)."""
 
 
 class TorchRefMetadataBuilder(AttentionMetadataBuilder[TorchRefMetadata]):
@@ -49,6 +55,7 @@ class TorchRefMetadataBuilder(AttentionMetadataBuilder[TorchRefMetadata]):
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping,
             causal=cm.causal,
+            batch_invariant=self.config is not None and self.config.model_config.batch_invariant,
         )
 
 
@@ -63,10 +70,17 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     causal: bool = True,
+    per_row: bool = False,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v per request, K/V gathered through `block_table`.
 
     query/output [tokens, heads, head_size]; k_cache/v_cache [blocks, block_size, kv_heads, head_size].
+    `per_row` computes each query token on its own over exactly the keys it sees: the shapes of its
+    products and of its softmax then depend on its position alone, never on how many query tokens
+    share its step (a chunk, a whole prompt, a decode), which the batch-invariant mode needs.
+    `k_scale` / `v_scale` (an fp8 cache): K and V are read as stored * scale.
     """
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = query.shape[1] // num_kv_heads
@@ -78,9 +92,20 @@ def paged_attention_reference(
             continue
         blocks = block_table[i, : -(-seq_len // block_size)].long()
         # [seq_len, kv_heads, D] -> one K/V head repeated for each query head it serves
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
+        k, v = k_cache[blocks].flatten(0, 1)[:seq_len], v_cache[blocks].flatten(0, 1)[:seq_len]
+        if k_scale is not None and v_scale is not None:  # an fp8 cache: dequantize on load
+            k, v = dequantize_fp8(k, k_scale, compute_dtype), dequantize_fp8(v, v_scale, compute_dtype)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         q = query[start:end]
+        if per_row:
+            for j in range(query_len):
+                pos = seq_len - query_len + j
+                lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+                hi = pos + 1 if causal else seq_len
+                row = torch.einsum("hd,khd->hk", q[j].to(compute_dtype), k[lo:hi].to(compute_dtype)) * scale
+                out = torch.einsum("hk,khd->hd", row.softmax(dim=-1), v[lo:hi].to(compute_dtype))
+                output[start + j] = out.to(output.dtype)
+            continue
         scores = torch.einsum("qhd,khd->hqk", q.to(compute_dtype), k.to(compute_dtype)) * scale
         # The query tokens are the last query_len positions of the sequence.
         q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
@@ -123,6 +148,8 @@ class TorchRefImpl(AttentionImpl[TorchRefMetadata]):
             self.scale,
             self.sliding_window,
             attn_metadata.causal,
+            per_row=attn_metadata.batch_invariant,
+            **self.kv_scales(layer),
         )
         output[n:].zero_()  # padding rows
         return output
@@ -140,8 +167,12 @@ class TorchRefImpl(AttentionImpl[TorchRefMetadata]):
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
         num_kv_heads, head_size = kv_cache.shape[-2:]
-        for cache, new in zip(kv_cache.unbind(0), (key, value)):
-            cache.view(-1, num_kv_heads, head_size)[slots] = new[: slot_mapping.shape[0]][valid].to(cache.dtype)
+        scales = self.kv_scales(layer)  # an fp8 cache's, else none
+        for cache, new, name in zip(kv_cache.unbind(0), (key, value), ("k_scale", "v_scale")):
+            new = new[: slot_mapping.shape[0]][valid]
+            cache.view(-1, num_kv_heads, head_size)[slots] = (
+                quantize_fp8(new, scales[name]) if scales else new.to(cache.dtype)
+            )
 
 
 class TorchRefBackend(AttentionBackend):
@@ -149,12 +180,16 @@ class TorchRefBackend(AttentionBackend):
 
     forward_includes_kv_cache_update = False
     supported_dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    supported_kv_cache_dtypes = supported_dtypes
+    supported_kv_cache_dtypes = (*supported_dtypes, torch.float8_e4m3fn)
     supported_devices = ("cpu", "cuda")
 
     @staticmethod
     def get_name() -> str:
         return "TORCH_REF"
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return True
 
     @staticmethod
     def get_impl_cls() -> type[TorchRefImpl]:

@@ -31,8 +31,9 @@ from pagedkv.attention.backend import (
 )
 from pagedkv.config import EngineConfig
 from pagedkv.kernels import HAS_TRITON, SplitKVWorkspace, reshape_and_cache, unified_attention
-from pagedkv.kernels.attention_config import KernelConfig, choose_config
+from pagedkv.kernels.attention_config import KernelConfig, batch_invariant_config, choose_config
 from pagedkv.kernels.common import check_head_size, interpreter_problem, next_power_of_2
+from pagedkv.kv_cache.fp8 import is_fp8
 from pagedkv.kv_cache.spec import KVCacheSpec
 
 SPLIT_ROWS_PER_SEQ = 32
@@ -81,17 +82,23 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
 
     def _metadata(self, cm: CommonAttentionMetadata, max_query_len: int, max_seq_len: int) -> TritonAttentionMetadata:
         spec = self.kv_cache_spec
-        config = choose_config(
+        shape = dict(
             device=self.device,
             head_pad=next_power_of_2(spec.head_size),
             dtype=spec.dtype,
             num_queries_per_kv=self.num_q_heads // spec.num_kv_heads,
-            num_kv_heads=spec.num_kv_heads,
-            num_reqs=cm.num_reqs,
-            num_tokens=cm.num_actual_tokens,
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
         )
+        if self.config.model_config.batch_invariant:  # the same tiles for every batch, no split-KV
+            config = batch_invariant_config(**shape)
+        else:
+            config = choose_config(
+                **shape,
+                num_kv_heads=spec.num_kv_heads,
+                num_reqs=cm.num_reqs,
+                num_tokens=cm.num_actual_tokens,
+                max_query_len=max_query_len,
+                max_seq_len=max_seq_len,
+            )
         return TritonAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=max_query_len,
@@ -146,7 +153,7 @@ class TritonCacheWriter:
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        reshape_and_cache(key, value, *self._kv_views(kv_cache), slot_mapping)
+        reshape_and_cache(key, value, *self._kv_views(kv_cache), slot_mapping, **self.kv_scales(layer))
 
 
 class TritonAttentionImpl(TritonCacheWriter, AttentionImpl[TritonAttentionMetadata]):
@@ -182,6 +189,7 @@ class TritonAttentionImpl(TritonCacheWriter, AttentionImpl[TritonAttentionMetada
             sliding_window=self.sliding_window,
             workspace=attn_metadata.workspace,
             config=attn_metadata.config,
+            **self.kv_scales(layer),
         )
 
 
@@ -203,8 +211,8 @@ class TritonBackendRules:
         cls, *, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype, device_type: str
     ) -> list[str]:
         reasons = cls.kernel_reasons(head_size)
-        if kv_cache_dtype != dtype:
-            reasons.append(f"KV cache dtype {kv_cache_dtype} must equal the model dtype {dtype}")
+        if kv_cache_dtype != dtype and kv_cache_dtype in cls.supported_kv_cache_dtypes and not is_fp8(kv_cache_dtype):
+            reasons.append(f"KV cache dtype {kv_cache_dtype} must equal the model dtype {dtype} (or be fp8)")
         problem = interpreter_problem() if device_type == "cpu" and HAS_TRITON else None
         if problem:
             reasons.append(problem)
@@ -216,12 +224,16 @@ class TritonAttentionBackend(TritonBackendRules, AttentionBackend):
 
     forward_includes_kv_cache_update = False
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
-    supported_kv_cache_dtypes = supported_dtypes
+    supported_kv_cache_dtypes = (*supported_dtypes, torch.float8_e4m3fn)  # fp8: dequantized on load
     supported_devices = ("cuda", "cpu")
 
     @staticmethod
     def get_name() -> str:
         return "TRITON_ATTN"
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return True
 
     @staticmethod
     def get_impl_cls() -> type[TritonAttentionImpl]:
