@@ -110,12 +110,14 @@ def choose_config(
     num_tokens: int,
     max_query_len: int,
     max_seq_len: int,
+    kv_bytes: int = 2,
     tuning: Tuning = Tuning(),
 ) -> KernelConfig:
     """Pick tiles for this batch from host-side facts only (shapes and the caller's Python ints).
 
     Nothing here reads device memory, so the choice is the same when a CUDA graph is captured
-    and when it is replayed.
+    and when it is replayed. `kv_bytes` is the cache's element size: a decode tile of an fp8
+    cache (1 byte) holds twice the keys, so that each load still brings as many bytes.
     """
     on_gpu = device.type == "cuda" and not interpreting()
     tensor_cores = on_gpu and dtype != torch.float32
@@ -136,6 +138,8 @@ def choose_config(
     else:
         tiles = tuning.decode if one_tile_per_req else prefill
         block_n = tiles.block_n // 2 if wide else tiles.block_n
+        if one_tile_per_req and kv_bytes == 1:
+            block_n *= 2
         num_warps = tiles.num_warps
         num_stages = min(tiles.num_stages, 2) if wide else tiles.num_stages
 

@@ -451,6 +451,7 @@ def unified_attention(
             num_tokens=num_tokens,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            kv_bytes=k_cache.element_size(),
         )
     if workspace is not None and num_tokens * config.num_splits > workspace.rows:
         # The scratch bounds num_tokens * num_splits: take fewer splits rather than overflow.

@@ -1,6 +1,8 @@
 """The batch-invariant mode on CUDA (bf16, TRITON_ATTN, its Triton matmul and RMSNorm, FULL decode
 graphs): a request's logits bitwise the same alone, in a batch of 64, chunked, after a prefix-cache
-hit and after preemption; and, without the mode, cuBLAS makes them differ."""
+hit and after preemption. (Without the mode these small models happened to give identical bf16
+logits in a batch of 64 on the H200 as well, so the mode-off contrast is the CPU test's, in float32,
+and benchmarks/prefix_caching.py's on llama3-8b shapes.)"""
 
 from __future__ import annotations
 
@@ -33,8 +35,3 @@ def test_logits_are_bitwise_the_same_in_any_batch_on_cuda(model: str, mode: dict
     tight = engine("TRITON_ATTN", "bfloat16", True, enable_prefix_caching=False, num_kv_blocks=10, **kwargs)
     assert differing_steps(alone, target_logits(tight, [[7 + i] * 16 for i in range(4)], batch_tokens=20)) == 0
     assert tight.resumed > 0  # type: ignore[attr-defined]
-
-
-def test_without_the_mode_a_batch_changes_the_bf16_logits() -> None:
-    off = engine("TRITON_ATTN", "bfloat16", False, model="qwen3-0.6b", max_model_len=512, max_num_seqs=64)
-    assert differing_steps(target_logits(off, []), target_logits(off, others(63))) > 0

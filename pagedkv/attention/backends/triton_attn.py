@@ -85,7 +85,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         shape = dict(
             device=self.device,
             head_pad=next_power_of_2(spec.head_size),
-            dtype=spec.dtype,
+            dtype=self.config.model_config.dtype,  # what the dots run in (an fp8 cache is cast to it)
             num_queries_per_kv=self.num_q_heads // spec.num_kv_heads,
         )
         if self.config.model_config.batch_invariant:  # the same tiles for every batch, no split-KV
@@ -98,6 +98,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
                 num_tokens=cm.num_actual_tokens,
                 max_query_len=max_query_len,
                 max_seq_len=max_seq_len,
+                kv_bytes=spec.dtype.itemsize,
             )
         return TritonAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
