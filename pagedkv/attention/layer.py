@@ -77,10 +77,13 @@ class Attention(nn.Module):
         self.impl = self.make_impl()
         # An fp8 cache stores K / _k_scale and V / _v_scale (pagedkv/kv_cache/fp8.py): float32 scalars on
         # the device, so kernels read them without a host sync and a CUDA graph sees their updates.
-        self._k_scale = torch.ones((), dtype=torch.float32, device=config.device)
-        self._v_scale = torch.ones((), dtype=torch.float32, device=config.device)
-        self.calculate_kv_scales = is_fp8(self.kv_cache_dtype)
-        """Set the scales from the next profile run's K and V (`calc_kv_scales`); then False."""
+        given = config.cache_config.kv_cache_scales.get(prefix)
+        k_scale, v_scale = given or (1.0, 1.0)
+        self._k_scale = torch.tensor(k_scale, dtype=torch.float32, device=config.device)
+        self._v_scale = torch.tensor(v_scale, dtype=torch.float32, device=config.device)
+        self.calculate_kv_scales = is_fp8(self.kv_cache_dtype) and given is None
+        """Set the scales from the next profile run's K and V (`calc_kv_scales`); then False. Given
+        scales (`kv_cache_scales`) are kept."""
         opaque = config.compilation_config.opaque_attention_op
         if opaque is None:
             opaque = get_platform(config.device).opaque_attention_op()

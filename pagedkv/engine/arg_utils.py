@@ -42,6 +42,7 @@ from pagedkv.config import (
 )
 from pagedkv.engine.checks import check_compilation, check_device, check_dtype, check_model, check_tensor_parallel
 from pagedkv.engine.request import SEED_RANGE
+from pagedkv.kv_cache.fp8 import is_fp8
 from pagedkv.models.loader import PRESETS, TRAINED_PRESETS, HFConfig, load_config
 
 ASYNC_SCHEDULING_ENV = "PAGEDKV_ASYNC_SCHEDULING"
@@ -85,6 +86,10 @@ class EngineArgs:
     kv_cache_dtype: str = CacheConfig.cache_dtype
     """What the KV cache stores: "auto" (the model dtype), or "fp8" / "fp8_e4m3" (float8_e4m3fn: half the bytes
     of bf16, so twice the blocks, with a per-layer K and V scale from the profile run; pagedkv/kv_cache/fp8.py)."""
+    kv_cache_scales: dict[str, tuple[float, float]] | None = None
+    """With an fp8 KV cache: attention layer name -> (k_scale, v_scale) to use instead of calibrating (the
+    cache stores K / k_scale, V / v_scale), e.g. {"model.layers.0.self_attn.attn": (0.02, 0.01)}; the layers
+    not named are calibrated by the profile run. None: all calibrated."""
     kv_cache_memory: int | None = CacheConfig.kv_cache_memory
     """Bytes for the KV cache; None: on a GPU what `memory_utilization` leaves after the weights and
     a profile run, on the CPU a fixed default (either way no more than max_num_seqs requests of
@@ -164,7 +169,8 @@ class EngineArgs:
         enable_chunked_prefill = check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         if not isinstance(self.kv_cache_dtype, str):
             raise TypeError(f"kv_cache_dtype must be a name such as 'auto' or 'fp8', got {self.kv_cache_dtype!r}.")
-        parse_kv_cache_dtype(self.kv_cache_dtype, dtype)  # an unknown name is refused here, before any build
+        kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype, dtype)  # an unknown name is refused here
+        kv_cache_scales = check_kv_cache_scales(self.kv_cache_scales, kv_cache_dtype)
         kv_cache_memory = check_optional_int("kv_cache_memory", self.kv_cache_memory, 1, hint=" (bytes) or None")
         memory_utilization = check_float("memory_utilization", self.memory_utilization, 0, 1, low_open=True)
         seed = check_int("seed", self.seed, *SEED_RANGE)
@@ -215,6 +221,7 @@ class EngineArgs:
                 block_size=block_size,
                 num_kv_blocks=num_kv_blocks,
                 cache_dtype=self.kv_cache_dtype,
+                kv_cache_scales=kv_cache_scales,
                 kv_cache_memory=kv_cache_memory,
                 memory_utilization=memory_utilization,
             ),
@@ -274,6 +281,30 @@ def check_speculative_config(value: dict[str, Any] | None, model_cfg: HFConfig) 
             f"{model_cfg.vocab_size}: a draft model must share the target's tokenizer."
         )
     return SpeculativeConfig(method, k, model=draft)
+
+
+def check_kv_cache_scales(value: object, kv_cache_dtype: torch.dtype) -> dict[str, tuple[float, float]]:
+    """`kv_cache_scales` as {layer name: (k_scale, v_scale)} of positive floats; only with an fp8 cache."""
+    if value is None:
+        return {}
+    if not is_fp8(kv_cache_dtype):
+        raise ValueError(
+            f"kv_cache_scales is for an fp8 KV cache (kv_cache_dtype='fp8'); this cache stores {kv_cache_dtype}, "
+            "which needs no scales."
+        )
+    example = "{'model.layers.0.self_attn.attn': (0.02, 0.01)}"
+    if not isinstance(value, dict):
+        raise TypeError(f"kv_cache_scales must map layer names to (k_scale, v_scale), e.g. {example}; got {value!r}.")
+    scales = {}
+    for name, pair in value.items():
+        ok = isinstance(name, str) and isinstance(pair, (tuple, list)) and len(pair) == 2
+        if not ok or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in pair):
+            raise ValueError(
+                f"kv_cache_scales[{name!r}] = {pair!r}: give a layer name and two positive floats (k_scale, v_scale), "
+                f"e.g. {example}."
+            )
+        scales[name] = (float(pair[0]), float(pair[1]))
+    return scales
 
 
 def env_flag(var: str, default: bool, unset: str) -> bool:

@@ -93,6 +93,7 @@ class LLM:
         layer_attention_backends: dict[str, str] | None = EngineArgs.layer_attention_backends,
         enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill,
         kv_cache_dtype: str = EngineArgs.kv_cache_dtype,
+        kv_cache_scales: dict[str, tuple[float, float]] | None = EngineArgs.kv_cache_scales,
         kv_cache_memory: int | None = EngineArgs.kv_cache_memory,
         memory_utilization: float = EngineArgs.memory_utilization,
         seed: int = EngineArgs.seed,
@@ -124,13 +125,16 @@ class LLM:
             self.runner = self._executor.runner
         else:
             self.runner = ModelRunner(self.config, model_cfg)
-        unknown = sorted(set(self.config.layer_attention_backends) - set(self.runner.attn_layers))
-        if unknown:
-            self.shutdown()
-            raise ValueError(
-                f"layer_attention_backends names no attention layer {unknown}; the layers are "
-                f"{list(self.runner.attn_layers)}."
-            )
+        for argument, names in (
+            ("layer_attention_backends", self.config.layer_attention_backends),
+            ("kv_cache_scales", self.config.cache_config.kv_cache_scales),
+        ):
+            unknown = sorted(set(names) - set(self.runner.attn_layers))
+            if unknown:
+                self.shutdown()
+                raise ValueError(
+                    f"{argument} names no attention layer {unknown}; the layers are {list(self.runner.attn_layers)}."
+                )
         if self._executor is None:
             self.runner.initialize_kv_cache(self.runner.determine_kv_cache_config())
             self.runner.capture_model()

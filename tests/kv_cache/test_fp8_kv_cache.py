@@ -178,6 +178,20 @@ def test_kv_cache_dtype_argument_is_checked() -> None:
         LLM("tiny", kv_cache_dtype=torch.float8_e4m3fn, num_kv_blocks=8)  # type: ignore[arg-type]
 
 
+def test_given_scales_are_kept_and_the_other_layers_calibrated() -> None:
+    first = "model.layers.0.self_attn.attn"
+    llm = LLM("tiny", kv_cache_dtype="fp8", num_kv_blocks=8, kv_cache_scales={first: (0.5, 0.25)})
+    layers = llm.runner.attn_layers
+    assert (layers[first]._k_scale.item(), layers[first]._v_scale.item()) == (0.5, 0.25)
+    assert all(layer._k_scale.item() not in (1.0, 0.5) for name, layer in layers.items() if name != first)
+    with pytest.raises(ValueError, match="kv_cache_scales names no attention layer"):
+        LLM("tiny", kv_cache_dtype="fp8", num_kv_blocks=8, kv_cache_scales={"model.layers.9.attn": (1.0, 1.0)})
+    with pytest.raises(ValueError, match="is for an fp8 KV cache"):
+        LLM("tiny", num_kv_blocks=8, kv_cache_scales={first: (1.0, 1.0)})
+    with pytest.raises(ValueError, match="two positive floats"):
+        LLM("tiny", kv_cache_dtype="fp8", num_kv_blocks=8, kv_cache_scales={first: (0.0, 1.0)})
+
+
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 1 for j in range(12 + i % 5)]} for i in range(24)]
 
 
