@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import engine_bench  # noqa: E402  (beside this file: the run's metadata)
 from pagedkv import LLM, SamplingParams, StepEvent  # noqa: E402
 from pagedkv.models.train_tiny_pydoc import pydoc_topics  # noqa: E402
 
@@ -96,7 +98,9 @@ def main() -> None:
     first = sum(a[0] == b[0] for a, b in zip(tokens["auto"], tokens["fp8"]) if a and b)
     same = sum(x == y for a, b in zip(tokens["auto"], tokens["fp8"]) for x, y in zip(a, b))
     total = sum(min(len(a), len(b)) for a, b in zip(tokens["auto"], tokens["fp8"]))
+    engine_bench.DEVICE = device  # what run_metadata names
     result = dict(
+        meta=engine_bench.run_metadata(),
         model=args.model,
         dtype=dtype,
         device=device,

@@ -239,3 +239,29 @@ def test_triton_attn_engine_with_an_fp8_cache_gives_torch_ref_tokens(engines: di
     ref_layers = engines["fp8"].runner.attn_layers
     for name, layer in triton.runner.attn_layers.items():
         torch.testing.assert_close(layer._k_scale, ref_layers[name]._k_scale)
+
+
+@pytest.mark.slow
+def test_fp8_benchmark_smoke_run_reports_errors_and_agreement(tmp_path) -> None:  # noqa: ANN001
+    """benchmarks/fp8_kv_cache.py --smoke: the fp8 cache's logits are further from the float64 oracle than
+    the model-dtype cache's (yet finite), and its greedy agreement is a fraction."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "fp8.json"
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "benchmarks/fp8_kv_cache.py", "--smoke", "--json", str(out)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    auto, fp8 = result["caches"]["auto"], result["caches"]["fp8"]
+    assert 0 < auto["max_logit_error"] < fp8["max_logit_error"] < 100
+    assert fp8["bytes_per_block"] * 4 == auto["bytes_per_block"]  # float32 model: 4 bytes -> 1
+    assert 0 <= result["greedy_token_agreement"] <= 1
