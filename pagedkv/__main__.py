@@ -16,7 +16,7 @@ from pagedkv.engine.arg_utils import CLI_ARGS, add_cli_args
 from pagedkv.engine.llm import Prompt
 from pagedkv.workbook import DEFAULT_DIR as DEFAULT_WORKBOOK_DIR
 
-BACKENDS_ENGINE_ARGS = ["model", "device", "dtype", "block_size"]
+BACKENDS_ENGINE_ARGS = ["model", "device", "dtype", "block_size", "kv_cache_dtype"]
 """The `EngineArgs` that decide which backends can serve a layer (`backends` takes these)."""
 
 
@@ -112,6 +112,7 @@ def _generate(args: argparse.Namespace) -> None:
 def _backends(args: argparse.Namespace) -> None:
     from pagedkv.attention.selector import backend_report
     from pagedkv.checks import check_int
+    from pagedkv.config import parse_kv_cache_dtype
     from pagedkv.engine.checks import check_device, check_dtype, check_model
     from pagedkv.models.loader import PRESETS, TRAINED_PRESETS, load_config
 
@@ -120,17 +121,18 @@ def _backends(args: argparse.Namespace) -> None:
     block_size = check_int("--block-size", args.block_size, 1, hint=" (tokens per KV cache block)")
     cfg = load_config(check_model(args.model, sorted([*PRESETS, *TRAINED_PRESETS])))
     dtype = check_dtype(args.dtype, device)
+    kv_cache_dtype = parse_kv_cache_dtype(args.kv_cache_dtype, dtype)
     layer = dict(
         head_size=cfg.head_dim,
         dtype=dtype,
-        kv_cache_dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         block_size=block_size,
         sliding_window=cfg.sliding_window,
         use_mla=cfg.use_mla,
     )
     print(
         f"model {args.model}: {'MLA, latent row' if cfg.use_mla else 'head'} size {cfg.head_dim}, dtype {dtype}, "
-        f"block size {block_size}, sliding window {cfg.sliding_window}, device {device.type}"
+        f"KV cache {kv_cache_dtype}, block size {block_size}, sliding window {cfg.sliding_window}, device {device.type}"
     )
     report = backend_report(device, **layer)
     width = max(map(len, report))

@@ -49,6 +49,10 @@ def kv_cache_gib(num_blocks: int, block_size: int, model: str) -> str:
     [
         # Before, both listed backends as "ok".
         (["backends", "--block-size", "0"], r"--block-size must be an int >= 1 \(tokens per KV cache block\), got 0\."),
+        (
+            ["backends", "--kv-cache-dtype", "fp9"],
+            r"Unknown kv_cache_dtype 'fp9'; use 'auto', one of \['fp8', 'fp8_e4m3'\]",
+        ),
         pytest.param(
             ["backends", "--device", "cuda"],
             r"device='cuda' was asked for, but no CUDA device is visible",

@@ -268,6 +268,15 @@ def test_cli_backends_table() -> None:
         check=True,
     )
     assert "TORCH_REF" in done.stdout and "FLASH_ATTN" in done.stdout
+    fp8 = subprocess.run(
+        [sys.executable, "-m", "pagedkv", "backends", "--device", "cpu", "--kv-cache-dtype", "fp8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    assert "KV cache torch.float8_e4m3fn" in fp8 and "Blackwell" in fp8  # FLASH_ATTN's fp8 reason
+    assert fp8.splitlines()[1].split() == ["TORCH_REF", "ok"]
 
 
 def test_one_token_prompt_counts_as_prefill() -> None:
