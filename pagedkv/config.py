@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-from pagedkv.kv_cache.fp8 import FP8_KV_CACHE_DTYPES
-
 
 class CUDAGraphMode(enum.Enum):
     """How a step is run: eagerly, as piecewise graphs between attention ops, or one full graph.
@@ -272,6 +270,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}.")
     return _DTYPES[dtype]
+
+
+FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+"""The `kv_cache_dtype` names of an fp8 cache (vLLM's); both are e4m3 (fp8_e5m2 is not implemented;
+pagedkv/kv_cache/fp8.py holds what e4m3 can represent)."""
 
 
 def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

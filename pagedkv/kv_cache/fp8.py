@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import torch
 
-FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
-"""The `kv_cache_dtype` names of an fp8 cache (vLLM's); both are e4m3 (fp8_e5m2 is not implemented)."""
-
 FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 """448.0: quantizing saturates here (a plain cast of a larger float would give NaN)."""
 
