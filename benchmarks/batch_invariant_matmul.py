@@ -2,7 +2,7 @@
 
     python benchmarks/batch_invariant_matmul.py [--json out.json]      # H200, ~30 s
 
-The batch-invariant mode (pagedkv/kernels/batch_invariant.py) runs every linear layer with ONE tile
+The batch-invariant mode (pagedkv/batch_invariant.py) runs every linear layer with ONE tile
 shape, whatever the number of rows M: a decode step (M = the batch, 128 in W1) and a prefill chunk
 (M = 4,096) must share it. Per candidate (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): microseconds per
 layer shape at both M (`triton.testing.do_bench`, median), the sum over the four layer shapes, its

@@ -107,7 +107,7 @@ class ModelConfig:
     batch_invariant: bool = False
     """Every reduction of a token's computation (matmuls, norms, attention, softmax) in an order that does
     not depend on the rest of the batch, so a request's logits are bitwise the same alone or batched,
-    chunked or cached (pagedkv/kernels/batch_invariant.py; vLLM's VLLM_BATCH_INVARIANT)."""
+    chunked or cached (pagedkv/batch_invariant.py; vLLM's VLLM_BATCH_INVARIANT)."""
 
 
 @dataclass

@@ -129,7 +129,7 @@ class EngineArgs:
     None: one new token per decoding request and step."""
     batch_invariant: bool | None = None
     """Bitwise-identical logits for a request whatever else is in its batch and however its prompt was
-    chunked or cached (pagedkv/kernels/batch_invariant.py): fixed-tile matmuls, per-row norms and
+    chunked or cached (pagedkv/batch_invariant.py): fixed-tile matmuls, per-row norms and
     softmax, attention without split-KV. Costs speed; turns compile off (Inductor tiles by batch) and
     picks TRITON_ATTN on CUDA unless a backend is given. None: $PAGEDKV_BATCH_INVARIANT ("1"), else off."""
 

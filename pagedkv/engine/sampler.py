@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv import batch_invariant
 from pagedkv.engine.request import SamplingParams
-from pagedkv.kernels import batch_invariant
 
 
 @dataclass
@@ -195,7 +195,7 @@ def _softmax(rows: torch.Tensor) -> torch.Tensor:
 
 def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, invariant: bool) -> torch.Tensor:
     """fn(rows); with `invariant`, in fixed-size blocks of rows, so that every call has the same shape
-    and no kernel choice depends on how many rows there are (pagedkv/kernels/batch_invariant.py)."""
+    and no kernel choice depends on how many rows there are (pagedkv/batch_invariant.py)."""
     return batch_invariant.row_blocks(fn, rows) if invariant else fn(rows)
 
 

@@ -22,7 +22,7 @@ import torch
 
 from pagedkv.config import parse_kv_cache_dtype
 from pagedkv.exercises import CheckResult, call_on_cases, exercise, package_answer
-from pagedkv.kernels.attention_config import MAX_SPLITS, _num_splits, batch_invariant_config, choose_config
+from pagedkv.kernels.attention_config import MAX_SPLITS, batch_invariant_config, choose_config, split_count
 from pagedkv.kernels.common import cdiv
 from pagedkv.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, get_kv_cache_config
 from pagedkv.models.configs import LlamaConfig
@@ -63,7 +63,7 @@ SHOWN_SPLIT_CASES: list[SplitCase] = [(10, 132), (200, 132), (1500, 132), (4096,
 """(seq_len, num_sms) cases the notebook can print: a request of seq_len keys on a GPU of num_sms SMs."""
 BATCH_SIZES = [1, 2, 8, 33, 64, 256, 1024]
 """The batches each request runs in: alone, then among batch_size - 1 others."""
-SPLIT_PACKAGE: list[Callable[..., Any]] = [choose_config, batch_invariant_config, _num_splits, _num_splits.__wrapped__]
+SPLIT_PACKAGE: list[Callable[..., Any]] = [choose_config, batch_invariant_config, split_count, split_count.__wrapped__]
 
 
 def max_splits(seq_len: int) -> int:

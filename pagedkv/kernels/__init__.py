@@ -6,43 +6,38 @@ error when called, so `import pagedkv` works everywhere.
 Without a GPU, Triton runs kernels only through its interpreter (numpy on the CPU), and only if
 `TRITON_INTERPRET=1` was in the environment when `triton` was first imported. Importing this
 package does not set it (that would change the process's environment behind the user's back):
-`interpreter_problem()` says whether the interpreter is on, and what to do when it is not. Nor
-does importing it import Triton: each name below loads its module on first use, so the plain-torch
-modules here (`batch_invariant`, which the models import) leave the interpreter's switch open.
+`interpreter_problem()` says whether the interpreter is on, and what to do when it is not.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from typing import Any
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-_MODULES = {
-    "KernelConfig": "attention_config",
-    "interpreter_problem": "common",
-    "MLADecodeWorkspace": "mla_decode",
-    "mla_decode_attention": "mla_decode",
-    "reshape_and_cache": "reshape_and_cache",
-    "SplitKVWorkspace": "split_kv",
-    "unified_attention": "unified_attention",
-}
-"""Name -> the module (of this package) that defines it, imported on first use."""
+if HAS_TRITON:
+    from pagedkv.kernels.attention_config import KernelConfig
+    from pagedkv.kernels.common import interpreter_problem
+    from pagedkv.kernels.mla_decode import MLADecodeWorkspace, mla_decode_attention
+    from pagedkv.kernels.reshape_and_cache import reshape_and_cache
+    from pagedkv.kernels.split_kv import SplitKVWorkspace
+    from pagedkv.kernels.unified_attention import unified_attention
+else:  # pragma: no cover
 
+    def _missing(*args: Any, **kwargs: Any) -> Any:
+        raise ImportError("pagedkv.kernels needs the `triton` package (pip install triton)")
 
-def _missing(*args: Any, **kwargs: Any) -> Any:  # pragma: no cover
-    raise ImportError("pagedkv.kernels needs the `triton` package (pip install triton)")
+    reshape_and_cache = unified_attention = mla_decode_attention = interpreter_problem = _missing  # type: ignore[assignment]
+    KernelConfig = SplitKVWorkspace = MLADecodeWorkspace = None  # type: ignore[assignment,misc]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _MODULES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if not HAS_TRITON:  # pragma: no cover
-        return None if name[0].isupper() else _missing
-    value = getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-__all__ = ["HAS_TRITON", *_MODULES]
+__all__ = [
+    "HAS_TRITON",
+    "KernelConfig",
+    "MLADecodeWorkspace",
+    "SplitKVWorkspace",
+    "interpreter_problem",
+    "mla_decode_attention",
+    "reshape_and_cache",
+    "unified_attention",
+]

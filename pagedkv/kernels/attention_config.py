@@ -74,7 +74,7 @@ class KernelConfig:
 
 
 @functools.lru_cache(maxsize=4096)
-def _num_splits(base_programs: int, num_tiles: int, slots: int, overhead: int) -> int:
+def split_count(base_programs: int, num_tiles: int, slots: int, overhead: int) -> int:
     """Split count that minimises (waves of programs) x (tiles per program + fixed cost).
 
     Programs run in waves of `slots` (the GPU's concurrent programs). More splits fill a
@@ -147,14 +147,14 @@ def choose_config(
     if one_tile_per_req:
         slots = tuning.decode_programs_per_sm * num_compute_units(device)
         num_tiles = cdiv(max(max_seq_len, 1), block_n)
-        num_splits = _num_splits(num_reqs * num_kv_heads, num_tiles, slots, tuning.split_overhead_tiles)
+        num_splits = split_count(num_reqs * num_kv_heads, num_tiles, slots, tuning.split_overhead_tiles)
     return KernelConfig(block_m, block_n, num_warps, num_stages, num_splits)
 
 
 def batch_invariant_config(
     *, device: torch.device, head_pad: int, dtype: torch.dtype, num_queries_per_kv: int
 ) -> KernelConfig:
-    """One launch config for every batch (pagedkv/kernels/batch_invariant.py says why): the tiles of
+    """One launch config for every batch (pagedkv/batch_invariant.py says why): the tiles of
     `choose_config` depend on the batch's shape, and with them the order in which a query row's keys
     are summed. Here nothing does:
 

@@ -1,4 +1,4 @@
-"""The CUDA kernels of the batch-invariant mode (pagedkv/kernels/batch_invariant.py says why):
+"""The CUDA kernels of the batch-invariant mode (pagedkv/batch_invariant.py says why):
 a matmul with one tile shape for every M and no split-K, and an RMSNorm of one program per row."""
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.kernels.attention_config import _num_splits
+from pagedkv.kernels.attention_config import split_count
 from pagedkv.kernels.common import (
     cdiv,
     check_attention_dtype,
@@ -301,13 +301,13 @@ def default_num_kv_splits(
     """Split count from host-side facts only (the same at CUDA-graph capture and replay).
 
     Enough programs to fill every SM in as few waves as possible, each split at least a couple
-    of tiles long (the wave / start-up cost model of the MHA kernel, `_num_splits`).
+    of tiles long (the wave / start-up cost model of the MHA kernel, `split_count`).
     """
     tiles = _tiles(dtype, device)
     unit = max(tiles.block_n, block_size)
     base_programs = num_decodes * cdiv(num_heads, BLOCK_H)
     slots = tiles.programs_per_sm * num_compute_units(device)
-    splits = _num_splits(base_programs, cdiv(max(max_seq_len, 1), unit), slots, cdiv(SPLIT_OVERHEAD_TOKENS, unit))
+    splits = split_count(base_programs, cdiv(max(max_seq_len, 1), unit), slots, cdiv(SPLIT_OVERHEAD_TOKENS, unit))
     return min(splits, MAX_MLA_SPLITS)
 
 

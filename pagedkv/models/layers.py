@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedkv import batch_invariant
 from pagedkv.config import get_current_engine_config
-from pagedkv.kernels import batch_invariant
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        # The batch-invariant mode reduces each row on its own, in one order (kernels/batch_invariant.py).
+        # The batch-invariant mode reduces each row on its own, in one order (pagedkv/batch_invariant.py).
         invariant = get_current_engine_config().model_config.batch_invariant
         self.norm = batch_invariant.rms_norm if invariant else batch_invariant.rms_norm_reference
 

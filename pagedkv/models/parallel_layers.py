@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv import batch_invariant
 from pagedkv.config import get_current_engine_config
 from pagedkv.distributed import (
     get_tp_rank,
@@ -32,7 +33,6 @@ from pagedkv.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from pagedkv.kernels import batch_invariant
 from pagedkv.models.layers import head_layout, rank_heads
 
 logger = logging.getLogger("pagedkv")

@@ -10,12 +10,11 @@ import random
 import pytest
 import torch
 
-from pagedkv import LLM, SamplingParams
+from pagedkv import LLM, SamplingParams, batch_invariant
 from pagedkv.attention.backends.torch_ref import TorchRefBackend
 from pagedkv.attention.selector import register_backend, unregister_backend
 from pagedkv.engine.events import StepEvent
 from pagedkv.engine.request import RequestStatus
-from pagedkv.kernels import batch_invariant
 from tests.conftest import needs_triton_on_cpu
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

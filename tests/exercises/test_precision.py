@@ -18,7 +18,7 @@ from pagedkv.exercises.precision import (
     check_num_splits,
     split_kv_attention,
 )
-from pagedkv.kernels.attention_config import _num_splits
+from pagedkv.kernels.attention_config import split_count
 from pagedkv.kv_cache.spec import get_kv_cache_config
 from tests.exercises.checks import EqualToAnything, assert_rejected, assert_worked_solutions_pass
 
@@ -81,11 +81,11 @@ def test_num_splits_rejects_wrong_rules(wrong: Any, phrases: list[str]) -> None:
 
 
 def test_num_splits_rejects_the_package() -> None:
-    engine_rule = lambda n, b, sms: _num_splits(b * 8, -(-n // 16), 4 * sms, 2)  # noqa: E731
-    assert_rejected(check_num_splits(engine_rule), "calls _num_splits")
+    engine_rule = lambda n, b, sms: split_count(b * 8, -(-n // 16), 4 * sms, 2)  # noqa: E731
+    assert_rejected(check_num_splits(engine_rule), "calls split_count")
     on_a_thread = lambda n, b, sms: ThreadPoolExecutor(1).submit(engine_rule, n, b, sms).result()  # noqa: E731
-    assert_rejected(check_num_splits(on_a_thread), "calls _num_splits")
-    assert_rejected(check_num_splits(_num_splits), "pagedkv's own")
+    assert_rejected(check_num_splits(on_a_thread), "calls split_count")
+    assert_rejected(check_num_splits(split_count), "pagedkv's own")
     assert not check_num_splits(4)
 
 

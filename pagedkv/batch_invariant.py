@@ -17,7 +17,7 @@ Nondeterminism in LLM Inference", 2025) is to fix every such choice independentl
     RMSNorm   one program per row, the row's sum in one fixed order.
     softmax   the same, per row.
 
-On CUDA, matmul and RMSNorm are the Triton kernels of batch_invariant_triton.py. On the CPU (and
+On CUDA, matmul and RMSNorm are the Triton kernels of pagedkv/kernels/batch_invariant_triton.py. On the CPU (and
 under TRITON_INTERPRET, whose programs run one by one in numpy) the same idea is applied to torch's
 own kernels: rows go in blocks of `ROWS`, so every library call sees the same shape, whatever the
 batch; the sampler's softmax, log-softmax and top-p sums do so on every device:
@@ -34,16 +34,19 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedkv.kernels.common import interpreting
-
 ROWS = 16
 """Rows per library call on the CPU path: every call sees [ROWS, ...]."""
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    """CUDA runs the kernels of batch_invariant_triton.py (imported there only: `import pagedkv` works
-    without Triton)."""
-    return x.is_cuda and not interpreting()
+    """CUDA runs the kernels of pagedkv/kernels/batch_invariant_triton.py. Imported only then: this
+    module, which the models import, must not import Triton (on the CPU its interpreter is switched
+    on by the environment before Triton's first import; notebook 06 does so late)."""
+    if not x.is_cuda:
+        return False
+    from pagedkv.kernels.common import interpreting
+
+    return not interpreting()
 
 
 def row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
