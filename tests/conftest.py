@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +31,20 @@ def needs_triton_on_cpu(what: str) -> pytest.MarkDecorator:
     except ImportError as exc:  # no triton package
         problem = str(exc)
     return pytest.mark.skipif(problem is not None, reason=f"{what} on CPU tensors: {problem}")
+
+
+def smoke_run(script: str, json_out: Path, *args: str) -> dict:
+    """`python benchmarks/<script> --smoke --json <json_out> *args` from the repository root (a
+    benchmark's whole path on the CPU); its JSON. A failed run fails with the end of its stderr."""
+    done = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", "--smoke", "--json", str(json_out), *args],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return {"stdout": done.stdout, **json.loads(json_out.read_text())}
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,7 @@ dequantized cache, the fp32 cache's greedy tokens.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from pagedkv.kernels.attention_config import KernelConfig
 from pagedkv.kernels.testing import random_paged_batch
 from pagedkv.kv_cache.fp8 import FP8_E4M3_MAX, quantize_fp8
 from pagedkv.kv_cache.spec import FullAttentionSpec, get_kv_cache_config
+from tests.conftest import smoke_run
 
 FP8 = torch.float8_e4m3fn
 
@@ -242,25 +244,10 @@ def test_triton_attn_engine_with_an_fp8_cache_gives_torch_ref_tokens(engines: di
 
 
 @pytest.mark.slow
-def test_fp8_benchmark_smoke_run_reports_errors_and_agreement(tmp_path) -> None:  # noqa: ANN001
+def test_fp8_benchmark_smoke_run_reports_errors_and_agreement(tmp_path: Path) -> None:
     """benchmarks/fp8_kv_cache.py --smoke: the fp8 cache's logits are further from the float64 oracle than
     the model-dtype cache's (yet finite), and its greedy agreement is a fraction."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    out = tmp_path / "fp8.json"
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "benchmarks/fp8_kv_cache.py", "--smoke", "--json", str(out)],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(out.read_text())
+    result = smoke_run("fp8_kv_cache.py", tmp_path / "fp8.json")
     auto, fp8 = result["caches"]["auto"], result["caches"]["fp8"]
     assert 0 < auto["max_logit_error"] < fp8["max_logit_error"] < 100
     assert fp8["bytes_per_block"] * 4 == auto["bytes_per_block"]  # float32 model: 4 bytes -> 1

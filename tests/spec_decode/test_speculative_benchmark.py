@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import smoke_run
 
 
 @pytest.mark.slow
 def test_smoke_run_speculates_and_keeps_greedy_outputs(tmp_path: Path) -> None:
     """Every (batch, k) row is measured; k > 0 engines propose drafts; in float32 their greedy outputs equal
     k = 0's (the benchmark's own check, which the H200 run reports in bf16)."""
-    out = tmp_path / "speculative.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/speculative.py", "--smoke", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    (model,) = json.loads(out.read_text())["models"]
+    result = smoke_run("speculative.py", tmp_path / "speculative.json")
+    (model,) = result["models"]
     # Each k > 0 engine is timed with the k = 0 engine on the prompts calibrated on it.
     rows = {(r["batch"], r["k"], r["calibrated_on_k"]): r for r in model["rows"]}
     assert len(rows) == len(model["rows"])
@@ -37,4 +26,4 @@ def test_smoke_run_speculates_and_keeps_greedy_outputs(tmp_path: Path) -> None:
             assert row["identical_outputs"], row
     rounds = {key: len(c["rounds"]) for key, c in model["calibration"].items()}  # per k and batch size
     assert rounds == {f"k={k} batch={b}": 2 for k in (2, 4) for b in (1, 4)}
-    assert "identical to k=0" in done.stdout  # the table was printed
+    assert "identical to k=0" in result["stdout"]  # the table was printed
