@@ -75,6 +75,17 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         rows = config.scheduler_config.max_num_seqs * SPLIT_ROWS_PER_SEQ
         # All layers of the group run one after another, so they can share one scratch buffer.
         self.workspace = SplitKVWorkspace(rows, self.num_q_heads, kv_cache_spec.head_size, device)
+        # The group's fixed facts, once: the tiles depend on them and, per step, on the batch.
+        self.shape = dict(
+            device=device,
+            head_pad=next_power_of_2(kv_cache_spec.head_size),
+            dtype=config.model_config.dtype,  # what the dots run in (an fp8 cache is cast to it)
+            num_queries_per_kv=self.num_q_heads // kv_cache_spec.num_kv_heads,
+        )
+        self.fixed_config: KernelConfig | None = None
+        """The batch-invariant mode's one launch config (same tiles for every batch, no split-KV)."""
+        if config.model_config.batch_invariant:
+            self.fixed_config = batch_invariant_config(**self.shape)  # type: ignore[arg-type]
 
     def build(self, common_attn_metadata: CommonAttentionMetadata) -> TritonAttentionMetadata:
         cm = common_attn_metadata
@@ -82,24 +93,15 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
 
     def _metadata(self, cm: CommonAttentionMetadata, max_query_len: int, max_seq_len: int) -> TritonAttentionMetadata:
         spec = self.kv_cache_spec
-        shape = dict(
-            device=self.device,
-            head_pad=next_power_of_2(spec.head_size),
-            dtype=self.config.model_config.dtype,  # what the dots run in (an fp8 cache is cast to it)
-            num_queries_per_kv=self.num_q_heads // spec.num_kv_heads,
+        config = self.fixed_config or choose_config(
+            **self.shape,  # type: ignore[arg-type]
+            num_kv_heads=spec.num_kv_heads,
+            num_reqs=cm.num_reqs,
+            num_tokens=cm.num_actual_tokens,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            kv_bytes=spec.dtype.itemsize,
         )
-        if self.config.model_config.batch_invariant:  # the same tiles for every batch, no split-KV
-            config = batch_invariant_config(**shape)
-        else:
-            config = choose_config(
-                **shape,
-                num_kv_heads=spec.num_kv_heads,
-                num_reqs=cm.num_reqs,
-                num_tokens=cm.num_actual_tokens,
-                max_query_len=max_query_len,
-                max_seq_len=max_seq_len,
-                kv_bytes=spec.dtype.itemsize,
-            )
         return TritonAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=max_query_len,
