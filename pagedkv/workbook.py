@@ -19,6 +19,7 @@ kept unless `force` is set, and is not executed again; nothing is written throug
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import filecmp
 import functools
@@ -33,7 +34,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 DEFAULT_DIR = Path("pagedkv-workbook")
 
@@ -251,23 +252,30 @@ def execute_workbook(
                 continue
             cell_bar.reset(total=len(nb.cells))
             cell_bar.set_postfix_str("", refresh=False)
-            client = workbook_client()(
-                nb,
-                cell_bar,
-                timeout=1200,
-                store_widget_state=True,
-                resources={"metadata": {"path": str(path.parent)}},
-                config=kernel_config(Path(sockets)),
-            )
-            start = time.perf_counter()
-            try:
-                client.execute()
-            except Exception as exc:  # CellExecutionError, a dead or missing kernel, a timeout: this notebook only
-                if client.ctrl_c:
-                    raise KeyboardInterrupt from None
-                notebook_bar.update()
-                yield NotebookRun(path.name, time.perf_counter() - start, error=_failure(nb, client.running, exc))
-                continue
+            kernel_log = Path(sockets) / f"{path.stem}.log"
+            with kernel_log.open("wb") as log:
+                client = workbook_client()(
+                    nb,
+                    cell_bar,
+                    log,
+                    timeout=1200,
+                    store_widget_state=True,
+                    resources={"metadata": {"path": str(path.parent)}},
+                    config=kernel_config(Path(sockets)),
+                )
+                start = time.perf_counter()
+                try:
+                    client.execute()
+                except Exception as exc:  # CellExecutionError, a dead or missing kernel, a timeout: this one only
+                    if client.ctrl_c:
+                        raise KeyboardInterrupt from None
+                    # When the kernel did not start, nbclient leaves its exit-time clean-up registered, and at
+                    # exit that clean-up fails with a traceback on the terminal (its kernel manager is gone).
+                    atexit.unregister(client._cleanup_kernel)
+                    notebook_bar.update()
+                    error = _failure(nb, client.running, exc, last_line(kernel_log))
+                    yield NotebookRun(path.name, time.perf_counter() - start, error=error)
+                    continue
             if client.ctrl_c:  # pressed just as the last cell finished: stop all the same
                 raise KeyboardInterrupt
             replace_file(path, nbformat.writes(nb).encode("utf-8"))
@@ -290,6 +298,10 @@ def workbook_client() -> type:
     class WorkbookClient(NotebookClient):
         """Moves the cell progress bar `cell_bar` and remembers the running cell (`running`, its index).
 
+        The kernel process writes its own stderr (not a cell's: that is the cell's output) to `kernel_log`,
+        not to the terminal: ipykernel logs there, e.g. a traceback when its output thread closed before
+        a last flush at shutdown, which would land between the progress bars.
+
         Ctrl-C stops the run, as it stops any command. The kernel runs in a session of its own, so the
         terminal's Ctrl-C reaches only this process, where nbclient's handler merely asks the kernel to
         shut down once the running cell is done, and the run went on. Here the first Ctrl-C interrupts
@@ -297,9 +309,10 @@ def workbook_client() -> type:
         fails, and `ctrl_c` (the number of presses) tells the caller to stop.
         """
 
-        def __init__(self, nb: Any, cell_bar: Any, **kwargs: Any) -> None:
+        def __init__(self, nb: Any, cell_bar: Any, kernel_log: IO[bytes], **kwargs: Any) -> None:
             super().__init__(nb, **kwargs)
             self.cell_bar = cell_bar
+            self.kernel_log = kernel_log
             self.running: int | None = None
             self.ctrl_c = 0
 
@@ -307,7 +320,7 @@ def workbook_client() -> type:
             # nbclient has just put in its own SIGINT handler: replace it (it removes the handler at the end).
             with contextlib.suppress(NotImplementedError, RuntimeError):  # no signals here (Windows, a thread)
                 asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self.on_ctrl_c)
-            await super().async_start_new_kernel(**kwargs)
+            await super().async_start_new_kernel(stderr=self.kernel_log, **kwargs)
 
         def on_ctrl_c(self) -> None:
             self.ctrl_c += 1
@@ -350,15 +363,24 @@ def first_line(source: str, width: int) -> str:
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
-def _failure(nb: Any, index: int | None, exc: Exception) -> str:
+def last_line(path: Path) -> str:
+    """The last line of text file `path` that is not blank ("" if none)."""
+    lines = path.read_text(errors="replace").splitlines()
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")
+
+
+def _failure(nb: Any, index: int | None, exc: Exception, kernel_said: str = "") -> str:
     """One line: which cell failed (its number, counting every cell from 1, and its first line) and the error,
-    without IPython's ANSI colour codes."""
+    without IPython's ANSI colour codes. `kernel_said`: the last line the kernel process wrote to its stderr,
+    which tells why a kernel died or did not start."""
     from nbclient.exceptions import CellExecutionError
 
     if isinstance(exc, CellExecutionError):  # its str() is the whole traceback: the exception's name and value
         error = f"{exc.ename}: {exc.evalue}"
     else:  # a timeout, a dead kernel, one that did not start
         error = f"{type(exc).__name__}: {next(iter(str(exc).strip().splitlines()), '')}"
+        if kernel_said:
+            error += f" (the kernel's last words: {kernel_said})"
     where = (
         "before its first cell"
         if index is None

@@ -43,9 +43,32 @@ def write_notebook(path: Path, *sources: str, kernel: str = "python3") -> Path:
     return path
 
 
+# Two kernels of the test's own (kernelspecs found through $JUPYTER_PATH): "noisy" is ipykernel after a
+# traceback on its process's stderr, as ipykernel prints one when its output thread closed before a last
+# flush at shutdown; "dies" exits before it starts, saying why.
+TEST_KERNELS = {
+    "noisy": (
+        "import sys; print('Traceback (most recent call last): noise of the kernel process', file=sys.stderr); "
+        "from ipykernel.kernelapp import launch_new_instance; launch_new_instance()"
+    ),
+    "dies": "import sys; sys.exit('this kernel cannot start: no licence')",
+}
+
+
+def jupyter_path(root: Path) -> Path:
+    """A $JUPYTER_PATH folder with the test kernels."""
+    for name, code in TEST_KERNELS.items():
+        spec = root / "jupyter" / "kernels" / name
+        spec.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-c", code, "-f", "{connection_file}"]
+        (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": name, "language": "python"}))
+    return root / "jupyter"
+
+
 def tiny_workbook(src: Path) -> dict[Path, Path]:
-    """Three notebooks: the first fails in its third cell (under nbval's marker and a comment, with a two-line message),
-    the second runs, the third asks for a kernel that does not exist; and a trace."""
+    """Four notebooks: the first fails in its third cell (under nbval's marker and a comment, with a two-line message),
+    the second runs (in the noisy kernel), the third asks for a kernel that does not exist, the fourth for one
+    that dies; and a trace."""
     (src / "traces").mkdir(parents=True)
     (src / "traces" / "t.json").write_text("{}")
     return {
@@ -56,9 +79,10 @@ def tiny_workbook(src: Path) -> dict[Path, Path]:
             "print('never')",
         ),
         Path("notebooks/01_ok.ipynb"): write_notebook(
-            src / "01_ok.ipynb", "import sys", "print(6 * 7)", "print('to the cell', file=sys.stderr)"
+            src / "01_ok.ipynb", "import sys", "print(6 * 7)", "print('to the cell', file=sys.stderr)", kernel="noisy"
         ),
         Path("notebooks/02_no_kernel.ipynb"): write_notebook(src / "02_no_kernel.ipynb", "1", kernel="no-such-kernel"),
+        Path("notebooks/03_dies.ipynb"): write_notebook(src / "03_dies.ipynb", "1", kernel="dies"),
         Path("notebooks/traces/t.json"): src / "traces" / "t.json",
     }
 
@@ -87,20 +111,21 @@ class TerminalRun:
     code: int
     stdout: str
     terminal: str
-    """All that reached stderr, a terminal 120 columns wide: the command's, the kernels' and the progress bars'."""
+    """All that reached stderr, a terminal 120 columns wide: the command's and the progress bars'."""
     lines: list[str]
     """`terminal` without ANSI codes, split at every carriage return and newline: each state a bar was drawn in."""
 
 
 def run_in_terminal(files: dict[Path, Path], dest: Path, ctrl_c_when: Path | None = None) -> TerminalRun:
     """Run the command in a new process whose stderr is a pseudo-terminal, as a student's terminal is
-    (progress bars are drawn only there). The kernels inherit it: what they print lands there too.
+    (progress bars are drawn only there). A kernel that printed to its stderr would land there too.
     `ctrl_c_when`: once this file exists, press Ctrl-C (SIGINT to the command, as a terminal sends it:
     the kernels run in sessions of their own)."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "PAGEDKV_DEBUG")}
     env["PYTHONPATH"] = str(REPO)
+    env["JUPYTER_PATH"] = str(jupyter_path(dest.parent))
     with subprocess.Popen(
         [sys.executable, "-c", RUN_CLI, json.dumps({str(k): str(v) for k, v in files.items()}), str(dest)],
         stdin=subprocess.DEVNULL,
@@ -154,7 +179,12 @@ def test_a_failing_notebook_names_its_cell_and_the_others_run(
             "pagedkv: error: notebook 02_no_kernel.ipynb failed before its first cell: "
             "NoSuchKernel: No such kernel named no-such-kernel (not saved)"
         ),
-        "pagedkv: error: 2 of 3 notebooks failed: 00_fails.ipynb, 02_no_kernel.ipynb",
+        (
+            "pagedkv: error: notebook 03_dies.ipynb failed before its first cell: "
+            "RuntimeError: Kernel died before replying to kernel_info "
+            "(the kernel's last words: this kernel cannot start: no licence) (not saved)"
+        ),
+        "pagedkv: error: 3 of 4 notebooks failed: 00_fails.ipynb, 02_no_kernel.ipynb, 03_dies.ipynb",
     ], run.terminal
     assert run.code == 1
     assert "Traceback" not in run.terminal and "Traceback" not in run.stdout
@@ -162,7 +192,7 @@ def test_a_failing_notebook_names_its_cell_and_the_others_run(
     ran = nbformat.read(dest / "notebooks/01_ok.ipynb", as_version=4)
     assert ran.cells[2].outputs[0]["text"] == "42\n"  # ... and was saved with its outputs
     assert ran.cells[3].outputs[0]["text"] == "to the cell\n"  # a cell's stderr is its output, not the terminal's
-    for failed in ("00_fails.ipynb", "02_no_kernel.ipynb"):  # left as shipped
+    for failed in ("00_fails.ipynb", "02_no_kernel.ipynb", "03_dies.ipynb"):  # left as shipped
         assert (dest / "notebooks" / failed).read_bytes() == shipped[Path("notebooks") / failed].read_bytes()
 
 
@@ -172,9 +202,9 @@ def test_progress_bars_follow_the_notebooks_and_the_running_cell(
     """Before: nothing on the terminal while a notebook ran."""
     run, _, _ = executed
     bars = [line for line in run.lines if line.startswith(("notebooks", "cells"))]
-    assert any(re.fullmatch(r"notebooks +1/3 +\|.*\| \d\d:\d\d, 01_ok\.ipynb", line) for line in bars), bars
+    assert any(re.fullmatch(r"notebooks +1/4 +\|.*\| \d\d:\d\d, 01_ok\.ipynb", line) for line in bars), bars
     assert any(re.fullmatch(r"cells +2/4 +\|.*\| \d\d:\d\d, print\(6 \* 7\)", line) for line in bars), bars
-    assert any(re.fullmatch(r"notebooks +3/3 +\|.*", line) for line in bars), bars
+    assert any(re.fullmatch(r"notebooks +4/4 +\|.*", line) for line in bars), bars
     # Printed lines go above the bars, never into one.
     assert all(line.startswith(("notebooks", "cells", "pagedkv: error:")) for line in run.lines), run.lines
 
@@ -220,7 +250,7 @@ def test_executed_notebooks_are_not_run_again(
     assert "skip 01_ok.ipynb (your copy: its saved outputs are kept; --force replaces and runs it)" in (
         capsys.readouterr().out
     )
-    assert asked == [[Path("notebooks/00_fails.ipynb"), Path("notebooks/02_no_kernel.ipynb")]]
+    assert asked == [[Path(f"notebooks/{name}") for name in ("00_fails.ipynb", "02_no_kernel.ipynb", "03_dies.ipynb")]]
     assert "6 * 9" in ran.read_text()
 
 
