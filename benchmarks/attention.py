@@ -1,7 +1,7 @@
 """Paged attention on the GPU: TRITON_ATTN vs flash-attn 4 vs the reference backend vs dense SDPA.
 
     python benchmarks/attention.py [--json results.json] [--quick]
-    python benchmarks/attention.py --sweep decode|prefill --json sweep.json   # tuning search
+    python benchmarks/attention.py --sweep decode|fp8-decode|prefill --json sweep.json   # tuning search
     python benchmarks/attention.py --tuning sweep_decode.json sweep_prefill.json  # use the winners
 
 bf16, 32 query heads / 8 KV heads / head size 128, block size 16, random page tables.
@@ -89,15 +89,16 @@ def triton_fn(batch: PagedBatch, tuning: Tuning | None) -> Callable[[], object]:
     )
 
 
-def triton_fp8_fn(batch: PagedBatch) -> Callable[[], object]:
+def triton_fp8_fn(batch: PagedBatch, tuning: Tuning | None = None) -> Callable[[], object]:
     """TRITON_ATTN over an fp8 copy of the batch's cache (scales from its amax, as the profile run sets them)."""
     k_scale, v_scale = kv_scale(batch.k_cache, K_SCALE_CONSTANT), kv_scale(batch.v_cache, V_SCALE_CONSTANT)
     k8, v8 = quantize_fp8(batch.k_cache, k_scale), quantize_fp8(batch.v_cache, v_scale)
     out = torch.empty_like(batch.q)
     kwargs = batch.attention_kwargs()
     workspace = SplitKVWorkspace(batch.q.shape[0] * 64, HQ, D, "cuda")
+    config = None if tuning is None else batch_config(batch, tuning, kv_bytes=1)
     return lambda: unified_attention(
-        batch.q, k8, v8, out, **kwargs, workspace=workspace, k_scale=k_scale, v_scale=v_scale
+        batch.q, k8, v8, out, **kwargs, workspace=workspace, config=config, k_scale=k_scale, v_scale=v_scale
     )
 
 
@@ -374,11 +375,17 @@ def sweep(kind: str, quick: bool) -> dict[str, object]:
         grid = [
             dict(decode_programs_per_sm=p, split_overhead_tiles=o) for p, o in itertools.product((3, 4, 5), (1, 2, 4))
         ]
+    elif kind == "fp8-decode":
+        grid = [
+            dict(fp8_decode=(16, n, w, st), decode_programs_per_sm=p)
+            for n, w, st, p in itertools.product((64, 128, 256), (4, 8), (2, 3, 4), (2, 4))
+        ]
     else:
         longs = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
         shorts = [(64, 32, 4, 2), (64, 64, 4, 2)]
         grid = [dict(long_prefill=a, short_prefill=b) for a, b in itertools.product(longs, shorts)]
-    chosen = [c for c in cases(quick) if (c.kind == "decode") == (kind == "decode")]
+    chosen = [c for c in cases(quick) if (c.kind == "decode") == kind.endswith("decode")]
+    provider = triton_fp8_fn if kind == "fp8-decode" else triton_fn
     results = []
     batches = {c.name: paged_batches(c) for c in chosen}
     for knobs in grid:
@@ -386,7 +393,7 @@ def sweep(kind: str, quick: bool) -> dict[str, object]:
         times = {}
         for c in chosen:
             try:
-                times[c.name] = graph_us([triton_fn(b, tuning) for b in batches[c.name]], rep_ms=10)
+                times[c.name] = graph_us([provider(b, tuning) for b in batches[c.name]], rep_ms=10)
             except Exception as exc:
                 times[c.name] = f"{type(exc).__name__}"
                 break
@@ -405,7 +412,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="write all numbers here")
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--sweep", choices=["decode", "prefill"], help="search tile knobs instead")
+    parser.add_argument("--sweep", choices=["decode", "fp8-decode", "prefill"], help="search tile knobs instead")
     parser.add_argument("--tuning", type=Path, nargs="*", default=[], help="sweep results whose winners to use too")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -9,6 +9,8 @@ layer shape at both M (`triton.testing.do_bench`, median), the sum over the four
 ratio to torch.mm (cuBLAS, which picks a kernel per shape) in the same run, and whether row 0 of
 M = 1 equals row 0 of M = 4,096 bitwise (it must, for every candidate). The table's last column
 weighs the two sums as W1 does roughly: 128 decode steps per ~19 prefill chunks of 4,096 tokens.
+A second table gives the best candidate per layer shape: the tiles may depend on the weight's
+(N, K), never on M.
 """
 
 from __future__ import annotations
@@ -31,12 +33,15 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 """llama3-8b's linear layers as (N, K): out features, in features."""
 CANDIDATES = [
     (64, 64, 64, 4, 3),
-    (64, 128, 64, 4, 3),
     (64, 128, 64, 4, 4),
+    (128, 32, 64, 4, 4),
     (128, 64, 64, 4, 3),
+    (128, 64, 64, 4, 4),
+    (128, 64, 128, 4, 3),
+    (128, 64, 64, 8, 4),
     MATMUL_TILES,  # (128, 128, 64, 8, 3): the winner of the H200 run of 2026-12-04
+    (128, 128, 64, 8, 4),
     (128, 128, 64, 4, 3),
-    (64, 256, 64, 8, 3),
     (128, 256, 64, 8, 3),
 ]
 ROWS = (128, 4096)
@@ -47,19 +52,16 @@ def bench(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
 
 
-def total_us(
-    inputs: dict[tuple[str, int], torch.Tensor], weights: dict[str, torch.Tensor], m: int, tiles: tuple[int, ...] | None
-) -> float:
-    """Microseconds of the four layer shapes at M rows: the candidate `tiles`, or torch.mm (None)."""
-    total = 0.0
-    for name, w in weights.items():
-        x = inputs[(name, m)]
-        total += bench(
-            functools.partial(torch.mm, x, w.T)
-            if tiles is None
-            else functools.partial(matmul_triton, x, w, tiles=tiles)
-        )
-    return total
+def shape_us(x: torch.Tensor, w: torch.Tensor, tiles: tuple[int, ...] | None) -> float:
+    """Microseconds of x @ w.T: the candidate `tiles`, or torch.mm (None)."""
+    return bench(
+        functools.partial(torch.mm, x, w.T) if tiles is None else functools.partial(matmul_triton, x, w, tiles=tiles)
+    )
+
+
+def w1_ms(us: dict[int, float]) -> float:
+    """The W1 weighting of one shape's (or a sum's) microseconds at each M."""
+    return sum(W1_WEIGHTS[m] * us[m] for m in ROWS) / 1e3
 
 
 def main() -> None:
@@ -71,26 +73,30 @@ def main() -> None:
     inputs = {
         (name, m): torch.randn(m, SHAPES[name][1], device="cuda", dtype=torch.bfloat16) for name in SHAPES for m in ROWS
     }
+    cublas = {name: {m: shape_us(inputs[(name, m)], w, None) for m in ROWS} for name, w in weights.items()}
     rows: list[dict[str, object]] = []
-    cublas = {m: total_us(inputs, weights, m, None) for m in ROWS}
     for tiles in CANDIDATES:
         row: dict[str, object] = {"tiles": list(tiles)}
         try:
+            per_shape = {name: {m: shape_us(inputs[(name, m)], w, tiles) for m in ROWS} for name, w in weights.items()}
+            row["us"] = per_shape
             for m in ROWS:
-                row[f"us_m{m}"] = total_us(inputs, weights, m, tiles)
-                row[f"x_cublas_m{m}"] = cublas[m] / row[f"us_m{m}"]  # type: ignore[operator]
-            big = matmul_triton(inputs[("o", 4096)], weights["o"], tiles=tiles)
-            row["invariant"] = torch.equal(matmul_triton(inputs[("o", 4096)][:1], weights["o"], tiles=tiles), big[:1])
-            row["w1_weighted_ms"] = sum(W1_WEIGHTS[m] * row[f"us_m{m}"] for m in ROWS) / 1e3  # type: ignore[operator]
+                row[f"us_m{m}"] = sum(t[m] for t in per_shape.values())
+                row[f"x_cublas_m{m}"] = sum(c[m] for c in cublas.values()) / row[f"us_m{m}"]  # type: ignore[operator]
+            row["w1_weighted_ms"] = w1_ms({m: row[f"us_m{m}"] for m in ROWS})  # type: ignore[misc]
+            x, w = inputs[("o", 4096)], weights["o"]
+            row["invariant"] = torch.equal(matmul_triton(x[:1], w, tiles=tiles), matmul_triton(x, w, tiles=tiles)[:1])
         except Exception as exc:  # noqa: BLE001  (a config that does not compile: say so, go on)
             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
-    cublas_w1 = sum(W1_WEIGHTS[m] * cublas[m] for m in ROWS) / 1e3
+    cublas_sum = {m: sum(c[m] for c in cublas.values()) for m in ROWS}
     print(
         f"\n{'tiles (BM, BN, BK, warps, stages)':<36}{'M=128 us':>10}{'x cuBLAS':>9}{'M=4096 us':>11}{'x cuBLAS':>9}{'W1 ms':>8}  invariant"
     )
-    print(f"{'cuBLAS (torch.mm)':<36}{cublas[128]:10.0f}{'':>9}{cublas[4096]:11.0f}{'':>9}{cublas_w1:8.1f}")
+    print(
+        f"{'cuBLAS (torch.mm)':<36}{cublas_sum[128]:10.0f}{'':>9}{cublas_sum[4096]:11.0f}{'':>9}{w1_ms(cublas_sum):8.1f}"
+    )
     for r in rows:
         if "error" in r:
             print(f"{str(r['tiles']):<36}{r['error']}")
@@ -99,9 +105,22 @@ def main() -> None:
             f"{str(r['tiles']):<36}{r['us_m128']:10.0f}{r['x_cublas_m128']:9.2f}{r['us_m4096']:11.0f}"
             f"{r['x_cublas_m4096']:9.2f}{r['w1_weighted_ms']:8.1f}  {r['invariant']}"
         )
+    # Tiles may depend on the weight's shape (N, K), never on M: the best candidate per shape.
+    print(f"\n{'shape (N, K)':<22}{'best tiles by W1 weight':<28}{'M=128 x cuBLAS':>15}{'M=4096 x cuBLAS':>16}")
+    best = {}
+    for name, nk in SHAPES.items():
+        top = min((r for r in rows if "error" not in r), key=lambda r: w1_ms(r["us"][name]))  # type: ignore[index]
+        best[name] = {"tiles": top["tiles"], "us": top["us"][name]}  # type: ignore[index]
+        t = top["us"][name]  # type: ignore[index]
+        print(
+            f"{name + ' ' + str(nk):<22}{str(top['tiles']):<28}{cublas[name][128] / t[128]:15.2f}{cublas[name][4096] / t[4096]:16.2f}"
+        )
     if args.json:
         args.json.write_text(
-            json.dumps({"device": torch.cuda.get_device_name(), "cublas_us": cublas, "rows": rows}, indent=1)
+            json.dumps(
+                {"device": torch.cuda.get_device_name(), "cublas_us": cublas, "rows": rows, "best_per_shape": best},
+                indent=1,
+            )
         )
 
 

@@ -40,9 +40,10 @@ def llama_batch(
     )
 
 
-def batch_config(batch: PagedBatch, tuning: Tuning | None = None) -> KernelConfig:
+def batch_config(batch: PagedBatch, tuning: Tuning | None = None, kv_bytes: int = 2) -> KernelConfig:
     """`choose_config` for `batch` from its shapes and host-side lengths, as the backend's metadata
-    builder calls it once per step; `tuning` None means choose_config's default tuning."""
+    builder calls it once per step; `tuning` None means choose_config's default tuning; `kv_bytes`: 1
+    for an fp8 cache."""
     q, num_kv_heads = batch.q, batch.k_cache.shape[2]
     # The kernel pads K and V heads to one width: the wider of the two (unified_attention's own default).
     head_pad = max(triton.next_power_of_2(q.shape[2]), triton.next_power_of_2(batch.v_cache.shape[3]))
@@ -56,5 +57,6 @@ def batch_config(batch: PagedBatch, tuning: Tuning | None = None) -> KernelConfi
         num_tokens=q.shape[0],
         max_query_len=batch.max_query_len,
         max_seq_len=batch.max_seq_len,
+        kv_bytes=kv_bytes,
         **({} if tuning is None else {"tuning": tuning}),
     )

@@ -45,6 +45,9 @@ class Tuning:
     decode: Tiles = Tiles(16, 64, 4, 2)
     """block_m is a minimum (the query rows of a request decide); 64 keys x 128 x 2 bytes =
     16 KB per K or V tile; 2 stages keep registers at ~126 so 4 programs fit on an SM."""
+    fp8_decode: Tiles = Tiles(16, 128, 4, 2)
+    """Decode over an fp8 cache (1 byte per value): twice the keys of `decode` per tile, so that a
+    load brings as many bytes."""
     decode_programs_per_sm: int = 4
     """How many decode programs an SM runs at once (occupancy of the decode tiles above)."""
     split_overhead_tiles: int = 2
@@ -116,8 +119,8 @@ def choose_config(
     """Pick tiles for this batch from host-side facts only (shapes and the caller's Python ints).
 
     Nothing here reads device memory, so the choice is the same when a CUDA graph is captured
-    and when it is replayed. `kv_bytes` is the cache's element size: a decode tile of an fp8
-    cache (1 byte) holds twice the keys, so that each load still brings as many bytes.
+    and when it is replayed. `kv_bytes` is the cache's element size: an fp8 cache (1 byte)
+    decodes with tiles of its own (`Tuning.fp8_decode`).
     """
     on_gpu = device.type == "cuda" and not interpreting()
     tensor_cores = on_gpu and dtype != torch.float32
@@ -136,10 +139,9 @@ def choose_config(
         block_n, num_warps = 16, 4
         num_stages = 2 if on_gpu and one_tile_per_req else 1
     else:
-        tiles = tuning.decode if one_tile_per_req else prefill
+        decode = tuning.fp8_decode if kv_bytes == 1 else tuning.decode
+        tiles = decode if one_tile_per_req else prefill
         block_n = tiles.block_n // 2 if wide else tiles.block_n
-        if one_tile_per_req and kv_bytes == 1:
-            block_n *= 2
         num_warps = tiles.num_warps
         num_stages = min(tiles.num_stages, 2) if wide else tiles.num_stages
 

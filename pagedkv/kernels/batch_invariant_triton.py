@@ -10,10 +10,11 @@ import triton.language as tl
 from pagedkv.kernels.common import next_power_of_2
 
 MATMUL_TILES = (128, 128, 64, 8, 3)
-"""(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the matmul, for every shape. One shape must
-serve decode steps (M = the batch) and prefill chunks (M = thousands): of the candidates
+"""(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the matmul. One shape must serve decode
+steps (M = the batch) and prefill chunks (M = thousands): of the candidates
 benchmarks/batch_invariant_matmul.py timed on an H200 on llama3-8b's layers, this one had the
-least W1-weighted time (0.56x cuBLAS at M = 128, 0.73x at M = 4,096)."""
+least W1-weighted time (0.56x cuBLAS at M = 128, 0.73x at M = 4,096, on 2026-12-04, before the
+grouped program order and the unmasked K loop)."""
 
 
 @triton.jit
@@ -32,36 +33,49 @@ def _matmul_kernel(
     stride_ym,
     stride_yn,
     HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask along K
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     # One program = one [BLOCK_M, BLOCK_N] tile of y, summed over all of K in order (no split-K).
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # Programs run in groups of GROUP_M row tiles down one column of tiles, then the next column, so
+    # that programs running at once share weight tiles in L2 (the order of programs changes no sum):
+    #
+    #   pid:   0  3  6 |  9 ...      (GROUP_M = 3)
+    #          1  4  7 | 10
+    #          2  5  8 | 11
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk
+    w_ptrs = w_ptr + rn[None, :] * stride_wn + rk[:, None] * stride_wk
+    m_ok, n_ok = rm[:, None] < M, rn[None, :] < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        x = tl.load(
-            x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk,
-            mask=(rm[:, None] < M) & (kk[None, :] < K),
-            other=0.0,
-        )
-        w = tl.load(
-            w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
-            mask=(rn[None, :] < N) & (kk[:, None] < K),
-            other=0.0,
-        )
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok, other=0.0)
+        else:
+            k_ok = k0 + rk < K
+            x = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok & k_ok[:, None], other=0.0)
         acc = tl.dot(x, w, acc, input_precision="ieee" if x.dtype == tl.float32 else "tf32")
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(
-        y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn,
-        acc.to(y_ptr.dtype.element_ty),
-        mask=(rm[:, None] < M) & (rn[None, :] < N),
+        y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_ok
     )
 
 
@@ -75,7 +89,7 @@ def matmul_triton(
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    _matmul_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+    _matmul_kernel[(triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)](
         x,
         weight,
         bias if bias is not None else weight,
@@ -87,9 +101,11 @@ def matmul_triton(
         *weight.stride(),
         *y.stride(),
         HAS_BIAS=bias is not None,
+        EVEN_K=K % block_k == 0,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        GROUP_M=8,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -22,11 +22,13 @@ The grid is (query tile, KV head, split):
   its own (`HEAD_SIZE_V`, the size of the output): MLA's prefill attends with K of 192 values
   and V of 128.
 * An **fp8 cache** (e4m3, one byte per value; pagedkv/kv_cache/fp8.py) holds `x / scale`. A tile
-  is loaded as fp8 and cast to the query's dtype (exact: every e4m3 value is a bf16 / fp16 value),
-  and the dequantizing multiply `* scale` is folded into scalars: q . (k * k_scale) =
-  (q . k) * k_scale joins the softmax scale, and sum p (v * v_scale) = v_scale * sum p v
-  multiplies the output once. So a decode reads half the bytes of a bf16 cache and does no
-  extra work per element but the cast.
+  is loaded as fp8 and cast to fp16 for the dots (exact: every e4m3 value is an fp16 value, and
+  the cast is one instruction per two values on sm_89 and later, where e4m3 -> bf16 takes four);
+  a bf16 query is cast to fp16 once per program (its 10-bit mantissa holds bf16's 7 bits; it
+  saturates at fp16's +-65504, far above any query). The dequantizing multiply `* scale` is
+  folded into scalars: q . (k * k_scale) = (q . k) * k_scale joins the softmax scale, and
+  sum p (v * v_scale) = v_scale * sum p v multiplies the output once. So a decode reads half the
+  bytes of a bf16 cache and does no extra work per element but the cast.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from pagedkv.kernels.reshape_and_cache import FP8_CACHE_DTYPES, check_kv_scales
 from pagedkv.kernels.split_kv import SplitKVWorkspace, merge_splits
 
 LOG2_E = 1.4426950408889634
+FP16_MAX = tl.constexpr(65504.0)
 NO_WINDOW = 1 << 30  # "unbounded" sliding window that still fits an int32
 
 
@@ -141,7 +144,7 @@ def _attend_key_tile(
         block = tl.load(block_table_row + page).to(tl.int64)
     k_rows = (block * stride_kc_b + offset * stride_kc_s)[:, None]
     v_rows = (block * stride_vc_b + offset * stride_vc_s)[:, None]
-    k = _load_kv(k_base + k_rows + dims_kv_k, in_seq, dim_ok, MASKED, PADDED).to(q.dtype)  # fp8: exact
+    k = _load_kv(k_base + k_rows + dims_kv_k, in_seq, dim_ok, MASKED, PADDED).to(q.dtype)  # fp8 -> fp16: exact
     v = _load_kv(v_base + v_rows + dims_kv_v, in_seq, v_dim_ok, MASKED, PADDED_V).to(q.dtype)
 
     s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
@@ -213,6 +216,7 @@ def _unified_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_DOTS_F16: tl.constexpr,  # fp8 cache, 16-bit query: dots in fp16
 ):
     """One program: one query tile of one request, one KV head, one share of its keys."""
     q_tile = tl.program_id(0)
@@ -247,6 +251,8 @@ def _unified_attention_kernel(
         mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )
+    if FP8_DOTS_F16:
+        q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
 
     # --- which key tiles ----------------------------------------------------------------------
     # Keys needed by some row: [p_first - window + 1, p_last]. Keys every row sees unmasked:
@@ -513,6 +519,7 @@ def unified_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreting() and q.dtype == torch.bfloat16,
         FP8=fp8,
+        FP8_DOTS_F16=fp8 and q.dtype != torch.float32,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
