@@ -141,14 +141,17 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_run(self) -> None:
         """Run the largest batch without metadata (attention outputs zeros), so that its
-        activations are counted before the KV cache takes what memory is left. With an fp8 KV
-        cache its K and V also set each layer's scales (`Attention.calc_kv_scales`): so the
-        tokens are every id in turn, not one id repeated."""
+        activations are counted before the KV cache takes what memory is left; a draft model runs
+        it too, as it does every step. With an fp8 KV cache its K and V also set each layer's scales
+        (`Attention.calc_kv_scales`), the draft model's included: so the tokens are every id in
+        turn, not one id repeated."""
         n = self.config.scheduler_config.max_num_batched_tokens
         ids = torch.arange(n, device=self.device) % self.model.config.vocab_size
         positions = torch.arange(n, device=self.device) % self.config.model_config.max_model_len
         with set_forward_context(None, self.config):
             hidden = self.model(ids, positions)
+            if self.drafter is not None:
+                self.drafter.model(ids, positions)
         self.model.compute_logits(hidden[-self.config.scheduler_config.max_num_seqs :])
 
     def determine_kv_cache_config(self) -> KVCacheConfig:

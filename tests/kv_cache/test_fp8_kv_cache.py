@@ -23,6 +23,7 @@ from pagedkv.kernels.attention_config import KernelConfig
 from pagedkv.kernels.testing import random_paged_batch
 from pagedkv.kv_cache.fp8 import FP8_E4M3_MAX, quantize_fp8
 from pagedkv.kv_cache.spec import FullAttentionSpec, get_kv_cache_config
+from pagedkv.worker.draft_model import DRAFT_PREFIX
 from tests.conftest import smoke_run
 
 FP8 = torch.float8_e4m3fn
@@ -192,6 +193,25 @@ def test_given_scales_are_kept_and_the_other_layers_calibrated() -> None:
         LLM("tiny", num_kv_blocks=8, kv_cache_scales={first: (1.0, 1.0)})
     with pytest.raises(ValueError, match="two positive floats"):
         LLM("tiny", kv_cache_dtype="fp8", num_kv_blocks=8, kv_cache_scales={first: (0.0, 1.0)})
+
+
+def test_a_draft_models_layers_are_calibrated_too() -> None:
+    """Before: the profile run ran the target model only, and the draft model's layers kept scale 1.0.
+    A draft with the target's own weights sees the same tokens: each of its layers gets the scales of
+    the target layer it copies."""
+    llm = LLM(
+        "tiny",
+        kv_cache_dtype="fp8",
+        num_kv_blocks=16,
+        speculative_config={"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2},
+    )
+    layers = llm.runner.attn_layers
+    drafts = {name: layer for name, layer in layers.items() if name.startswith(DRAFT_PREFIX)}
+    assert drafts and len(drafts) * 2 == len(layers)
+    for name, draft in drafts.items():
+        target = layers[name.removeprefix("draft.")]  # draft.model.layers.0... copies model.layers.0...
+        assert (draft._k_scale.item(), draft._v_scale.item()) == (target._k_scale.item(), target._v_scale.item())
+        assert draft._k_scale.item() != 1.0 and not draft.calculate_kv_scales
 
 
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 1 for j in range(12 + i % 5)]} for i in range(24)]
