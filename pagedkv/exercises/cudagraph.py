@@ -92,7 +92,7 @@ LOWERING_EXERCISES: dict[int, LoweringExercise] = {
 del M, S
 
 
-def _parse_answer(answer: Any) -> CUDAGraphMode | str | None:
+def parse_mode_answer(answer: Any) -> CUDAGraphMode | str | None:
     """A mode, RAISES, or None when the answer cannot be read."""
     if answer is ValueError or (isinstance(answer, str) and answer.strip().lower() in ("valueerror", "raises")):
         return RAISES
@@ -146,7 +146,7 @@ def _broken_rule(answer: CUDAGraphMode, exercise: LoweringExercise) -> tuple[int
     return None
 
 
-def _missed(answer: CUDAGraphMode | str, result: Resolution, exercise: LoweringExercise) -> str:
+def explain_miss(answer: CUDAGraphMode | str, result: Resolution, exercise: LoweringExercise) -> str:
     """Which rule a wrong answer missed, and a hint; never the resolved mode."""
     configured, steps = exercise.mode, result.steps
     if answer == RAISES:
@@ -211,7 +211,7 @@ def _missed(answer: CUDAGraphMode | str, result: Resolution, exercise: LoweringE
     )
 
 
-def _worked(result: Resolution, exercise: LoweringExercise) -> str:
+def worked_lowering(result: Resolution, exercise: LoweringExercise) -> str:
     """The resolver's path through the rules for this configuration, step by step."""
     lines = [str(exercise), "The rules that apply, in order:"]
     lines += [f"  rule {step.rule}: {step.before.name} -> {step.after.name} ({step.reason})" for step in result.steps]
@@ -231,14 +231,16 @@ def _check_lowering(number: int, answer: Any) -> CheckResult:
     exercise = LOWERING_EXERCISES[number]
     if answer is ...:
         return CheckResult(False, "Replace `...` with a CUDAGraphMode (or its name), or ValueError if it raises.")
-    parsed = _parse_answer(answer)
+    parsed = parse_mode_answer(answer)
     if parsed is None:
         return CheckResult(False, f"{answer!r} is neither a mode ({[m.name for m in CUDAGraphMode]}) nor ValueError.")
     result = exercise.resolve()  # only now, with the answer in
     if parsed == (RAISES if result.error else result.resolved):
         return CheckResult(True, f"Exercise {number}: {result.describe()}")
     return CheckResult(
-        False, f"Exercise {number}: {_missed(parsed, result, exercise)}", reveal=lambda: _worked(result, exercise)
+        False,
+        f"Exercise {number}: {explain_miss(parsed, result, exercise)}",
+        reveal=lambda: worked_lowering(result, exercise),
     )
 
 

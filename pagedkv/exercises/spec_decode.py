@@ -26,7 +26,7 @@ from pagedkv.engine.rejection_sampler import RejectionSampler
 from pagedkv.engine.request import SamplingParams
 from pagedkv.engine.sampler import Sampler
 from pagedkv.exercises import CheckResult, call_on_cases, exercise, package_answer
-from pagedkv.exercises.cudagraph import RAISES, LoweringExercise, _missed, _parse_answer, _worked
+from pagedkv.exercises.cudagraph import RAISES, LoweringExercise, explain_miss, parse_mode_answer, worked_lowering
 from pagedkv.worker.input_batch import compute_slot_mapping
 
 VOCAB = 64
@@ -166,7 +166,7 @@ def check_spec_modes(answers: Any) -> CheckResult:
     ValueError when the engine refuses the configuration)."""
     if not isinstance(answers, dict) or set(answers) != set(SPEC_MODE_CASES):
         return CheckResult(False, f"Give a dict with one mode per case: keys {sorted(SPEC_MODE_CASES)}.")
-    parsed = {case: _parse_answer(answer) for case, answer in answers.items()}
+    parsed = {case: parse_mode_answer(answer) for case, answer in answers.items()}
     for case in sorted(SPEC_MODE_CASES):
         if parsed[case] is None:
             return CheckResult(
@@ -180,8 +180,8 @@ def check_spec_modes(answers: Any) -> CheckResult:
             continue
         return CheckResult(
             False,
-            f"case {case} ({config.backend_name}, {config.mode.name}): {_missed(parsed[case], result, config)}",
-            reveal=lambda result=result, config=config: _worked(result, config),
+            f"case {case} ({config.backend_name}, {config.mode.name}): {explain_miss(parsed[case], result, config)}",
+            reveal=lambda result=result, config=config: worked_lowering(result, config),
         )
     return CheckResult(
         True, f"All {len(SPEC_MODE_CASES)} cases resolve as you said with {1 + NUM_SPECULATIVE_TOKENS}-token decodes."
