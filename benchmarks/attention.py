@@ -375,10 +375,10 @@ def sweep(kind: str, quick: bool) -> dict[str, object]:
         grid = [
             dict(decode_programs_per_sm=p, split_overhead_tiles=o) for p, o in itertools.product((3, 4, 5), (1, 2, 4))
         ]
-    elif kind == "fp8-decode":
+    elif kind == "fp8-decode":  # tiles [block_m, keys, warps, stages, register cap] x programs per SM
         grid = [
-            dict(fp8_decode=(16, n, w, st), decode_programs_per_sm=p)
-            for n, w, st, p in itertools.product((64, 128, 256), (4, 8), (2, 3, 4), (2, 4))
+            dict(fp8_decode=(16, n, w, st, regs), decode_programs_per_sm=p)
+            for n, w, st, regs, p in itertools.product((64, 128), (4, 8), (2, 3), (None, 128), (3, 4))
         ]
     else:
         longs = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)]

@@ -32,6 +32,8 @@ class Tiles:
     block_n: int
     num_warps: int
     num_stages: int
+    max_registers: int | None = None
+    """Registers per thread the compiler may use (Triton's `maxnreg`); None: its own choice."""
 
 
 @dataclass(frozen=True)
@@ -45,9 +47,11 @@ class Tuning:
     decode: Tiles = Tiles(16, 64, 4, 2)
     """block_m is a minimum (the query rows of a request decide); 64 keys x 128 x 2 bytes =
     16 KB per K or V tile; 2 stages keep registers at ~126 so 4 programs fit on an SM."""
-    fp8_decode: Tiles = Tiles(16, 128, 4, 2)
-    """Decode over an fp8 cache (1 byte per value): twice the keys of `decode` per tile, so that a
-    load brings as many bytes."""
+    fp8_decode: Tiles = Tiles(16, 64, 4, 2, max_registers=128)
+    """Decode over an fp8 cache (1 byte per value). Its casts to fp16 take registers: capped at 128
+    (no spills, triton 3.6), 4 programs still fit on an SM, as `decode`'s do. Not yet timed on the
+    H200 (the last run, with 128-key tiles and the cast after the staging, had 0.94x of bf16's
+    speed); `benchmarks/attention.py --sweep fp8-decode` searches it."""
     decode_programs_per_sm: int = 4
     """How many decode programs an SM runs at once (occupancy of the decode tiles above)."""
     split_overhead_tiles: int = 2
@@ -74,6 +78,8 @@ class KernelConfig:
     """Software-pipelining depth: tiles being loaded while an earlier one is computed."""
     num_splits: int = 1
     """Programs sharing one sequence's key range (decode); 1 = no split, no merge kernel."""
+    max_registers: int | None = None
+    """Registers per thread the compiler may use (`Tiles.max_registers`)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -136,7 +142,7 @@ def choose_config(
         # The interpreter runs programs one after another: small tiles keep tests quick and still
         # cross several cache blocks, tiles and splits on short sequences. Exact fp32 dots run on
         # the CUDA cores, whose register-hungry code wants small tiles too.
-        block_n, num_warps = 16, 4
+        block_n, num_warps, max_registers = 16, 4, None
         num_stages = 2 if on_gpu and one_tile_per_req else 1
     else:
         decode = tuning.fp8_decode if kv_bytes == 1 else tuning.decode
@@ -144,13 +150,14 @@ def choose_config(
         block_n = tiles.block_n // 2 if wide else tiles.block_n
         num_warps = tiles.num_warps
         num_stages = min(tiles.num_stages, 2) if wide else tiles.num_stages
+        max_registers = None if wide else tiles.max_registers  # a wider head needs its registers
 
     num_splits = 1
     if one_tile_per_req:
         slots = tuning.decode_programs_per_sm * num_compute_units(device)
         num_tiles = cdiv(max(max_seq_len, 1), block_n)
         num_splits = split_count(num_reqs * num_kv_heads, num_tiles, slots, tuning.split_overhead_tiles)
-    return KernelConfig(block_m, block_n, num_warps, num_stages, num_splits)
+    return KernelConfig(block_m, block_n, num_warps, num_stages, num_splits, max_registers)
 
 
 def batch_invariant_config(

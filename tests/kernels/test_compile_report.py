@@ -1,0 +1,38 @@
+"""The decode kernel as Triton compiles it for the H200 (sm_90), checked on this CPU machine:
+benchmarks/compile_report.py compiles it with Triton's own ptxas, no GPU needed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="this Triton has no NVIDIA backend")
+    out = tmp_path_factory.mktemp("compile") / "report.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/compile_report.py", "--json", str(out)],  # the default tiles
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return {row["config"].split(":")[0]: row for row in json.loads(out.read_text())["rows"]}
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_decode_tiles_keep_4_programs_per_sm_and_wide_copies(rows: dict[str, dict], cache: str) -> None:
+    """Before: an fp8 V tile cast where the dot reads it was staged as bytes and gathered byte by byte
+    (triton 3.6: 256 ld.shared.b8 in the code, 8-byte copies, 168 registers: 3 programs per SM)."""
+    row = rows[cache]
+    assert row["shared_byte_loads"] == 0 and row["copies_under_16B"] == 0, row
+    assert row["copies_16B"] > 0 and row["ldmatrix"] > 0, row
+    assert row["registers"] <= 128 and row["spill_bytes"] == 0 and row["programs_per_sm"] == 4, row
