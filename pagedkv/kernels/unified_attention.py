@@ -22,9 +22,9 @@ The grid is (query tile, KV head, split):
   its own (`HEAD_SIZE_V`, the size of the output): MLA's prefill attends with K of 192 values
   and V of 128.
 * An **fp8 cache** (e4m3, one byte per value; pagedkv/kv_cache/fp8.py) holds `x / scale`. A tile
-  is loaded as fp8 and cast to fp16 for the dots (exact: every e4m3 value is an fp16 value, and
-  the cast is one instruction per two values on sm_89 and later, where e4m3 -> bf16 takes four);
-  a bf16 query is cast to fp16 once per program (its 10-bit mantissa holds bf16's 7 bits; it
+  is loaded as fp8 and cast to fp16 for the dots (exact: every e4m3 value is an fp16 value; the
+  GPU converts a pair of e4m3 values to fp16 in one instruction on sm_89 and later, and reaches
+  bf16 only by way of fp16 and fp32; V's cast: `_widen_fp8_tile`); a bf16 query is cast to fp16 once per program (its 10-bit mantissa holds bf16's 7 bits; it
   saturates at fp16's +-65504, far above any query). The dequantizing multiply `* scale` is
   folded into scalars: q . (k * k_scale) = (q . k) * k_scale joins the softmax scale, and
   sum p (v * v_scale) = v_scale * sum p v multiplies the output once. So a decode reads half the
