@@ -121,6 +121,36 @@ def test_triton_attn_logits_are_bitwise_the_same_in_any_batch(dtype: str) -> Non
     assert batched.stats.num_cached_tokens >= 16
 
 
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=7, logprobs=5, max_tokens=6, ignore_eos=True)
+
+
+def sampled_output(llm: LLM, n_others: int) -> tuple[list[int], list[dict[int, float]]]:
+    """A seeded top-p / top-k request's tokens and logprobs, run after `n_others` requests that sample
+    with parameters of their own (so the sampler's batch mixes temperatures, top-p and greedy rows)."""
+    for i, p in enumerate(others(n_others, seed=3)):
+        params = SamplingParams(temperature=[0.0, 1.0, 0.5][i % 3], top_p=0.95, seed=i, max_tokens=5, ignore_eos=True)
+        llm.add_request({"prompt_token_ids": p}, params)
+    target = llm.add_request({"prompt_token_ids": TARGET}, SAMPLED)
+    finals = {}
+    while llm.has_unfinished_requests():
+        finals.update({out.request_id: out for out in llm.step() if out.finished})
+    completion = finals[target].outputs[0]
+    return list(completion.token_ids), list(completion.logprobs)
+
+
+@pytest.mark.parametrize(("dtype", "invariant"), [("bfloat16", True), ("float32", False)])
+def test_sampled_tokens_and_logprobs_the_same_in_any_batch(dtype: str, invariant: bool) -> None:
+    """The sampler too (softmax, top-p, log-softmax): with the mode, a seeded sampled request gets the
+    same tokens and bitwise the same logprobs alone and among 15 others; without it (float32), the
+    logprobs differ, so the comparison can tell."""
+    llm = engine("TORCH_REF", dtype, invariant, enable_prefix_caching=False, max_num_seqs=16)
+    alone, batched = sampled_output(llm, 0), sampled_output(llm, 15)
+    if invariant:
+        assert alone == batched
+    else:
+        assert alone[1] != batched[1]
+
+
 def test_the_same_comparisons_differ_with_the_mode_off() -> None:
     """Without the mode, a batch changes the target's float32 logits (CPU matmuls pick kernels by the
     number of rows): so the tests above would catch a mode that did nothing."""
