@@ -60,15 +60,10 @@ def cases(quick: bool) -> list[Case]:
     return out
 
 
-def kv_bytes(case: Case) -> int:
+def kv_bytes(case: Case, cache_bytes: int = 2) -> int:
+    """What one pass reads and writes: K and V at `cache_bytes` per value (1: an fp8 cache) + q, out at 2."""
     seq = sum(q + c for q, c in zip(case.query_lens, case.context_lens))
-    return 2 * seq * HKV * D * 2 + 2 * sum(case.query_lens) * HQ * D * 2  # K, V + q, out
-
-
-def kv_bytes_fp8(case: Case) -> int:
-    """What a pass over an fp8 cache reads and writes: K, V at 1 byte + q, out at 2."""
-    seq = sum(q + c for q, c in zip(case.query_lens, case.context_lens))
-    return 2 * seq * HKV * D * 1 + 2 * sum(case.query_lens) * HQ * D * 2
+    return 2 * seq * HKV * D * cache_bytes + 2 * sum(case.query_lens) * HQ * D * 2
 
 
 def causal_flops(case: Case) -> float:
@@ -79,26 +74,20 @@ def causal_flops(case: Case) -> float:
 # --- providers: each returns a no-argument callable over one input copy -----------------------
 
 
-def triton_fn(batch: PagedBatch, tuning: Tuning | None) -> Callable[[], object]:
+def triton_fn(batch: PagedBatch, tuning: Tuning | None, fp8: bool = False) -> Callable[[], object]:
+    """TRITON_ATTN over the batch's cache, or (`fp8`) over an fp8 copy of it, with scales from its amax
+    as the profile run sets them."""
+    k_cache, v_cache, scales = batch.k_cache, batch.v_cache, {}
+    if fp8:
+        k_scale, v_scale = kv_scale(k_cache, K_SCALE_CONSTANT), kv_scale(v_cache, V_SCALE_CONSTANT)
+        k_cache, v_cache = quantize_fp8(k_cache, k_scale), quantize_fp8(v_cache, v_scale)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
     out = torch.empty_like(batch.q)
     kwargs = batch.attention_kwargs()
     workspace = SplitKVWorkspace(batch.q.shape[0] * 64, HQ, D, "cuda")
-    config = None if tuning is None else batch_config(batch, tuning)
+    config = None if tuning is None else batch_config(batch, tuning, kv_bytes=1 if fp8 else 2)
     return lambda: unified_attention(
-        batch.q, batch.k_cache, batch.v_cache, out, **kwargs, workspace=workspace, config=config
-    )
-
-
-def triton_fp8_fn(batch: PagedBatch, tuning: Tuning | None = None) -> Callable[[], object]:
-    """TRITON_ATTN over an fp8 copy of the batch's cache (scales from its amax, as the profile run sets them)."""
-    k_scale, v_scale = kv_scale(batch.k_cache, K_SCALE_CONSTANT), kv_scale(batch.v_cache, V_SCALE_CONSTANT)
-    k8, v8 = quantize_fp8(batch.k_cache, k_scale), quantize_fp8(batch.v_cache, v_scale)
-    out = torch.empty_like(batch.q)
-    kwargs = batch.attention_kwargs()
-    workspace = SplitKVWorkspace(batch.q.shape[0] * 64, HQ, D, "cuda")
-    config = None if tuning is None else batch_config(batch, tuning, kv_bytes=1)
-    return lambda: unified_attention(
-        batch.q, k8, v8, out, **kwargs, workspace=workspace, config=config, k_scale=k_scale, v_scale=v_scale
+        batch.q, k_cache, v_cache, out, **kwargs, workspace=workspace, config=config, **scales
     )
 
 
@@ -218,8 +207,8 @@ def run_case(case: Case, tunings: dict[str, Tuning | None], with_peers: bool) ->
     for name, tuning in tunings.items():
         row[name] = measure(lambda i, tuning=tuning: triton_fn(batches[i], tuning), copies)
     if case.kind == "decode":
-        row["bytes_fp8"] = kv_bytes_fp8(case)
-        row["triton_fp8"] = measure(lambda i: triton_fp8_fn(batches[i]), copies)
+        row["bytes_fp8"] = kv_bytes(case, cache_bytes=1)
+        row["triton_fp8"] = measure(lambda i: triton_fn(batches[i], None, fp8=True), copies)
     if with_peers:
         if fa4_available() is None:
             row["fa4"] = measure(lambda i: fa4_fn(batches[i], 1), copies)
@@ -385,7 +374,7 @@ def sweep(kind: str, quick: bool) -> dict[str, object]:
         shorts = [(64, 32, 4, 2), (64, 64, 4, 2)]
         grid = [dict(long_prefill=a, short_prefill=b) for a, b in itertools.product(longs, shorts)]
     chosen = [c for c in cases(quick) if (c.kind == "decode") == kind.endswith("decode")]
-    provider = triton_fp8_fn if kind == "fp8-decode" else triton_fn
+    fp8 = kind == "fp8-decode"
     results = []
     batches = {c.name: paged_batches(c) for c in chosen}
     for knobs in grid:
@@ -393,7 +382,7 @@ def sweep(kind: str, quick: bool) -> dict[str, object]:
         times = {}
         for c in chosen:
             try:
-                times[c.name] = graph_us([provider(b, tuning) for b in batches[c.name]], rep_ms=10)
+                times[c.name] = graph_us([triton_fn(b, tuning, fp8) for b in batches[c.name]], rep_ms=10)
             except Exception as exc:
                 times[c.name] = f"{type(exc).__name__}"
                 break

@@ -22,6 +22,7 @@ drafts against the same p.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -161,10 +162,10 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams], invariant: 
             k = to_device([p.top_k for p in group_params], device)
             values, column_token_ids = group_logits.topk(int(max(p.top_k for p in group_params)), dim=-1)
             values = values.masked_fill(torch.arange(values.shape[1], device=device) >= k[:, None], float("-inf"))
-            probs = rowwise(_softmax, _filter(values, group_params, True, invariant), invariant)
+            probs = rowwise(_SOFTMAX, _filter(values, group_params, True, invariant), invariant)
             groups.append(TargetProbs(rows, index, probs, column_token_ids, [p.top_k for p in group_params]))
         else:
-            probs = rowwise(_softmax, _filter(group_logits, group_params, False, invariant), invariant)
+            probs = rowwise(_SOFTMAX, _filter(group_logits, group_params, False, invariant), invariant)
             groups.append(TargetProbs(rows, index, probs, None, [vocab] * len(rows)))
     return groups
 
@@ -183,14 +184,16 @@ def with_logprobs(
     """`output` with the logprobs its rows ask for (`params` one per row), its tokens' first."""
     n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
     if n is not None:
-        logprobs = rowwise(lambda rows: rows.log_softmax(dim=-1), logits, invariant)
+        logprobs = rowwise(_LOG_SOFTMAX, logits, invariant)
         token_ids = torch.cat([output.token_ids[:, None], logprobs.topk(n, dim=-1).indices], dim=1)
         output.logprob_token_ids, output.logprobs = token_ids, logprobs.gather(1, token_ids)
     return output
 
 
-def _softmax(rows: torch.Tensor) -> torch.Tensor:
-    return rows.softmax(dim=-1)
+# Along the vocabulary, one row at a time: what `rowwise` runs in row blocks in the batch-invariant mode.
+_SOFTMAX = functools.partial(torch.softmax, dim=-1)
+_LOG_SOFTMAX = functools.partial(torch.log_softmax, dim=-1)
+_CUMSUM = functools.partial(torch.cumsum, dim=-1)
 
 
 def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, invariant: bool) -> torch.Tensor:
@@ -294,8 +297,8 @@ def _filter(
         values, order = logits, None
     else:  # stable: of equal logits, the lower token id counts as the more likely
         values, order = logits.sort(dim=-1, descending=True, stable=True)
-    probs = rowwise(_softmax, values, invariant)
-    drop = rowwise(lambda rows: rows.cumsum(dim=-1), probs, invariant) - probs >= top_p[:, None]
+    probs = rowwise(_SOFTMAX, values, invariant)
+    drop = rowwise(_CUMSUM, probs, invariant) - probs >= top_p[:, None]
     if order is not None:
         drop = drop.scatter(1, order, drop)
     return logits.masked_fill(drop, float("-inf"))

@@ -203,7 +203,10 @@ def watch_calls(functions: Iterable[Callable[..., Any]]) -> Iterator[list[str]]:
 
 
 def package_answer(answer: object, functions: Iterable[Callable[..., Any]], what: str) -> CheckResult | None:
-    """A rejection if `answer` is one of the package's `functions` itself, else None."""
+    """A rejection if `answer` is not a function (its result was passed instead) or is one of the
+    package's `functions` itself, else None."""
+    if not callable(answer):
+        return CheckResult(False, f"Pass your function itself (not its result), got {answer!r}.")
     for function in functions:
         if answer is function:
             return CheckResult(False, f"That is pagedkv's own {function.__qualname__}; write {what} yourself.")

@@ -84,8 +84,6 @@ def check_lengths(fn: Callable[[list[int], list[int]], Any]) -> CheckResult:
     """Call `fn(query_start_loc, seq_lens)` (plain lists) on the steps of a small engine run and
     on batches the checker makes up; it must return `(query_lens, context_lens)`, one entry per
     request each."""
-    if not callable(fn):
-        return CheckResult(False, f"Pass your function itself, got {fn!r}.")
     own = package_answer(fn, _LENGTHS_PACKAGE, "the lengths")
     if own is not None:
         return own
@@ -222,8 +220,6 @@ def check_null_blocks(fn: Callable[[int, int, int], Any]) -> CheckResult:
     models and odd block sizes (no manager can hold those rows; the checker works them out).
     Every call of `fn` comes first; the engine and the manager run afterwards.
     """
-    if not callable(fn):
-        return CheckResult(False, f"Pass your function itself, got {fn!r}.")
     own = package_answer(fn, _WINDOW_PACKAGE, "the count")
     if own is not None:
         return own

@@ -161,8 +161,6 @@ def check_choose_backend(
     report), on a case where every backend refuses, then on `num_hidden` random cases drawn afresh on
     each call (with a backend no registry knows). All calls run before any answer is worked out.
     """
-    if not callable(fn):
-        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
     own = package_answer(fn, [get_attn_backend], "the rule")
     if own is not None:
         return own

@@ -116,8 +116,6 @@ def check_attention_context(llm: LLM, fn: Callable[[str], Any]) -> CheckResult:
     context: inside two steps of `llm`, two of "tiny-hybrid" when `llm` has one KV cache group
     (else a lookup that ignores the name would pass), and two forward contexts the checker makes up.
     """
-    if not callable(fn):
-        return CheckResult(False, f"Pass your function itself, got {fn!r}.")
     own = package_answer(fn, [get_attention_context], "the lookup")
     if own is not None:
         return own

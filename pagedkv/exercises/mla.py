@@ -35,8 +35,6 @@ SPEC_SIZES: list[Callable[..., Any]] = [
 def check_mla_cache_bytes(fn: Callable[[int, int, int, int], Any], num_hidden: int = 8) -> CheckResult:
     """`fn(num_layers, kv_lora_rank, qk_rope_head_dim, num_tokens)` -> bytes of bfloat16 MLA cache
     that `num_tokens` tokens take in all layers; expected from the real `MLAAttentionSpec`."""
-    if not callable(fn):
-        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
     own = package_answer(fn, SPEC_SIZES, "the size")
     if own is not None:
         return own
@@ -117,8 +115,6 @@ SPLITTERS: list[Callable[..., Any]] = [
 def check_decode_split(fn: Callable[[list[int]], Any], num_hidden: int = 12) -> CheckResult:
     """`fn(query_lens)` -> (num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens) of a
     batch whose requests have these query lengths, split as the MLA builder splits it."""
-    if not callable(fn):
-        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
     own = package_answer(fn, SPLITTERS, "the split")
     if own is not None:
         return own

@@ -92,8 +92,6 @@ def check_num_splits(fn: Callable[[int, int, int], Any], num_hidden: int = 12) -
     batch_size requests on a GPU of num_sms SMs. It must be valid (1 to `max_splits(seq_len)`), give the
     request's attention row bitwise the same in every batch, and keep split-KV (>= 2 splits) for a lone
     request of SPLIT_KV_MIN_KEYS keys or more."""
-    if not callable(fn):
-        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
     own = package_answer(fn, SPLIT_PACKAGE, "the split rule")
     if own is not None:
         return own
@@ -256,8 +254,6 @@ def check_num_blocks(fn: Callable[[int, LlamaConfig, int, str], Any], num_hidden
     allocates in memory_bytes (`KVCacheConfig.num_blocks`, the null block included) for a model of this
     config, blocks of block_size tokens, a cache of kv_cache_dtype ("bfloat16", "float16", "float32",
     "fp8" or "fp8_e4m3")."""
-    if not callable(fn):
-        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
     own = package_answer(fn, BLOCK_PACKAGE, "the block arithmetic")
     if own is not None:
         return own

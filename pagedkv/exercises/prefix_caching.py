@@ -133,8 +133,6 @@ def check_hit_length(fn: Callable[[list[list[int]], list[int], int], Any], num_h
     """`fn(cached_prompts, prompt, block_size)` -> how many tokens of `prompt` the prefix cache
     holds once every prompt of `cached_prompts` was served (computed, then finished), in a cache
     large enough that nothing was evicted."""
-    if not callable(fn):
-        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
     own = package_answer(fn, PACKAGE, "the lookup")
     if own is not None:
         return own
@@ -316,8 +314,6 @@ def _random_events(rng: random.Random) -> tuple[list[Event], int, int]:
 def check_next_block(fn: Callable[[list[Event], int, int], Any], num_hidden: int = 30) -> CheckResult:
     """`fn(events, num_blocks, block_size)` -> the id of the block the next allocation takes once
     `events` happened on a fresh pool of `num_blocks` blocks (prefix caching on)."""
-    if not callable(fn):
-        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
     own = package_answer(fn, PACKAGE, "the free queue")
     if own is not None:
         return own

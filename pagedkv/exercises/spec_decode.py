@@ -101,8 +101,6 @@ def _emit_hint(got: list[int], drafts: list[int], target: list[int], accepted: i
 def check_emitted(fn: Callable[[list[int], list[int]], Any], num_hidden: int = 30) -> CheckResult:
     """`fn(draft_token_ids, target_token_ids)` -> the tokens a greedy step with these drafts emits, where
     target_token_ids[j] is the target's argmax after position j of the step (1 + len(drafts) tokens)."""
-    if not callable(fn):
-        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
     own = package_answer(fn, EMIT_PACKAGE, "the verification")
     if own is not None:
         return own
@@ -259,8 +257,6 @@ def _slot_hint(got: list[int], case: SlotCase, expected: list[int]) -> str:
 def check_rollback_slots(fn: Callable[[list[int], int, int, list[int], int], Any], num_hidden: int = 30) -> CheckResult:
     """`fn(block_ids, block_size, num_computed_tokens, draft_token_ids, num_accepted_tokens)` -> the KV slots
     the step wrote for its rejected drafts, in position order (the slots the rollback gives back)."""
-    if not callable(fn):
-        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
     own = package_answer(fn, SLOT_PACKAGE, "the slot mapping")
     if own is not None:
         return own

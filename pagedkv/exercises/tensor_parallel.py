@@ -68,8 +68,6 @@ def _as_heads(value: Any) -> list[int] | None:
 def check_rank_heads(fn: RankHeadsFn, num_hidden: int = 12) -> CheckResult:
     """`fn(num_heads, num_kv_heads, tp_size, rank)` -> (query heads, KV heads) of that rank, as
     global head indices, for every rank of every geometry (the notebook's, then made-up ones)."""
-    if not callable(fn):
-        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
     own = package_answer(fn, PACKAGE, "the layout")
     if own is not None:
         return own
@@ -143,8 +141,6 @@ def check_kv_cache_bytes(fn: KvBytesFn, num_hidden: int = 12) -> CheckResult:
     """`fn(num_layers, num_heads, num_kv_heads, head_dim, tp_size, num_blocks)` -> bytes of KV
     cache one rank allocates: blocks of 16 tokens in bfloat16. Expected: the block size of the real
     attention layer one rank builds (its KV cache spec), times layers and blocks."""
-    if not callable(fn):
-        return CheckResult(False, f"Pass your function itself (not its result), got {fn!r}.")
     own = package_answer(fn, PACKAGE, "the size")
     if own is not None:
         return own

@@ -134,12 +134,10 @@ def max_blocks_per_request(config: EngineConfig) -> int:
 def check_batch_invariance(layers: dict[str, Attention]) -> None:
     """The batch-invariant mode refuses, at start-up, a layer whose backend cannot keep a query row's
     computation independent of its batch (vLLM raises the same under VLLM_BATCH_INVARIANT=1)."""
-    refused: dict[str, list[str]] = {}
-    for name, layer in layers.items():
-        if not layer.attn_backend.supports_batch_invariance():
-            refused.setdefault(layer.attn_backend.get_name(), []).append(name)
+    refused = [layer.attn_backend for layer in layers.values() if not layer.attn_backend.supports_batch_invariance()]
     if refused:
-        backend, names = next(iter(refused.items()))
+        backend = refused[0].get_name()
+        names = [name for name, layer in layers.items() if layer.attn_backend.get_name() == backend]
         raise RuntimeError(
             f"batch_invariant=True: attention backend {backend} does not support batch invariance (its kernels "
             f"choose splits or tiles from the batch), and it serves {len(names)} layer(s), e.g. {names[0]!r}. "
