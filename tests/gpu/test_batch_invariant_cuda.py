@@ -13,7 +13,14 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from pagedkv.config import CUDAGraphMode  # noqa: E402
-from tests.engine.test_batch_invariant import TARGET, differing_steps, engine, others, target_logits  # noqa: E402
+from tests.engine.test_batch_invariant import (  # noqa: E402
+    TARGET,
+    assert_same_model,
+    differing_steps,
+    engine,
+    others,
+    target_logits,
+)
 
 MODES = [pytest.param({"enforce_eager": True}, id="eager"), pytest.param({}, id="graphs")]
 
@@ -26,6 +33,10 @@ def test_logits_are_bitwise_the_same_in_any_batch_on_cuda(model: str, mode: dict
     if not mode:
         assert llm.runner.cudagraph_mode is CUDAGraphMode.FULL_DECODE_ONLY  # compile off: FULL decode graphs
     alone = target_logits(llm, [])
+    # Equal bits alone are not enough (attention that outputs zeros is invariant too): the same model.
+    assert_same_model(
+        alone, target_logits(engine("TRITON_ATTN", "bfloat16", False, enable_prefix_caching=False, **kwargs), [])
+    )
     for n in (1, 15, 63):
         assert differing_steps(alone, target_logits(llm, others(n, seed=n))) == 0, f"in a batch of {n + 1}"
     chunked = engine("TRITON_ATTN", "bfloat16", True, enable_prefix_caching=True, max_num_batched_tokens=24, **kwargs)
