@@ -377,6 +377,9 @@ def sweep(kind: str, quick: bool) -> dict[str, object]:
     fp8 = kind == "fp8-decode"
     results = []
     batches = {c.name: paged_batches(c) for c in chosen}
+    if fp8:  # the bf16 cache with default tiles, same run: what each candidate's speed-up is over
+        bf16 = {c.name: graph_us([triton_fn(b, None) for b in batches[c.name]], rep_ms=10) for c in chosen}
+        print(f"{'bf16 cache, default tiles':<70} {json.dumps({k: round(v, 1) for k, v in bf16.items()})}", flush=True)
     for knobs in grid:
         tuning = make_tuning(knobs)
         times = {}
@@ -389,12 +392,14 @@ def sweep(kind: str, quick: bool) -> dict[str, object]:
         ok = all(isinstance(t, float) for t in times.values())
         geo = math.exp(sum(math.log(t) for t in times.values()) / len(times)) if ok else float("inf")
         results.append({"knobs": knobs, "geomean_us": geo, "times_us": times})
+        if fp8 and ok:
+            results[-1]["speedup_over_bf16"] = {k: bf16[k] / t for k, t in times.items()}
         print(
             f"{json.dumps(knobs):<70} geomean {geo:9.1f} us  {json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in times.items()})}",
             flush=True,
         )
     results.sort(key=lambda r: r["geomean_us"])
-    return {"kind": kind, "best": results[0]["knobs"], "ranked": results}
+    return {"kind": kind, "best": results[0]["knobs"], "ranked": results} | ({"bf16_us": bf16} if fp8 else {})
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """What an fp8 (e4m3) KV cache costs in accuracy: logits against a float64 oracle, greedy agreement.
 
     python benchmarks/fp8_kv_cache.py [--model tiny-pydoc] [--dtype float32] [--json out.json] [--smoke]
+    TRITON_INTERPRET=1 python benchmarks/fp8_kv_cache.py --attention-backend TRITON_ATTN ...  # its kernels, on the CPU
 
 Three engines on the same prompts (passages of Python's pydoc topics, the text tiny-pydoc was
 trained on): the oracle (the model in float64, its cache float64, TORCH_REF), the model dtype with
@@ -64,6 +65,9 @@ def main() -> None:
     parser.add_argument(
         "--dtype", default=None, help="the model dtype (default: float32 on the CPU, bfloat16 on a GPU)"
     )
+    parser.add_argument(
+        "--attention-backend", default=None, help="of the two tested engines (default: the selector's choice)"
+    )
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--prompt-chars", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -82,7 +86,7 @@ def main() -> None:
     oracle.shutdown()
     rows, tokens = {}, {}
     for cache in ("auto", "fp8"):
-        llm = LLM(args.model, dtype=dtype, kv_cache_dtype=cache, **common)
+        llm = LLM(args.model, dtype=dtype, kv_cache_dtype=cache, attention_backend=args.attention_backend, **common)
         err = (last_logits(llm, prompts) - reference).abs()
         tokens[cache] = greedy(llm, prompts, args.max_tokens)
         layers = list(llm.runner.attn_layers.values())

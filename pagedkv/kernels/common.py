@@ -91,8 +91,11 @@ def _interpreter_loop_problem() -> str | None:
             count += 1
         tl.store(out_ptr, count)
 
+    # On the CPU by name: the first call may come while a model is built under `torch.device("meta")`,
+    # whose tensors have no data to run on (and this answer is kept for the process's life).
+    cpu = dict(dtype=torch.int32, device="cpu")
     try:
-        count_pairs[(1,)](torch.tensor([5], dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+        count_pairs[(1,)](torch.tensor([5], **cpu), torch.zeros(1, **cpu))
     except Exception as exc:  # the interpreter wraps the TypeError in its own error
         return (
             f"Triton {triton.__version__}'s interpreter cannot run a loop bounded by a loaded value with "

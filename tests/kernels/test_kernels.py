@@ -420,6 +420,19 @@ def test_triton_backend_refuses_non_causal_metadata() -> None:
         layer.impl.forward(layer, q, q, q, layer.kv_cache, metadata, torch.empty_like(q))
 
 
+def test_interpreter_probe_runs_on_the_cpu_under_a_meta_device() -> None:
+    """The interpreter probe's first call can come while a model is built on the meta device (an
+    `LLM` whose first TRITON_ATTN layer asks the selector): it still runs on the CPU and answers."""
+    from pagedkv.kernels.common import _interpreter_loop_problem, interpreter_problem
+
+    _interpreter_loop_problem.cache_clear()
+    try:
+        with torch.device("meta"):
+            assert interpreter_problem() is None
+    finally:
+        _interpreter_loop_problem.cache_clear()
+
+
 def test_backend_reasons_on_the_cpu() -> None:
     from pagedkv.attention.backends.flash_attn import FlashAttentionBackend
     from pagedkv.attention.backends.triton_attn import TritonAttentionBackend
