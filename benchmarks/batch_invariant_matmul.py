@@ -10,7 +10,7 @@ ratio to torch.mm (cuBLAS, which picks a kernel per shape) in the same run, and 
 M = 1 equals row 0 of M = 4,096 bitwise (it must, for every candidate). The table's last column
 weighs the two sums as W1 does roughly: 128 decode steps per ~19 prefill chunks of 4,096 tokens.
 A second table gives the best candidate per layer shape: the tiles may depend on the weight's
-(N, K), never on M.
+(N, K), never on M (`MATMUL_TILES_BY_SHAPE`; `end_to_end.py --matmul-tiles` tries them from the JSON).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def main() -> None:
     best = {}
     for name, nk in SHAPES.items():
         top = min((r for r in rows if "error" not in r), key=lambda r: w1_ms(r["us"][name]))  # type: ignore[index]
-        best[name] = {"tiles": top["tiles"], "us": top["us"][name]}  # type: ignore[index]
+        best[name] = {"shape": list(nk), "tiles": top["tiles"], "us": top["us"][name]}  # type: ignore[index]
         t = top["us"][name]  # type: ignore[index]
         print(
             f"{name + ' ' + str(nk):<22}{str(top['tiles']):<28}{cublas[name][128] / t[128]:15.2f}{cublas[name][4096] / t[4096]:16.2f}"

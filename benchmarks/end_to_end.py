@@ -7,6 +7,7 @@
         --w1-kv-cache-gib 0.25 --w2-kv-cache-gib 0.25 --num-requests 4 --max-tokens 8 --backends TORCH_REF \
         --modes default eager --startup   # smoke test
     python benchmarks/readme_figures.py w1.json w2.json s.json       # the README's markdown tables
+    python benchmarks/end_to_end.py --tables w1 --modes default default+invariant --matmul-tiles bim.json ...
 
 Workloads (`workloads.py`): **W1** (issue 9: `llama3-8b`, 128 requests, prompts of 100-1024
 tokens, 128 new tokens each, greedy, EOS ignored, 128 sequences and 4,096 tokens a step, 16 GiB
@@ -341,8 +342,20 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="cProfile each warm-up run (compile counters)")
     p.add_argument("--kernel-profile", action="store_true", help="torch.profiler over one more run: top GPU kernels")
     p.add_argument("--top", type=int, default=25, help="profile entries printed")
+    p.add_argument(
+        "--matmul-tiles",
+        type=Path,
+        help="a batch_invariant_matmul.py JSON: its per-shape winners become the batch-invariant "
+        "matmul's MATMUL_TILES_BY_SHAPE in this process (measure, then try, in one GPU call)",
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    if args.matmul_tiles:
+        from pagedkv.kernels.batch_invariant_triton import MATMUL_TILES_BY_SHAPE
+
+        best = json.loads(args.matmul_tiles.read_text())["best_per_shape"]
+        MATMUL_TILES_BY_SHAPE.update({tuple(b["shape"]): tuple(b["tiles"]) for b in best.values()})
+        print(f"batch-invariant matmul tiles by (N, K): {MATMUL_TILES_BY_SHAPE}", flush=True)
     args.modes = list(dict.fromkeys(m for group in args.modes for m in group))
     args.backends = [None if b == "default" else b for b in args.backends]
     args.hf_batch |= args.hf

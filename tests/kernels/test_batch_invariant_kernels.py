@@ -29,6 +29,24 @@ def test_fixed_tile_matmul_matches_float64_and_keeps_rows_invariant(k: int) -> N
         assert torch.equal(matmul_triton(x[:m], w, b, TILES), full[:m]), f"{m} rows"
 
 
+def test_matmul_takes_a_weights_own_tiles_from_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight listed in MATMUL_TILES_BY_SHAPE runs with its tiles (bitwise what passing them
+    gives), rows still invariant; another weight keeps MATMUL_TILES."""
+    from pagedkv.kernels import batch_invariant_triton as bit
+
+    torch.manual_seed(2)
+    x, w, other = torch.randn(40, 96), torch.randn(24, 96), torch.randn(32, 96)
+    monkeypatch.setitem(bit.MATMUL_TILES_BY_SHAPE, (24, 96), TILES)
+    assert bit.matmul_tiles(24, 96) == TILES and bit.matmul_tiles(32, 96) == bit.MATMUL_TILES
+    full = bit.matmul_triton(x, w)
+    assert torch.equal(full, bit.matmul_triton(x, w, tiles=TILES))
+    assert not torch.equal(full, bit.matmul_triton(x, w, tiles=bit.MATMUL_TILES))  # the tiles tell
+    assert torch.equal(bit.matmul_triton(x[:5], w), full[:5])
+    torch.testing.assert_close(
+        bit.matmul_triton(x, other).double(), x.double() @ other.double().T, rtol=1e-5, atol=1e-5
+    )
+
+
 def test_rms_norm_kernel_matches_float64_per_row() -> None:
     from pagedkv.kernels.batch_invariant_triton import rms_norm_triton
 
