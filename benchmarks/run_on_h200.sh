@@ -7,9 +7,15 @@
 #   bash benchmarks/run_on_h200.sh 2   (carry .whl/fa4b)  tuning sweeps (decode splits, prefill tiles)
 #   bash benchmarks/run_on_h200.sh 3   (carry .whl/fa4c)  flash-attn 4 tests + the benchmark
 #
+# Issue 35's figures, two calls that need no flash-attn (carry .whl/nb: Jupyter for notebook 14):
+#
+#   bash benchmarks/run_on_h200.sh fp8        fp8 decode sweep (speed-ups over bf16, same run),
+#                                             fp8 accuracy on tiny-pydoc, GPU tests, notebook 14
+#   bash benchmarks/run_on_h200.sh invariant  matmul tiles per shape, then W1 with them
+#
 # Everything worth keeping lands in $OUT (or /tmp/pagedkv-bench when OUT is unset).
 set -uo pipefail
-step=${1:?usage: run_on_h200.sh 1|2|3}
+step=${1:?usage: run_on_h200.sh 1|2|3|fp8|invariant}
 out=${OUT:-/tmp/pagedkv-bench}
 mkdir -p "$out" /root/stage
 export PYTHONUNBUFFERED=1
@@ -31,4 +37,19 @@ case $step in
     tuned=$(ls /root/stage/sweep_*.json 2>/dev/null)
     timeout 400 python3 benchmarks/attention.py --json "$out/attention.json" ${tuned:+--tuning $tuned} \
       2>&1 | tee "$out/attention.log" | grep -v '^{' | grep -v Warning | grep -v generate_mlir ;;
+  fp8)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/nb/*.whl && export PYTHONPATH=/tmp/site:$PWD
+    timeout 240 python3 benchmarks/attention.py --sweep fp8-decode --quick --json "$out/sweep_fp8-decode.json" \
+      > "$out/sweep_fp8-decode.log" 2>&1; tail -2 "$out/sweep_fp8-decode.log"
+    python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(r['bf16_us']);
+[print(x['knobs'], {k: round(v, 2) for k, v in x.get('speedup_over_bf16', {}).items()}) for x in r['ranked'][:6]]" \
+      "$out/sweep_fp8-decode.json"
+    timeout 90 python3 benchmarks/fp8_kv_cache.py --dtype bfloat16 --json "$out/fp8_kv_cache.json" 2>&1 | tail -5
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fp8_kv_cache_cuda.py \
+      tests/gpu/test_batch_invariant_cuda.py tests/gpu/test_kernels_cuda.py "tests/gpu/test_notebooks_cuda.py" -k "not notebook or 14_" \
+      2>&1 | tee "$out/gpu_tests_35.log" | tail -8 ;;
+  invariant)
+    timeout 120 python3 benchmarks/batch_invariant_matmul.py --json "$out/bim.json" 2>&1 | tee "$out/bim.log" | grep -v '^{'
+    timeout 450 python3 benchmarks/end_to_end.py --tables w1 --modes default default+invariant \
+      --matmul-tiles "$out/bim.json" --json "$out/w1_invariant.json" 2>&1 | grep -v '^{' | tail -12 ;;
 esac
