@@ -14,6 +14,7 @@ from pagedkv.checks import check_bool, check_int, check_optional_int, describe
 from pagedkv.config import CompilationConfig, CUDAGraphMode, parse_dtype
 from pagedkv.models.layers import head_layout
 from pagedkv.models.loader import HFConfig, resolve_model
+from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.platforms import default_device
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -33,6 +34,29 @@ def check_token_ids(name: str, value: object) -> list[int]:
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name} must be a list of ints >= 0, got {reprlib.repr(value)}: {e}") from None
     return checked
+
+
+def check_prompt(prompt: object, tokenizer: Tokenizer | None, model: str, vocab_size: int) -> list[int]:
+    """A prompt's token ids: text (encoded by `tokenizer`) or {"prompt_token_ids": [...]}, each id
+    below the model's `vocab_size`."""
+    if isinstance(prompt, dict):
+        if set(prompt) != {"prompt_token_ids"}:
+            raise ValueError(f"A dict prompt has the one key 'prompt_token_ids', got keys {sorted(map(str, prompt))}.")
+        token_ids = check_token_ids("prompt_token_ids", prompt["prompt_token_ids"])
+    elif isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(
+                f"Model {model!r} has no tokenizer; pass {{'prompt_token_ids': [...]}} instead of a string."
+            )
+        try:
+            token_ids = tokenizer.encode(prompt)
+        except UnicodeError as error:  # lone surrogates, say: the tokenizer takes UTF-8 text
+            raise ValueError(f"The prompt cannot be encoded as UTF-8: {error}.") from None
+    else:
+        raise TypeError(f"A prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}.")
+    if any(t >= vocab_size for t in token_ids):
+        raise ValueError(f"Prompt token ids must be in [0, {vocab_size}) for this model, got {max(token_ids)}.")
+    return token_ids
 
 
 def check_model(model: object, presets: list[str], argument: str = "model") -> str:

@@ -36,6 +36,20 @@ class EngineStats:
     num_verified_steps: int = 0
     """Request-steps that verified drafts (each also emits one token of the target's own)."""
 
+    def count_step(self, sched: SchedulerOutput, cudagraph_mode: str, num_finished: int) -> None:
+        """Add one booked step: its tokens, how it ran, the requests it finished, its drafts."""
+        self.num_steps += 1
+        self.num_steps_by_graph_mode[cudagraph_mode] = self.num_steps_by_graph_mode.get(cudagraph_mode, 0) + 1
+        self.num_prefill_tokens += sched.num_prefill_tokens
+        self.num_decode_tokens += sched.num_decode_tokens
+        self.num_finished_requests += num_finished
+        self.num_cached_tokens += sum(s.num_cached_tokens for s in sched.scheduled)
+        self.num_lookup_tokens += sum(s.num_lookup_tokens for s in sched.scheduled)
+        verified = [s for s in sched.scheduled if s.num_accepted_tokens is not None]
+        self.num_draft_tokens += sum(len(s.draft_token_ids) for s in verified)
+        self.num_accepted_tokens += sum(s.num_accepted_tokens or 0 for s in verified)
+        self.num_verified_steps += len(verified)
+
     @property
     def acceptance_rate(self) -> float:
         """num_accepted_tokens / num_draft_tokens (0 before any draft)."""

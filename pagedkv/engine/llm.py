@@ -32,11 +32,11 @@ from tqdm.auto import tqdm
 from pagedkv.checks import check_optional_bool
 from pagedkv.config import CUDAGraphMode
 from pagedkv.engine.arg_utils import EngineArgs
-from pagedkv.engine.checks import check_token_ids
+from pagedkv.engine.checks import check_prompt
 from pagedkv.engine.detokenizer import IncrementalDetokenizer, detokenize_batch
 from pagedkv.engine.events import EngineStats, StepEvent, StepListener
 from pagedkv.engine.rejection_sampler import RejectionSampler
-from pagedkv.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
+from pagedkv.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from pagedkv.engine.sampler import Sampler, SamplerOutput
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.interrupts import deferred_interrupts
@@ -250,27 +250,7 @@ class LLM:
         # A checked copy: fields may have been changed since the object was made, and the caller
         # may change them again while the request runs.
         params = replace(params)
-        if isinstance(prompt, dict):
-            if set(prompt) != {"prompt_token_ids"}:
-                raise ValueError(
-                    f"A dict prompt has the one key 'prompt_token_ids', got keys {sorted(map(str, prompt))}."
-                )
-            token_ids = check_token_ids("prompt_token_ids", prompt["prompt_token_ids"])
-        elif isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"Model {self.config.model_config.model!r} has no tokenizer; pass "
-                    "{'prompt_token_ids': [...]} instead of a string."
-                )
-            try:
-                token_ids = self.tokenizer.encode(prompt)
-            except UnicodeError as error:  # lone surrogates, say: the tokenizer takes UTF-8 text
-                raise ValueError(f"The prompt cannot be encoded as UTF-8: {error}.") from None
-        else:
-            raise TypeError(f"A prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}.")
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in token_ids):
-            raise ValueError(f"Prompt token ids must be in [0, {vocab}) for this model, got {max(token_ids)}.")
+        token_ids = check_prompt(prompt, self.tokenizer, self.config.model_config.model, self.model_config.vocab_size)
         self.scheduler.check_request(len(token_ids), params.max_tokens)
         return token_ids, prompt if isinstance(prompt, str) else None, params
 
@@ -446,7 +426,7 @@ class LLM:
         for request in finished:
             self._forget(request)
         self.stats.model_time_s += time.perf_counter() - step.start
-        self._count(step, finished)
+        self.stats.count_step(step.sched, step.result.cudagraph_mode.name, len(finished))
         return outputs
 
     def _propose(self, request: Request) -> list[int]:
@@ -481,42 +461,13 @@ class LLM:
             f"and their KV cache blocks freed{later}."
         )
 
-    def _count(self, step: _LaunchedStep, finished: list[Request]) -> None:
-        sched = step.sched
-        self.stats.num_steps += 1
-        mode = step.result.cudagraph_mode.name
-        self.stats.num_steps_by_graph_mode[mode] = self.stats.num_steps_by_graph_mode.get(mode, 0) + 1
-        self.stats.num_prefill_tokens += sched.num_prefill_tokens
-        self.stats.num_decode_tokens += sched.num_decode_tokens
-        self.stats.num_finished_requests += len(finished)
-        self.stats.num_cached_tokens += sum(s.num_cached_tokens for s in sched.scheduled)
-        self.stats.num_lookup_tokens += sum(s.num_lookup_tokens for s in sched.scheduled)
-        verified = [s for s in sched.scheduled if s.num_accepted_tokens is not None]
-        self.stats.num_draft_tokens += sum(len(s.draft_token_ids) for s in verified)
-        self.stats.num_accepted_tokens += sum(s.num_accepted_tokens or 0 for s in verified)
-        self.stats.num_verified_steps += len(verified)
-
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
         """The requests' outputs, their text brought up to date by one batched decode (only the
         outputs a caller reads are made: streamed ones, or generate()'s finished ones)."""
         texts = [""] * len(requests)
         if self.tokenizer is not None:
             texts = detokenize_batch(self.tokenizer, [(r.detokenizer, r.output_token_ids) for r in requests])
-        return [
-            RequestOutput(
-                request_id=request.request_id,
-                prompt=request.prompt,
-                prompt_token_ids=request.prompt_token_ids,
-                outputs=[
-                    CompletionOutput(
-                        0, text, list(request.output_token_ids), request.finish_reason, request.logprobs_so_far()
-                    )
-                ],
-                finished=request.finish_reason is not None,
-                error=request.error,
-            )
-            for request, text in zip(requests, texts)
-        ]
+        return [request.output(text) for request, text in zip(requests, texts)]
 
     # ---- offline batch ---------------------------------------------------------------
 

@@ -157,6 +157,18 @@ class Request:
         """A copy of `output_logprobs` for an output, or None when the request asked for none."""
         return None if self.sampling_params.logprobs is None else list(self.output_logprobs)
 
+    def output(self, text: str) -> RequestOutput:
+        """Its state as a caller sees it, `text` being its output tokens' text so far."""
+        completion = CompletionOutput(0, text, list(self.output_token_ids), self.finish_reason, self.logprobs_so_far())
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[completion],
+            finished=self.finish_reason is not None,
+            error=self.error,
+        )
+
     def check_stop(self, max_model_len: int) -> bool:
         """Set the finish reason after a new token; True when the request is done."""
         last = self.output_token_ids[-1]
