@@ -56,3 +56,13 @@ def test_rms_norm_kernel_matches_float64_per_row() -> None:
     ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * g.double()
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(rms_norm_triton(x[4:5], g, 1e-6), got[4:5])
+
+
+def test_invariant_attention_tiles_benchmark_runs(tmp_path) -> None:
+    """benchmarks/invariant_attention_tiles.py's whole path on one tiny batch: every candidate
+    compared with the mode's 16-row tile, token by token (the H200 run answers the question)."""
+    from tests.conftest import smoke_run
+
+    result = smoke_run("invariant_attention_tiles.py", tmp_path / "tiles.json")
+    assert len(result["rows"]) == 5 and all(r["tokens"] == 11 for r in result["rows"])
+    assert all(r["max_abs_diff"] < 0.05 for r in result["rows"])  # the same attention, if not the same bits
