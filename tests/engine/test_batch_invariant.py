@@ -121,6 +121,24 @@ def test_triton_attn_logits_are_bitwise_the_same_in_any_batch(dtype: str) -> Non
     assert batched.stats.num_cached_tokens >= 16
 
 
+@pytest.mark.parametrize("invariant", [True, False])
+def test_an_fp8_cache_keeps_the_mode(invariant: bool) -> None:
+    """With an fp8 KV cache (TORCH_REF): quantizing is one rounding per value with the layer's fixed
+    scales, so with the mode the target's logits stay bitwise the same in a batch of 64 and after a
+    prefix-cache hit, and it computes the fp8-cache model; without it the batch changes them."""
+    llm = engine("TORCH_REF", "float32", invariant, kv_cache_dtype="fp8", max_num_seqs=64)
+    assert llm.runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype == torch.float8_e4m3fn
+    alone = target_logits(llm, [])
+    if not invariant:
+        assert differing_steps(alone, target_logits(llm, others(63))) > 0
+        return
+    assert_same_model(alone, target_logits(engine("TORCH_REF", "float32", False, kv_cache_dtype="fp8"), []))
+    assert differing_steps(alone, target_logits(llm, others(63))) == 0
+    before = llm.stats.num_cached_tokens
+    assert differing_steps(alone, target_logits(llm, others(2, seed=5), warm=[TARGET[:33] + [8]])) == 0
+    assert llm.stats.num_cached_tokens - before >= 32
+
+
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=7, logprobs=5, max_tokens=6, ignore_eos=True)
 
 
