@@ -11,8 +11,9 @@
 #
 #   bash benchmarks/run_on_h200.sh fp8        fp8 decode sweep (speed-ups over bf16, same run),
 #                                             fp8 accuracy on tiny-pydoc, GPU tests, notebook 14
-#   bash benchmarks/run_on_h200.sh invariant  matmul tiles per shape, then W1 with them; whether
-#                                             wider attention tiles keep a row's bits
+#   bash benchmarks/run_on_h200.sh invariant  matmul tiles per shape, then W1 with them (uncompiled
+#                                             and compiled); whether wider attention tiles keep a
+#                                             row's bits
 #
 # Everything worth keeping lands in $OUT (or /tmp/pagedkv-bench when OUT is unset).
 set -uo pipefail
@@ -52,6 +53,6 @@ case $step in
   invariant)
     timeout 60 python3 benchmarks/invariant_attention_tiles.py --json "$out/invariant_attention_tiles.json" | tail -11
     timeout 120 python3 benchmarks/batch_invariant_matmul.py --json "$out/bim.json" 2>&1 | tee "$out/bim.log" | grep -v '^{'
-    timeout 450 python3 benchmarks/end_to_end.py --tables w1 --modes default default+invariant \
+    timeout 450 python3 benchmarks/end_to_end.py --tables w1 --modes default default+invariant FULL_AND_PIECEWISE+invariant \
       --matmul-tiles "$out/bim.json" --json "$out/w1_invariant.json" 2>&1 | grep -v '^{' | tail -12 ;;
 esac

@@ -34,6 +34,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pagedkv.library import register_op
+
 ROWS = 16
 """Rows per library call on the CPU path: every call sees [ROWS, ...]."""
 
@@ -59,15 +61,22 @@ def row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> t
     return torch.cat([fn(block) for block in x.split(ROWS)])[:rows]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear whose every output row is bitwise the same whatever the other rows (x [..., K])."""
-    rows = x.reshape(-1, x.shape[-1])
+def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, K] @ weight.T (+ bias), each row on its own: the body of `pagedkv::invariant_linear`."""
     if _use_triton(x):
         from pagedkv.kernels.batch_invariant_triton import matmul_triton
 
-        y = matmul_triton(rows, weight, bias)
-    else:
-        y = row_blocks(lambda block: F.linear(block, weight, bias), rows)
+        return matmul_triton(x, weight, bias)
+    return row_blocks(lambda block: F.linear(block, weight, bias), x)
+
+
+def _linear_rows_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose every output row is bitwise the same whatever the other rows (x [..., K])."""
+    y = torch.ops.pagedkv.invariant_linear(x.reshape(-1, x.shape[-1]), weight, bias)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -78,13 +87,27 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * x32.to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`rms_norm_reference`, each row reduced on its own in a fixed order (x [..., N])."""
-    rows = x.reshape(-1, x.shape[-1])
+def _rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm_reference` of x [rows, N], each row on its own: the body of `pagedkv::invariant_rms_norm`."""
     if _use_triton(x):
         from pagedkv.kernels.batch_invariant_triton import rms_norm_triton
 
-        y = rms_norm_triton(rows, weight, eps)
-    else:
-        y = row_blocks(lambda block: rms_norm_reference(block, weight, eps), rows)
+        return rms_norm_triton(x, weight, eps)
+    return row_blocks(lambda block: rms_norm_reference(block, weight, eps), x)
+
+
+def _rms_norm_rows_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm_reference`, each row reduced on its own in a fixed order (x [..., N])."""
+    y = torch.ops.pagedkv.invariant_rms_norm(x.reshape(-1, x.shape[-1]), weight, eps)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+# Opaque to torch.compile (pagedkv/library.py): traced around, never into, so Inductor cannot swap
+# the fixed-order kernels for its own, tiled by the batch. Only elementwise work (residual adds,
+# SiLU, RoPE) is left for it to fuse, and an elementwise result does not depend on the batch.
+register_op("invariant_linear", _linear_rows, _linear_rows_fake, mutates_args=())
+register_op("invariant_rms_norm", _rms_norm_rows, _rms_norm_rows_fake, mutates_args=())

@@ -17,13 +17,13 @@ change every step, and the compiler can split the graph at these ops.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from pagedkv.attention.backend import AttentionImpl, AttentionLayer
 from pagedkv.forward_context import get_forward_context
+from pagedkv.library import register_op
 
 
 class AttentionOpLayer(AttentionLayer, Protocol):
@@ -93,22 +93,8 @@ def attention_with_output(
     layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata, output)
 
 
-# The same two functions behind opaque ops (the direct-call path calls them as they are).
-#
-# They are registered straight into a `torch.library.Library`, not with the
-# `@torch.library.custom_op` decorator: the decorator's Python wrapper costs ~15-20 us per
-# call, twice per layer and step, while a plain registration goes through the C++ dispatcher
-# in a few us (vLLM's `direct_register_custom_op` does the same). The fake implementations
-# tell torch.compile the output shapes without running anything.
-
-_LIBRARY = torch.library.Library("pagedkv", "FRAGMENT")
-
-
-def register_op(name: str, impl: Callable[..., Any], fake: Callable[..., Any], mutates_args: tuple[str, ...]) -> None:
-    """Define `pagedkv::<name>` with the schema read off `impl`'s type hints."""
-    _LIBRARY.define(name + torch.library.infer_schema(impl, mutates_args=mutates_args))
-    _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"pagedkv::{name}", fake, lib=_LIBRARY)
+# The same two functions behind opaque ops (pagedkv/library.py; the direct-call path calls them
+# as they are). The fake implementations tell torch.compile the output shapes without running anything.
 
 
 def _unified_attention_with_output(

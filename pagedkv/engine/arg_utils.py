@@ -130,8 +130,8 @@ class EngineArgs:
     batch_invariant: bool | None = None
     """Bitwise-identical logits for a request whatever else is in its batch and however its prompt was
     chunked or cached (pagedkv/batch_invariant.py): fixed-tile matmuls, per-row norms and
-    softmax, attention without split-KV. Costs speed; turns compile off (Inductor tiles by batch) and
-    picks TRITON_ATTN on CUDA unless a backend is given. None: $PAGEDKV_BATCH_INVARIANT ("1"), else off."""
+    softmax, attention without split-KV. Costs speed; leaves compile off unless compile=True is given
+    and picks TRITON_ATTN on CUDA unless a backend is given. None: $PAGEDKV_BATCH_INVARIANT ("1"), else off."""
 
     def create_engine_config(self) -> tuple[EngineConfig, HFConfig]:
         """Check every argument and resolve the defaults; returns the engine config and the model's config."""

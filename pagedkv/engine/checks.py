@@ -141,8 +141,9 @@ def check_compilation(
     None picks the device's default, as vllm/config/vllm.py (VllmConfig.__post_init__) does: on
     CUDA without `enforce_eager`, compile on and FULL_AND_PIECEWISE; otherwise eager (NONE, no
     compile). Explicit values are kept (and checked against tensor parallelism later). The
-    batch-invariant mode runs uncompiled: Inductor would generate matmul and reduction kernels of
-    its own, tiled for each batch shape.
+    batch-invariant mode runs uncompiled unless compile=True is given: its matmuls, norms and
+    attention are opaque ops (pagedkv/batch_invariant.py), so Inductor fuses only the elementwise
+    work between them, but that it keeps every bit is shown on the CPU only so far.
     """
     enforce_eager = check_bool("enforce_eager", enforce_eager)
     fast = device.type == "cuda" and not enforce_eager
@@ -151,11 +152,6 @@ def check_compilation(
         # (check_tensor_parallel), so the default leaves the compile out there.
         compile = fast and tensor_parallel_size == 1 and not batch_invariant
     compile = check_bool("compile", compile)
-    if compile and batch_invariant:
-        raise ValueError(
-            "compile=True cannot run with batch_invariant=True: torch.compile generates its own matmul and "
-            "reduction kernels, tiled for each batch shape. Pass compile=None or False (CUDA graphs still work)."
-        )
     if cudagraph_mode is None:
         # Without the compile there are no piecewise graphs: mixed batches run eagerly and decodes
         # keep their full graphs (FULL_DECODE_ONLY), the lowering resolve_cudagraph_mode would

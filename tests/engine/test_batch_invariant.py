@@ -5,6 +5,7 @@ comparisons differ, so these tests can tell the two apart."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from pagedkv import LLM, SamplingParams, batch_invariant
 from pagedkv.attention.backends.torch_ref import TorchRefBackend
 from pagedkv.attention.selector import register_backend, unregister_backend
+from pagedkv.engine import arg_utils
 from pagedkv.engine.events import StepEvent
 from pagedkv.engine.request import RequestStatus
 from tests.conftest import needs_triton_on_cpu
@@ -134,6 +136,29 @@ def test_an_fp8_cache_keeps_the_mode(invariant: bool) -> None:
         return
     assert_same_model(alone, target_logits(engine("TORCH_REF", "float32", False, kv_cache_dtype="fp8"), []))
     assert differing_steps(alone, target_logits(llm, others(63))) == 0
+    before = llm.stats.num_cached_tokens
+    assert differing_steps(alone, target_logits(llm, others(2, seed=5), warm=[TARGET[:33] + [8]])) == 0
+    assert llm.stats.num_cached_tokens - before >= 32
+
+
+@pytest.mark.parametrize("pieces", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_mode_keeps_the_bits(pieces: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile=True with the mode: its matmul and norm are opaque ops (pagedkv/library.py), so the
+    compiled pieces (on the CPU Dynamo's graph run as it is, or Inductor's C++, ~20 s) fuse only
+    elementwise work around them. The target's float32 logits (where a batch of 64 changes the CPU's
+    matmuls) stay bitwise the same in a batch of 64, chunked and after a prefix-cache hit, and the
+    model is the same as without the mode."""
+    check = arg_utils.check_compilation
+    monkeypatch.setattr(
+        arg_utils, "check_compilation", lambda *a, **k: dataclasses.replace(check(*a, **k), piece_compiler=pieces)
+    )
+    llm = engine("TORCH_REF", "float32", True, compile=True, max_num_seqs=64)
+    assert llm.runner.compiled_forward is not None
+    alone = target_logits(llm, [])
+    assert_same_model(alone, target_logits(engine("TORCH_REF", "float32", False, enable_prefix_caching=False), []))
+    assert differing_steps(alone, target_logits(llm, others(63))) == 0
+    chunked = engine("TORCH_REF", "float32", True, compile=True, enable_prefix_caching=False, max_num_batched_tokens=7)
+    assert differing_steps(alone, target_logits(chunked, others(5))) == 0, "chunked at 7 tokens"
     before = llm.stats.num_cached_tokens
     assert differing_steps(alone, target_logits(llm, others(2, seed=5), warm=[TARGET[:33] + [8]])) == 0
     assert llm.stats.num_cached_tokens - before >= 32

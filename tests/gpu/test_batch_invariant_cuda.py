@@ -1,5 +1,5 @@
-"""The batch-invariant mode on CUDA (bf16, TRITON_ATTN, its Triton matmul and RMSNorm, FULL decode
-graphs): a request's logits bitwise the same alone, in a batch of 64, chunked, after a prefix-cache
+"""The batch-invariant mode on CUDA (bf16, TRITON_ATTN, its Triton matmul and RMSNorm; eager, FULL
+decode graphs, and compiled with piecewise and full graphs): a request's logits bitwise the same alone, in a batch of 64, chunked, after a prefix-cache
 hit and after preemption. (Without the mode these small models happened to give identical bf16
 logits in a batch of 64 on the H200 as well, so the mode-off contrast is the CPU test's, in float32,
 and benchmarks/prefix_caching.py's on llama3-8b shapes.)"""
@@ -22,7 +22,12 @@ from tests.engine.test_batch_invariant import (  # noqa: E402
     target_logits,
 )
 
-MODES = [pytest.param({"enforce_eager": True}, id="eager"), pytest.param({}, id="graphs")]
+MODES = [
+    pytest.param({"enforce_eager": True}, id="eager"),
+    pytest.param({}, id="graphs"),
+    # Opt-in: Inductor's pieces around the opaque invariant ops, in piecewise and full graphs.
+    pytest.param({"compile": True, "cudagraph_mode": "FULL_AND_PIECEWISE"}, id="compiled"),
+]
 
 
 @pytest.mark.parametrize("mode", MODES)
