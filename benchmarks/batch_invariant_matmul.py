@@ -7,7 +7,9 @@ shape, whatever the number of rows M: a decode step (M = the batch, 128 in W1) a
 (M = 4,096) must share it. Per candidate (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): microseconds per
 layer shape at both M (`triton.testing.do_bench`, median), the sum over the four layer shapes, its
 ratio to torch.mm (cuBLAS, which picks a kernel per shape) in the same run, and whether row 0 of
-M = 1 equals row 0 of M = 4,096 bitwise (it must, for every candidate). The table's last column
+M = 1 equals row 0 of M = 4,096 bitwise (it must, for every candidate), and whether its output equals
+that of the kept tiles bit for bit (the K loop runs in the same order; the MMA shapes differ): if
+the hardware gives every tile shape the same bits, tiles could even follow M without breaking the mode. The table's last column
 weighs the two sums as W1 does roughly: 128 decode steps per ~19 prefill chunks of 4,096 tokens.
 A second table gives the best candidate per layer shape: the tiles may depend on the weight's
 (N, K), never on M (`MATMUL_TILES_BY_SHAPE`; `end_to_end.py --matmul-tiles` tries them from the JSON).
@@ -88,13 +90,15 @@ def main() -> None:
             row["w1_weighted_ms"] = w1_ms({m: row[f"us_m{m}"] for m in ROWS})  # type: ignore[misc]
             x, w = inputs[("o", 4096)], weights["o"]
             row["invariant"] = torch.equal(matmul_triton(x[:1], w, tiles=tiles), matmul_triton(x, w, tiles=tiles)[:1])
+            # Whether the tile shape changes any bit at all.
+            row["same_bits_as_kept"] = torch.equal(matmul_triton(x, w, tiles=tiles), matmul_triton(x, w))
         except Exception as exc:  # noqa: BLE001  (a config that does not compile: say so, go on)
             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
     cublas_sum = {m: sum(c[m] for c in cublas.values()) for m in ROWS}
     print(
-        f"\n{'tiles (BM, BN, BK, warps, stages)':<36}{'M=128 us':>10}{'x cuBLAS':>9}{'M=4096 us':>11}{'x cuBLAS':>9}{'W1 ms':>8}  invariant"
+        f"\n{'tiles (BM, BN, BK, warps, stages)':<36}{'M=128 us':>10}{'x cuBLAS':>9}{'M=4096 us':>11}{'x cuBLAS':>9}{'W1 ms':>8}  invariant  same bits as kept"
     )
     print(
         f"{'cuBLAS (torch.mm)':<36}{cublas_sum[128]:10.0f}{'':>9}{cublas_sum[4096]:11.0f}{'':>9}{w1_ms(cublas_sum):8.1f}"
@@ -105,7 +109,7 @@ def main() -> None:
             continue
         print(
             f"{str(r['tiles']):<36}{r['us_m128']:10.0f}{r['x_cublas_m128']:9.2f}{r['us_m4096']:11.0f}"
-            f"{r['x_cublas_m4096']:9.2f}{r['w1_weighted_ms']:8.1f}  {r['invariant']}"
+            f"{r['x_cublas_m4096']:9.2f}{r['w1_weighted_ms']:8.1f}  {r['invariant']!s:<9}  {r['same_bits_as_kept']}"
         )
     # Tiles may depend on the weight's shape (N, K), never on M: the best candidate per shape.
     print(f"\n{'shape (N, K)':<22}{'best tiles by W1 weight':<28}{'M=128 x cuBLAS':>15}{'M=4096 x cuBLAS':>16}")
