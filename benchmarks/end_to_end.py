@@ -353,8 +353,15 @@ def main() -> None:
     if args.matmul_tiles:
         from pagedkv.kernels.batch_invariant_triton import MATMUL_TILES_BY_SHAPE
 
-        best = json.loads(args.matmul_tiles.read_text())["best_per_shape"]
-        MATMUL_TILES_BY_SHAPE.update({tuple(b["shape"]): tuple(b["tiles"]) for b in best.values()})
+        try:
+            best = json.loads(args.matmul_tiles.read_text())["best_per_shape"]
+            tiles = {tuple(b["shape"]): tuple(b["tiles"]) for b in best.values()}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            p.error(
+                f"--matmul-tiles {args.matmul_tiles}: not a batch_invariant_matmul.py JSON with per-shape "
+                f"winners ({type(exc).__name__}: {exc})"
+            )
+        MATMUL_TILES_BY_SHAPE.update(tiles)
         print(f"batch-invariant matmul tiles by (N, K): {MATMUL_TILES_BY_SHAPE}", flush=True)
     args.modes = list(dict.fromkeys(m for group in args.modes for m in group))
     args.backends = [None if b == "default" else b for b in args.backends]

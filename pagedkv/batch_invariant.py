@@ -76,7 +76,11 @@ def _linear_rows_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear whose every output row is bitwise the same whatever the other rows (x [..., K])."""
-    y = torch.ops.pagedkv.invariant_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    if torch.compiler.is_compiling():  # traced: the opaque op (see the registration below)
+        y = torch.ops.pagedkv.invariant_linear(rows, weight, bias)
+    else:  # run eagerly: the body itself, without the dispatcher's ~3 us a call
+        y = _linear_rows(rows, weight, bias)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -102,12 +106,17 @@ def _rms_norm_rows_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> to
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`rms_norm_reference`, each row reduced on its own in a fixed order (x [..., N])."""
-    y = torch.ops.pagedkv.invariant_rms_norm(x.reshape(-1, x.shape[-1]), weight, eps)
+    rows = x.reshape(-1, x.shape[-1])
+    if torch.compiler.is_compiling():
+        y = torch.ops.pagedkv.invariant_rms_norm(rows, weight, eps)
+    else:
+        y = _rms_norm_rows(rows, weight, eps)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 # Opaque to torch.compile (pagedkv/library.py): traced around, never into, so Inductor cannot swap
 # the fixed-order kernels for its own, tiled by the batch. Only elementwise work (residual adds,
 # SiLU, RoPE) is left for it to fuse, and an elementwise result does not depend on the batch.
+# Eager code calls the bodies directly, as the attention layer does (`Attention.use_direct_call`).
 register_op("invariant_linear", _linear_rows, _linear_rows_fake, mutates_args=())
 register_op("invariant_rms_norm", _rms_norm_rows, _rms_norm_rows_fake, mutates_args=())

@@ -9,23 +9,26 @@ import triton.language as tl
 
 from pagedkv.kernels.common import next_power_of_2
 
-MATMUL_TILES: tuple[int, int, int, int, int] = (128, 128, 64, 8, 3)
-"""(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the matmul. One shape must serve decode
+MatmulTiles = tuple[int, int, int, int, int]
+"""(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the matmul."""
+
+MATMUL_TILES: MatmulTiles = (128, 128, 64, 8, 3)
+"""The matmul's tiles for every weight not in MATMUL_TILES_BY_SHAPE. One shape must serve decode
 steps (M = the batch) and prefill chunks (M = thousands): of the candidates
 benchmarks/batch_invariant_matmul.py timed on an H200 on llama3-8b's layers, this one had the
 least W1-weighted time (0.56x cuBLAS at M = 128, 0.73x at M = 4,096, on 2026-12-04, before the
 grouped program order and the unmasked K loop)."""
 
-Tiles = tuple[int, int, int, int, int]
-MATMUL_TILES_BY_SHAPE: dict[tuple[int, int], Tiles] = {}
+MATMUL_TILES_BY_SHAPE: dict[tuple[int, int], MatmulTiles] = {}
 """Tiles for particular weights, by (N, K) = (out features, in features): where MATMUL_TILES does not
 suit a layer (a narrow weight leaves SMs idle at small M). Empty until an H200 run of
 benchmarks/batch_invariant_matmul.py, whose per-shape table gives the entries; `end_to_end.py
 --matmul-tiles` sets them from its JSON in-process. Keyed by the weight alone, never by M: a row's
-sum runs in the same order whatever the batch."""
+sum runs in the same order whatever the batch. Fill it before an engine starts: its CUDA graphs keep
+the tiles they captured, and a row computed with other tiles has other bits."""
 
 
-def matmul_tiles(n: int, k: int) -> Tiles:
+def matmul_tiles(n: int, k: int) -> MatmulTiles:
     """The tiles of a weight [n, k]: its entry in MATMUL_TILES_BY_SHAPE, or MATMUL_TILES."""
     return MATMUL_TILES_BY_SHAPE.get((n, k), MATMUL_TILES)
 
