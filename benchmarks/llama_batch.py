@@ -1,9 +1,9 @@
 """The attention benchmarks' paged batch: Llama-3-8B's attention shapes (32 query heads over 8 KV
 heads of 128, bf16, blocks of 16), and the kernel config `unified_attention` would pick for a batch.
 
-Shared by benchmarks/attention.py, compare_kernel.py and host_overhead.py. It imports only
+Shared by benchmarks/attention.py, compare_kernel.py and kernel_launch_overhead.py. It imports only
 `choose_config` and `random_paged_batch` from pagedkv (and names the rest for type checkers alone),
-so host_overhead.py can still time an older checkout put first on PYTHONPATH.
+so kernel_launch_overhead.py can still time an older checkout put first on PYTHONPATH.
 """
 
 from __future__ import annotations
