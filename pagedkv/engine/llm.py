@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -164,6 +165,9 @@ class LLM:
         """Plan and launch step N+1 while the GPU runs step N (pagedkv/engine/scheduler.py)."""
         self._launched: deque[_LaunchedStep] = deque()
         """Steps launched whose samples are not booked yet, oldest first (at most 2, under async scheduling)."""
+        self._lock = threading.RLock()
+        """Held by a step and by add_request / abort_request: one called from another thread (a server's)
+        while a step runs lands after it, not in the middle of its plan, forward or booking."""
 
     def _prefix_caching(self, requested: bool | None) -> bool:
         """On unless turned off or the model cannot: a sliding-window layer gives blocks back as
@@ -220,7 +224,8 @@ class LLM:
 
     def add_request(self, prompt: Prompt, params: SamplingParams) -> str:
         """Queue one prompt; returns its request id. Bad input raises and queues nothing."""
-        return self._add(*self._prepare(prompt, params))
+        with self._lock:
+            return self._add(*self._prepare(prompt, params))
 
     def abort_request(self, request_id: str) -> bool:
         """Stop an unfinished (waiting or running) request now and free its blocks.
@@ -228,16 +233,21 @@ class LLM:
         Returns False, and does nothing, for an id that is not unfinished: unknown, aborted
         already, or finished (its last output came from `step`) -- as in vLLM, where a request
         may well finish in the step just before its abort.
+
+        Called from another thread while a step runs, it waits for the step to end, as vLLM's engine
+        core takes aborts from its input queue between steps (vllm/v1/engine/core.py): finished
+        under a running step, a request would fail the step and every other request in it.
         """
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str (what add_request returned), got {request_id!r}.")
-        request = self._requests.get(request_id)
-        if request is None:
-            return False
-        with deferred_interrupts():
-            self._end(request, "abort")
-            self._forget(request)
-        return True
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is None:
+                return False
+            with deferred_interrupts():
+                self._end(request, "abort")
+                self._forget(request)
+            return True
 
     def has_unfinished_requests(self) -> bool:
         """Whether `step()` has more to return: requests not finished, or outputs not yet delivered."""
@@ -271,9 +281,7 @@ class LLM:
 
     def _end(self, request: Request, reason: str, error: BaseException | None = None) -> None:
         """Finish an unfinished request early ("abort", "error"): out of the scheduler, blocks freed."""
-        self.scheduler.finish_request(request, reason)
-        if error is not None:
-            request.error = f"{type(error).__name__}: {error}"
+        self.scheduler.finish_request(request, reason, error)
 
     def _forget(self, request: Request) -> None:
         """Drop a finished request's record and sampler state."""
@@ -308,12 +316,32 @@ class LLM:
         is re-raised with a note naming them: the error is not hidden, and the engine serves later
         requests. A step listener that raises does so after its step had run: the next call returns
         that step's outputs.
+
+        Exceptions in the engine's own bookkeeping (a `MemoryError`, a bug) never lose a request, a
+        token or a block, and leave the engine callable:
+
+        - Planning (`Scheduler.schedule`) raising part-way takes its plan back, as an interrupted
+          step's: the exception goes on (noted as such), no request was changed, and the next call
+          plans the same step again (`generate` aborts its requests, as on any exception).
+        - Booking a sampled step is per request: an `Exception` raised while booking one (in
+          `Scheduler.update`, the n-gram proposer, the detokenizer) finishes that request alone with
+          finish_reason "error" and the reason in `RequestOutput.error`, its blocks freed and the
+          tokens booked before the failure in its output; the step's other outputs are returned as
+          usual. (Half booked, a request could never be planned again; re-raising would drop the
+          others' tokens, whose step has run, or book them twice on a retry.) A batched text decode
+          that raises is retried one request at a time, so only a request whose own text fails ends.
+        - Whatever raises after the step's outputs are made (counters, a listener) leaves them in
+          the engine: the next call returns them first.
         """
         return self._step(stream=True)
 
     def _step(self, stream: bool) -> list[RequestOutput]:
         """One step booked; `stream`: outputs of every request in it (else of the finished only,
         which is all `generate()` reads: text is made only for outputs a caller sees)."""
+        with self._lock:
+            return self._locked_step(stream)
+
+    def _locked_step(self, stream: bool) -> list[RequestOutput]:
         # Steps launched for requests that all finished meanwhile: nothing in them to book.
         while self._launched and all(r.status is RequestStatus.FINISHED for r in self._launched[0].requests):
             self._launched.popleft()
@@ -331,8 +359,7 @@ class LLM:
         rows = step.sampled.rows([r.request_id for r in step.requests], [r.sampling_params for r in step.requests])
         with deferred_interrupts():
             self._launched.popleft()
-            outputs = self._book(step, rows, stream)
-            self._undelivered += outputs
+            outputs = self._book(step, rows, stream)  # in self._undelivered from the moment they exist
         if self._listeners:
             event = StepEvent(
                 step=self.stats.num_steps,
@@ -397,6 +424,11 @@ class LLM:
                     self.scheduler.undo(sched)
                     if isinstance(error, Exception):
                         self._fail_step(sched, error)
+            else:  # Scheduler.schedule raised: it took its plan back itself
+                error.add_note(
+                    "pagedkv: planning the step raised; the plan was taken back (no request lost, no block "
+                    "cached unwritten), and the next step() plans it again."
+                )
             raise
 
     def _book(
@@ -407,26 +439,45 @@ class LLM:
     ) -> list[RequestOutput]:
         """Book a launched step's samples: tokens appended (with drafts: the accepted ones and the
         target's next), stops checked, failed samples finished, the next drafts proposed; its
-        outputs. Requests finished meanwhile (aborted, or stopped a step before) are skipped."""
-        self._read_drafts(step)
+        outputs, added to `_undelivered` as soon as they are made. Requests finished meanwhile
+        (aborted, or stopped a step before) are skipped.
+
+        Each request is booked on its own (see `step`): an `Exception` while booking one, in
+        `Scheduler.update`, the n-gram proposer or the making of its text, finishes that request
+        alone with finish_reason "error". What comes after the outputs (the drafts' ids for the
+        trace, the counters) concerns no request: if it raises, the outputs are kept for the next
+        call."""
         live = [(r, row) for r, row in zip(step.requests, rows) if r.status is not RequestStatus.FINISHED]
-        finished = self.scheduler.update(
-            step.sched, {r.request_id: t for r, (t, _) in live if not isinstance(t, Exception)}
-        )
+        self.scheduler.update(step.sched, {r.request_id: t for r, (t, _) in live if not isinstance(t, Exception)})
         for request, (tokens, logprobs) in live:
             if isinstance(tokens, Exception):  # this request's failure alone: the others go on
                 self._end(request, "error", tokens)
-                finished.append(request)
                 continue
-            if logprobs is not None:  # one per token kept (a stop drops the ones after it)
-                request.output_logprobs += logprobs[: len(request.output_token_ids) - len(request.output_logprobs)]
-            if request.status is RequestStatus.RUNNING and self.speculative_config is not None:
-                request.spec_token_ids = self._propose(request)
-        outputs = self._outputs([r for r, _ in live] if stream else finished)
+            try:
+                if logprobs is not None:  # one per token kept (a stop drops the ones after it)
+                    request.output_logprobs += logprobs[: len(request.output_token_ids) - len(request.output_logprobs)]
+                if request.status is RequestStatus.RUNNING and self.speculative_config is not None:
+                    request.spec_token_ids = self._propose(request)
+            except Exception as error:  # its tokens are booked; without its next drafts it ends here
+                logger.warning("Request %s failed while its step was booked: %r", request.request_id, error)
+                self._end(request, "error", error)
+        booked = [r for r, _ in live]
+        # Text only for the outputs a caller reads: streamed ones, or generate()'s finished ones.
+        outputs = self._outputs(booked if stream else [r for r in booked if r.status is RequestStatus.FINISHED])
+        self._undelivered += outputs
+        finished = [r for r in booked if r.status is RequestStatus.FINISHED]
         for request in finished:
             self._forget(request)
-        self.stats.model_time_s += time.perf_counter() - step.start
-        self.stats.count_step(step.sched, step.result.cudagraph_mode.name, len(finished))
+        try:
+            self._read_drafts(step)
+            self.stats.model_time_s += time.perf_counter() - step.start
+            self.stats.count_step(step.sched, step.result.cudagraph_mode.name, len(finished))
+        except Exception as error:
+            error.add_note(
+                "pagedkv: the step's bookkeeping raised after its tokens were booked; its outputs are kept "
+                "and the next step() returns them first."
+            )
+            raise
         return outputs
 
     def _propose(self, request: Request) -> list[int]:
@@ -466,8 +517,22 @@ class LLM:
         outputs a caller reads are made: streamed ones, or generate()'s finished ones)."""
         texts = [""] * len(requests)
         if self.tokenizer is not None:
-            texts = detokenize_batch(self.tokenizer, [(r.detokenizer, r.output_token_ids) for r in requests])
+            try:
+                texts = detokenize_batch(self.tokenizer, [(r.detokenizer, r.output_token_ids) for r in requests])
+            except Exception:  # whose text raised is not known: each on its own (a detokenizer that
+                texts = [self._text(r) for r in requests]  # settled in the batch gives the same text again)
         return [request.output(text) for request, text in zip(requests, texts)]
+
+    def _text(self, request: Request) -> str:
+        """One request's text; if it cannot be made, the request ends with an error (its tokens are
+        in its output all the same) rather than stream text that no longer follows its tokens."""
+        assert self.tokenizer is not None and request.detokenizer is not None
+        try:
+            return detokenize_batch(self.tokenizer, [(request.detokenizer, request.output_token_ids)])[0]
+        except Exception as error:
+            logger.warning("The text of request %s could not be made: %r", request.request_id, error)
+            self._end(request, "error", error)
+            return ""
 
     # ---- offline batch ---------------------------------------------------------------
 

@@ -18,8 +18,10 @@ num_computed_tokens at that length, and the budget pays only for the rest.
 A plan is not a fact until its step has run. `commit` makes it one once the step's forward and
 sampling are launched (tokens computed, blocks' hashes kept); `undo` takes it back when they raised
 or were interrupted (Ctrl-C): the requests it admitted return to the front of the waiting queue
-holding no blocks, and the next `schedule` plans the same step again. `update` then books the
-sampled tokens (stop checks, finished requests freed).
+holding no blocks, and the next `schedule` plans the same step again. A `schedule` that raises
+part-way (a `MemoryError`) takes back what it did the same way before the exception goes on. `update`
+then books the sampled tokens (stop checks, finished requests freed), each request on its own: one
+whose booking raises is finished with an error, the others are booked.
 
 Async scheduling (vLLM's `async_scheduling`) plans step N+1 before the host has read the tokens
 step N sampled. Those tokens are placeholders (`Request.num_output_placeholders`): step N+1
@@ -42,6 +44,7 @@ step) and blocks that held only rejected drafts go back to the pool (`KVCacheMan
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -49,6 +52,8 @@ from pagedkv.config import SchedulerConfig
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, ScheduledTokens
+
+logger = logging.getLogger("pagedkv")
 
 
 @dataclass
@@ -166,8 +171,9 @@ class Scheduler:
         self.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
         self.waiting.append(request)
 
-    def finish_request(self, request: Request, reason: str) -> None:
-        """End a waiting or running request ("stop", "length", "abort", "error"): out of the queues, blocks freed."""
+    def finish_request(self, request: Request, reason: str, error: BaseException | None = None) -> None:
+        """End a waiting or running request ("stop", "length", "abort", "error"): out of the queues, blocks
+        freed; `error` (with "error") is why, kept in `Request.error` for its output."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -175,14 +181,42 @@ class Scheduler:
         self.kv_cache_manager.free(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if error is not None:
+            request.error = f"{type(error).__name__}: {error}"
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        """Plan the next step. If planning raises part-way (a `MemoryError` in `allocate_slots`, say,
+        after an earlier admission of the same plan hashed the blocks it is to fill), what it did is
+        taken back as `undo` takes back a plan never launched, and the exception goes on: no pending
+        hash outlives it (the next plan's commit would make those blocks findable with K/V never
+        written), every admitted request is back at the front of the waiting queue holding no
+        blocks. Preemptions stay done; running requests keep blocks added for them (both consistent)."""
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        admitting: list[tuple[Request, RequestStatus]] = []  # the one on its way in, until it is in `scheduled`
+        try:
+            self._plan(scheduled, preempted, admitting)
+        except BaseException:
+            # The one half admitted first, then the others in front of it: the queue's order is kept.
+            for request, status in admitting:
+                self._take_back(request, status)
+            self.undo(SchedulerOutput(scheduled, preempted))
+            raise
+        return SchedulerOutput(scheduled, preempted)
+
+    def _plan(
+        self,
+        scheduled: list[ScheduledRequest],
+        preempted: list[str],
+        admitting: list[tuple[Request, RequestStatus]],
+    ) -> None:
+        """`schedule`'s body: fills `scheduled` and `preempted` as it goes, so that a plan that raises
+        part-way can be taken back; `admitting` holds the waiting request between its first change
+        and its entry in `scheduled`."""
+        budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
 
         # 1. Running requests, oldest first; preempt the newest when blocks run out.
@@ -216,27 +250,30 @@ class Scheduler:
             if request.num_output_placeholders:  # preempted with a token in flight: admitted once it is read
                 break
             hits, num_hit = [], 0
+            admitting.append((request, request.status))
             if request.num_computed_tokens == 0:  # new or preempted: holds no blocks
                 hits, num_hit = kv.get_computed_blocks(request.request_id, request.all_token_ids)
             n = request.num_tokens - request.num_computed_tokens - num_hit
             if n > budget:
                 if not self.config.enable_chunked_prefill:
+                    admitting.clear()
                     break
                 n = budget
             if not kv.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_hit, n, hits, token_ids=request.all_token_ids
             ):
+                admitting.clear()
                 break
-            self.waiting.popleft()
             looked_up = request.num_tokens if request.num_computed_tokens == 0 else 0
             request.num_computed_tokens += num_hit
-            scheduled.append(
-                ScheduledRequest(
-                    request, n, num_cached_tokens=num_hit, num_lookup_tokens=looked_up, admitted_from=request.status
-                )
+            admitted = ScheduledRequest(
+                request, n, num_cached_tokens=num_hit, num_lookup_tokens=looked_up, admitted_from=request.status
             )
+            self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            scheduled.append(admitted)  # last: from here on `undo` takes it back
+            admitting.clear()
             budget -= n
 
         # Decodes first, one-token ones before those with drafts: kernels (and MLA) split the batch
@@ -244,7 +281,6 @@ class Scheduler:
         scheduled.sort(key=lambda s: (not s.is_decode, s.is_decode and s.num_new_tokens > 1))
         for s in scheduled:  # the rows the step reads, once every allocation of the plan is made
             s.block_ids = kv.get_block_ids(s.request.request_id)
-        return SchedulerOutput(scheduled, preempted)
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """The drafts a decoding request verifies this step: its proposals, as many as the token budget
@@ -283,40 +319,65 @@ class Scheduler:
         blocks it added, which the same step planned again needs; preemptions stay done."""
         self.kv_cache_manager.rollback()
         for s in reversed(output.scheduled):
-            if s.admitted_from is None:
-                continue
-            self.running.remove(s.request)
-            self.kv_cache_manager.free(s.request.request_id)
-            s.request.num_computed_tokens = 0
-            s.request.status = s.admitted_from
-            self.waiting.appendleft(s.request)
+            if s.admitted_from is not None:
+                self._take_back(s.request, s.admitted_from)
+
+    def _take_back(self, request: Request, status: RequestStatus) -> None:
+        """Return a request admitted by a plan that did not run to the front of the waiting queue,
+        holding no blocks (it held none before). It may be anywhere on its way in (a plan that raised
+        part-way): still first in the waiting queue, or popped, or running."""
+        if request in self.running:
+            self.running.remove(request)
+        self.kv_cache_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = status
+        if not (self.waiting and self.waiting[0] is request):
+            self.waiting.appendleft(request)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Book a committed step's sampled tokens (per request: its accepted drafts, then the target's
-        token): append them, roll back rejected drafts, finish and free what stopped.
+        token): append them, roll back rejected drafts, finish and free what stopped; returns the
+        requests it finished.
 
         A request finished meanwhile (a step late, or aborted) drops its tokens; a request
-        preempted meanwhile keeps them (the step computed them from the request's blocks of then)."""
+        preempted meanwhile keeps them (the step computed them from the request's blocks of then).
+
+        Each request is booked on its own: one whose booking raises an `Exception` is finished with
+        finish_reason "error" (its blocks freed, the tokens appended before the failure kept), and
+        the step's other requests are booked all the same. Left half booked, it could never be
+        planned again (a placeholder that no step resolves), and raising would lose the others'
+        tokens, whose step has run. (vLLM's engine core dies with such an exception,
+        vllm/v1/engine/core.py; this engine lives on, so it must keep its books whole.)"""
         finished = []
         for s in output.scheduled:
             request = s.request
             if not s.samples or request.status is RequestStatus.FINISHED:
                 continue
-            request.num_output_placeholders -= 1
-            request.spec_token_ids = []  # proposed for this step; the engine proposes anew
-            tokens = sampled.get(request.request_id)
-            if tokens is None:  # its sampling failed: the engine ends it
-                continue
-            if s.draft_token_ids:
-                s.num_accepted_tokens = len(tokens) - 1
-                if request.status is RequestStatus.RUNNING:
-                    request.num_computed_tokens -= len(s.draft_token_ids) - s.num_accepted_tokens
-            for token in tokens:
-                request.append_output_token_id(token)
-                if request.check_stop(self.max_model_len):
-                    self.finish_request(request, request.finish_reason)
+            try:
+                if self._update_request(s, sampled.get(request.request_id)):
                     finished.append(request)
-                    break
-            if s.draft_token_ids and request.status is RequestStatus.RUNNING:
-                s.rolled_back_block_ids = self.kv_cache_manager.trim(request.request_id, request.num_tokens)
+            except Exception as error:
+                logger.warning("Request %s failed while its step was booked: %r", request.request_id, error)
+                self.finish_request(request, "error", error)
+                finished.append(request)
         return finished
+
+    def _update_request(self, s: ScheduledRequest, tokens: list[int] | None) -> bool:
+        """Book one request's share of a step (`update`); True when it finished."""
+        request = s.request
+        request.num_output_placeholders -= 1
+        request.spec_token_ids = []  # proposed for this step; the engine proposes anew
+        if tokens is None:  # its sampling failed: the engine ends it
+            return False
+        if s.draft_token_ids:
+            s.num_accepted_tokens = len(tokens) - 1
+            if request.status is RequestStatus.RUNNING:
+                request.num_computed_tokens -= len(s.draft_token_ids) - s.num_accepted_tokens
+        for token in tokens:
+            request.append_output_token_id(token)
+            if request.check_stop(self.max_model_len):
+                self.finish_request(request, request.finish_reason)
+                return True
+        if s.draft_token_ids and request.status is RequestStatus.RUNNING:
+            s.rolled_back_block_ids = self.kv_cache_manager.trim(request.request_id, request.num_tokens)
+        return False
