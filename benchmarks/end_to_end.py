@@ -22,7 +22,7 @@ FULL_AND_PIECEWISE with async scheduling on and off). Each row, in this process 
 * start-up (`--startup`): cold and warm, each `LLM(...)` in a fresh subprocess (`startup.py`;
   cold: empty compile caches), printed as each finishes; `init_s`: this process's own `LLM(...)`.
 * warm-up: one `generate` of the workload drawn from seed 1 (same distribution, other prompts;
-  outputs capped at `--warmup-max-tokens`); compilation lands there.
+  outputs capped at `--warmup-max-tokens`, 0: the whole workload); compilation lands there.
 * timed `generate` on the workload's own prompts (text made once, at the end), and timed
   streaming: the same lengths and sampling parameters with other token ids, all requests added,
   then `llm.step()` until done, reading each output's new text every step as a server would
@@ -34,8 +34,13 @@ FULL_AND_PIECEWISE with async scheduling on and off). Each row, in this process 
 
 Beside the rows: the roofline of each workload (`workloads.roofline`: prefill at `--tflops`,
 decode steps at `--hbm-tbps`); with `--hf`, transformers' `generate_batch` and padded `generate`
-on W1 with the same weights (`hf_peers.py`); on W2 nano-vllm if `import nanovllm` works
-(`nano_peer.py`), and nano-vllm's figure recorded for the issue (not this run) as a ratio.
+on W1 with the same weights (`hf_peers.py`); on W2 nano-vllm when it is staged (`nano_peer.py`:
+`bash benchmarks/stage_peers.sh`, flash-attn 4 and xxhash importable), after the pagedkv rows and
+in the same order of steps: its engine on the last pagedkv engine's weights and KV cache bytes, a
+warm-up on the same warm-up workload, then the timed `generate` (`--no-nano` leaves it out). With
+`--nano-export DIR` this process only writes the weights, and `nano_peer.py --into <the JSON>`
+runs nano-vllm in a second process once this one has exited (no pagedkv memory left on the GPU)
+and adds its row. Every ratio to a peer is to its run in the same invocation.
 
 `--tables decode`: the older decode latency table (median `llm.step()` by model, batch and mode).
 `--profile` cProfiles each warm-up run (compile counters); `--kernel-profile` prints the top GPU
@@ -201,18 +206,34 @@ def run_workload(
         if workload.name == "W1" and (args.hf_batch or args.hf_padded):
             rows += hf_rows(kept.model, workload, args)
             save()
+    if workload.name == "W2" and args.nano_export:
+        # nano-vllm runs in its own process after this one exits (nano_peer.py --into): only the weights here.
+        where = args.nano_export / workload.model
+        record["nano_export"] = {"dir": str(where)}
+        try:
+            reason = "no pagedkv engine ran (no weights)" if kept is None else nano_peer.export(kept.model, where)
+        except Exception as exc:
+            reason = error_text(exc)
+        if reason:
+            record["nano_export"]["error"] = reason  # type: ignore[index]
+        save()
+        return
     with tempfile.TemporaryDirectory(prefix="pagedkv-nano-") as nano_dir:
         reason = None
         if workload.name == "W2":
-            reason = nano_peer.unavailable() or ("no pagedkv engine ran (no weights)" if kept is None else None)
+            reason = (
+                ("--no-nano" if args.no_nano else None)
+                or nano_peer.unavailable()
+                or ("no pagedkv engine ran (no weights)" if kept is None else None)
+            )
             try:
                 reason = reason or nano_peer.export(kept.model, Path(nano_dir))  # type: ignore[union-attr]
             except Exception as exc:
                 reason = error_text(exc)
-        kept = None  # before nano-vllm starts: it sizes its KV cache from the free memory
+        kept = None  # before nano-vllm starts: the pagedkv engine's memory goes first
         release()
         if workload.name == "W2":
-            rows.append(nano_row(reason, Path(nano_dir), workload))
+            rows.append(nano_row(reason, Path(nano_dir), workload, workload.resampled(1, args.warmup_max_tokens)))
             save()
 
 
@@ -248,12 +269,13 @@ def hf_rows(model: torch.nn.Module, workload: Workload, args: argparse.Namespace
     return rows
 
 
-def nano_row(reason: str | None, path: Path, workload: Workload) -> dict[str, object]:
-    """nano-vllm on the weights exported to `path`, or the reason it was skipped (printed either way)."""
-    row: dict[str, object] = {"engine": "nano-vllm", "mode": "its defaults"}
+def nano_row(reason: str | None, path: Path, workload: Workload, warmup: Workload) -> dict[str, object]:
+    """nano-vllm on the weights exported to `path` (warm-up: `warmup`, the pagedkv rows' own), or the
+    reason it was skipped (printed either way)."""
+    row: dict[str, object] = {"engine": "nano-vllm", "mode": nano_peer.MODE, "process": "this one"}
     if reason is None:
         try:
-            row["generate"] = nano_peer.run(path, workload)
+            row.update(nano_peer.run(path, workload, warmup, int(workload.engine["kv_cache_memory"])))
         except Exception as exc:
             reason = error_text(exc)
     if reason:
@@ -326,13 +348,23 @@ def main() -> None:
     p.add_argument("--w2-kv-cache-gib", type=float, default=48.0, help="KV cache of W2's engines")
     p.add_argument("--num-requests", type=int, help="fewer requests (the first ones): smoke tests")
     p.add_argument("--max-tokens", type=int, help="cap every request's new tokens: smoke tests")
-    p.add_argument("--warmup-max-tokens", type=int, default=128, help="cap of the warm-up run's new tokens")
+    p.add_argument(
+        "--warmup-max-tokens", type=int, default=128, help="cap of the warm-up run's new tokens; 0: uncapped"
+    )
     p.add_argument("--breakdown-steps", type=int, default=20, help="decode steps timed per window; 0: no breakdown")
     p.add_argument("--startup", action="store_true", help="cold and warm start-up of every row in subprocesses")
     p.add_argument("--hf", action="store_true", help="both transformers peers on W1")
     p.add_argument("--hf-batch", action="store_true", help="transformers generate_batch on W1")
     p.add_argument("--hf-padded", action="store_true", help="transformers padded generate on W1")
     p.add_argument("--hf-batch-size", type=int, default=128)
+    p.add_argument("--no-nano", action="store_true", help="leave nano-vllm out of W2 even where it is staged")
+    p.add_argument(
+        "--nano-export",
+        type=Path,
+        metavar="DIR",
+        help="W2: write the weights for nano-vllm into DIR/<model> instead of running it here; then "
+        "`nano_peer.py --into <this --json>` runs it in its own process and adds its row",
+    )
     p.add_argument("--hbm-tbps", type=float, default=4.3)
     p.add_argument("--tflops", type=float, default=790.0)
     p.add_argument("--decode-models", nargs="+", default=["tiny", "llama3-8b"])

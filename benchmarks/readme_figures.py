@@ -8,10 +8,13 @@ engine resolved it to). Columns (those empty in every row are left out):
 * start-up cold / warm s: `LLM(...)` in a fresh process with empty compile caches / with the
   caches the cold one filled (`--startup`);
 * generate s, generate / stream out tok/s: the timed runs (output tokens / wall time);
-* x nano-vllm (recorded): generate tok/s over nano-vllm's W2 figure measured for the issue
-  (`nano_peer.RECORDED`; not this run; only for the full-size W2); x nano-vllm (this run) when
-  it ran beside; x transformers: over transformers' `generate_batch` in the same run (W1, `--hf`);
+* x nano-vllm (this run): generate and stream tok/s over nano-vllm's `generate` in the same
+  process (W2, when it ran); x transformers: over transformers' `generate_batch` in the same run
+  (W1, `--hf`). No ratio divides by a figure from another run;
 * % roofline: generate tok/s over the roofline's (`workloads.roofline`);
+* generate wall / GPU-busy s: the timed `generate`'s wall time / the kernel time summed over one
+  more run of the same lengths under torch.profiler (`--kernel-profile`), and how much longer the
+  wall is (the time the GPU waits for the host, at most);
 * decode step: median wall ms of a pure decode step at the workload's batch / GPU-busy ms /
   the host's share of the step.
 
@@ -28,7 +31,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_bench import resolved_label  # noqa: E402
-from nano_peer import RECORDED  # noqa: E402
 
 Table = tuple[str, list[str], list[list[str]]]
 """A title, the column names and the rows' cells."""
@@ -46,7 +48,6 @@ def workload_table(w: dict) -> Table:
     rows = w["rows"]
     hf = next((_rate(r.get("generate")) for r in rows if "generate_batch" in r["engine"]), None)
     nano = next((_rate(r.get("generate")) for r in rows if r["engine"] == "nano-vllm"), None)
-    recorded = RECORDED.get(w["model"]) if w.get("full_size") else None
     roof = w.get("roofline") or {}
     columns = [
         "engine",
@@ -55,23 +56,25 @@ def workload_table(w: dict) -> Table:
         "generate s",
         "generate out tok/s",
         "stream out tok/s",
-        f"x nano-vllm ({recorded['output_tokens_per_s']:,.0f} tok/s recorded on {recorded['gpu']} "
-        f"{recorded['date']}, not this run)"
-        if recorded
-        else "x nano-vllm (recorded)",
-        "x nano-vllm (this run)",
+        "generate x nano-vllm (this run)",
+        "stream x nano-vllm (this run)",
         "x transformers generate_batch (this run)",
         "% roofline",
+        "generate wall / GPU-busy s",
         "decode step ms: wall / GPU-busy / host share",
     ]
     cells = []
     for r in rows:
         mode = r["mode"] + (f" -> {resolved_label(r['resolved'])}" if "resolved" in r else "")
         if "generate" not in r:
-            cells.append([r["engine"], f"{mode}: {r.get('skipped') or r.get('error') or 'no result'}"] + [""] * 9)
+            cells.append([r["engine"], f"{mode}: {r.get('skipped') or r.get('error') or 'no result'}"] + [""] * 10)
             continue
         gen, stream, s, b = r["generate"], r.get("stream"), r.get("startup"), r.get("decode_breakdown")
         rate = _rate(gen)
+        kernels = r.get("kernels") or {}
+        busy = ""
+        if kernels.get("gpu_s"):
+            busy = f"{gen['seconds']:.2f} / {kernels['gpu_s']:.2f} (+{gen['seconds'] / kernels['gpu_s'] - 1:.0%})"
         breakdown = ""
         if b:
             gpu = "" if b["gpu_busy_ms"] is None else f" / {b['gpu_busy_ms']:.2f} / {b['host_share']:.0%}"
@@ -84,10 +87,11 @@ def workload_table(w: dict) -> Table:
                 f"{gen['seconds']:.2f}",
                 f"{rate:,.0f}",
                 f"{_rate(stream):,.0f}" if stream else "",
-                _ratio(rate, recorded["output_tokens_per_s"] if recorded else None),
                 _ratio(rate, nano) if r["engine"] != "nano-vllm" else "",
+                _ratio(_rate(stream), nano) if r["engine"] != "nano-vllm" else "",
                 _ratio(rate, hf),
                 f"{100 * rate / roof['output_tokens_per_s']:.0f}%" if roof.get("output_tokens_per_s") else "",
+                busy,
                 breakdown,
             ]
         )
@@ -100,7 +104,7 @@ def workload_table(w: dict) -> Table:
                 f"{roof['seconds']:.2f}",
                 f"{roof['output_tokens_per_s']:,.0f}",
             ]
-            + [""] * 6
+            + [""] * 7
         )
     cached = sum(r[k].get("cached_prompt_tokens", 0) for r in rows for k in ("generate", "stream") if k in r)
     title = (
