@@ -181,6 +181,7 @@ def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=max(512, n),
         max_num_batched_tokens=MAX_BATCHED_TOKENS,
         max_model_len=high + max_tokens + BLOCK_SIZE,
+        async_scheduling=args.async_scheduling,
     )
     sections = instrument(llm)
     params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
@@ -241,6 +242,7 @@ def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
         "rest_ms_median": 1e3
         * statistics.median(w - sum(per_section[k][i] for k in sections.present) for i, w in enumerate(walls)),
         "absent_sections": [k for k in SECTIONS if k not in sections.present],
+        "async_scheduling": getattr(llm, "async_scheduling", None),
         "prompt_tokens": sum(lens),
         "cached_prompt_tokens": cached,
     }
@@ -282,6 +284,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="decode steps of all N before the timed ones")
     p.add_argument("--prompt-len", nargs=2, type=int, default=[100, 1024], metavar=("LOW", "HIGH"))
     p.add_argument("--temperature", type=float, default=0.6, help="W2's; 0: greedy")
+    p.add_argument(
+        "--async-scheduling",
+        type=lambda v: {"on": True, "off": False}[v],
+        default=None,
+        metavar="on|off",
+        help="the engine's default (off on a CPU) unless given; recorded per row either way",
+    )
     p.add_argument("--profile", type=int, metavar="N", help="cProfile N's timed steps")
     p.add_argument("--top", type=int, default=25, help="cProfile entries printed")
     p.add_argument("--smoke", action="store_true", help="N=4, 2 steps, short prompts: the script's path in seconds")

@@ -59,7 +59,7 @@ CONFIGS: dict[str, tuple[dict[str, Any], SamplingParams]] = {
     "seeded": ({}, SEEDED),
     "chunked": ({"max_num_batched_tokens": 8}, GREEDY),  # prompts over several steps
     # Speculative decoding with a draft model (the target's own weights: it proposes 2 tokens every
-    # step); seeded, the rejection sampler draws from the requests' generators.
+    # step); seeded, the rejection sampler keeps a draft iff it equals the sampler's draw.
     "spec": ({"speculative_config": DRAFT}, GREEDY),
     "spec-seeded": ({"speculative_config": DRAFT}, SEEDED),
 }
@@ -91,8 +91,8 @@ def patch_point(llm: LLM, point: str, at: int) -> Interrupt:
     elif point == "cache write":  # the K/V write of the last layer
         impl = layers[-1].impl
         impl.do_kv_cache_update = interrupt.wrap(impl.do_kv_cache_update)
-    elif point == "sampler":  # a seeded row's draw: one call per seeded request of the step
-        llm.sampler._seeded_noise = interrupt.wrap(llm.sampler._seeded_noise)
+    elif point == "sampler":  # the random rows' draws: one call per step that has any
+        llm.sampler.draw = interrupt.wrap(llm.sampler.draw)  # type: ignore[method-assign]
     elif point == "step":  # between steps' bookkeeping: the whole model call
         llm.runner.execute_model = interrupt.wrap(llm.runner.execute_model)
     return interrupt
@@ -115,12 +115,12 @@ CASES = [
     ("cache write", 1, "greedy"),
     ("cache write", 3, "chunked"),  # the third chunk of the prompts
     ("attention 3", 2, "chunked"),
-    ("sampler", 5, "seeded"),  # mid-batch: earlier rows have drawn from their generators
+    ("sampler", 5, "seeded"),  # a decode step's draws
     ("attention 1", 3, "seeded"),
     ("step", 2, "greedy"),
     ("attention 5", 4, "spec"),  # a draft model layer: its proposals for the first decode step
     ("attention 2", 3, "spec"),  # the target verifying the drafts
-    ("sampler", 4, "spec-seeded"),  # the rejection sampler, mid-batch
+    ("sampler", 2, "spec-seeded"),  # the rejection sampler's draws
 ]
 IDS = [f"{point}@{at}-{config}" for point, at, config in CASES]
 

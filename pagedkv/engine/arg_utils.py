@@ -97,7 +97,8 @@ class EngineArgs:
     memory_utilization: float = CacheConfig.memory_utilization
     """Share in (0, 1] of the GPU's memory the engine may use in all (vLLM's gpu_memory_utilization)."""
     seed: int = ModelConfig.seed
-    """Seed of a preset's random weights (sampling seeds are per request: SamplingParams.seed)."""
+    """Seed of a preset's random weights, and of unseeded requests' sampling (each such request draws from
+    a seed hashed from this one and its arrival number; a seeded request from SamplingParams.seed)."""
     cudagraph_mode: CUDAGraphMode | str | None = None
     """CUDA graph mode (pagedkv.worker.cudagraph), lowered at start-up to what the attention backends
     allow; None: FULL_AND_PIECEWISE on CUDA (FULL_DECODE_ONLY where compile is off, e.g. with

@@ -38,7 +38,7 @@ from pagedkv.engine.detokenizer import IncrementalDetokenizer, detokenize_batch
 from pagedkv.engine.events import EngineStats, StepEvent, StepListener
 from pagedkv.engine.rejection_sampler import RejectionSampler
 from pagedkv.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from pagedkv.engine.sampler import Sampler, SamplerOutput
+from pagedkv.engine.sampler import Sampler, SamplerOutput, sampling_metadata
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.interrupts import deferred_interrupts
 from pagedkv.kv_cache.manager import KVCacheManager
@@ -48,6 +48,7 @@ from pagedkv.models.tokenizer import get_tokenizer
 from pagedkv.spec_decode.ngram_proposer import NgramProposer
 from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, SampledTokens
 from pagedkv.worker.model_runner import ModelRunner, StepResult
+from pagedkv.worker.sampling_metadata import derive_seed
 from pagedkv.worker.tp_executor import EngineDeadError, TensorParallelExecutor
 
 logger = logging.getLogger("pagedkv")
@@ -266,13 +267,18 @@ class LLM:
 
     def _add(self, token_ids: list[int], text: str | None, params: SamplingParams) -> str:
         detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        number = next(self._ids)
+        # An unseeded request draws from a seed hashed from the engine's seed and its arrival number:
+        # two identical requests differ, and the same engine run gives the same tokens again.
+        seed = params.seed if params.seed is not None else derive_seed(self.config.model_config.seed, number)
         request = Request(
-            str(next(self._ids)),
+            str(number),
             token_ids,
             params,
             eos_token_ids=self.eos_token_ids,
             prompt=text,
             detokenizer=detokenizer,
+            sampling_seed=seed,
         )
         with deferred_interrupts():  # in both books or in neither
             self.scheduler.add_request(request)
@@ -284,8 +290,7 @@ class LLM:
         self.scheduler.finish_request(request, reason, error)
 
     def _forget(self, request: Request) -> None:
-        """Drop a finished request's record and sampler state."""
-        self.sampler.forget(request.request_id)
+        """Drop a finished request's record (the sampler keeps nothing per request)."""
         self._requests.pop(request.request_id, None)
 
     # ---- stepping --------------------------------------------------------------------
@@ -396,14 +401,24 @@ class LLM:
             previous = self._launched[-1].sampled_tokens if self._launched else None
             result = (self._executor or self.runner).execute_model(sched.runner_input(), previous)
             requests = [self._requests[r] for r in result.batch.sampling_req_ids]
-            req_ids, params = [r.request_id for r in requests], [r.sampling_params for r in requests]
+            req_ids = [r.request_id for r in requests]
             drafts = {s.request.request_id: len(s.draft_token_ids) for s in sched.scheduled}
             num_drafts = [drafts[r] for r in req_ids]
+            # One entry per logits row (a request's 1 + k rows share its parameters and seed); a row
+            # draws the token at its input token's position + 1, read on the device.
+            rows = [(r, 1 + k) for r, k in zip(requests, num_drafts)]
+            meta = sampling_metadata(
+                [r.sampling_params for r, n in rows for _ in range(n)],
+                [r.sampling_seed for r, n in rows for _ in range(n)],
+                result.batch.positions[result.batch.logits_indices] + 1,
+                result.logits.shape[-1],
+                result.logits.device,
+            )
             if any(num_drafts):  # one target row per draft and one after them: verify, then sample
                 assert result.draft_token_ids is not None
-                sampled = self.rejection_sampler(result.logits, req_ids, params, num_drafts, result.draft_token_ids)
+                sampled = self.rejection_sampler(result.logits, meta, num_drafts, result.draft_token_ids)
             else:
-                sampled = self.sampler(result.logits, req_ids, params)
+                sampled = self.sampler(result.logits, meta)
             with deferred_interrupts():
                 self.scheduler.commit(sched)
                 self._launched.append(

@@ -17,7 +17,7 @@ MAX_LOGPROBS = 20
 """Most `logprobs` a request may ask for (vLLM's default `max_logprobs`)."""
 
 SEED_RANGE = (-(2**63), 2**64 - 1)
-"""What `torch.Generator.manual_seed` takes; a negative seed wraps modulo 2**64."""
+"""Seeds taken (what `torch.Generator.manual_seed` takes); a seed is used modulo 2**64."""
 
 
 @dataclass
@@ -39,7 +39,11 @@ class SamplingParams:
     min_p: float = 0.0
     """Keep only tokens at least min_p times as likely as the most likely one, in [0, 1]; 0 keeps all."""
     seed: int | None = None
-    """Per-request random seed: the same seed gives the same tokens. None: the global generator."""
+    """Per-request random seed: the same seed gives the same tokens, alone or in any batch, chunked,
+    preempted, interrupted or with speculative decoding (the token at a position is drawn from a hash
+    of the seed and the position: pagedkv/worker/sampling_metadata.py). None: a seed derived from the
+    engine's `seed` and the request's arrival number (the how-manieth request the engine got), so two
+    identical unseeded requests draw differently and a whole engine run is reproducible."""
     max_tokens: int = 16
     """Most new tokens, >= 1."""
     ignore_eos: bool = False
@@ -113,6 +117,8 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when it was (last) admitted: not computed then."""
+    sampling_seed: int = 0
+    """The seed its random draws are hashed from: `SamplingParams.seed`, or one the engine derived."""
     output_logprobs: list[dict[int, float]] = field(default_factory=list, repr=False)
     """Per output token, the log-probabilities asked for with SamplingParams.logprobs (token id -> logprob)."""
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)

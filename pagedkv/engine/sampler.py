@@ -1,36 +1,43 @@
 """The sampler: one step's logits -> one token per row, for the whole batch at once, on the device.
 
-As vLLM's `Sampler` (vllm/v1/sample/sampler.py, vllm/v1/sample/ops/topk_topp_sampler.py), the
-sampling parameters of the batch are tensors, so the work is a handful of batched kernels however
-many requests there are; nothing waits for the device (the host reads the tokens later, through
-`SamplerOutput.to_host` / `rows`, which is what lets async scheduling run ahead).
+As vLLM's samplers (vllm/v1/sample/sampler.py, and Model Runner V2's vllm/v1/worker/gpu/sample/), the
+sampling parameters of the batch are tensors (`SamplingMetadata`, pagedkv/worker/sampling_metadata.py),
+so the work is a handful of batched kernels however many requests there are, and nothing waits for the
+device (the host reads the tokens later, through `SamplerOutput.to_host` / `rows`, which is what lets
+async scheduling run ahead).
 
-    logits [rows, vocab] --argmax--------------------------------------> greedy rows
-                         --/ temperature -> min-p -> top-k -> top-p
-                           -> softmax = p -> argmax(p / q), q ~ Exp(1) --> random rows
+    logits [rows, vocab] --argmax-------------------------------------------------> greedy rows
+                         --/ temperature -> min-p -> top-k -> top-p -> weights w
+                           -> u = hash(seed, position) in [0, 1): first column with
+                              cumsum(w) > u * sum(w) (the inverse CDF) ---------------> random rows
 
-`argmax(p / q)` with independent exponential q is a draw from p (the "exponential race": token i
-wins with probability p_i), which needs no cumulative sum and no host sync, unlike
-`torch.multinomial`. Rows with a top-k never touch the whole vocabulary after one `topk`: their k
-candidates, sorted, are all that top-p, min-p and the race need (sorting 151,936 logits per row
-is the expensive part of top-p). A request with a seed draws its q from its own generator, so its
-tokens depend on nothing else in the batch. `target_probs` (the filtered p) is shared with the
-rejection sampler of speculative decoding (pagedkv/engine/rejection_sampler.py), which verifies
-drafts against the same p.
+The sampler is stateless: a row's randomness is one uniform, a hash of its request's seed and the
+position of the token it draws (`uniform_noise`), not the state of a generator. So there is nothing
+to snapshot or restore when a step is interrupted and run again, seeded and unseeded rows take the
+same batched path, and a request's token at a position does not depend on its batch, chunking,
+preemption, drafts or the step it is drawn in. Why one uniform per row and an inverse CDF, rather than
+vLLM's per-column Gumbel noise: pagedkv/worker/sampling_metadata.py.
+
+Rows with a top-k never touch the whole vocabulary after one `topk`: their k candidates, sorted, are all
+that min-p, top-p and the draw need (sorting 151,936 logits per row is the expensive part of top-p). A
+row without one draws over the vocabulary in two levels (`inverse_cdf_chunked`): sums of 1,024-column
+chunks, the chunk holding u * total, then a cumulative sum inside it, which costs a pass of sums
+instead of a sequential cumulative sum over every column. Zero-weight (filtered) columns are never
+chosen, not even when u * total rounds up to the total.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pagedkv import batch_invariant
 from pagedkv.engine.request import SamplingParams
+from pagedkv.worker.sampling_metadata import TARGET_SALT, SamplingMetadata, seed_as_int64, uniform_noise
 
 
 @dataclass
@@ -103,71 +110,36 @@ class SamplerOutput:
         return out
 
 
-@dataclass
-class TargetProbs:
-    """The sampling distribution p of some rows of a batch (all with a top-k, or all without): the
-    logits after temperature, min-p, top-k and top-p, softmaxed; what a token is drawn from."""
-
-    rows: list[int]
-    """The batch rows, in order."""
-    index: torch.Tensor | None
-    """`rows` on the device; None when they are every row of the batch in order."""
-    probs: torch.Tensor
-    """[len(rows), columns] float32: p over each row's columns."""
-    column_token_ids: torch.Tensor | None
-    """[len(rows), columns]: the token of each column (a top-k row's candidates, most likely
-    first); None: column j is token j (the whole vocabulary)."""
-    widths: list[int]
-    """Per row, the columns it may use (its top-k, or the vocabulary): a seeded row's noise covers
-    only these, so that it does not depend on the other rows' k."""
-
-    def take(self, values: torch.Tensor) -> torch.Tensor:
-        """This group's entries of a [batch rows] tensor."""
-        return values if self.index is None else values[self.index]
-
-    def put(self, values: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
-        """`into` [batch rows] with this group's rows replaced by `values` [len(rows)]."""
-        return values if self.index is None else into.index_copy(0, self.index, values)
-
-    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
-        """[len(rows)] column per row -> its token id."""
-        if self.column_token_ids is None:
-            return columns
-        return self.column_token_ids.gather(1, columns[:, None])[:, 0]
-
-    def is_token(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """[len(rows), columns] bool: the columns holding each row's `token_ids` entry (none for -1)."""
-        if self.column_token_ids is None:
-            return torch.arange(self.probs.shape[1], device=self.probs.device) == token_ids[:, None]
-        return self.column_token_ids == token_ids[:, None]
-
-
-def target_probs(logits: torch.Tensor, params: list[SamplingParams], invariant: bool = False) -> list[TargetProbs]:
-    """p of every non-greedy row of `logits` [rows, vocab] (float32), `params` one per row: the rows
-    with a top-k over their k best tokens only (one `topk`, sorted), the others over the vocabulary.
-    `invariant`: each row's softmax and top-p sums independent of the other rows (`rowwise`)."""
-    vocab, device = logits.shape[1], logits.device
-    rows_by_kind: dict[bool, list[int]] = {True: [], False: []}  # with a top-k or not
-    for i, p in enumerate(params):
-        if not p.greedy:
-            rows_by_kind[0 < p.top_k < vocab].append(i)
-    groups = []
-    for top_k, rows in rows_by_kind.items():
-        if not rows:
-            continue
-        index = _index(rows, len(params), device)
-        group_logits, group_params = logits if index is None else logits[index], [params[i] for i in rows]
-        if top_k:
-            # values [rows, K] (sorted) and their token ids; column j of a row with k <= j: -inf.
-            k = to_device([p.top_k for p in group_params], device)
-            values, column_token_ids = group_logits.topk(int(max(p.top_k for p in group_params)), dim=-1)
-            values = values.masked_fill(torch.arange(values.shape[1], device=device) >= k[:, None], float("-inf"))
-            probs = rowwise(_SOFTMAX, _filter(values, group_params, True, invariant), invariant)
-            groups.append(TargetProbs(rows, index, probs, column_token_ids, [p.top_k for p in group_params]))
-        else:
-            probs = rowwise(_SOFTMAX, _filter(group_logits, group_params, False, invariant), invariant)
-            groups.append(TargetProbs(rows, index, probs, None, [vocab] * len(rows)))
-    return groups
+def sampling_metadata(
+    params: list[SamplingParams],
+    seeds: list[int],
+    positions: list[int] | torch.Tensor,
+    vocab_size: int,
+    device: torch.device | str,
+) -> SamplingMetadata:
+    """A step's `SamplingMetadata` from host values, one entry per logits row: each row's parameters,
+    its request's seed, and the position of the token it draws (a list, or a tensor already on the
+    device). A top-k of the vocabulary or more is stored as 0 (none). The engine's one call site; the
+    worker will gather the same tensors from its persistent request state instead."""
+    sampled = [p for p in params if not p.greedy]
+    top_ks = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
+    if not isinstance(positions, torch.Tensor):
+        positions = torch.tensor(positions, dtype=torch.int64)
+    return SamplingMetadata(
+        temperature=to_device([0.0 if p.greedy else p.temperature for p in params], device, torch.float32),
+        top_k=to_device(top_ks, device, torch.int64),
+        top_p=to_device([p.top_p for p in params], device, torch.float32),
+        min_p=to_device([p.min_p for p in params], device, torch.float32),
+        seeds=to_device([seed_as_int64(s) for s in seeds], device, torch.int64),
+        positions=positions.to(device, torch.int64, non_blocking=True),
+        all_greedy=not sampled,
+        all_random=len(sampled) == len(params),
+        max_top_k=max((k for k, p in zip(top_ks, params) if not p.greedy), default=0),
+        all_top_k=all(k for k, p in zip(top_ks, params) if not p.greedy),
+        any_top_p=any(p.top_p < 1.0 for p in sampled),
+        any_min_p=any(p.min_p > 0.0 for p in sampled),
+        max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+    )
 
 
 def argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,21 +151,36 @@ def argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def with_logprobs(
-    output: SamplerOutput, logits: torch.Tensor, params: list[SamplingParams], invariant: bool = False
+    output: SamplerOutput, logits: torch.Tensor, max_num_logprobs: int | None, invariant: bool = False
 ) -> SamplerOutput:
-    """`output` with the logprobs its rows ask for (`params` one per row), its tokens' first."""
-    n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-    if n is not None:
-        logprobs = rowwise(_LOG_SOFTMAX, logits, invariant)
-        token_ids = torch.cat([output.token_ids[:, None], logprobs.topk(n, dim=-1).indices], dim=1)
-        output.logprob_token_ids, output.logprobs = token_ids, logprobs.gather(1, token_ids)
+    """`output` with the logprobs its rows ask for (the N most likely of each row, N the most any row
+    asks for), its tokens' first. Without a full-vocabulary log-softmax: log p(token) = logit - logsumexp
+    of the row, and the N most likely tokens are the N largest logits (the log-softmax only shifts a row)."""
+    if max_num_logprobs is None:
+        return output
+    lse = rowwise(_LOGSUMEXP, logits, invariant)
+    token_ids = torch.cat([output.token_ids[:, None], logits.topk(max_num_logprobs, dim=-1).indices], dim=1)
+    output.logprob_token_ids, output.logprobs = token_ids, logits.gather(1, token_ids) - lse[:, None]
     return output
 
 
 # Along the vocabulary, one row at a time: what `rowwise` runs in row blocks in the batch-invariant mode.
 _SOFTMAX = functools.partial(torch.softmax, dim=-1)
-_LOG_SOFTMAX = functools.partial(torch.log_softmax, dim=-1)
 _CUMSUM = functools.partial(torch.cumsum, dim=-1)
+_LOGSUMEXP = functools.partial(torch.logsumexp, dim=-1)
+
+CHUNK = 1024
+"""Columns per chunk of the two-level inverse CDF over the vocabulary (`inverse_cdf_chunked`)."""
+
+
+def _chunk_sums(weights: torch.Tensor) -> torch.Tensor:
+    """[rows, ceil(columns / CHUNK)]: each chunk's sum of `weights` [rows, columns] (the last chunk
+    may be shorter)."""
+    full = weights.shape[1] // CHUNK * CHUNK
+    sums = [weights[:, :full].view(weights.shape[0], -1, CHUNK).sum(dim=-1)] if full else []
+    if full < weights.shape[1]:
+        sums.append(weights[:, full:].sum(dim=-1, keepdim=True))
+    return torch.cat(sums, dim=1) if len(sums) > 1 else sums[0]
 
 
 def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, invariant: bool) -> torch.Tensor:
@@ -202,103 +189,130 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, inva
     return batch_invariant.row_blocks(fn, rows) if invariant else fn(rows)
 
 
+def inverse_cdf(cdf: torch.Tensor, target: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """[rows]: the first column whose cumulative weight `cdf` [rows, columns] exceeds `target` [rows]
+    (u * total). `target` is held below `total` (the row's last cdf value): u < 1, but u * total may
+    round up to it, and then no column would exceed it. With 0 <= target < total the column found has
+    cdf[j] > target >= cdf[j - 1], so its own weight is positive: a filtered column is never chosen.
+    (Clamped to the row: a NaN row, which fails anyway, must still index inside it.)"""
+    below = torch.nextafter(total, torch.zeros_like(total))
+    target = torch.minimum(target, below)
+    column = torch.searchsorted(cdf, target[:, None].contiguous(), right=True)[:, 0]
+    return column.clamp_(max=cdf.shape[1] - 1)
+
+
+def inverse_cdf_chunked(weights: torch.Tensor, u: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """[rows]: a column of each row of `weights` [rows, columns] (>= 0, not normalised) drawn with
+    probability proportional to its weight, by the uniform u [rows]: the inverse CDF in two levels.
+    The chunk whose cumulative chunk sum first exceeds u * total, then the column inside it whose
+    cumulative weight first exceeds what is left; only that chunk gets a cumulative sum."""
+    rows, columns = weights.shape
+    sums = rowwise(_chunk_sums, weights, invariant)
+    chunk_cdf = rowwise(_CUMSUM, sums, invariant)
+    total = chunk_cdf[:, -1]
+    target = u * total
+    chunk = inverse_cdf(chunk_cdf, target, total)
+    before = chunk_cdf.gather(1, (chunk - 1).clamp(min=0)[:, None])[:, 0].masked_fill(chunk == 0, 0.0)
+    offsets = chunk[:, None] * CHUNK + torch.arange(CHUNK, device=weights.device)
+    inside = weights.gather(1, offsets.clamp(max=columns - 1)).masked_fill(offsets >= columns, 0.0)
+    inside_cdf = rowwise(_CUMSUM, inside, invariant)
+    # The chunk's own cumulative total may differ from its sum above by a rounding: `inverse_cdf`
+    # holds the rest below it, so the column found still has a positive weight.
+    column = inverse_cdf(inside_cdf, (target - before).clamp(min=0.0), inside_cdf[:, -1])
+    return chunk * CHUNK + column
+
+
 class Sampler:
-    """Greedy, or temperature + min-p + top-k + top-p sampling, batched, with optional per-request seeds.
-    With `batch_invariant`, each row's softmax, log-softmax and top-p sums run in fixed-shape blocks."""
+    """Greedy, or temperature + min-p + top-k + top-p sampling, batched and stateless: each random row
+    draws by the inverse CDF of its distribution at a uniform hashed from its seed and position.
+    With `batch_invariant`, each row's softmax, sums, cumulative sums and logsumexp run in fixed-shape
+    blocks of rows."""
 
     def __init__(self, batch_invariant: bool = False) -> None:
         self.batch_invariant = batch_invariant
-        self._generators: dict[str, torch.Generator] = {}
-        """A seeded request's own generator, made at its first sampled token."""
 
-    def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
-
-    def __call__(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]) -> SamplerOutput:
-        """logits [rows, vocab] of the requests `req_ids` (in row order) -> their next tokens."""
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits [rows, vocab], `meta` one entry per row -> each row's next token."""
         logits = logits.float()
-        tokens, failed = argmax_rows(logits)
-        with self.restoring_generators(req_ids):
-            for group in target_probs(logits, params, self.batch_invariant):
-                generators = [self.generator(req_ids[i], params[i], logits.device) for i in group.rows]
-                tokens = group.put(group.token_ids(self.race(group.probs, generators, group.widths)), tokens)
+        if meta.all_greedy:
+            tokens, failed = argmax_rows(logits)
+        else:
+            # A row fails when it holds a NaN (amax is NaN) or is all -inf: as `argmax_rows` says it.
+            row_max = logits.amax(dim=-1, keepdim=True)
+            failed = row_max[:, 0].isnan() | (row_max[:, 0] == float("-inf"))
+            tokens = self.draw(logits, row_max, meta)
+            if not meta.all_random:  # greedy rows: the argmax, bit for bit as without random rows
+                tokens = torch.where(meta.temperature == 0, logits.argmax(dim=-1), tokens)
         output = SamplerOutput(tokens.masked_fill(failed, 0), failed)
-        return with_logprobs(output, logits, params, self.batch_invariant)
+        return with_logprobs(output, logits, meta.max_num_logprobs, self.batch_invariant)
 
-    @contextmanager
-    def restoring_generators(self, req_ids: list[str]) -> Iterator[None]:
-        """On an exception, put the requests' generators back as they were before: a step
-        interrupted here (Ctrl-C) is run again, and must draw the same tokens as if it had run once."""
-        states = {r: self._generators[r].get_state() for r in req_ids if r in self._generators}
-        try:
-            yield
-        except BaseException:
-            for req_id, state in states.items():
-                self._generators[req_id].set_state(state)
-            for req_id in set(req_ids) - states.keys():  # made in this call: made again, freshly seeded
-                self._generators.pop(req_id, None)
-            raise
+    def draw(self, logits: torch.Tensor, row_max: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """[rows] every row's random draw (greedy rows' are computed at temperature 1 and thrown away):
+        through its top-k candidates if it has a top-k, else over the whole vocabulary."""
+        u = uniform_noise(meta.seeds, meta.positions, TARGET_SALT)
+        # Greedy rows (temperature 0) divide by 1 instead: their draws are discarded, and must not be NaN.
+        temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
+        by_top_k = self._draw_top_k(logits, meta, temperature, u) if meta.max_top_k else None
+        if meta.all_top_k:
+            assert by_top_k is not None
+            return by_top_k
+        whole = self._draw_whole_vocabulary(logits, row_max, meta, temperature, u)
+        return whole if by_top_k is None else torch.where(meta.top_k > 0, by_top_k, whole)
 
-    def generator(self, req_id: str, params: SamplingParams, device: torch.device) -> torch.Generator | None:
-        """A seeded request's own generator (made, seeded, at its first use); None without a seed."""
-        if params.seed is None:
-            return None
-        if req_id not in self._generators:
-            self._generators[req_id] = torch.Generator(device=device).manual_seed(params.seed)
-        return self._generators[req_id]
+    def _draw_top_k(
+        self, logits: torch.Tensor, meta: SamplingMetadata, temperature: torch.Tensor, u: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows with a top-k: their k best tokens (one `topk` of the batch's largest k, sorted), then
+        min-p and top-p on those columns, then the inverse CDF over them. Sorted, both filters keep a
+        prefix of the columns, so one cumulative sum of the weights serves top-p and the draw."""
+        width = meta.max_top_k
+        values, token_ids = logits.topk(width, dim=-1)
+        columns = torch.arange(width, device=logits.device)
+        k = torch.where(meta.top_k > 0, meta.top_k, width)  # a row without one is drawn elsewhere
+        # z = (logit - max) / temperature <= 0, and 0 in column 0 (the most likely token).
+        z = ((values - values[:, :1]) / temperature[:, None]).masked_fill(columns >= k[:, None], float("-inf"))
+        if meta.any_min_p:  # p / p_max = exp(z) >= min_p; log(0) = -inf keeps every column
+            z = z.masked_fill(z < meta.min_p.log()[:, None], float("-inf"))
+        weights = z.exp()
+        cdf = rowwise(_CUMSUM, weights, self.batch_invariant)
+        limit = cdf[:, -1]  # the filtered columns add exact zeros: the last value is the kept total
+        if meta.any_top_p:
+            # A column is dropped when the columns before it already reach top_p of the total; the
+            # kept ones are the first `kept` (column 0 always: nothing is before it).
+            before = torch.cat([torch.zeros_like(cdf[:, :1]), cdf[:, :-1]], dim=1)
+            kept = (before < meta.top_p[:, None] * limit[:, None]).sum(dim=-1)
+            limit = torch.where(meta.top_p < 1.0, cdf.gather(1, (kept - 1)[:, None])[:, 0], limit)
+        column = inverse_cdf(cdf, u * limit, limit)
+        return token_ids.gather(1, column[:, None])[:, 0]
 
-    def race(self, probs: torch.Tensor, generators: list[torch.Generator | None], widths: list[int]) -> torch.Tensor:
-        """One draw (a column) per row of `probs`: argmax(p / q), q ~ Exp(1); a seeded row's q (its
-        first `width` columns) from its own generator, one row after the other."""
-        noise = torch.empty_like(probs).exponential_()
-        for row, (generator, width) in enumerate(zip(generators, widths)):
-            if generator is not None:
-                self._seeded_noise(noise[row, :width], generator)
-        return (probs / noise).argmax(dim=-1)
+    def _draw_whole_vocabulary(
+        self,
+        logits: torch.Tensor,
+        row_max: torch.Tensor,
+        meta: SamplingMetadata,
+        temperature: torch.Tensor,
+        u: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rows without a top-k: weights exp((logit - max) / temperature) over the vocabulary, min-p and
+        top-p zeroing some, then the two-level inverse CDF in token order (the order must not depend on
+        whether another row of the batch has a top-p: a row's token depends on its own row only)."""
+        inverse = (1.0 / temperature)[:, None]
+        z = torch.addcmul(-row_max * inverse, logits, inverse)  # (logit - max) / temperature, one pass
+        if meta.any_min_p:
+            z.masked_fill_(z < meta.min_p.log()[:, None], float("-inf"))
+        if meta.any_top_p:
+            # Stable: of equal logits, the lower token id counts as the more likely.
+            values, order = z.sort(dim=-1, descending=True, stable=True)
+            probs = rowwise(_SOFTMAX, values, self.batch_invariant)
+            drop = rowwise(_CUMSUM, probs, self.batch_invariant) - probs >= meta.top_p[:, None]
+            drop &= (meta.top_p < 1.0)[:, None]  # a row with top_p 1 drops nothing, not even by a rounding
+            z.masked_fill_(drop.scatter(1, order, drop), float("-inf"))
+        return inverse_cdf_chunked(z.exp_(), u, self.batch_invariant)
 
-    @staticmethod
-    def _seeded_noise(row: torch.Tensor, generator: torch.Generator) -> None:
-        """Fill one seeded row of the race's noise from its request's own generator."""
-        row.exponential_(generator=generator)
 
-
-def to_device(values: list[int] | list[float], device: torch.device) -> torch.Tensor:
+def to_device(
+    values: list[int] | list[float], device: torch.device | str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """A host list as a device tensor, copied without waiting: `torch.tensor(values, device=...)`
     would wait for everything queued on the GPU (the forward just launched) before copying."""
-    return torch.tensor(values).to(device, non_blocking=True)
-
-
-def _index(rows: list[int], num_rows: int, device: torch.device) -> torch.Tensor | None:
-    """`rows` as an index tensor; None when they are every row in order (no gather needed)."""
-    return None if rows == list(range(num_rows)) else to_device(rows, device)
-
-
-def _filter(
-    logits: torch.Tensor, params: list[SamplingParams], sorted_descending: bool, invariant: bool = False
-) -> torch.Tensor:
-    """Temperature, then min-p, then top-p (vLLM's order; top-k was applied by the caller).
-
-    min-p keeps tokens whose probability is at least min_p x the largest one, i.e. whose logit is
-    within log(min_p) of the row's max (no softmax needed). top-p keeps the smallest set of the
-    most likely tokens whose probability reaches top_p: a token is dropped when the tokens before
-    it (in descending order) already reach it, so the most likely one always stays.
-    """
-    device = logits.device
-    temperature = to_device([p.temperature for p in params], device)
-    logits = logits / temperature[:, None]
-    if any(p.min_p > 0 for p in params):
-        min_p = to_device([p.min_p for p in params], device)
-        low = logits.amax(dim=-1, keepdim=True) + min_p.log()[:, None]  # log(0) = -inf keeps all
-        logits = logits.masked_fill(logits < low, float("-inf"))
-    if all(p.top_p >= 1.0 for p in params):
-        return logits
-    top_p = to_device([p.top_p for p in params], device)
-    if sorted_descending:
-        values, order = logits, None
-    else:  # stable: of equal logits, the lower token id counts as the more likely
-        values, order = logits.sort(dim=-1, descending=True, stable=True)
-    probs = rowwise(_SOFTMAX, values, invariant)
-    drop = rowwise(_CUMSUM, probs, invariant) - probs >= top_p[:, None]
-    if order is not None:
-        drop = drop.scatter(1, order, drop)
-    return logits.masked_fill(drop, float("-inf"))
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

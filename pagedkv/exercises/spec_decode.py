@@ -24,7 +24,7 @@ from pagedkv.attention.selector import load_backend
 from pagedkv.config import CUDAGraphMode
 from pagedkv.engine.rejection_sampler import RejectionSampler
 from pagedkv.engine.request import SamplingParams
-from pagedkv.engine.sampler import Sampler
+from pagedkv.engine.sampler import Sampler, sampling_metadata
 from pagedkv.exercises import CheckResult, call_on_cases, exercise, package_answer
 from pagedkv.exercises.cudagraph import RAISES, LoweringExercise, explain_miss, parse_mode_answer, worked_lowering
 from pagedkv.worker.input_batch import compute_slot_mapping
@@ -67,9 +67,9 @@ def _emitted_by_the_engine(drafts: list[int], target: list[int]) -> list[int]:
     """The package's greedy verification: a `RejectionSampler` on logits whose argmax is `target`."""
     logits = torch.randn(len(target), VOCAB, generator=torch.Generator().manual_seed(len(drafts)))
     logits[torch.arange(len(target)), torch.tensor(target)] = 100.0
-    out = RejectionSampler(Sampler())(
-        logits, ["r"], [SamplingParams(temperature=0)], [len(drafts)], torch.tensor(drafts, dtype=torch.long)
-    )
+    rows = len(target)
+    meta = sampling_metadata([SamplingParams(temperature=0)] * rows, [0] * rows, list(range(rows)), VOCAB, "cpu")
+    out = RejectionSampler(Sampler())(logits, meta, [len(drafts)], torch.tensor(drafts, dtype=torch.long))
     return out.token_ids[: int(out.num_tokens[0])].tolist()
 
 

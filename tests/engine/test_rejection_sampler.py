@@ -3,8 +3,9 @@
 Greedy: the emitted tokens are worked out here from the definition (drafts accepted while they equal
 the row's argmax, then that row's argmax). Random: the empirical distribution of each emitted token,
 over tens of thousands of requests drawn in one call, against `reference_probs` (float64, straight
-from the filters' definitions, tests/engine/test_sampler.py): rejection sampling must keep the
-target's distribution at every position, whatever the drafts were.
+from the filters' definitions, tests/engine/test_sampler.py): verification must keep the target's
+distribution at every position, whatever the drafts were; and every emitted token must be the one the
+Sampler draws at its position without drafts (exact match: a draft is kept iff it equals that token).
 """
 
 from __future__ import annotations
@@ -16,21 +17,42 @@ import torch
 
 from pagedkv.engine.rejection_sampler import RejectionSampler
 from pagedkv.engine.request import SamplingParams
-from pagedkv.engine.sampler import Sampler
+from pagedkv.engine.sampler import Sampler, sampling_metadata
+from pagedkv.worker.sampling_metadata import SamplingMetadata
 from tests.engine.test_sampler import reference_probs
 
 GREEDY = SamplingParams(temperature=0)
 
 
 def verify(
-    logits: torch.Tensor, params: list[SamplingParams], drafts: list[list[int]], sampler: Sampler | None = None
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    drafts: list[list[int]],
+    seeds: list[int] | None = None,
+    positions: list[int] | None = None,
 ) -> list[list[int] | Exception]:
     """Each request's emitted tokens (or its error) for its `drafts` (request i has 1 + len(drafts[i])
-    rows of `logits`, in order)."""
+    rows of `logits`, in order; its seed `seeds[i]` (default i), its rows at positions
+    `positions[i]`, `positions[i] + 1`, ... (default 0, 1, ...))."""
     req_ids = [str(i) for i in range(len(params))]
-    draft_ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
-    out = RejectionSampler(sampler or Sampler())(logits, req_ids, params, [len(d) for d in drafts], draft_ids)
+    out = RejectionSampler(Sampler())(logits, *spec_inputs(logits, params, drafts, seeds, positions))
     return [tokens for tokens, _ in out.to_host().rows(req_ids, params)]
+
+
+def spec_inputs(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    drafts: list[list[int]],
+    seeds: list[int] | None = None,
+    positions: list[int] | None = None,
+) -> tuple[SamplingMetadata, list[int], torch.Tensor]:
+    """The RejectionSampler's arguments after the logits: per-row metadata, draft counts, packed drafts."""
+    seeds = list(range(len(params))) if seeds is None else seeds
+    positions = [0] * len(params) if positions is None else positions
+    rows = [(p, s, start + j) for p, s, start, d in zip(params, seeds, positions, drafts) for j in range(1 + len(d))]
+    meta = sampling_metadata([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], logits.shape[1], "cpu")
+    draft_ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
+    return meta, [len(d) for d in drafts], draft_ids
 
 
 def greedy_reference(argmax: list[int], drafts: list[int]) -> list[int]:
@@ -115,10 +137,9 @@ def test_each_emitted_token_follows_the_target_distribution(filters: dict, patte
     probs = [reference_probs(row, params) for row in rows]
     x0, x1 = draft_for(probs[0], pattern), draft_for(probs[1], pattern)
     n = 20000
-    drafts = torch.tensor([[x0, x1]] * n + [[draft_for(probs[0], "most likely"), x1]] * n)
-    torch.manual_seed(1)
+    drafts = [[x0, x1]] * n + [[draft_for(probs[0], "most likely"), x1]] * n
     out = RejectionSampler(Sampler())(
-        rows.repeat(2 * n, 1), [str(i) for i in range(2 * n)], [params] * (2 * n), [2] * (2 * n), drafts.flatten()
+        rows.repeat(2 * n, 1), *spec_inputs(rows.repeat(2 * n, 1), [params] * (2 * n), drafts)
     )
     assert out.num_tokens is not None and not out.failed.any()
     tokens, num_tokens = out.token_ids.view(2 * n, 3), out.num_tokens
@@ -138,34 +159,69 @@ def test_each_emitted_token_follows_the_target_distribution(filters: dict, patte
     assert checked[:2] == [0, 1]
 
 
+def test_every_emitted_token_is_the_samplers_draw_at_its_position() -> None:
+    """Exact match: whatever the drafts (right, wrong, absent), the token emitted at position n is the one
+    the Sampler draws from that row's logits at position n without drafts; so a seeded request's tokens
+    are the same with or without drafts. Drafts are kept iff they equal those draws."""
+    gen = torch.Generator().manual_seed(5)
+    params = [
+        SamplingParams(temperature=1.0, seed=7),
+        SamplingParams(temperature=0.7, top_k=20, seed=8),
+        GREEDY,
+        SamplingParams(temperature=1.2, top_p=0.9, min_p=0.02),
+    ]
+    for trial in range(30):
+        logits = torch.randn(4 * 4, 60, generator=gen) * 2
+        seeds, starts = [7, 8, 0, 1000 + trial], [trial, 3 * trial, 5, 2]
+        # Each request's own draws at its 4 positions, one row at a time, by the Sampler.
+        own = [
+            [
+                Sampler()(logits[4 * i + j][None], sampling_metadata([p], [s], [start + j], 60, "cpu")).token_ids.item()
+                for j in range(4)
+            ]
+            for i, (p, s, start) in enumerate(zip(params, seeds, starts))
+        ]
+        # Drafts: right up to a random place, then random (sometimes right again by chance).
+        drafts = []
+        for t in own:
+            right = int(torch.randint(0, 4, (1,), generator=gen))
+            drafts.append(t[:right] + torch.randint(0, 60, (3 - right,), generator=gen).tolist())
+        emitted = verify(logits, params, drafts, seeds, starts)
+        for t, d, e in zip(own, drafts, emitted):
+            kept = next((j for j in range(3) if d[j] != t[j]), 3)
+            assert e == t[: kept + 1]
+
+
 def test_without_drafts_a_seeded_request_draws_what_the_sampler_draws() -> None:
     logits = torch.randn(4, 100)
     params = [SamplingParams(seed=7), SamplingParams(temperature=0.7, top_k=20, seed=8), GREEDY, SamplingParams(seed=9)]
     req_ids = [str(i) for i in range(4)]
-    sampler, rejection = Sampler(), Sampler()
-    for _ in range(3):
-        plain = sampler(logits, req_ids, params).rows(req_ids, params)
-        assert verify(logits, params, [[]] * 4, rejection) == [tokens for tokens, _ in plain]
+    for position in range(3):
+        meta = sampling_metadata(params, [7, 8, 0, 9], [position] * 4, 100, "cpu")
+        plain = Sampler()(logits, meta).rows(req_ids, params)
+        assert verify(logits, params, [[]] * 4, [7, 8, 0, 9], [position] * 4) == [tokens for tokens, _ in plain]
 
 
 def test_a_seeded_request_draws_the_same_tokens_in_any_batch() -> None:
-    """Same seed, logits and drafts: the same tokens alone, beside other requests, and again."""
+    """Same seed, logits, positions and drafts: the same tokens alone, beside other requests, and again."""
     gen = torch.Generator().manual_seed(3)
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=11)
     steps = [torch.randn(4, 30, generator=gen) for _ in range(5)]
     drafts = [[int(x[j].argmax()) if j % 2 else 3 for j in range(3)] for x in steps]
-    alone, crowd = Sampler(), Sampler()
-    a = [verify(x, [seeded], [d], alone)[0] for x, d in zip(steps, drafts)]
+    a = [verify(x, [seeded], [d], [11], [4 * n])[0] for n, (x, d) in enumerate(zip(steps, drafts))]
     others = [SamplingParams(temperature=0.9, seed=1), SamplingParams(top_k=5)]
     b = [
         verify(
-            torch.cat([torch.randn(2, 30), x, torch.randn(1, 30)]), [others[0], seeded, others[1]], [[1], d, []], crowd
+            torch.cat([torch.randn(2, 30), x, torch.randn(1, 30)]),
+            [others[0], seeded, others[1]],
+            [[1], d, []],
+            [1, 11, 2],
+            [7, 4 * n, 0],
         )[1]
-        for x, d in zip(steps, drafts)
+        for n, (x, d) in enumerate(zip(steps, drafts))
     ]
     assert a == b
-    assert verify(steps[0], [seeded], [drafts[0]]) == verify(steps[0], [seeded], [drafts[0]]) == a[:1]
-    assert len({tuple(t) for t in a}) > 1  # the generator moves on from step to step
+    assert len({tuple(t) for t in a}) > 1  # the positions move on from step to step
 
 
 def test_num_tokens_rows_and_logprobs_shapes() -> None:
@@ -178,8 +234,7 @@ def test_num_tokens_rows_and_logprobs_shapes() -> None:
     b_draft = int(logits[5].argmin())
     drafts = [argmax[:4], [b_draft, 0], [(argmax[8] + 1) % 20]]
     req_ids = ["a", "b", "c"]
-    ids = torch.tensor([t for d in drafts for t in d])
-    out = RejectionSampler(Sampler())(logits, req_ids, params, [4, 2, 1], ids).to_host()
+    out = RejectionSampler(Sampler())(logits, *spec_inputs(logits, params, drafts)).to_host()
     assert out.num_rows == [5, 3, 2] and out.num_tokens is not None and out.num_tokens.tolist() == [5, 1, 1]
     (a, a_lps), (b, b_lps), (c, c_lps) = out.rows(req_ids, params)
     assert a == argmax[:5] and isinstance(b, list) and len(b) == 1 and b != [b_draft] and c == [argmax[8]]
@@ -194,26 +249,14 @@ def test_num_tokens_rows_and_logprobs_shapes() -> None:
     assert isinstance(failed, ValueError) and "NaN" in str(failed)
 
 
-def test_an_interrupted_call_leaves_the_generators_as_they_were() -> None:
-    """A KeyboardInterrupt in the middle of the seeded draws (after the uniforms, at a race row):
-    running the call again gives the tokens of an uninterrupted run."""
+def test_verification_keeps_no_state() -> None:
+    """The same call twice gives the same tokens: nothing to restore when a step is interrupted and run
+    again (the engine's interrupt tests, tests/test_interrupts.py, run it through `LLM`)."""
     logits = torch.randn(6, 40)
     params = [SamplingParams(seed=1), SamplingParams(temperature=0.5, top_k=10, seed=2)]
     drafts = [[4, 5], [6, 7]]
-    reference = Sampler()
-    expected = [verify(logits, params, drafts, reference) for _ in range(2)]
-    sampler = Sampler()
-    verify(logits, params, drafts, sampler)  # the generators exist, and have moved, before the interruption
-    seeded_noise, calls = sampler._seeded_noise, []
-
-    def interrupt(row: torch.Tensor, generator: torch.Generator) -> None:
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        seeded_noise(row, generator)
-
-    sampler._seeded_noise = interrupt  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        verify(logits, params, drafts, sampler)
-    sampler._seeded_noise = seeded_noise  # type: ignore[method-assign]
-    assert verify(logits, params, drafts, sampler) == expected[1]
+    rejection = RejectionSampler(Sampler())
+    inputs = spec_inputs(logits, params, drafts)
+    first, second = (rejection(logits, *inputs) for _ in range(2))
+    assert torch.equal(first.token_ids, second.token_ids) and torch.equal(first.num_tokens, second.num_tokens)
+    assert vars(rejection.sampler) == {"batch_invariant": False}

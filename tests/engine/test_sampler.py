@@ -1,10 +1,12 @@
 """The batched sampler against a float64 reference of what each filter means.
 
 The reference (`reference_probs`) is written out here in float64, one row at a time and without
-the sampler's tricks (no candidate columns, no exponential race): temperature, then min-p, then
+the sampler's tricks (no candidate columns, no chunked inverse CDF): temperature, then min-p, then
 top-k (ties at the k-th value kept), then top-p, then the softmax. The sampler's draws must follow
-it (a chi-square test over thousands of rows drawn in one call), greedy rows must be the argmax
-bit for bit, and a seeded request must draw the same tokens whatever else is in its batch.
+it (a chi-square test over thousands of rows drawn in one call, their uniforms from many seeds or
+from one seed at many positions), greedy rows must be the argmax bit for bit, a row's token must
+depend on nothing but its logits, parameters, seed and position, and a filtered token must never be
+drawn, not even at the largest uniform.
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ import pytest
 import torch
 
 from pagedkv.engine.request import SamplingParams
-from pagedkv.engine.sampler import Sampler
+from pagedkv.engine.sampler import CHUNK, Sampler, inverse_cdf, inverse_cdf_chunked, sampling_metadata
+from pagedkv.worker.sampling_metadata import (
+    DRAFT_SALT,
+    TARGET_SALT,
+    SamplingMetadata,
+    derive_seed,
+    uniform_noise,
+)
 
 
 def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -38,11 +47,31 @@ def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
+def metadata(
+    params: list[SamplingParams],
+    vocab: int,
+    seeds: list[int] | None = None,
+    positions: list[int] | None = None,
+    device: torch.device | str = "cpu",
+) -> SamplingMetadata:
+    """Host-built metadata for one row per entry of `params`: by default row i has seed i and
+    position 0 (so the rows draw independent uniforms)."""
+    seeds = list(range(len(params))) if seeds is None else seeds
+    positions = [0] * len(params) if positions is None else positions
+    return sampling_metadata(params, seeds, positions, vocab, device)
+
+
 def draw(
-    sampler: Sampler, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]
+    sampler: Sampler,
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seeds: list[int] | None = None,
+    positions: list[int] | None = None,
 ) -> list[int | Exception]:
-    """One call's token per request (one row each), or the error that ended it."""
-    out = sampler(logits, req_ids, params).to_host().rows(req_ids, params)
+    """One call's token per row (one request each), or the error that ended it."""
+    req_ids = [str(i) for i in range(len(params))]
+    meta = metadata(params, logits.shape[1], seeds, positions, logits.device)
+    out = sampler(logits, meta).to_host().rows(req_ids, params)
     assert all(isinstance(tokens, Exception) or len(tokens) == 1 for tokens, _ in out)
     return [tokens if isinstance(tokens, Exception) else tokens[0] for tokens, _ in out]
 
@@ -59,12 +88,15 @@ FILTERS = [
 ]
 
 
+@pytest.mark.parametrize("stream", ["seeds", "positions"])
 @pytest.mark.parametrize("filters", FILTERS, ids=[",".join(f"{k}={v}" for k, v in f.items()) for f in FILTERS])
-def test_draws_follow_the_float64_distribution(filters: dict) -> None:
-    torch.manual_seed(0)
+def test_draws_follow_the_float64_distribution(filters: dict, stream: str) -> None:
+    """20,000 rows of the same logits, their uniforms from 20,000 seeds at one position, or from one
+    seed at 20,000 positions (a request's successive tokens)."""
     n = 20000
     params = SamplingParams(**filters)
-    tokens = draw(Sampler(), LOGITS.repeat(n, 1), [str(i) for i in range(n)], [params] * n)
+    seeds, positions = (None, None) if stream == "seeds" else ([7] * n, list(range(n)))
+    tokens = draw(Sampler(), LOGITS.repeat(n, 1), [params] * n, seeds, positions)
     counts = torch.bincount(torch.tensor(tokens), minlength=len(LOGITS)).double()
     expected = reference_probs(LOGITS, params) * n
     assert counts[expected == 0].sum() == 0, "a token the filters drop was drawn"
@@ -74,14 +106,29 @@ def test_draws_follow_the_float64_distribution(filters: dict) -> None:
     assert chi2 < 27.9, f"chi2 = {chi2:.1f} for {filters}: counts {counts.tolist()}, expected {expected.tolist()}"
 
 
+def test_draws_over_a_vocabulary_of_several_chunks_follow_the_float64_distribution() -> None:
+    """The two-level inverse CDF (chunks of CHUNK columns, the last one shorter): the probability mass
+    sits in a few tokens spread over different chunks, the rest of the vocabulary almost never drawn."""
+    vocab, n = 2 * CHUNK + 300, 20000
+    logits = torch.full((vocab,), -30.0)
+    hot = [3, CHUNK - 1, CHUNK, CHUNK + 517, 2 * CHUNK, vocab - 1]
+    logits[hot] = torch.tensor([1.0, 0.5, 0.0, 1.5, -0.5, 0.8])
+    params = SamplingParams(temperature=1.0)
+    tokens = torch.tensor(draw(Sampler(), logits.repeat(n, 1), [params] * n))
+    expected = reference_probs(logits, params)[hot] * n
+    counts = torch.bincount(tokens, minlength=vocab)[hot].double()
+    assert counts.sum() >= n - 5  # the other 2,342 tokens hold 2e-10 of the mass
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 20.5, f"chi2 = {chi2:.1f}: counts {counts.tolist()}, expected {expected.tolist()}"  # 5 dof, 99.9%
+
+
 def test_mixed_batch_rows_each_follow_their_own_parameters() -> None:
-    """Greedy, top-k, and whole-vocabulary rows interleaved in one batch (rows are regrouped
-    inside the sampler and must come back in their places)."""
-    torch.manual_seed(1)
+    """Greedy, top-k, and whole-vocabulary rows interleaved in one batch (each row takes its own path
+    inside the sampler and must come back in its place)."""
     kinds = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0)]
     n = 9000
     params = [kinds[i % 3] for i in range(n)]
-    tokens = torch.tensor(draw(Sampler(), LOGITS.repeat(n, 1), [str(i) for i in range(n)], params))
+    tokens = torch.tensor(draw(Sampler(), LOGITS.repeat(n, 1), params))
     assert (tokens[0::3] == 0).all()
     assert set(tokens[1::3].tolist()) == {0, 1}
     assert len(set(tokens[2::3].tolist())) > 5
@@ -90,61 +137,135 @@ def test_mixed_batch_rows_each_follow_their_own_parameters() -> None:
 def test_greedy_rows_are_the_argmax_bit_for_bit() -> None:
     torch.manual_seed(2)
     logits = torch.randn(64, 5000) * 3
+    logits[::4, 7] = logits[::4].amax(-1)  # ties: the argmax's own choice among them
     params = [SamplingParams(temperature=0) if i % 2 else SamplingParams(temperature=0.7, top_k=20) for i in range(64)]
-    tokens = draw(Sampler(), logits, [str(i) for i in range(64)], params)
-    assert tokens[1::2] == logits.argmax(-1)[1::2].tolist()
+    argmax = logits.argmax(-1)
+    assert draw(Sampler(), logits, params)[1::2] == argmax[1::2].tolist()
+    # A batch of greedy rows only takes another path (no random work at all): the same tokens.
+    assert draw(Sampler(), logits, [SamplingParams(temperature=0)] * 64) == argmax.tolist()
+    # Beside whole-vocabulary rows with top-p and min-p (every filter computed on the greedy rows too).
+    params = [SamplingParams(temperature=0) if i % 2 else SamplingParams(top_p=0.9, min_p=0.1) for i in range(64)]
+    assert draw(Sampler(), logits, params)[1::2] == argmax[1::2].tolist()
 
 
 def test_top_p_keeps_the_nucleus_and_a_tie_keeps_the_lower_id() -> None:
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     for top_k in (0, 3):  # through the whole vocabulary and through the top-k candidates
         params = [SamplingParams(temperature=1.0, top_p=0.7, top_k=top_k)] * 2000
-        assert set(draw(Sampler(), logits.repeat(2000, 1), [str(i) for i in range(2000)], params)) == {0, 1}
+        assert set(draw(Sampler(), logits.repeat(2000, 1), params)) == {0, 1}
     # top_k=2 alone keeps {0, 1}, top_p=0.6 alone too; together (0.625, 0.375 over the two kept) only 0.
     params = [SamplingParams(temperature=1.0, top_k=2, top_p=0.6)] * 500
-    assert set(draw(Sampler(), logits.repeat(500, 1), [str(i) for i in range(500)], params)) == {0}
+    assert set(draw(Sampler(), logits.repeat(500, 1), params)) == {0}
     # Two equal tokens, top_p 0.5: the first alone reaches it.
     params = [SamplingParams(temperature=1.0, top_p=0.5)] * 500
-    assert set(draw(Sampler(), torch.zeros(500, 2), [str(i) for i in range(500)], params)) == {0}
+    assert set(draw(Sampler(), torch.zeros(500, 2), params)) == {0}
 
 
 def test_a_seeded_request_draws_the_same_tokens_in_any_batch() -> None:
-    """Its noise comes from its own generator only: alone, or beside other rows (with other top-k
-    or none, which changes the width of the batch's candidate columns), it draws the same tokens."""
+    """A row's token depends on its logits, parameters, seed and position only: alone, or beside other
+    rows (with other top-k or none, which changes the width of the batch's candidate columns, with
+    top-p or min-p, which adds filters to the batch, or greedy), it draws the same tokens."""
     torch.manual_seed(3)
     steps = [torch.randn(1000) for _ in range(6)]
+    others = [
+        SamplingParams(temperature=1.0, top_k=200),
+        SamplingParams(temperature=0.7, top_p=0.8),
+        SamplingParams(seed=5, min_p=0.2),
+        SamplingParams(temperature=0),
+    ]
     for seeded in (SamplingParams(temperature=1.0, seed=11), SamplingParams(temperature=1.0, top_k=40, seed=11)):
-        alone, crowd = Sampler(), Sampler()
-        others = [SamplingParams(temperature=1.0, top_k=200), SamplingParams(temperature=0.7), SamplingParams(seed=5)]
-        a = [draw(alone, x[None], ["r"], [seeded])[0] for x in steps]
+        a = [draw(Sampler(), x[None], [seeded], [11], [n])[0] for n, x in enumerate(steps)]
         b = [
             draw(
-                crowd,
-                torch.stack([torch.randn(1000), x, torch.randn(1000), torch.randn(1000)]),
-                ["o1", "r", "o2", "o3"],
-                [others[0], seeded, others[1], others[2]],
+                Sampler(),
+                torch.stack([torch.randn(1000), x, torch.randn(1000), torch.randn(1000), torch.randn(1000)]),
+                [others[0], seeded, others[1], others[2], others[3]],
+                [3, 11, 4, 5, 6],
+                [n + 9, n, n, 2, n],
             )[1]
-            for x in steps
+            for n, x in enumerate(steps)
         ]
         assert a == b
-        assert len({draw(Sampler(), steps[0][None], ["r"], [seeded])[0] for _ in range(3)}) == 1
+        assert len({draw(Sampler(), steps[0][None], [seeded], [11], [0])[0] for _ in range(3)}) == 1
 
 
-def test_a_seeded_request_draws_new_numbers_every_step() -> None:
-    sampler, params = Sampler(), SamplingParams(temperature=1.0, seed=3)
-    picks = [draw(sampler, torch.zeros(1, 1000), ["r"], [params])[0] for _ in range(20)]
-    assert len(set(picks)) > 10  # a generator seeded again each step would draw the same token 20 times
+def test_a_request_draws_new_numbers_at_every_position_and_for_every_seed() -> None:
+    params = [SamplingParams(temperature=1.0)] * 20
+    by_position = draw(Sampler(), torch.zeros(20, 1000), params, [3] * 20, list(range(20)))
+    by_seed = draw(Sampler(), torch.zeros(20, 1000), params, list(range(20)), [4] * 20)
+    # A uniform that ignored the position (or the seed) would draw the same token 20 times.
+    assert len(set(by_position)) > 10 and len(set(by_seed)) > 10
+
+
+def test_the_sampler_keeps_no_state() -> None:
+    """Nothing per request: the same call twice gives the same tokens, and the object holds its mode only."""
+    sampler = Sampler()
+    logits = torch.randn(8, 100)
+    params = [SamplingParams(temperature=0.9, seed=i if i % 2 else None, top_k=10 * (i % 3)) for i in range(8)]
+    assert draw(sampler, logits, params) == draw(sampler, logits, params)
+    assert vars(sampler) == {"batch_invariant": False}
+
+
+def test_uniform_noise_is_splitmix64_of_seed_position_and_salt() -> None:
+    """Against a plain-Python reference (64-bit unsigned arithmetic): the tensor version's wrapping int64
+    and masked shifts must give the same bits, for negative seeds and positions far apart too."""
+
+    def mix(x: int) -> int:
+        x &= 2**64 - 1
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+        return x ^ (x >> 31)
+
+    def reference(seed: int, position: int, salt: int) -> float:
+        x = mix(mix(seed ^ salt) + position * 0x9E3779B97F4A7C15)
+        return (x >> 40) / 2**24
+
+    seeds = [0, 1, -1, 2**62 + 12345, -(2**63), 987654321]
+    positions = [0, 1, 5, 2**40, 7, 123456]
+    for salt in (TARGET_SALT, DRAFT_SALT):
+        got = uniform_noise(torch.tensor(seeds), torch.tensor(positions), salt).tolist()
+        assert got == [reference(s, p, salt) for s, p in zip(seeds, positions)]
+    u = uniform_noise(torch.arange(50000), torch.zeros(50000, dtype=torch.long), TARGET_SALT)
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
+    # The draft stream and the target stream are different numbers (uncorrelated) at the same (seed, position).
+    v = uniform_noise(torch.arange(50000), torch.zeros(50000, dtype=torch.long), DRAFT_SALT)
+    assert abs(torch.corrcoef(torch.stack([u, v]))[0, 1].item()) < 0.02
+    # Unseeded requests: seeds hashed from the engine seed and the arrival number, all different.
+    assert len({derive_seed(0, n) for n in range(1000)} | {derive_seed(1, n) for n in range(1000)}) == 2000
+
+
+def test_the_inverse_cdf_never_picks_a_zero_weight_column() -> None:
+    """u < 1, but u * total may round up to the total (and the two-level search's residual may exceed its
+    chunk's own total by a rounding): the column found must still have a positive weight. Rows of
+    weights with zeros before, between and after the positive ones, at u = 0, the largest u and a target
+    of exactly the total."""
+    weights = torch.tensor([[0.0, 1.0, 0.0, 2.0, 0.0, 0.0], [0.5, 0.0, 0.0, 0.0, 0.25, 0.0]])
+    cdf = weights.cumsum(-1)
+    total = cdf[:, -1]
+    assert inverse_cdf(cdf, total, total).tolist() == [3, 4]  # the target rounded up to the total
+    assert inverse_cdf(cdf, torch.zeros(2), total).tolist() == [1, 0]
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.rand(64, 3 * CHUNK + 17, generator=gen) * (torch.rand(64, 3 * CHUNK + 17, generator=gen) < 0.01)
+    wide[:, -40:] = 0.0  # the last chunk's tail, and in rows 0-7 whole chunks, hold nothing
+    wide[:8, CHUNK : 2 * CHUNK] = 0.0
+    largest = 1.0 - 2.0**-24  # the largest uniform uniform_noise gives
+    # At the largest u, some of these rows' chunk sum exceeds the chunk's own cumulative total (another
+    # summation order): without the hold below the total, those rows pick a zero column past the last
+    # positive one (checked).
+    for u in (torch.zeros(64), torch.full((64,), largest), torch.rand(64, generator=gen)):
+        columns = inverse_cdf_chunked(wide, u, invariant=False)
+        assert (wide.gather(1, columns[:, None]) > 0).all()
 
 
 def test_logprobs_are_the_models_log_softmax() -> None:
     torch.manual_seed(4)
-    logits = torch.randn(3, 50)
+    logits = torch.randn(3, 50) * 4
     params = [
         SamplingParams(temperature=0, logprobs=3),
         SamplingParams(temperature=0.9, logprobs=0),
         SamplingParams(temperature=0.9),
     ]
-    out = Sampler()(logits, ["a", "b", "c"], params).to_host().rows(["a", "b", "c"], params)
+    out = Sampler()(logits, metadata(params, 50)).to_host().rows(["a", "b", "c"], params)
     reference = logits.double().log_softmax(-1)
     ([t0], [lp0]), ([t1], [lp1]), (_, lp2) = out
     top3 = reference[0].topk(3).indices.tolist()
@@ -165,9 +286,11 @@ def test_a_row_of_nan_fails_alone() -> None:
         SamplingParams(temperature=0),
         SamplingParams(temperature=0),
     ]
-    out = draw(Sampler(), logits, list("abcd"), params)
-    assert isinstance(out[1], ValueError) and "request b" in str(out[1]) and isinstance(out[3], ValueError)
+    out = draw(Sampler(), logits, params)
+    assert isinstance(out[1], ValueError) and "request 1" in str(out[1]) and isinstance(out[3], ValueError)
     assert isinstance(out[0], int) and out[2] == logits[2].argmax().item()
+    logits[0, 3] = math.nan  # one NaN is enough; whole-vocabulary rows too
+    assert isinstance(draw(Sampler(), logits[:1], params[:1])[0], ValueError)
 
 
 def test_the_engines_logprobs_are_transformers_float64_log_softmax() -> None:

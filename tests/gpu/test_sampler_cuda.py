@@ -1,6 +1,6 @@
 """The batched sampler on the GPU: it never waits for the device (async scheduling depends on it),
-its draws follow the float64 reference there too, and a seeded request draws the same tokens alone
-and in a crowd."""
+its draws follow the float64 reference there too, its noise is bit for bit the CPU's, and a seeded
+request draws the same tokens alone and in a crowd."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pagedkv.engine.request import SamplingParams
-from pagedkv.engine.sampler import Sampler
+from pagedkv.engine.sampler import Sampler, sampling_metadata
+from pagedkv.worker.sampling_metadata import DRAFT_SALT, TARGET_SALT, uniform_noise
 from tests.engine.test_sampler import FILTERS, LOGITS, draw, reference_probs
 
 pytestmark = pytest.mark.skipif(
@@ -28,11 +29,17 @@ def test_sampling_a_batch_never_waits_for_the_gpu() -> None:
     logits = torch.randn(256, 151936, device="cuda")
     params = [MIXED[i % len(MIXED)] for i in range(256)]
     req_ids = [str(i) for i in range(256)]
-    sampler(logits, req_ids, params)  # first call: generators made, kernels loaded
+    positions = torch.arange(256, device="cuda") + 7  # as the engine's: read on the device
+
+    def sample() -> object:
+        meta = sampling_metadata(params, list(range(256)), positions, 151936, "cuda")
+        return sampler(logits, meta).to_host()
+
+    sample()  # first call: kernels loaded
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
     try:
-        output = sampler(logits, req_ids, params).to_host()
+        output = sample()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     rows = output.rows(req_ids, params)
@@ -40,12 +47,19 @@ def test_sampling_a_batch_never_waits_for_the_gpu() -> None:
     assert all(lps is not None and len(lps[0]) >= 1 for _, lps in rows[3::4])
 
 
+def test_the_noise_is_the_cpus_bit_for_bit() -> None:
+    seeds = torch.tensor([0, 1, -1, 2**62 + 12345, -(2**63), 987654321] * 1000)
+    positions = torch.arange(len(seeds)) * 7919
+    for salt in (TARGET_SALT, DRAFT_SALT):
+        cpu = uniform_noise(seeds, positions, salt)
+        assert torch.equal(uniform_noise(seeds.cuda(), positions.cuda(), salt).cpu(), cpu)
+
+
 @pytest.mark.parametrize("filters", FILTERS[::2])
 def test_draws_follow_the_float64_distribution_on_the_gpu(filters: dict) -> None:
-    torch.manual_seed(0)
     n = 20000
     params = SamplingParams(**filters)
-    tokens = draw(Sampler(), LOGITS.cuda().repeat(n, 1), [str(i) for i in range(n)], [params] * n)
+    tokens = draw(Sampler(), LOGITS.cuda().repeat(n, 1), [params] * n)
     counts = torch.bincount(torch.tensor(tokens), minlength=len(LOGITS)).double()
     expected = reference_probs(LOGITS, params) * n
     assert counts[expected == 0].sum() == 0
@@ -56,10 +70,9 @@ def test_draws_follow_the_float64_distribution_on_the_gpu(filters: dict) -> None
 def test_a_seeded_request_draws_the_same_tokens_alone_and_in_a_crowd_on_the_gpu() -> None:
     steps = [torch.randn(4096, device="cuda") for _ in range(5)]
     seeded = SamplingParams(temperature=0.9, top_k=100, seed=21)
-    alone, crowd = Sampler(), Sampler()
-    a = [draw(alone, x[None], ["r"], [seeded])[0] for x in steps]
+    a = [draw(Sampler(), x[None], [seeded], [21], [n])[0] for n, x in enumerate(steps)]
     b = [
-        draw(crowd, torch.stack([torch.randn(4096, device="cuda"), x]), ["o", "r"], [MIXED[2], seeded])[1]
-        for x in steps
+        draw(Sampler(), torch.stack([torch.randn(4096, device="cuda"), x]), [MIXED[2], seeded], [5, 21], [3, n])[1]
+        for n, x in enumerate(steps)
     ]
     assert a == b
