@@ -66,6 +66,9 @@ def workload_table(w: dict) -> Table:
     cells = []
     for r in rows:
         mode = r["mode"] + (f" -> {resolved_label(r['resolved'])}" if "resolved" in r else "")
+        backends = (r.get("resolved") or {}).get("attention_backends")
+        if backends:  # the default backend depends on what is installed (FLASH_ATTN where flash-attn 4 is)
+            mode += ", " + " / ".join(backends)
         if "generate" not in r:
             cells.append([r["engine"], f"{mode}: {r.get('skipped') or r.get('error') or 'no result'}"] + [""] * 10)
             continue

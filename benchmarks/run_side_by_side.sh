@@ -32,6 +32,7 @@ part=${1:?usage: run_side_by_side.sh stage1|stage2|run|w2 MODEL KV_GIB|cpu-check
 out=${OUT:-/tmp/pagedkv-side-by-side}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+pp0=${PYTHONPATH-}  # before flash-attn 4's activate.sh adds to it
 py=${PYTHON:-python3}  # the GPU image's python3; PYTHON=.venv/bin/python for cpu-check here
 # Never NVLink multicast on the shared hosts (../shared/gpu/README.md); nano-vllm starts a one-rank NCCL group.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -44,9 +45,13 @@ gpu() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noh
 side_by_side() {  # MODEL KV_GIB: pagedkv, then nano-vllm, in two processes one after the other
   local model=$1 kv=$2 json="$out/w2_$1.json" log="$out/w2_$1.log"
   mkdir -p /root/stage
-  timeout "$(cap 330)" "$py" benchmarks/end_to_end.py --tables w2 --w2-models "$model" --w2-kv-cache-gib "$kv" \
-    --modes default --breakdown-steps 0 --warmup-max-tokens 0 --nano-export /root/stage/nano --json "$json" \
-    2>&1 | tee "$log" | quiet | tail -4
+  # pagedkv without flash-attn 4 on its path (unless PAGEDKV_FA4=1): its default backend is then TRITON_ATTN, its
+  # own kernels, as in stage2 and wherever flash-attn is not installed (with it, FLASH_ATTN comes first).
+  local pp=$pp0
+  [ -n "${PAGEDKV_FA4:-}" ] && pp=${PYTHONPATH-}
+  PYTHONPATH=$pp timeout "$(cap 330)" "$py" benchmarks/end_to_end.py --tables w2 --w2-models "$model" \
+    --w2-kv-cache-gib "$kv" --modes default --breakdown-steps 0 --warmup-max-tokens 0 \
+    --nano-export /root/stage/nano --json "$json" 2>&1 | tee "$log" | quiet | tail -4
   timeout "$(cap 240)" "$py" benchmarks/nano_peer.py --into "$json" 2>&1 | tee -a "$log" | quiet | tail -8
   rm -rf /root/stage/nano
 }
