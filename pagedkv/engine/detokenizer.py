@@ -48,18 +48,26 @@ class IncrementalDetokenizer:
 
     def pieces(self, token_ids: list[int]) -> list[list[int]]:
         """The id lists whose text `update` needs: the settled part of the window, the window,
-        and (when it has two new ids or more) the window without the newest id."""
+        and (when it has two new ids or more) the window without the newest id; none when every id
+        is settled already."""
         if len(token_ids) < self._read_offset:
             raise ValueError(
                 f"token_ids shrank to {len(token_ids)} ids, but {self._read_offset} were decoded already: "
                 "an IncrementalDetokenizer follows one growing sequence"
             )
+        if len(token_ids) == self._read_offset:
+            return []
         start, cut = self._prefix_offset, len(token_ids) - 1
         pieces = [token_ids[start : self._read_offset], token_ids[start:]]
         return pieces + [token_ids[start:cut]] if cut > self._read_offset else pieces
 
     def update(self, token_ids: list[int], texts: Sequence[str]) -> str:
         """The text of `token_ids`, given the decoded `pieces(token_ids)`."""
+        if len(token_ids) == self._read_offset:
+            # Nothing new since the text settled: the engine asks again for the same ids when a batch
+            # raised (each text is then made alone) and for generate()'s final outputs. Settling the
+            # empty tail would start the next window at the newest id (a word's space lost).
+            return self._text
         settled, window, *before_newest = texts
         if not window.endswith(REPLACEMENT_CHAR):
             self._settle(window[len(settled) :], len(token_ids))

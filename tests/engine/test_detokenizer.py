@@ -85,6 +85,19 @@ def test_hugging_face_tokenizers(tmp_path: Path, kind: str) -> None:
     assert naive_texts != TEXTS
 
 
+@pytest.mark.parametrize("kind", ["metaspace", "byte_level"])
+def test_a_text_made_again_for_the_same_ids_changes_no_later_text(tmp_path: Path, kind: str) -> None:
+    """The engine makes a text again for the same ids when a step's batched decode raised (each
+    request's text is then made alone) and for generate()'s final outputs. Before, the window then
+    started at the newest id, and Metaspace lost the space before the next word ("thelazy")."""
+    tokenizer = hf_tokenizer(tmp_path, kind)
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        detokenizer = IncrementalDetokenizer(tokenizer)
+        twice = [[detokenizer.text(ids[: n + 1]) for _ in range(2)] for n in range(len(ids))]
+        assert twice == [[t, t] for t in incremental_texts(tokenizer, ids)]
+
+
 class CountingTokenizer(ByteTokenizer):
     """The presets' tokenizer, counting the ids and the calls it decodes."""
 
