@@ -38,7 +38,7 @@ from pagedkv.engine.detokenizer import IncrementalDetokenizer, detokenize_batch
 from pagedkv.engine.events import EngineStats, StepEvent, StepListener
 from pagedkv.engine.rejection_sampler import RejectionSampler
 from pagedkv.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from pagedkv.engine.sampler import Sampler, SamplerOutput, sampling_metadata
+from pagedkv.engine.sampler import Sampler, SamplerOutput, row_sampling_params
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.interrupts import deferred_interrupts
 from pagedkv.kv_cache.manager import KVCacheManager
@@ -279,6 +279,7 @@ class LLM:
             prompt=text,
             detokenizer=detokenizer,
             sampling_seed=seed,
+            row_sampling=row_sampling_params(params, seed, self.model_config.vocab_size),
         )
         with deferred_interrupts():  # in both books or in neither
             self.scheduler.add_request(request)
@@ -399,21 +400,15 @@ class LLM:
                 return False
             start = time.perf_counter()
             previous = self._launched[-1].sampled_tokens if self._launched else None
-            result = (self._executor or self.runner).execute_model(sched.runner_input(), previous)
+            result = (self._executor or self.runner).execute_model(sched.runner_input(), previous, sched.freed_req_ids)
             requests = [self._requests[r] for r in result.batch.sampling_req_ids]
             req_ids = [r.request_id for r in requests]
             drafts = {s.request.request_id: len(s.draft_token_ids) for s in sched.scheduled}
             num_drafts = [drafts[r] for r in req_ids]
-            # One entry per logits row (a request's 1 + k rows share its parameters and seed); a row
-            # draws the token at its input token's position + 1, read on the device.
-            rows = [(r, 1 + k) for r, k in zip(requests, num_drafts)]
-            meta = sampling_metadata(
-                [r.sampling_params for r, n in rows for _ in range(n)],
-                [r.sampling_seed for r, n in rows for _ in range(n)],
-                result.batch.positions[result.batch.logits_indices] + 1,
-                result.logits.shape[-1],
-                result.logits.device,
-            )
+            # Per logits row, its request's parameters and seed and the position it draws: gathered by
+            # the runner from its request rows (a request's 1 + k rows share its row).
+            meta = result.sampling_metadata
+            assert meta is not None
             if any(num_drafts):  # one target row per draft and one after them: verify, then sample
                 assert result.draft_token_ids is not None
                 sampled = self.rejection_sampler(result.logits, meta, num_drafts, result.draft_token_ids)

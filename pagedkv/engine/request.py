@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pagedkv.checks import check_bool, check_float, check_int, check_optional_int
 from pagedkv.engine.checks import check_token_ids
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
+from pagedkv.worker.states import RowSamplingParams
 
 SAMPLING_EPS = 1e-5
 """A temperature below this samples greedily, as in vLLM: logits divided by a temperature of 1e-38
@@ -123,6 +124,8 @@ class Request:
     """Per output token, the log-probabilities asked for with SamplingParams.logprobs (token id -> logprob)."""
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
     """Turns output_token_ids into text (None: the model has no tokenizer, the text stays "")."""
+    row_sampling: RowSamplingParams = field(default_factory=RowSamplingParams, repr=False)
+    """Its sampling parameters as its row in the runner holds them (set by the engine when it is added)."""
     _token_ids: list[int] = field(init=False, repr=False)
     num_prompt_tokens: int = field(init=False, repr=False)
 

@@ -38,6 +38,7 @@ import torch
 from pagedkv import batch_invariant
 from pagedkv.engine.request import SamplingParams
 from pagedkv.worker.sampling_metadata import TARGET_SALT, SamplingMetadata, seed_as_int64, uniform_noise
+from pagedkv.worker.states import RowSamplingParams
 
 
 @dataclass
@@ -110,6 +111,19 @@ class SamplerOutput:
         return out
 
 
+def row_sampling_params(params: SamplingParams, seed: int, vocab_size: int) -> RowSamplingParams:
+    """A request's parameters as its row in the runner holds them: a greedy request's temperature as
+    0.0, a top-k of the vocabulary or more as 0 (none), the seed as an int64."""
+    return RowSamplingParams(
+        temperature=0.0 if params.greedy else params.temperature,
+        top_k=params.top_k if 0 < params.top_k < vocab_size else 0,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        seed=seed_as_int64(seed),
+        num_logprobs=-1 if params.logprobs is None else params.logprobs,
+    )
+
+
 def sampling_metadata(
     params: list[SamplingParams],
     seeds: list[int],
@@ -117,28 +131,28 @@ def sampling_metadata(
     vocab_size: int,
     device: torch.device | str,
 ) -> SamplingMetadata:
-    """A step's `SamplingMetadata` from host values, one entry per logits row: each row's parameters,
-    its request's seed, and the position of the token it draws (a list, or a tensor already on the
-    device). A top-k of the vocabulary or more is stored as 0 (none). The engine's one call site; the
-    worker will gather the same tensors from its persistent request state instead."""
-    sampled = [p for p in params if not p.greedy]
-    top_ks = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
+    """A `SamplingMetadata` from host values, one entry per logits row: each row's parameters, its
+    request's seed, and the position of the token it draws (a list, or a tensor on the device). What
+    the runner gathers from its request rows in an engine step (`RequestStates.sampling_metadata`),
+    for driving a sampler directly (tests, exercises)."""
+    rows = [row_sampling_params(p, seed, vocab_size) for p, seed in zip(params, seeds)]
+    sampled = [r for r in rows if r.temperature > 0]
     if not isinstance(positions, torch.Tensor):
         positions = torch.tensor(positions, dtype=torch.int64)
     return SamplingMetadata(
-        temperature=to_device([0.0 if p.greedy else p.temperature for p in params], device, torch.float32),
-        top_k=to_device(top_ks, device, torch.int64),
-        top_p=to_device([p.top_p for p in params], device, torch.float32),
-        min_p=to_device([p.min_p for p in params], device, torch.float32),
-        seeds=to_device([seed_as_int64(s) for s in seeds], device, torch.int64),
+        temperature=to_device([r.temperature for r in rows], device, torch.float32),
+        top_k=to_device([r.top_k for r in rows], device, torch.int64),
+        top_p=to_device([r.top_p for r in rows], device, torch.float32),
+        min_p=to_device([r.min_p for r in rows], device, torch.float32),
+        seeds=to_device([r.seed for r in rows], device, torch.int64),
         positions=positions.to(device, torch.int64, non_blocking=True),
         all_greedy=not sampled,
-        all_random=len(sampled) == len(params),
-        max_top_k=max((k for k, p in zip(top_ks, params) if not p.greedy), default=0),
-        all_top_k=all(k for k, p in zip(top_ks, params) if not p.greedy),
-        any_top_p=any(p.top_p < 1.0 for p in sampled),
-        any_min_p=any(p.min_p > 0.0 for p in sampled),
-        max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+        all_random=len(sampled) == len(rows),
+        max_top_k=max((r.top_k for r in sampled), default=0),
+        all_top_k=all(r.top_k for r in sampled),
+        any_top_p=any(r.top_p < 1.0 for r in sampled),
+        any_min_p=any(r.min_p > 0.0 for r in sampled),
+        max_num_logprobs=max((r.num_logprobs for r in rows if r.num_logprobs >= 0), default=None),
     )
 
 

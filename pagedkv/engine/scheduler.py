@@ -102,6 +102,9 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest]
     preempted_req_ids: list[str]
+    freed_req_ids: list[str] = field(default_factory=list)
+    """Requests whose blocks were freed since the last step planned (finished, aborted, preempted,
+    admissions taken back): the runner gives their rows back before it runs this one."""
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -131,6 +134,7 @@ class SchedulerOutput:
                     s.samples,
                     s.block_ids,
                     num_draft_tokens=len(s.draft_token_ids),
+                    sampling=s.request.row_sampling,
                 )
             )
         return scheduled
@@ -146,6 +150,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.freed_req_ids: list[str] = []
+        """Freed since the last plan with something scheduled (`SchedulerOutput.freed_req_ids`)."""
 
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise ValueError if such a request could never run, so it is refused before it is queued."""
@@ -178,7 +184,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv_cache_manager.free(request.request_id)
+        self._free(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         if error is not None:
@@ -186,6 +192,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _free(self, request_id: str) -> None:
+        """A request's blocks back to the pool; the runner is told with the next plan."""
+        self.kv_cache_manager.free(request_id)
+        self.freed_req_ids.append(request_id)
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step. If planning raises part-way (a `MemoryError` in `allocate_slots`, say,
@@ -205,7 +216,10 @@ class Scheduler:
                 self._take_back(request, status)
             self.undo(SchedulerOutput(scheduled, preempted))
             raise
-        return SchedulerOutput(scheduled, preempted)
+        output = SchedulerOutput(scheduled, preempted)
+        if scheduled:  # a plan that runs nothing tells the runner nothing: they wait for the next one
+            output.freed_req_ids, self.freed_req_ids = self.freed_req_ids, []
+        return output
 
     def _plan(
         self,
@@ -295,7 +309,7 @@ class Scheduler:
         return request.spec_token_ids[: max(room, 0)]
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request.request_id)
+        self._free(request.request_id)
         request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -318,6 +332,7 @@ class Scheduler:
         admissions (in reverse, so the waiting queue is as it was). Running requests keep the
         blocks it added, which the same step planned again needs; preemptions stay done."""
         self.kv_cache_manager.rollback()
+        self.freed_req_ids[:0] = output.freed_req_ids  # the runner was not told (or is told again: harmless)
         for s in reversed(output.scheduled):
             if s.admitted_from is not None:
                 self._take_back(s.request, s.admitted_from)
@@ -328,7 +343,7 @@ class Scheduler:
         part-way): still first in the waiting queue, or popped, or running."""
         if request in self.running:
             self.running.remove(request)
-        self.kv_cache_manager.free(request.request_id)
+        self._free(request.request_id)
         request.num_computed_tokens = 0
         request.status = status
         if not (self.waiting and self.waiting[0] is request):

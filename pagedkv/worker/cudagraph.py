@@ -357,32 +357,3 @@ def piece_wrapper(memory: GraphMemory) -> Callable[[CompiledPiece], CUDAGraphWra
         return CUDAGraphWrapper(piece.runnable, CUDAGraphMode.PIECEWISE, memory, f"piece {piece.index} ({piece.name})")
 
     return wrap
-
-
-# ---- persistent inputs ----------------------------------------------------------------------
-
-
-class InputBuffers:
-    """The runner's per-step input tensors, allocated once at their largest size.
-
-    Every step writes its inputs into the first rows and runs on views of them, so a graph
-    captured on these views reads each step's values. Rows past a step's batch hold padding:
-    token id 0 at position 0 with slot -1 (nothing written to the cache), and requests with
-    no query tokens and sequence length 0 (the kernels skip them).
-    """
-
-    def __init__(self, max_num_tokens: int, max_num_reqs: int, num_kv_cache_groups: int, device: torch.device) -> None:
-        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_num_tokens, dtype=torch.long, device=device)
-        self.query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
-        self.slot_mappings = [
-            torch.full((max_num_tokens,), -1, dtype=torch.long, device=device) for _ in range(num_kv_cache_groups)
-        ]
-
-
-def stage(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Copy `values` (host) into the first rows of `buffer`; return the view of those rows."""
-    view = buffer[: values.shape[0]]
-    view.copy_(values, non_blocking=True)
-    return view

@@ -12,12 +12,12 @@ Each step: dispatch (FULL / PIECEWISE / NONE, padded size) -> InputBatch ->
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedkv.attention.backend import CommonAttentionMetadata
@@ -26,6 +26,7 @@ from pagedkv.compilation.resolve import Resolution
 from pagedkv.compilation.wrapper import CompiledForward, compile_model
 from pagedkv.config import CUDAGraphMode, EngineConfig, set_current_engine_config
 from pagedkv.forward_context import BatchDescriptor, get_layers_from_config, set_forward_context
+from pagedkv.interrupts import deferred_interrupts
 from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheSpec
 from pagedkv.models.loader import CausalLM, HFConfig, load_model, weight_bytes
 from pagedkv.worker import cudagraph
@@ -40,16 +41,11 @@ from pagedkv.worker.attn_utils import (
     max_blocks_per_request,
 )
 from pagedkv.worker.draft_model import DRAFT_PREFIX, DraftModelProposer
-from pagedkv.worker.input_batch import (
-    BlockTable,
-    HostBatch,
-    InputBatch,
-    SampledTokens,
-    ScheduledTokens,
-    compute_slot_mapping,
-    fill_placeholders,
-)
+from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, InputBatch, SampledTokens, ScheduledTokens
 from pagedkv.worker.memory import check_fits, kv_cache_config_for
+from pagedkv.worker.prepare_inputs import StepBuffers, StepSchedule, prepare_inputs
+from pagedkv.worker.sampling_metadata import SamplingMetadata
+from pagedkv.worker.states import RequestStates, to_device
 
 logger = logging.getLogger("pagedkv")
 
@@ -68,6 +64,9 @@ class StepResult:
     """How the step ran: FULL (one graph replayed), PIECEWISE or NONE (eager)."""
     draft_token_ids: torch.Tensor | None = None
     """Speculative decoding: the drafts verified, packed request after request (on the device)."""
+    sampling_metadata: SamplingMetadata | None = None
+    """Per logits row, its request's sampling parameters and the position it draws, gathered from the
+    request rows (`execute_model` always sets it)."""
 
 
 class ModelRunner:
@@ -114,9 +113,6 @@ class ModelRunner:
         self.dispatcher: cudagraph.CudagraphDispatcher | None = None
         self.full_graph: cudagraph.CUDAGraphWrapper | None = None
         """The FULL graphs, one per batch descriptor, around the whole model."""
-        self.buffers: cudagraph.InputBuffers | None = None
-        """Persistent step inputs, once graphs are captured (eager steps use fresh tensors, so a
-        recorded step keeps its own values)."""
         self.attn_layers: dict[str, Attention] = get_layers_from_config(config, Attention)
         if config.model_config.batch_invariant:
             check_batch_invariance(self.attn_layers)
@@ -129,7 +125,12 @@ class ModelRunner:
         """Layer name -> its KV cache group: whose slot mapping the layer reads each step."""
         self.kv_group_causal: list[bool] = []
         """Per KV cache group, whether its layers attend causally (`CommonAttentionMetadata.causal`)."""
-        self.block_tables: list[BlockTable] = []
+        self.block_sizes: list[int] = []
+        """Per KV cache group, its block size (slot = block * block_size + offset)."""
+        self.states: RequestStates
+        """Every running request's row: tokens, block tables, sampling parameters (pagedkv/worker/states.py)."""
+        self.buffers: StepBuffers
+        """The step inputs' persistent tensors (CUDA graphs read them)."""
 
     # ---- start-up -------------------------------------------------------------------
 
@@ -173,11 +174,10 @@ class ModelRunner:
         attn_groups = init_attn_groups(self.attn_layers, kv_cache_config, self.config, self.device)
         group_causal = kv_group_causal(attn_groups, self.attn_layers)
         kv_caches = init_kv_cache(self.attn_layers, kv_cache_config, attn_groups, self.config.cache_config, self.device)
-        max_blocks = max_blocks_per_request(self.config)
-        block_tables = [
-            BlockTable(self.config.scheduler_config.max_num_seqs, max_blocks, g.kv_cache_spec.block_size, self.device)
-            for g in kv_cache_config.kv_cache_groups
-        ]
+        sched = self.config.scheduler_config
+        widths = [max_blocks_per_request(self.config)] * len(kv_cache_config.kv_cache_groups)
+        states = RequestStates(sched.max_num_seqs, self.config.model_config.max_model_len, widths, self.device)
+        buffers = StepBuffers.allocate(sched.max_num_batched_tokens, sched.max_num_seqs, widths, self.device)
         self.kv_cache_config = kv_cache_config
         self.attn_groups = attn_groups
         # The draft model's proposal forwards build only its own groups' metadata.
@@ -188,7 +188,8 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.layer_kv_group = layer_kv_groups(attn_groups)
         self.kv_group_causal = group_causal
-        self.block_tables = block_tables
+        self.block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+        self.states, self.buffers = states, buffers
 
     # ---- CUDA graphs ----------------------------------------------------------------
 
@@ -212,9 +213,6 @@ class ModelRunner:
             sched.max_num_seqs,
             self.uniform_decode_query_len,
             sched.max_num_batched_tokens,
-        )
-        self.buffers = cudagraph.InputBuffers(
-            sched.max_num_batched_tokens, sched.max_num_seqs, len(self.block_tables), self.device
         )
         if mode.has_full_cudagraphs():
             self.full_graph = cudagraph.CUDAGraphWrapper(self.model, CUDAGraphMode.FULL, self.graph_memory, "model")
@@ -248,8 +246,8 @@ class ModelRunner:
         """
         max_num_seqs = self.config.scheduler_config.max_num_seqs
         query_lens = cudagraph.capture_query_lens(descriptor, max_num_seqs, self.uniform_decode_query_len)
-        host = HostBatch.for_capture(query_lens, len(self.block_tables))
-        batch = self._stage_batch(host, num_padded_tokens=descriptor.num_tokens)
+        schedule = StepSchedule.for_capture(query_lens, self.states.padding_row)
+        batch = prepare_inputs(self.states, schedule, self.buffers, self.block_sizes, descriptor.num_tokens)
         full = runtime_mode is CUDAGraphMode.FULL
         metadata, slot_mapping = self._build_metadata(
             batch, descriptor.num_tokens, for_cudagraph_capture=full, uniform_decode=descriptor.uniform_decode
@@ -270,74 +268,87 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------
 
-    def prepare_inputs(
+    def update_states(
         self,
         scheduled: list[ScheduledTokens],
-        num_padded_tokens: int | None = None,
-        num_padded_reqs: int | None = None,
         previous: SampledTokens | None = None,
-        host: HostBatch | None = None,
-    ) -> InputBatch:
-        """Pack the scheduled tokens of all requests into flat tensors (see input_batch.py),
-        padded to `num_padded_tokens` tokens and `num_padded_reqs` requests for a graph.
-        Placeholder tokens take their ids from `previous` (the last step's samples) on the device."""
-        host = host or HostBatch.from_scheduled(scheduled, len(self.block_tables))
-        batch = self._stage_batch(host, num_padded_tokens, num_padded_reqs)
-        placeholders = host.placeholders
-        if placeholders:
-            fill_placeholders(batch.input_ids, placeholders, previous)
-        return batch
+        freed_req_ids: list[str] | tuple[str, ...] = (),
+    ) -> StepSchedule:
+        """Bring the request rows up to date and return the step's schedule.
 
-    def _stage_batch(
-        self, host: HostBatch, num_padded_tokens: int | None = None, num_padded_reqs: int | None = None
-    ) -> InputBatch:
-        """Host lists -> the step's device tensors. Padding tokens are id 0 at position 0 with
-        slot -1; padding requests have no query tokens and sequence length 0."""
-        token_ids, positions, query_lens, seq_lens = host.token_ids, host.positions, host.query_lens, host.seq_lens
-        num_tokens, num_reqs = len(token_ids), len(query_lens)
-        pad_tokens = (num_padded_tokens or num_tokens) - num_tokens
-        pad_reqs = (num_padded_reqs or num_reqs) - num_reqs
-        buffers = self.buffers
-        positions_cpu = torch.tensor(positions, dtype=torch.long)
-        req_indices = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(query_lens))
-        slot_mappings = []
-        for g, table in enumerate(self.block_tables):
-            table.set_rows(host.block_ids[g] + [[]] * pad_reqs)
-            if host.writes_kv_cache:
-                slots = compute_slot_mapping(
-                    table.get_cpu_tensor(), req_indices, positions_cpu, table.block_size, num_tokens + pad_tokens
-                )
-            else:
-                slots = torch.full((num_tokens + pad_tokens,), -1, dtype=torch.long)
-            slot_mappings.append(self._to_device(slots, buffers and buffers.slot_mappings[g]))
-        starts = list(itertools.accumulate(query_lens, initial=0))
-        qsl_cpu = torch.tensor(starts + [num_tokens] * pad_reqs, dtype=torch.int32)
-        seq_lens_cpu = torch.tensor(seq_lens + [0] * pad_reqs, dtype=torch.int32)
-        padding = [0] * pad_tokens
-        ids_cpu, positions_padded = (torch.tensor(x + padding, dtype=torch.long) for x in (token_ids, positions))
-        return InputBatch(
-            req_ids=host.req_ids,
-            input_ids=self._to_device(ids_cpu, buffers and buffers.input_ids),
-            positions=self._to_device(positions_padded, buffers and buffers.positions),
-            query_start_loc=self._to_device(qsl_cpu, buffers and buffers.query_start_loc),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens=self._to_device(seq_lens_cpu, buffers and buffers.seq_lens),
-            seq_lens_cpu=seq_lens_cpu,
-            num_tokens=num_tokens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            block_tables=[t.get_device_tensor() for t in self.block_tables],
-            slot_mappings=slot_mappings,
-            logits_indices=self._to_device(torch.tensor(host.logits_indices, dtype=torch.long), None),
-            sampling_req_ids=host.sampling_req_ids,
-            draft_indices=self._to_device(torch.tensor(host.draft_indices, dtype=torch.long), None),
-        )
+        Rows of `freed_req_ids` (finished, aborted, preempted) are given back first; a request seen
+        for the first time gets a row. The tokens the host knows are staged (prompt chunks, and
+        whatever the host sends for decodes), block ids only where they changed; placeholder tokens
+        (async scheduling) are scattered from `previous` (the last step's samples) on the device.
+        All or nothing: a failure gives back the rows it added and drops what it staged."""
+        states, num_groups = self.states, len(self.block_sizes)
+        n = len(scheduled)
+        rows, query_lens, num_computed, num_drafts = (np.empty(n, dtype=np.int32) for _ in range(4))
+        samples = np.empty(n, dtype=bool)
+        waiting: list[tuple[int, int, str]] = []  # (row, position, request) of each placeholder
+        added: list[str] = []
+        with deferred_interrupts():
+            states.remove(freed_req_ids)
+            try:
+                for i, s in enumerate(scheduled):
+                    if len(s.block_ids) != num_groups:
+                        raise ValueError(
+                            f"Request {s.req_id!r} brings block ids for {len(s.block_ids)} KV cache groups, "
+                            f"but the runner has {num_groups}."
+                        )
+                    row = states.row_of.get(s.req_id)
+                    if row is None:
+                        row = states.add(s.req_id, s.sampling)
+                        added.append(s.req_id)
+                    ids, start = s.token_ids, s.num_computed_tokens
+                    if PLACEHOLDER_TOKEN_ID not in ids:
+                        states.stage_tokens(row, start, ids)
+                    else:
+                        self._stage_known(row, s, waiting)
+                    states.stage_blocks(row, s.block_ids)
+                    rows[i], query_lens[i], num_computed[i] = row, len(ids), start
+                    num_drafts[i], samples[i] = s.num_draft_tokens, s.samples
+                states.apply()
+                if waiting:
+                    self._fill_placeholders(waiting, previous)
+            except BaseException:
+                states.discard()
+                states.remove(added)
+                raise
+        return StepSchedule([s.req_id for s in scheduled], rows, query_lens, num_computed, num_drafts, samples)
 
-    def _to_device(self, values: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
-        """Into the first rows of a persistent buffer, or a fresh device tensor without one."""
-        if buffer is None:
-            return values.to(self.device, non_blocking=True)
-        return cudagraph.stage(buffer, values)
+    def _stage_known(self, row: int, s: ScheduledTokens, waiting: list[tuple[int, int, str]]) -> None:
+        """Stage the known ids of a token list that holds placeholders, run by run, and note where
+        the previous step's sample goes (the last known token; draft placeholders are the draft
+        model's to fill, on the device)."""
+        ids, start, last_known = s.token_ids, s.num_computed_tokens, len(s.token_ids) - s.num_draft_tokens - 1
+        run = None  # start of the current run of known ids
+        for j, token in enumerate([*ids, PLACEHOLDER_TOKEN_ID]):
+            if token != PLACEHOLDER_TOKEN_ID:
+                run = j if run is None else run
+                continue
+            if run is not None:
+                self.states.stage_tokens(row, start + run, ids[run:j])
+                run = None
+            if j == last_known:
+                waiting.append((row, start + j, s.req_id))
+
+    def _fill_placeholders(self, waiting: list[tuple[int, int, str]], previous: SampledTokens | None) -> None:
+        """The previous step's samples into their rows, device to device: the host never waits for them."""
+        if previous is None:
+            raise ValueError(
+                f"{len(waiting)} scheduled token(s) are placeholders, but no previous step's samples were "
+                "given (execute_model's `previous`)."
+            )
+        index = {req_id: i for i, req_id in enumerate(previous.req_ids)}
+        missing = [r for _, _, r in waiting if r not in index]
+        if missing:
+            raise ValueError(
+                f"Requests {missing} have a placeholder token, but the previous step sampled none for them."
+            )
+        packed = np.array([(row, pos, index[r]) for row, pos, r in waiting], dtype=np.int64).T
+        rows, positions, which = to_device(np.ascontiguousarray(packed), previous.token_ids.device)
+        self.states.write_sampled(rows, positions, previous.token_ids[which])
 
     def common_attn_metadata(
         self, batch: InputBatch, kv_group: int, num_actual_tokens: int | None = None, uniform_decode: bool = False
@@ -371,34 +382,48 @@ class ModelRunner:
         """Layer name -> attention metadata (of `attn_groups`, default all), and layer name -> slot
         mapping, for one step."""
         commons = [
-            self.common_attn_metadata(batch, g, num_actual_tokens, uniform_decode)
-            for g in range(len(self.block_tables))
+            self.common_attn_metadata(batch, g, num_actual_tokens, uniform_decode) for g in range(len(self.block_sizes))
         ]
         attn_metadata = build_attn_metadata(attn_groups or self.attn_groups, commons, for_cudagraph_capture)
         slot_mapping = {name: batch.slot_mappings[g] for name, g in self.layer_kv_group.items()}
         return attn_metadata, slot_mapping
 
+    def prepare_inputs(
+        self,
+        scheduled: list[ScheduledTokens],
+        previous: SampledTokens | None = None,
+        freed_req_ids: list[str] | tuple[str, ...] = (),
+    ) -> InputBatch:
+        """The rows brought up to date, then the step's unpadded inputs gathered from them."""
+        schedule = self.update_states(scheduled, previous, freed_req_ids)
+        return prepare_inputs(self.states, schedule, self.buffers, self.block_sizes)
+
     @torch.inference_mode()
-    def execute_model(self, scheduled: list[ScheduledTokens], previous: SampledTokens | None = None) -> StepResult:
+    def execute_model(
+        self,
+        scheduled: list[ScheduledTokens],
+        previous: SampledTokens | None = None,
+        freed_req_ids: list[str] | tuple[str, ...] = (),
+    ) -> StepResult:
         """Run the model on the scheduled tokens; return logits of the requests that sample (with
-        drafts: one row per draft and one after them). Placeholder tokens (async scheduling) take
-        their ids from `previous`, and draft placeholders from the draft model, on the device."""
-        host = HostBatch.from_scheduled(scheduled, len(self.block_tables))
-        drafts = None
-        if self.drafter is not None and self.drafter.needs_proposals(host):
-            drafts = self.drafter.propose(host, self._draft_forward)
-        num_tokens = len(host.token_ids)
+        drafts: one row per draft and one after them). The rows of `freed_req_ids` are given back
+        first. Placeholder tokens (async scheduling) take their ids from `previous`, and draft
+        placeholders from the draft model, on the device."""
+        schedule = self.update_states(scheduled, previous, freed_req_ids)
+        if self.drafter is not None and any(
+            s.num_draft_tokens and s.token_ids[-1] == PLACEHOLDER_TOKEN_ID for s in scheduled
+        ):
+            self.drafter.propose(self.states, schedule, self._draft_forward)
+        num_tokens = schedule.num_tokens
         # Uniform decode: every request runs its last token and all k drafts (1 + k query tokens).
-        uniform_decode = set(host.query_lens) == {self.uniform_decode_query_len}
+        uniform_decode = bool((schedule.query_lens == self.uniform_decode_query_len).all())
         mode, descriptor = CUDAGraphMode.NONE, BatchDescriptor(num_tokens, uniform_decode)
         if self.dispatcher is not None:
             mode, descriptor = self.dispatcher.dispatch(num_tokens, uniform_decode)
         full = mode is CUDAGraphMode.FULL
         max_num_seqs = self.config.scheduler_config.max_num_seqs
         num_reqs = cudagraph.capture_num_reqs(descriptor, max_num_seqs, self.uniform_decode_query_len) if full else None
-        batch = self.prepare_inputs(scheduled, descriptor.num_tokens, num_reqs, previous, host)
-        if drafts is not None:
-            batch.input_ids[batch.draft_indices] = drafts
+        batch = prepare_inputs(self.states, schedule, self.buffers, self.block_sizes, descriptor.num_tokens, num_reqs)
         # Built in FULL steps too: builders rewrite their persistent buffers (graphs read those).
         attn_metadata, slot_mapping = self._build_metadata(batch, descriptor.num_tokens if full else num_tokens)
         if full:
@@ -419,15 +444,16 @@ class ModelRunner:
         if self.drafter is not None:  # the draft model's KV cache catches up on the step's tokens
             with set_forward_context(attn_metadata, self.config, slot_mapping=slot_mapping):
                 self.drafter.model(batch.input_ids, batch.positions)
-        draft_token_ids = batch.input_ids[batch.draft_indices] if host.draft_indices else None
-        return StepResult(batch, attn_metadata, slot_mapping, descriptor, logits, mode, draft_token_ids)
+        draft_token_ids = batch.input_ids[batch.draft_indices] if schedule.num_draft_tokens.any() else None
+        samples = schedule.samples  # a request's 1 + k logits rows all read its row
+        rows = np.repeat(schedule.rows[samples], 1 + schedule.num_draft_tokens[samples])
+        sampling = self.states.sampling_metadata(rows, batch.positions[batch.logits_indices] + 1)
+        return StepResult(batch, attn_metadata, slot_mapping, descriptor, logits, mode, draft_token_ids, sampling)
 
-    def _draft_forward(self, host: HostBatch, input_ids: torch.Tensor | None) -> torch.Tensor:
+    def _draft_forward(self, schedule: StepSchedule) -> torch.Tensor:
         """One forward of the draft model over a small batch of its own (pagedkv/worker/draft_model.py)."""
         assert self.drafter is not None
-        batch = self._stage_batch(host)
-        if input_ids is not None:
-            batch.input_ids.copy_(input_ids)
+        batch = prepare_inputs(self.states, schedule, self.buffers, self.block_sizes)
         attn_metadata, slot_mapping = self._build_metadata(batch, batch.num_tokens, attn_groups=self.draft_attn_groups)
         with set_forward_context(attn_metadata, self.config, slot_mapping=slot_mapping):
             hidden = self.drafter.model(batch.input_ids, batch.positions)

@@ -313,7 +313,12 @@ class TensorParallelExecutor:
         if lost:
             raise EngineDeadError(f"Tensor-parallel start-up failed: {lost}.")
 
-    def execute_model(self, scheduled: list[ScheduledTokens], previous: SampledTokens | None = None) -> StepResult:
+    def execute_model(
+        self,
+        scheduled: list[ScheduledTokens],
+        previous: SampledTokens | None = None,
+        freed_req_ids: list[str] | tuple[str, ...] = (),
+    ) -> StepResult:
         """Run one step on every rank. The ranks get plain values from the driver, so placeholder
         tokens (async scheduling) are filled in here on the host: the driver waits for the last
         step's samples, and async scheduling overlaps nothing under tensor parallelism (vLLM
@@ -333,8 +338,8 @@ class TensorParallelExecutor:
         # and the engine runs the step again).
         with deferred_interrupts(), tensor_parallel(self.group):
             try:
-                broadcast_object(self.group, (scheduled,))
-                return self.runner.execute_model(scheduled)
+                broadcast_object(self.group, (scheduled, None, freed_req_ids))
+                return self.runner.execute_model(scheduled, None, freed_req_ids)
             except Exception as error:
                 self._fail(error)
 

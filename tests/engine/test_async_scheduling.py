@@ -80,8 +80,8 @@ def launches(llm: LLM) -> list:
     seen = []
     execute = llm.runner.execute_model
 
-    def recording(scheduled, previous=None):
-        result = execute(scheduled, previous)
+    def recording(scheduled, previous=None, freed_req_ids=()):
+        result = execute(scheduled, previous, freed_req_ids)
         seen.append((scheduled, result.batch.input_ids.clone()))
         return result
 

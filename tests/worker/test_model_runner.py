@@ -20,7 +20,7 @@ from pagedkv.kv_cache.spec import get_kv_cache_config
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.loader import PRESETS
 from pagedkv.worker.attn_utils import init_attn_groups, select_kernel_block_size
-from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, HostBatch, ScheduledTokens
+from pagedkv.worker.input_batch import ScheduledTokens
 from pagedkv.worker.memory import CPU_DEFAULT_KV_CACHE_BYTES
 from pagedkv.worker.model_runner import ModelRunner
 from tests.conftest import needs_triton_on_cpu
@@ -308,33 +308,6 @@ def test_layers_share_one_rope_table_per_model() -> None:
     assert rope_a is not rope_b and rope_a.cos_sin_cache.dtype == torch.float32
 
 
-def test_host_batch_packs_scheduled_tokens_with_their_block_ids() -> None:
-    """input_batch.py's example: decodes A (5 cached) and B (2 cached), then C's prefill chunk of 3
-    (not its last: nothing sampled); B's token is a placeholder. Block rows come with each request."""
-    scheduled = [
-        ScheduledTokens("A", [7], 5, True, [[3, 8]]),
-        ScheduledTokens("B", [PLACEHOLDER_TOKEN_ID], 2, True, [[2]]),
-        ScheduledTokens("C", [4, 5, 6], 0, False, [[5]]),
-    ]
-    host = HostBatch.from_scheduled(scheduled, 1)
-    assert (host.token_ids, host.positions) == ([7, PLACEHOLDER_TOKEN_ID, 4, 5, 6], [5, 2, 0, 1, 2])
-    assert (host.query_lens, host.seq_lens) == ([1, 1, 3], [6, 3, 3])
-    assert host.block_ids == [[[3, 8], [2], [5]]]  # per KV cache group, per request
-    assert (host.logits_indices, host.sampling_req_ids) == ([0, 1], ["A", "B"])
-    assert host.placeholders == [(1, "B")] and host.writes_kv_cache
-    with pytest.raises(ValueError, match=r"Request 'C' brings block ids for 1 KV cache groups, but the runner has 2"):
-        HostBatch.from_scheduled(
-            [ScheduledTokens("A", [7], 5, True, [[3, 8], [1]]), ScheduledTokens("C", [4], 0, True, [[5]])], 2
-        )
-
-
-def test_capture_batch_has_its_own_seq_lens_list() -> None:
-    """for_capture's seq_lens equal its query_lens but are a separate list, not the same object."""
-    query_lens = [1, 2]
-    host = HostBatch.for_capture(query_lens, 2)
-    assert host.seq_lens == host.query_lens == [1, 2] and host.seq_lens is not host.query_lens
-
-
 def test_the_scheduler_sends_each_requests_block_rows() -> None:
     """Block ids travel inside ScheduledTokens: the rows the KV cache manager holds at planning time."""
     llm = LLM("tiny", num_kv_blocks=32, block_size=4, enable_prefix_caching=False)
@@ -367,11 +340,11 @@ def test_causal_is_set_per_kv_cache_group_from_its_layers_attention_type() -> No
     assert [runner.common_attn_metadata(batch, g).causal for g in range(2)] == [False, True]
 
     runner.attn_layers[min(group0)].attn_type = AttentionType.DECODER
-    kv_caches, block_tables = runner.kv_caches, runner.block_tables
+    kv_caches, states = runner.kv_caches, runner.states
     with pytest.raises(ValueError, match=r"KV cache group 0 mixes attention types \['decoder', 'encoder_only'\]"):
         runner.initialize_kv_cache(runner.kv_cache_config)
     # Refused before anything is allocated: the runner keeps what it had.
-    assert runner.kv_caches is kv_caches and runner.block_tables is block_tables
+    assert runner.kv_caches is kv_caches and runner.states is states
     assert runner.kv_group_causal == [False, True]
 
 

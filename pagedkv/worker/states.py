@@ -1,0 +1,213 @@
+"""Persistent request state: each running request owns a row of device tensors until it ends.
+
+Model Runner V2 keeps what it knows of a request apart from any one step's inputs
+(vllm/v1/worker/gpu/states.py, vllm/v1/worker/gpu/block_table.py): a request gets a row when it is
+admitted and gives it back when it finishes or is preempted. A step then only says which rows run
+and how many tokens each; its inputs are gathered from the rows on the device
+(pagedkv/worker/prepare_inputs.py).
+
+    row r    token_ids[r, p]         token at position p: prompt, outputs, drafts
+             block_tables[g][r, c]   per KV cache group, its c-th physical block (0 = the null block)
+             sampling[:, r]          temperature, top-k, top-p, min-p (+ seeds[r]): device copies the
+                                     sampler gathers, host copies for its summaries
+    row R    (one past the last)     all zeros, never owned: what a graph's padding requests read
+
+What the host learns between steps (a prompt chunk, a block, an n-gram draft) is staged as (flat
+index, value) pairs and applied with one copy and one scatter per tensor (`StagedWrites`, after
+MRV2's `StagedWriteTensor`, vllm/v1/worker/gpu/buffer_utils.py). Tokens sampled on the device are
+scattered into their rows on the device (`write_sampled`): under async scheduling they never pass
+through the host on their way to the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedkv.worker.sampling_metadata import SamplingMetadata
+
+
+@dataclass(frozen=True)
+class RowSamplingParams:
+    """A request's sampling parameters as plain values: what its row holds (the worker layer does
+    not know the engine's SamplingParams)."""
+
+    temperature: float = 0.0
+    """0.0: greedy (the engine stores 0.0 for any temperature it samples greedily)."""
+    top_k: int = 0
+    """0: no top-k (the engine stores 0 for a top-k of the vocabulary or more)."""
+    top_p: float = 1.0
+    """1.0: no top-p."""
+    min_p: float = 0.0
+    """0.0: no min-p."""
+    seed: int = 0
+    """The key of the request's noise, an int64 (an unseeded request's comes from the engine seed)."""
+    num_logprobs: int = -1
+    """-1: no logprobs; N: the N most likely tokens' logprobs of each sampled row."""
+
+
+def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device without waiting for the GPU: copied from pinned memory (torch's
+    caching host allocator makes pinning cheap after the first steps)."""
+    tensor = torch.from_numpy(values)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+class StagedWrites:
+    """(flat index, value) pairs for one tensor, gathered on the host, applied in one go."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        self.target = target
+        self._dtype = torch.empty(0, dtype=target.dtype).numpy().dtype
+        # Python lists: most stagings are a token or a block, where a numpy array each costs more.
+        self._index: list[int] = []
+        self._values: list[int | float] = []
+
+    def stage(self, start: int, values: list[int] | list[float]) -> None:
+        """Write `values` at flat positions start, start + 1, ... of the target."""
+        self._index.extend(range(start, start + len(values)))
+        self._values.extend(values)
+
+    def discard(self) -> None:
+        self._index, self._values = [], []
+
+    def apply(self) -> None:
+        """One copy of the indices and one of the values, one scatter."""
+        if not self._index:
+            return
+        index, values = np.array(self._index, dtype=np.int64), np.array(self._values, dtype=self._dtype)
+        self.discard()
+        device = self.target.device
+        self.target.view(-1).index_copy_(0, to_device(index, device), to_device(values, device))
+
+
+class RequestStates:
+    """Every request the runner holds, one row each, on the device; the host keeps only what the
+    next diff needs (each row's block ids) and the sampling parameters' host copies."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks: list[int], device: torch.device) -> None:
+        rows = max_num_reqs + 1
+        self.padding_row = max_num_reqs
+        """The row padding requests read: zeros everywhere, never owned."""
+        self.token_ids = torch.zeros(rows, max_model_len, dtype=torch.int32, device=device)
+        self.block_tables = [torch.zeros(rows, width, dtype=torch.int32, device=device) for width in max_blocks]
+        self.sampling = torch.zeros(4, rows, dtype=torch.float32, device=device)
+        """Per row: temperature, top-k, top-p, min-p (top-k < 2**24, exact in float32)."""
+        self.seeds = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.sampling_host = np.zeros((4, rows), dtype=np.float32)
+        self.num_logprobs = np.full(rows, -1, dtype=np.int64)
+        self.row_of: dict[str, int] = {}
+        """Request id -> its row."""
+        self._free = list(range(max_num_reqs - 1, -1, -1))  # popped from the end: row 0 first
+        self._block_ids: list[list[list[int]]] = [[[] for _ in range(rows)] for _ in max_blocks]
+        """Per group and row, the block ids its device row holds: what the next diff compares to."""
+        self._token_writes = StagedWrites(self.token_ids)
+        self._block_writes = [StagedWrites(t) for t in self.block_tables]
+        self._sampling_writes = StagedWrites(self.sampling)
+        self._seed_writes = StagedWrites(self.seeds)
+        self._writes = [self._token_writes, *self._block_writes, self._sampling_writes, self._seed_writes]
+        self._pending_rows: list[tuple[int, int, list[int]]] = []
+        """(group, row, block ids) staged: the host copy of the row once `apply` has run."""
+        self.block_columns = [0] * len(max_blocks)
+        """Per group, the columns any row has used: a step gathers only these."""
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_of)
+
+    def remove(self, req_ids: list[str]) -> None:
+        """Give the rows of these requests back (finished, aborted or preempted; unknown ids pass)."""
+        for req_id in req_ids:
+            row = self.row_of.pop(req_id, None)
+            if row is not None:
+                self._free.append(row)
+
+    def add(self, req_id: str, params: RowSamplingParams) -> int:
+        """A row for a request seen for the first time: its sampling parameters staged, no blocks."""
+        if not self._free:
+            raise RuntimeError(
+                f"No free request row for {req_id!r}: all {len(self.row_of)} are held "
+                "(a finished request's row was not given back: an engine bug)."
+            )
+        row = self._free.pop()
+        self.row_of[req_id] = row
+        values = (params.temperature, params.top_k, params.top_p, params.min_p)
+        self.sampling_host[:, row] = values
+        self.num_logprobs[row] = params.num_logprobs
+        rows = self.sampling.shape[1]
+        for i, value in enumerate(values):
+            self._sampling_writes.stage(i * rows + row, [value])
+        self._seed_writes.stage(row, [params.seed])
+        for group in self._block_ids:
+            group[row] = []
+        return row
+
+    def stage_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
+        """Known token ids at positions start, start + 1, ... of the row."""
+        self._token_writes.stage(row * self.token_ids.shape[1] + start, token_ids)
+
+    def stage_blocks(self, row: int, block_ids: list[list[int]]) -> None:
+        """The row's block ids per KV cache group as the KV cache manager holds them now: only what
+        changed is staged (blocks appended; a tail given back and refilled; a sliding window's freed
+        front, now the null block). Usually nothing: one list compare, in C."""
+        for g, (ids, held) in enumerate(zip(block_ids, self._block_ids)):
+            old = held[row]
+            if ids == old:
+                continue
+            width = self.block_tables[g].shape[1]
+            if len(ids) > width:
+                raise ValueError(f"A request holds {len(ids)} blocks; the block table has room for {width}.")
+            first = 0
+            while first < min(len(ids), len(old)) and ids[first] == old[first]:
+                first += 1
+            # Past the new end, zeros (the null block) where the old row was longer.
+            self._block_writes[g].stage(row * width + first, [*ids[first:], *[0] * (len(old) - len(ids))])
+            self._pending_rows.append((g, row, list(ids)))
+
+    def apply(self) -> None:
+        """Everything staged since the last call, on the device; the host's copies of the rows follow."""
+        for writes in self._writes:
+            writes.apply()
+        for g, row, ids in self._pending_rows:
+            self._block_ids[g][row] = ids
+            self.block_columns[g] = max(self.block_columns[g], len(ids))
+        self._pending_rows = []
+
+    def discard(self) -> None:
+        """Forget everything staged since the last `apply` (a step that failed while staging)."""
+        for writes in self._writes:
+            writes.discard()
+        self._pending_rows = []
+
+    def write_sampled(self, rows: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Tokens made on the device (sampled, drafted) into their rows at their positions."""
+        self.token_ids[rows, positions] = token_ids.to(self.token_ids.dtype)
+
+    def sampling_metadata(self, rows: np.ndarray, positions: torch.Tensor) -> SamplingMetadata:
+        """The sampler's inputs for logits rows of these request rows (a request's 1 + k rows under
+        speculative decoding repeat its row), `positions` the token each draws: gathered on the
+        device; the summaries from the host copies, so nothing waits for the device."""
+        index = to_device(rows.astype(np.int64), self.seeds.device)
+        gathered = self.sampling[:, index]
+        temperature, top_k, top_p, min_p = self.sampling_host[:, rows]
+        sampled = temperature > 0
+        num_logprobs = self.num_logprobs[rows]
+        return SamplingMetadata(
+            temperature=gathered[0],
+            top_k=gathered[1].long(),
+            top_p=gathered[2],
+            min_p=gathered[3],
+            seeds=self.seeds[index],
+            positions=positions,
+            all_greedy=not sampled.any(),
+            all_random=bool(sampled.all()),
+            max_top_k=int(top_k[sampled].max(initial=0)),
+            all_top_k=bool((top_k[sampled] > 0).all()),
+            any_top_p=bool((top_p[sampled] < 1).any()),
+            any_min_p=bool((min_p[sampled] > 0).any()),
+            max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+        )
