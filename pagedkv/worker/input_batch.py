@@ -46,12 +46,13 @@ PLACEHOLDER_TOKEN_ID = -1
 sampled it on the device, and the runner copies it from there into the step's input ids."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledTokens:
     """One request's part of a step, as the runner needs it: which new tokens, after how many cached.
 
     The engine's scheduler plans steps with its own request objects; the runner (a lower layer,
-    and on other tensor-parallel ranks another process) gets only these plain values.
+    and on other tensor-parallel ranks another process) gets only these plain values. Made anew for
+    every request every step, and never changed after: not `frozen`, whose __init__ costs ~3x more.
     """
 
     req_id: str

@@ -282,32 +282,30 @@ class ModelRunner:
         (async scheduling) are scattered from `previous` (the last step's samples) on the device.
         All or nothing: a failure gives back the rows it added and drops what it staged."""
         states, num_groups = self.states, len(self.block_sizes)
-        n = len(scheduled)
-        rows, query_lens, num_computed, num_drafts = (np.empty(n, dtype=np.int32) for _ in range(4))
-        samples = np.empty(n, dtype=bool)
+        row_of, width = states.row_of, states.token_ids.shape[1]
+        stage_tokens, stage_blocks = states.token_writes.stage, states.stage_blocks
+        rows: list[int] = []
         waiting: list[tuple[int, int, str]] = []  # (row, position, request) of each placeholder
         added: list[str] = []
         with deferred_interrupts():
             states.remove(freed_req_ids)
             try:
-                for i, s in enumerate(scheduled):
+                for s in scheduled:  # per request a few list operations: this loop is the host's share
                     if len(s.block_ids) != num_groups:
                         raise ValueError(
                             f"Request {s.req_id!r} brings block ids for {len(s.block_ids)} KV cache groups, "
                             f"but the runner has {num_groups}."
                         )
-                    row = states.row_of.get(s.req_id)
+                    row = row_of.get(s.req_id)
                     if row is None:
                         row = states.add(s.req_id, s.sampling)
                         added.append(s.req_id)
-                    ids, start = s.token_ids, s.num_computed_tokens
-                    if PLACEHOLDER_TOKEN_ID not in ids:
-                        states.stage_tokens(row, start, ids)
+                    if PLACEHOLDER_TOKEN_ID not in s.token_ids:
+                        stage_tokens(row * width + s.num_computed_tokens, s.token_ids)
                     else:
                         self._stage_known(row, s, waiting)
-                    states.stage_blocks(row, s.block_ids)
-                    rows[i], query_lens[i], num_computed[i] = row, len(ids), start
-                    num_drafts[i], samples[i] = s.num_draft_tokens, s.samples
+                    stage_blocks(row, s.block_ids)
+                    rows.append(row)
                 states.apply()
                 if waiting:
                     self._fill_placeholders(waiting, previous)
@@ -315,7 +313,14 @@ class ModelRunner:
                 states.discard()
                 states.remove(added)
                 raise
-        return StepSchedule([s.req_id for s in scheduled], rows, query_lens, num_computed, num_drafts, samples)
+        return StepSchedule(
+            [s.req_id for s in scheduled],
+            np.array(rows, dtype=np.int32),
+            np.array([len(s.token_ids) for s in scheduled], dtype=np.int32),
+            np.array([s.num_computed_tokens for s in scheduled], dtype=np.int32),
+            np.array([s.num_draft_tokens for s in scheduled], dtype=np.int32),
+            np.array([s.samples for s in scheduled], dtype=bool),
+        )
 
     def _stage_known(self, row: int, s: ScheduledTokens, waiting: list[tuple[int, int, str]]) -> None:
         """Stage the known ids of a token list that holds placeholders, run by run, and note where

@@ -105,11 +105,12 @@ class RequestStates:
         self._free = list(range(max_num_reqs - 1, -1, -1))  # popped from the end: row 0 first
         self._block_ids: list[list[list[int]]] = [[[] for _ in range(rows)] for _ in max_blocks]
         """Per group and row, the block ids its device row holds: what the next diff compares to."""
-        self._token_writes = StagedWrites(self.token_ids)
+        self.token_writes = StagedWrites(self.token_ids)
+        """Token ids at flat positions row * max_model_len + position."""
         self._block_writes = [StagedWrites(t) for t in self.block_tables]
         self._sampling_writes = StagedWrites(self.sampling)
         self._seed_writes = StagedWrites(self.seeds)
-        self._writes = [self._token_writes, *self._block_writes, self._sampling_writes, self._seed_writes]
+        self._writes = [self.token_writes, *self._block_writes, self._sampling_writes, self._seed_writes]
         self._pending_rows: list[tuple[int, int, list[int]]] = []
         """(group, row, block ids) staged: the host copy of the row once `apply` has run."""
         self.block_columns = [0] * len(max_blocks)
@@ -148,7 +149,7 @@ class RequestStates:
 
     def stage_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
         """Known token ids at positions start, start + 1, ... of the row."""
-        self._token_writes.stage(row * self.token_ids.shape[1] + start, token_ids)
+        self.token_writes.stage(row * self.token_ids.shape[1] + start, token_ids)
 
     def stage_blocks(self, row: int, block_ids: list[list[int]]) -> None:
         """The row's block ids per KV cache group as the KV cache manager holds them now: only what
