@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -143,3 +144,17 @@ def write_hf_deepseek(path: Path, *, version: int = 2, seed: int = 0, **override
 @pytest.fixture
 def hf_llama_dir(tmp_path: Path) -> Path:
     return write_hf_llama(tmp_path / "llama")
+
+
+def step_through_interrupts(llm: Any) -> tuple[dict[str, list[int]], int]:
+    """Step until done, calling step() again after each KeyboardInterrupt: each request's final
+    tokens, and how many interrupts there were."""
+    final, interrupts = {}, 0
+    while llm.has_unfinished_requests():
+        try:
+            outputs = llm.step()
+        except KeyboardInterrupt:
+            interrupts += 1
+            continue
+        final.update({out.request_id: out.outputs[0].token_ids for out in outputs if out.finished})
+    return final, interrupts

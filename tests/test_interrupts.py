@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from pagedkv import LLM, SamplingParams
+from tests.conftest import step_through_interrupts
 from tests.engine.test_engine_api import assert_idle, nan_logits_for
 
 # Prompts sharing a 12-token prefix (3 blocks of 4): a rerun looks them up in the prefix cache.
@@ -147,14 +148,7 @@ def test_step_interrupted_then_called_again_finishes_with_the_uninterrupted_toke
 ) -> None:
     """The interrupted step is undone and planned again: the run goes on as if never stopped."""
     llm, params, ids = interrupted_requests(point, at, config)
-    final, interrupts = {}, 0
-    while llm.has_unfinished_requests():
-        try:
-            outputs = llm.step()
-        except KeyboardInterrupt:
-            interrupts += 1
-            continue
-        final.update({out.request_id: out.outputs[0].token_ids for out in outputs if out.finished})
+    final, interrupts = step_through_interrupts(llm)
     assert interrupts == 1 and [final[i] for i in ids] == expected[config]
     assert_idle(llm)
     assert tokens(llm.generate(PROMPTS, params)) == expected[config]

@@ -25,6 +25,15 @@ BLOCK = 128
 
 
 @triton.jit
+def _request_span(i, rows_ptr, query_start_loc_ptr, seq_lens_ptr):
+    """Request i's row, its first and one-past-last packed token, and its tokens already cached."""
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    start = tl.load(query_start_loc_ptr + i)
+    end = tl.load(query_start_loc_ptr + i + 1)
+    return row, start, end, tl.load(seq_lens_ptr + i) - (end - start)
+
+
+@triton.jit
 def _prepare_inputs_kernel(
     rows_ptr,
     query_start_loc_ptr,
@@ -35,11 +44,7 @@ def _prepare_inputs_kernel(
     positions_ptr,
     BLOCK: tl.constexpr,
 ):
-    i = tl.program_id(0)
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    start = tl.load(query_start_loc_ptr + i)
-    end = tl.load(query_start_loc_ptr + i + 1)
-    num_computed = tl.load(seq_lens_ptr + i) - (end - start)
+    row, start, end, num_computed = _request_span(tl.program_id(0), rows_ptr, query_start_loc_ptr, seq_lens_ptr)
     for first in range(start, end, BLOCK):
         t = first + tl.arange(0, BLOCK)
         mask = t < end
@@ -60,11 +65,7 @@ def _slot_mapping_kernel(
     block_size,
     BLOCK: tl.constexpr,
 ):
-    i = tl.program_id(0)
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    start = tl.load(query_start_loc_ptr + i)
-    end = tl.load(query_start_loc_ptr + i + 1)
-    num_computed = tl.load(seq_lens_ptr + i) - (end - start)
+    row, start, end, num_computed = _request_span(tl.program_id(0), rows_ptr, query_start_loc_ptr, seq_lens_ptr)
     for first in range(start, end, BLOCK):
         t = first + tl.arange(0, BLOCK)
         mask = t < end

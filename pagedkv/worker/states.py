@@ -143,8 +143,8 @@ class RequestStates:
         for i, value in enumerate(values):
             self._sampling_writes.stage(i * rows + row, [value])
         self._seed_writes.stage(row, [params.seed])
-        for group in self._block_ids:
-            group[row] = []
+        # Its block rows keep the last owner's ids, on the device and in `_block_ids` alike: the
+        # first `stage_blocks` overwrites what differs and zeroes the rest (unused entries stay 0).
         return row
 
     def stage_tokens(self, row: int, start: int, token_ids: list[int]) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from pagedkv import LLM, SamplingParams
+from tests.conftest import step_through_interrupts
 
 # Prompts that repeat phrases (prompt lookup finds drafts) and one that does not.
 PROMPTS = [
@@ -101,14 +102,7 @@ def test_after_an_interrupted_step(where: str, alone: list[list[int]]) -> None:
 
     setattr(owner, name, interrupted)
     ids = [llm.add_request(p, s) for p, s in zip(PROMPTS, SEEDED)]
-    final, interrupts = {}, 0
-    while llm.has_unfinished_requests():
-        try:
-            outputs = llm.step()
-        except KeyboardInterrupt:
-            interrupts += 1
-            continue
-        final.update({o.request_id: o.outputs[0].token_ids for o in outputs if o.finished})
+    final, interrupts = step_through_interrupts(llm)
     assert interrupts == 1 and [final[i] for i in ids] == alone
 
 

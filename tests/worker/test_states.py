@@ -68,6 +68,12 @@ def test_block_rows_are_staged_by_what_changed() -> None:
         states.apply()
         assert states.block_tables[0][row].tolist() == ids + [0] * (6 - len(ids)), ids
     assert states.block_tables[0][states.padding_row].tolist() == [0] * 6
+    # The row's next owner: its first blocks overwrite the last owner's, the rest are zeroed.
+    states.remove(["r"])
+    assert states.add("s", RowSamplingParams()) == row
+    states.stage_blocks(row, [[5]])
+    states.apply()
+    assert states.block_tables[0][row].tolist() == [5, 0, 0, 0, 0, 0]
 
 
 def test_a_step_that_fails_while_staging_changes_no_row() -> None:
