@@ -129,8 +129,9 @@ class ModelRunner:
         """Per KV cache group, its block size (slot = block * block_size + offset)."""
         self.states: RequestStates
         """Every running request's row: tokens, block tables, sampling parameters (pagedkv/worker/states.py)."""
-        self.buffers: StepBuffers
-        """The step inputs' persistent tensors (CUDA graphs read them)."""
+        self.buffers: StepBuffers | None = None
+        """The step inputs' persistent tensors, once graphs are captured (they read them there); eager
+        steps get fresh tensors, so a recorded step (a kept ForwardContext) keeps its own values."""
 
     # ---- start-up -------------------------------------------------------------------
 
@@ -177,7 +178,6 @@ class ModelRunner:
         sched = self.config.scheduler_config
         widths = [max_blocks_per_request(self.config)] * len(kv_cache_config.kv_cache_groups)
         states = RequestStates(sched.max_num_seqs, self.config.model_config.max_model_len, widths, self.device)
-        buffers = StepBuffers.allocate(sched.max_num_batched_tokens, sched.max_num_seqs, widths, self.device)
         self.kv_cache_config = kv_cache_config
         self.attn_groups = attn_groups
         # The draft model's proposal forwards build only its own groups' metadata.
@@ -189,7 +189,7 @@ class ModelRunner:
         self.layer_kv_group = layer_kv_groups(attn_groups)
         self.kv_group_causal = group_causal
         self.block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
-        self.states, self.buffers = states, buffers
+        self.states = states
 
     # ---- CUDA graphs ----------------------------------------------------------------
 
@@ -214,6 +214,8 @@ class ModelRunner:
             self.uniform_decode_query_len,
             sched.max_num_batched_tokens,
         )
+        widths = [table.shape[1] for table in self.states.block_tables]
+        self.buffers = StepBuffers.allocate(sched.max_num_batched_tokens, sched.max_num_seqs, widths, self.device)
         if mode.has_full_cudagraphs():
             self.full_graph = cudagraph.CUDAGraphWrapper(self.model, CUDAGraphMode.FULL, self.graph_memory, "model")
         captures = dispatcher.captures()
@@ -247,6 +249,7 @@ class ModelRunner:
         max_num_seqs = self.config.scheduler_config.max_num_seqs
         query_lens = cudagraph.capture_query_lens(descriptor, max_num_seqs, self.uniform_decode_query_len)
         schedule = StepSchedule.for_capture(query_lens, self.states.padding_row)
+        assert self.buffers is not None
         batch = prepare_inputs(self.states, schedule, self.buffers, self.block_sizes, descriptor.num_tokens)
         full = runtime_mode is CUDAGraphMode.FULL
         metadata, slot_mapping = self._build_metadata(

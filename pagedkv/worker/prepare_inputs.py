@@ -123,17 +123,21 @@ class StepBuffers:
 def prepare_inputs(
     states: RequestStates,
     schedule: StepSchedule,
-    buffers: StepBuffers,
+    buffers: StepBuffers | None,
     block_sizes: list[int],
     num_padded_tokens: int | None = None,
     num_padded_reqs: int | None = None,
     use_kernels: bool | None = None,
 ) -> InputBatch:
-    """The step's InputBatch in the first rows of `buffers`, padded for a graph when asked. Token
-    ids, positions and slots come from Triton kernels (`use_kernels`, default: on CUDA) or torch ops."""
-    device = buffers.input_ids.device
+    """The step's InputBatch in the first rows of `buffers` (the persistent ones CUDA graphs read),
+    padded for a graph when asked; without them, in fresh tensors of the step's size. Token ids,
+    positions and slots come from Triton kernels (`use_kernels`, default: on CUDA) or torch ops."""
     n, num_tokens = len(schedule.req_ids), schedule.num_tokens
     n_pad, t_pad = num_padded_reqs or n, num_padded_tokens or num_tokens
+    if buffers is None:
+        widths = [table.shape[1] for table in states.block_tables]
+        buffers = StepBuffers.allocate(t_pad, n_pad, widths, states.token_ids.device)
+    device = buffers.input_ids.device
     qsl_cpu = np.full(n_pad + 1, num_tokens, dtype=np.int32)
     qsl_cpu[0] = 0
     np.cumsum(schedule.query_lens, out=qsl_cpu[1 : n + 1])

@@ -145,7 +145,7 @@ def test_the_triton_kernels_gather_what_the_torch_ops_gather() -> None:
         np.zeros(4, dtype=np.int32),
         np.array([True, True, False, True]),
     )
-    with torch.inference_mode():  # one set of buffers: each result is copied before the next call
+    with torch.inference_mode():  # results copied before the next call (with graphs, one set of buffers)
         args = (runner.states, schedule, runner.buffers, runner.block_sizes, 320, 6)
         got = prepare_inputs(*args, use_kernels=True)
         with_kernels = (got.input_ids.clone(), got.positions.clone(), got.slot_mappings[0].clone())
@@ -156,3 +156,20 @@ def test_the_triton_kernels_gather_what_the_torch_ops_gather() -> None:
     assert plain[1][2:5].tolist() == [100, 101, 102] and plain[2][304:].tolist() == [-1] * 16
     row3 = runner.states.token_ids[3]
     assert plain[0][2:302].tolist() == row3[100:400].tolist()
+
+
+def test_an_eager_step_keeps_its_own_inputs() -> None:
+    """Without CUDA graphs every step gets fresh input tensors: a step kept by a listener (a
+    ForwardContext, a StepEvent) still holds its own values after later steps (notebook 03 prints
+    them after the run)."""
+    llm = LLM("tiny", block_size=4, num_kv_blocks=32, **CPU)
+    kept: list[tuple] = []
+    llm.add_step_listener(
+        lambda e: kept.append(
+            (e.result.batch, e.result.batch.slot_mappings[0].clone(), e.result.batch.input_ids.clone())
+        )
+    )
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(kept) == 4
+    for batch, slots, ids in kept:
+        assert torch.equal(batch.slot_mappings[0], slots) and torch.equal(batch.input_ids, ids)
