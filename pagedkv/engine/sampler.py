@@ -242,6 +242,10 @@ def inverse_cdf_chunked(weights: torch.Tensor, u: torch.Tensor, invariant: bool)
     return chunk * CHUNK + column
 
 
+CPU_BLOCK_ELEMENTS = 16 * 151_936
+"""Logits per block of whole-vocabulary rows on the CPU (9.7 MB of float32): the heap reuses it."""
+
+
 class Sampler:
     """Greedy, or temperature + min-p + top-k + top-p sampling, batched and stateless: each random row
     draws by the inverse CDF of its distribution at a uniform hashed from its seed and position.
@@ -321,7 +325,11 @@ class Sampler:
         rows = logits.shape[0]
         if logits.device.type != "cpu" and not self.batch_invariant:
             return self._whole_vocabulary_block(logits, row_max, meta, temperature, u, slice(None))
+        # Invariant: always ROWS. Otherwise blocks of about CPU_BLOCK_ELEMENTS (16 rows of Qwen's vocabulary;
+        # a small vocabulary's rows all in one block, where more blocks would only add calls).
         size = batch_invariant.ROWS
+        if not self.batch_invariant:
+            size = max(size, CPU_BLOCK_ELEMENTS // logits.shape[1])
         columns = []
         for start in range(0, rows, size):
             block = slice(start, min(start + size, rows))
