@@ -13,8 +13,9 @@ and how many tokens each; its inputs are gathered from the rows on the device
     row R    (one past the last)     all zeros, never owned: what a graph's padding requests read
 
 What the host learns between steps (a prompt chunk, a block, an n-gram draft) is staged as (flat
-index, value) pairs and applied with one copy and one scatter per tensor (`StagedWrites`, after
-MRV2's `StagedWriteTensor`, vllm/v1/worker/gpu/buffer_utils.py). Tokens sampled on the device are
+index, value) pairs (`StagedWrites`, after MRV2's `StagedWriteTensor`,
+vllm/v1/worker/gpu/buffer_utils.py), packed into one array, copied once, and scattered on the device,
+one scatter per tensor (`RequestStates.apply`). Tokens sampled on the device are
 scattered into their rows on the device (`write_sampled`): under async scheduling they never pass
 through the host on their way to the next step.
 """
@@ -58,31 +59,21 @@ def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class StagedWrites:
-    """(flat index, value) pairs for one tensor, gathered on the host, applied in one go."""
+    """(flat index, value) pairs for one tensor, gathered on the host until `RequestStates.apply`."""
 
     def __init__(self, target: torch.Tensor) -> None:
         self.target = target
-        self._dtype = torch.empty(0, dtype=target.dtype).numpy().dtype
         # Python lists: most stagings are a token or a block, where a numpy array each costs more.
-        self._index: list[int] = []
-        self._values: list[int | float] = []
+        self.index: list[int] = []
+        self.values: list[int] = []
 
-    def stage(self, start: int, values: list[int] | list[float]) -> None:
+    def stage(self, start: int, values: list[int]) -> None:
         """Write `values` at flat positions start, start + 1, ... of the target."""
-        self._index.extend(range(start, start + len(values)))
-        self._values.extend(values)
+        self.index.extend(range(start, start + len(values)))
+        self.values.extend(values)
 
     def discard(self) -> None:
-        self._index, self._values = [], []
-
-    def apply(self) -> None:
-        """One copy of the indices and one of the values, one scatter."""
-        if not self._index:
-            return
-        index, values = np.array(self._index, dtype=np.int64), np.array(self._values, dtype=self._dtype)
-        self.discard()
-        device = self.target.device
-        self.target.view(-1).index_copy_(0, to_device(index, device), to_device(values, device))
+        self.index, self.values = [], []
 
 
 class RequestStates:
@@ -108,17 +99,14 @@ class RequestStates:
         self.token_writes = StagedWrites(self.token_ids)
         """Token ids at flat positions row * max_model_len + position."""
         self._block_writes = [StagedWrites(t) for t in self.block_tables]
-        self._sampling_writes = StagedWrites(self.sampling)
         self._seed_writes = StagedWrites(self.seeds)
-        self._writes = [self.token_writes, *self._block_writes, self._sampling_writes, self._seed_writes]
+        self._writes = [self.token_writes, *self._block_writes, self._seed_writes]
+        self._admitted: list[int] = []
+        """Rows added since the last `apply`: their sampling parameters go over with it."""
         self._pending_rows: list[tuple[int, int, list[int]]] = []
         """(group, row, block ids) staged: the host copy of the row once `apply` has run."""
         self.block_columns = [0] * len(max_blocks)
         """Per group, the columns any row has used: a step gathers only these."""
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.row_of)
 
     def remove(self, req_ids: list[str]) -> None:
         """Give the rows of these requests back (finished, aborted or preempted; unknown ids pass)."""
@@ -136,13 +124,10 @@ class RequestStates:
             )
         row = self._free.pop()
         self.row_of[req_id] = row
-        values = (params.temperature, params.top_k, params.top_p, params.min_p)
-        self.sampling_host[:, row] = values
+        self.sampling_host[:, row] = (params.temperature, params.top_k, params.top_p, params.min_p)
         self.num_logprobs[row] = params.num_logprobs
-        rows = self.sampling.shape[1]
-        for i, value in enumerate(values):
-            self._sampling_writes.stage(i * rows + row, [value])
         self._seed_writes.stage(row, [params.seed])
+        self._admitted.append(row)
         # Its block rows keep the last owner's ids, on the device and in `_block_ids` alike: the
         # first `stage_blocks` overwrites what differs and zeroes the rest (unused entries stay 0).
         return row
@@ -170,9 +155,25 @@ class RequestStates:
             self._pending_rows.append((g, row, list(ids)))
 
     def apply(self) -> None:
-        """Everything staged since the last call, on the device; the host's copies of the rows follow."""
-        for writes in self._writes:
-            writes.apply()
+        """Everything staged since the last call, on the device, in one copy: every tensor's (index,
+        value) pairs packed into one int64 array, then one scatter per tensor; rows admitted since
+        bring their sampling parameters (one more copy). The host's copies of the rows follow."""
+        writes = [w for w in self._writes if w.index]
+        if writes:
+            flat: list[int] = []
+            for w in writes:
+                flat += w.index
+                flat += w.values
+            packed = to_device(np.array(flat, dtype=np.int64), self.token_ids.device)
+            for w, pairs in zip(writes, packed.split([2 * len(w.index) for w in writes])):
+                index, values = pairs.split(len(w.index))
+                w.target.view(-1).index_copy_(0, index, values.to(w.target.dtype))
+                w.discard()
+        if self._admitted:
+            rows = np.array(self._admitted, dtype=np.int64)
+            index = to_device(rows, self.sampling.device)
+            self.sampling[:, index] = to_device(np.ascontiguousarray(self.sampling_host[:, rows]), self.sampling.device)
+            self._admitted = []
         for g, row, ids in self._pending_rows:
             self._block_ids[g][row] = ids
             self.block_columns[g] = max(self.block_columns[g], len(ids))
@@ -182,7 +183,7 @@ class RequestStates:
         """Forget everything staged since the last `apply` (a step that failed while staging)."""
         for writes in self._writes:
             writes.discard()
-        self._pending_rows = []
+        self._pending_rows, self._admitted = [], []
 
     def write_sampled(self, rows: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Tokens made on the device (sampled, drafted) into their rows at their positions."""
