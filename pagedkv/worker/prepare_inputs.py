@@ -161,12 +161,17 @@ def prepare_inputs(
         # Imported here: importing triton must wait for a notebook's TRITON_INTERPRET (kernels/common.py).
         from pagedkv.kernels import prepare_inputs as kernels
 
-        kernels.prepare_inputs(rows_d[:n], qsl_d[: n + 1], seq_lens_d[:n], states.token_ids, input_ids, positions)
-        for g, block_size in enumerate(block_sizes):
-            if schedule.writes_kv_cache:
-                kernels.slot_mapping(
-                    rows_d[:n], qsl_d[: n + 1], seq_lens_d[:n], states.block_tables[g], block_size, slot_mappings[g]
-                )
+        kernels.prepare_inputs(
+            rows_d[:n],
+            qsl_d[: n + 1],
+            seq_lens_d[:n],
+            states.token_ids,
+            input_ids,
+            positions,
+            states.block_tables,
+            block_sizes,
+            slot_mappings if schedule.writes_kv_cache else None,
+        )
     else:
         token_index = torch.arange(num_tokens, device=device)
         request = torch.searchsorted(qsl_d[1 : n + 1], token_index, right=True)

@@ -16,8 +16,8 @@ from tests.conftest import needs_triton_on_cpu
 CPU = dict(device="cpu", attention_backend="TORCH_REF", enable_prefix_caching=False)
 
 
-def tiny_runner(**engine):
-    return LLM("tiny", block_size=4, num_kv_blocks=32, **{**CPU, **engine}).runner
+def tiny_runner(model: str = "tiny", **engine):
+    return LLM(model, block_size=4, num_kv_blocks=32, **{**CPU, **engine}).runner
 
 
 def test_the_step_is_gathered_from_the_rows_as_input_batch_py_draws_it() -> None:
@@ -130,9 +130,10 @@ def test_the_schedule_indexes_its_logits_and_drafts() -> None:
 
 @needs_triton_on_cpu("the prepare-inputs kernels under the interpreter")
 def test_the_triton_kernels_gather_what_the_torch_ops_gather() -> None:
-    """Random rows, prompt chunks longer than a kernel block, decodes, padding for a graph: the two
-    ways of building the step's inputs agree everywhere."""
-    runner = tiny_runner(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512)
+    """Random rows, prompt chunks longer than a kernel block, decodes, padding for a graph, two KV
+    cache groups (tiny-hybrid): the two ways of building the step's inputs agree everywhere."""
+    runner = tiny_runner("tiny-hybrid", max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512)
+    assert len(runner.block_sizes) == 2
     runner.states.token_ids.copy_(torch.randint(0, 100, runner.states.token_ids.shape))
     for g, table in enumerate(runner.states.block_tables):
         table.copy_(torch.randint(1, 32, table.shape))
@@ -148,12 +149,13 @@ def test_the_triton_kernels_gather_what_the_torch_ops_gather() -> None:
     with torch.inference_mode():  # results copied before the next call (with graphs, one set of buffers)
         args = (runner.states, schedule, runner.buffers, runner.block_sizes, 320, 6)
         got = prepare_inputs(*args, use_kernels=True)
-        with_kernels = (got.input_ids.clone(), got.positions.clone(), got.slot_mappings[0].clone())
+        with_kernels = [t.clone() for t in (got.input_ids, got.positions, *got.slot_mappings)]
         got = prepare_inputs(*args, use_kernels=False)
-    plain = (got.input_ids, got.positions, got.slot_mappings[0])
-    for a, b in zip(with_kernels, plain):
+    plain = [got.input_ids, got.positions, *got.slot_mappings]
+    for a, b in zip(with_kernels, plain, strict=True):
         assert torch.equal(a, b)
     assert plain[1][2:5].tolist() == [100, 101, 102] and plain[2][304:].tolist() == [-1] * 16
+    assert not torch.equal(plain[2], plain[3]), "the two groups' tables differ, so must their slots"
     row3 = runner.states.token_ids[3]
     assert plain[0][2:302].tolist() == row3[100:400].tolist()
 
