@@ -44,8 +44,9 @@ import dataclasses
 
 import torch
 
-from pagedkv.engine.sampler import Sampler, SamplerOutput, to_device
+from pagedkv.engine.sampler import Sampler, SamplerOutput
 from pagedkv.worker.sampling_metadata import SamplingMetadata
+from pagedkv.worker.states import to_device
 
 
 class RejectionSampler:

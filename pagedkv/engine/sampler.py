@@ -39,12 +39,13 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedkv import batch_invariant
 from pagedkv.engine.request import SamplingParams
 from pagedkv.worker.sampling_metadata import TARGET_SALT, SamplingMetadata, seed_as_int64, uniform_noise
-from pagedkv.worker.states import RowSamplingParams
+from pagedkv.worker.states import RowSamplingParams, to_device
 
 
 @dataclass
@@ -142,23 +143,15 @@ def sampling_metadata(
     the runner gathers from its request rows in an engine step (`RequestStates.sampling_metadata`),
     for driving a sampler directly (tests, exercises)."""
     rows = [row_sampling_params(p, seed, vocab_size) for p, seed in zip(params, seeds)]
-    sampled = [r for r in rows if r.temperature > 0]
+    host = np.array([(r.temperature, r.top_k, r.top_p, r.min_p) for r in rows], dtype=np.float32).reshape(-1, 4).T
     if not isinstance(positions, torch.Tensor):
         positions = torch.tensor(positions, dtype=torch.int64)
-    return SamplingMetadata(
-        temperature=to_device([r.temperature for r in rows], device, torch.float32),
-        top_k=to_device([r.top_k for r in rows], device, torch.int64),
-        top_p=to_device([r.top_p for r in rows], device, torch.float32),
-        min_p=to_device([r.min_p for r in rows], device, torch.float32),
-        seeds=to_device([r.seed for r in rows], device, torch.int64),
-        positions=positions.to(device, torch.int64, non_blocking=True),
-        all_greedy=not sampled,
-        all_random=len(sampled) == len(rows),
-        max_top_k=max((r.top_k for r in sampled), default=0),
-        all_top_k=all(r.top_k for r in sampled),
-        any_top_p=any(r.top_p < 1.0 for r in sampled),
-        any_min_p=any(r.min_p > 0.0 for r in sampled),
-        max_num_logprobs=max((r.num_logprobs for r in rows if r.num_logprobs >= 0), default=None),
+    return SamplingMetadata.from_rows(
+        to_device(np.ascontiguousarray(host), device),
+        host,
+        np.array([r.num_logprobs for r in rows], dtype=np.int64),
+        to_device([r.seed for r in rows], device, torch.int64),
+        positions.to(device, torch.int64, non_blocking=True),
     )
 
 
@@ -367,11 +360,3 @@ class Sampler:
             drop &= (top_p < 1.0)[:, None]  # a row with top_p 1 drops nothing, not even by a rounding
             z.masked_fill_(drop.scatter(1, order, drop), float("-inf"))
         return inverse_cdf_chunked(z.exp_(), v, self.batch_invariant)[:rows]
-
-
-def to_device(
-    values: list[int] | list[float], device: torch.device | str, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """A host list as a device tensor, copied without waiting: `torch.tensor(values, device=...)`
-    would wait for everything queued on the GPU (the forward just launched) before copying."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

@@ -2,8 +2,9 @@
 
 The host sends the step's schedule: per request (decodes first) its row, its tokens this step and
 how many it has in the KV cache (`StepSchedule`, a few numpy arrays, one copy). Everything else is
-gathered on the device from the rows (vllm/v1/worker/gpu/input_batch.py, prepare_inputs and
-compute_slot_mappings there do it with Triton kernels; here a handful of torch ops):
+gathered on the device from the rows (vllm/v1/worker/gpu/input_batch.py: prepare_inputs and
+compute_slot_mappings; here one Triton kernel on CUDA, pagedkv/kernels/prepare_inputs.py, and a
+handful of torch ops on the CPU):
 
     schedule    rows [3, 0, 7]   query_lens [1, 1, 3]   num_computed [5, 2, 0]
     host        query_start_loc [0, 1, 2, 5]   seq_lens [6, 3, 3]   (the builders read these too)
@@ -34,7 +35,7 @@ class StepSchedule:
 
     req_ids: list[str]
     rows: np.ndarray
-    """[requests] int32: each request's row of the persistent state."""
+    """[requests] int32: each request's row of the persistent state (MRV2's idx_mapping)."""
     query_lens: np.ndarray
     """[requests] int32: its tokens this step (last known token + drafts, or a prompt chunk)."""
     num_computed: np.ndarray

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 TARGET_SALT = 0x3C6EF372FE94F82B
@@ -76,6 +77,36 @@ class SamplingMetadata:
     """Some sampled row has min_p > 0."""
     max_num_logprobs: int | None
     """The most logprobs a row asks for; None when no row asks for any."""
+
+    @classmethod
+    def from_rows(
+        cls,
+        params: torch.Tensor,
+        host_params: np.ndarray,
+        num_logprobs: np.ndarray,
+        seeds: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> SamplingMetadata:
+        """From each row's temperature, top-k, top-p, min-p: `params` [4, rows] on the device (what
+        the sampler reads) and `host_params`, the same on the host (what the summaries are taken
+        from, so nothing waits for the device); `num_logprobs` [rows] on the host, -1 for none."""
+        temperature, top_k, top_p, min_p = host_params
+        sampled = temperature > 0
+        return cls(
+            temperature=params[0],
+            top_k=params[1].long(),
+            top_p=params[2],
+            min_p=params[3],
+            seeds=seeds,
+            positions=positions,
+            all_greedy=not sampled.any(),
+            all_random=bool(sampled.all()),
+            max_top_k=int(top_k[sampled].max(initial=0)),
+            all_top_k=bool((top_k[sampled] > 0).all()),
+            any_top_p=bool((top_p[sampled] < 1).any()),
+            any_min_p=bool((min_p[sampled] > 0).any()),
+            max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+        )
 
 
 def _logical_right_shift(x: torch.Tensor, bits: int) -> torch.Tensor:

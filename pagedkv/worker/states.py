@@ -49,11 +49,16 @@ class RowSamplingParams:
     """-1: no logprobs; N: the N most likely tokens' logprobs of each sampled row."""
 
 
-def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on the device without waiting for the GPU: copied from pinned memory (torch's
-    caching host allocator makes pinning cheap after the first steps)."""
-    tensor = torch.from_numpy(values)
-    if device.type == "cuda":
+def to_device(
+    values: np.ndarray | list[int] | list[float], device: torch.device | str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Host values on the device without waiting for the GPU: `torch.tensor(values, device=...)` would
+    wait for everything queued there (the forward just launched) before copying. Copied from pinned
+    memory (torch's caching host allocator makes pinning cheap after the first steps)."""
+    tensor = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
+    if dtype is not None:
+        tensor = tensor.to(dtype)
+    if torch.device(device).type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
 
@@ -194,22 +199,6 @@ class RequestStates:
         speculative decoding repeat its row), `positions` the token each draws: gathered on the
         device; the summaries from the host copies, so nothing waits for the device."""
         index = to_device(rows.astype(np.int64), self.seeds.device)
-        gathered = self.sampling[:, index]
-        temperature, top_k, top_p, min_p = self.sampling_host[:, rows]
-        sampled = temperature > 0
-        num_logprobs = self.num_logprobs[rows]
-        return SamplingMetadata(
-            temperature=gathered[0],
-            top_k=gathered[1].long(),
-            top_p=gathered[2],
-            min_p=gathered[3],
-            seeds=self.seeds[index],
-            positions=positions,
-            all_greedy=not sampled.any(),
-            all_random=bool(sampled.all()),
-            max_top_k=int(top_k[sampled].max(initial=0)),
-            all_top_k=bool((top_k[sampled] > 0).all()),
-            any_top_p=bool((top_p[sampled] < 1).any()),
-            any_min_p=bool((min_p[sampled] > 0).any()),
-            max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+        return SamplingMetadata.from_rows(
+            self.sampling[:, index], self.sampling_host[:, rows], self.num_logprobs[rows], self.seeds[index], positions
         )
