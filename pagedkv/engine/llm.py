@@ -18,7 +18,6 @@ Speed on a GPU is the default (compiled, CUDA graphs: pagedkv.worker.cudagraph);
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -156,7 +155,8 @@ class LLM:
             self._ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.stats = EngineStats()
         self._listeners: list[StepListener] = []
-        self._ids = itertools.count()
+        self._num_added = 0
+        """Requests added so far: the next one's id and arrival number (an unseeded request's seed)."""
         # Unfinished requests only: a record goes when its final output is returned or it is aborted.
         self._requests: dict[str, Request] = {}
         # Outputs of a step whose listener raised: the step had run, so they are kept, and the
@@ -267,7 +267,7 @@ class LLM:
 
     def _add(self, token_ids: list[int], text: str | None, params: SamplingParams) -> str:
         detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        number = next(self._ids)
+        number = self._num_added
         # An unseeded request draws from a seed hashed from the engine's seed and its arrival number:
         # two identical requests differ, and the same engine run gives the same tokens again.
         seed = params.seed if params.seed is not None else derive_seed(self.config.model_config.seed, number)
@@ -281,9 +281,10 @@ class LLM:
             sampling_seed=seed,
             row_sampling=row_sampling_params(params, seed, self.model_config.vocab_size),
         )
-        with deferred_interrupts():  # in both books or in neither
+        with deferred_interrupts():  # in both books or in neither; a number is used only once it is in them
             self.scheduler.add_request(request)
             self._requests[request.request_id] = request
+            self._num_added += 1
         return request.request_id
 
     def _end(self, request: Request, reason: str, error: BaseException | None = None) -> None:
@@ -392,6 +393,7 @@ class LLM:
         """Plan a step and launch its forward and sampling (on a GPU they run on while the host
         goes on); False when there is nothing to plan. Undone if it raises or is interrupted."""
         sched: SchedulerOutput | None = None
+        launched = False  # a Ctrl-C held back during the launch's bookkeeping is raised after it
         try:
             with deferred_interrupts():
                 sched = self.scheduler.schedule()
@@ -426,7 +428,7 @@ class LLM:
                         start,
                     )
                 )
-                sched = None  # launched: from here on it has happened
+                sched, launched = None, True  # launched: from here on it has happened
             return True
         except BaseException as error:
             if sched is not None:
@@ -434,7 +436,7 @@ class LLM:
                     self.scheduler.undo(sched)
                     if isinstance(error, Exception):
                         self._fail_step(sched, error)
-            else:  # Scheduler.schedule raised: it took its plan back itself
+            elif not launched:  # Scheduler.schedule raised: it took its plan back itself
                 error.add_note(
                     "pagedkv: planning the step raised; the plan was taken back (no request lost, no block "
                     "cached unwritten), and the next step() plans it again."
@@ -541,7 +543,10 @@ class LLM:
             return detokenize_batch(self.tokenizer, [(request.detokenizer, request.output_token_ids)])[0]
         except Exception as error:
             logger.warning("The text of request %s could not be made: %r", request.request_id, error)
-            self._end(request, "error", error)
+            if request.status is RequestStatus.FINISHED:  # its blocks are freed already: only say why
+                request.finish_reason, request.error = "error", f"{type(error).__name__}: {error}"
+            else:
+                self._end(request, "error", error)
             return ""
 
     # ---- offline batch ---------------------------------------------------------------

@@ -18,7 +18,7 @@ MAX_LOGPROBS = 20
 """Most `logprobs` a request may ask for (vLLM's default `max_logprobs`)."""
 
 SEED_RANGE = (-(2**63), 2**64 - 1)
-"""Seeds taken (what `torch.Generator.manual_seed` takes); a seed is used modulo 2**64."""
+"""Seeds taken (any int64 or uint64); a seed is used modulo 2**64 as the key of the request's noise."""
 
 
 @dataclass
@@ -65,7 +65,7 @@ class SamplingParams:
         self.top_k = check_int("top_k", self.top_k, 0, hint=" (0 keeps all tokens)")
         self.top_p = check_float("top_p", self.top_p, 0, 1, low_open=True, hint=" (1 keeps all tokens)")
         self.min_p = check_float("min_p", self.min_p, 0, 1, hint=" (0 keeps all tokens)")
-        self.seed = check_optional_int("seed", self.seed, *SEED_RANGE, hint=" or None (what torch.Generator takes)")
+        self.seed = check_optional_int("seed", self.seed, *SEED_RANGE, hint=" or None (any int64 or uint64)")
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
         self.ignore_eos = check_bool("ignore_eos", self.ignore_eos)
         stop = [] if self.stop_token_ids is None else self.stop_token_ids

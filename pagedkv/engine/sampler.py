@@ -290,7 +290,7 @@ class Sampler:
         z = ((values - values[:, :1]) / temperature[:, None]).masked_fill(columns >= k[:, None], float("-inf"))
         if meta.any_min_p:  # p / p_max = exp(z) >= min_p; log(0) = -inf keeps every column
             z = z.masked_fill(z < meta.min_p.log()[:, None], float("-inf"))
-        weights = rowwise(torch.exp, z, self.batch_invariant)  # 16-row blocks: one code path per element
+        weights = rowwise(torch.exp, z, self.batch_invariant)  # row blocks in the batch-invariant mode
         cdf = rowwise(_CUMSUM, weights, self.batch_invariant)
         limit = cdf[:, -1]  # the filtered columns add exact zeros: the last value is the kept total
         if meta.any_top_p:
@@ -298,7 +298,8 @@ class Sampler:
             # kept ones are the first `kept` (column 0 always: nothing is before it).
             before = torch.cat([torch.zeros_like(cdf[:, :1]), cdf[:, :-1]], dim=1)
             kept = (before < meta.top_p[:, None] * limit[:, None]).sum(dim=-1)
-            limit = torch.where(meta.top_p < 1.0, cdf.gather(1, (kept - 1)[:, None])[:, 0], limit)
+            last = (kept - 1).clamp(min=0)  # kept 0: a NaN (or all -inf) row, which fails anyway
+            limit = torch.where(meta.top_p < 1.0, cdf.gather(1, last[:, None])[:, 0], limit)
         column = inverse_cdf(cdf, u * limit, limit)
         return token_ids.gather(1, column[:, None])[:, 0]
 
@@ -312,7 +313,8 @@ class Sampler:
     ) -> torch.Tensor:
         """Rows without a top-k, in blocks of rows (`_whole_vocabulary_block`). On the CPU a [rows, vocab]
         temporary (78 MB for 128 x 151,936 floats) is mapped fresh by the allocator every step, and the
-        page faults cost more than the arithmetic; 16-row blocks (9.7 MB) reuse the heap. On a GPU the
+        page faults cost more than the arithmetic; blocks of CPU_BLOCK_ELEMENTS logits (9.7 MB, 16 rows of
+        Qwen's vocabulary) reuse the heap. On a GPU the
         caching allocator keeps its memory: one block, fewer kernel launches. In the batch-invariant mode
         the blocks are always 16 rows (the last one zero-padded), so every kernel sees one shape."""
         rows = logits.shape[0]

@@ -246,8 +246,9 @@ class Scheduler:
             while not kv.allocate_slots(
                 request.request_id, request.num_computed_tokens, n, token_ids=request.all_token_ids
             ):
-                victim = self.running.pop()
+                victim = self.running[-1]
                 self._preempt(victim)
+                self.running.pop()
                 preempted.append(victim.request_id)
                 if victim is request:
                     request = None
@@ -309,13 +310,15 @@ class Scheduler:
         return request.spec_token_ids[: max(room, 0)]
 
     def _preempt(self, request: Request) -> None:
-        self._free(request.request_id)
+        """Back to the front of the waiting queue first, its blocks freed after: if freeing raises,
+        the request is still in a queue (and `schedule`'s rollback finds it there)."""
+        self.waiting.appendleft(request)
         request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._free(request.request_id)
 
     def commit(self, output: SchedulerOutput) -> None:
         """The step is launched (its forward and sampling): its tokens count as computed, the

@@ -105,7 +105,7 @@ class InputBatch:
     slot_mappings: list[torch.Tensor]
     """Per KV cache group: [num_tokens] flat slot of each new token."""
     logits_indices: torch.Tensor
-    """Row of each token whose next token is sampled or verified (`HostBatch.logits_indices`)."""
+    """Row of each token whose next token is sampled or verified (`StepSchedule.logits_indices`)."""
     sampling_req_ids: list[str]
     draft_indices: torch.Tensor
     """Row of every draft token (speculative decoding), request after request."""

@@ -132,7 +132,8 @@ def prepare_inputs(
 ) -> InputBatch:
     """The step's InputBatch in the first rows of `buffers` (the persistent ones CUDA graphs read),
     padded for a graph when asked; without them, in fresh tensors of the step's size. Token ids,
-    positions and slots come from Triton kernels (`use_kernels`, default: on CUDA) or torch ops."""
+    positions and slots come from a Triton kernel, one launch per KV cache group (`use_kernels`, default:
+    on CUDA), or torch ops."""
     n, num_tokens = len(schedule.req_ids), schedule.num_tokens
     n_pad, t_pad = num_padded_reqs or n, num_padded_tokens or num_tokens
     if buffers is None:

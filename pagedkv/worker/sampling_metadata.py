@@ -17,8 +17,9 @@ rather than vLLM's one Gumbel (or exponential) per row and vocabulary column:
   and its position only; a draft token can then be kept iff it equals the token drawn at its position
   (pagedkv/engine/rejection_sampler.py), and a seeded request's tokens are the same with or without drafts.
 
-The worker layer will fill a `SamplingMetadata` from its persistent request state; the engine's sampler
-reads it. This module imports torch only: a lower layer never imports a higher one.
+The runner fills a `SamplingMetadata` from its persistent request state (`RequestStates.sampling_metadata`,
+pagedkv/worker/states.py); the engine's sampler reads it. This module imports only torch and numpy: a
+lower layer never imports a higher one.
 """
 
 from __future__ import annotations

@@ -316,18 +316,19 @@ def test_an_abort_from_another_thread_waits_for_the_step_to_end(
     ids = [llm.add_request(p, GREEDY) for p in PROMPTS]
     aborted: list[bool] = []
     thread = threading.Thread(target=lambda: aborted.append(llm.abort_request(ids[1])))
-    real, calls = llm.runner.execute_model, []
+    real, calls, waited = llm.runner.execute_model, [], []
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         calls.append(len(calls))
         if len(calls) == 2:  # the second step's forward: the abort of request 1 comes in meanwhile
             thread.start()
             thread.join(timeout=0.3)
+            waited.append(not aborted)  # checked here: once the step ends the lock is free
         return real(*args, **kwargs)
 
     monkeypatch.setattr(llm.runner, "execute_model", forward)
     outputs = llm.step() + llm.step()
-    assert aborted == [], "the abort waited for the step"
+    assert waited == [True], "the abort waited for the step"
     thread.join(timeout=30)
     assert aborted == [True]
     assert all(out.error is None for out in outputs)

@@ -291,6 +291,11 @@ def test_a_row_of_nan_fails_alone() -> None:
     assert isinstance(out[0], int) and out[2] == logits[2].argmax().item()
     logits[0, 3] = math.nan  # one NaN is enough; whole-vocabulary rows too
     assert isinstance(draw(Sampler(), logits[:1], params[:1])[0], ValueError)
+    # With a top-k and a top-p too (the top-p cut of a NaN row indexed column -1 and raised for the batch).
+    nan_top_p = [SamplingParams(temperature=0.8, top_k=5, top_p=0.9)] * 2
+    both = torch.stack([torch.full((30,), math.nan), torch.randn(30)])
+    out = draw(Sampler(), both, nan_top_p)
+    assert isinstance(out[0], ValueError) and isinstance(out[1], int)
 
 
 def test_the_engines_logprobs_are_transformers_float64_log_softmax() -> None:

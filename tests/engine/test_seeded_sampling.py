@@ -11,6 +11,7 @@ and their arrival number: two identical ones in a batch differ, and a run repeat
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -52,7 +53,11 @@ def tokens(outputs: list) -> list[list[int]]:
 def alone() -> list[list[int]]:
     """Each seeded request's tokens, run alone (one engine, one request at a time)."""
     llm = engine(async_scheduling=False)
-    return [tokens(llm.generate([prompt], params))[0] for prompt, params in zip(PROMPTS, SEEDED)]
+    seeded = [tokens(llm.generate([prompt], params))[0] for prompt, params in zip(PROMPTS, SEEDED)]
+    # Really sampled: a sampler that took the argmax would pass every invariance below.
+    greedy = [replace(p, temperature=0.0) for p in SEEDED]
+    assert seeded != tokens(llm.generate(PROMPTS, greedy)), "the seeded requests drew their greedy tokens"
+    return seeded
 
 
 def test_in_a_batch_with_other_requests(alone: list[list[int]]) -> None:
