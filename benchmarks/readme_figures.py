@@ -8,13 +8,14 @@ engine resolved it to). Columns (those empty in every row are left out):
 * start-up cold / warm s: `LLM(...)` in a fresh process with empty compile caches / with the
   caches the cold one filled (`--startup`);
 * generate s, generate / stream out tok/s: the timed runs (output tokens / wall time);
-* x nano-vllm (this run): generate and stream tok/s over nano-vllm's `generate` in the same
+* x nano-vllm (this run): generate and stream tok/s, both over nano-vllm's `generate` in the same
   process (W2, when it ran); x transformers: over transformers' `generate_batch` in the same run
   (W1, `--hf`). No ratio divides by a figure from another run;
 * % roofline: generate tok/s over the roofline's (`workloads.roofline`);
 * generate wall / GPU-busy s: the timed `generate`'s wall time / the kernel time summed over one
   more run of the same lengths under torch.profiler (`--kernel-profile`), and how much longer the
-  wall is (the time the GPU waits for the host, at most);
+  wall is (the time the GPU waits for the host, at most). Two runs: the profiled one's own wall
+  (`kernels.wall_s` in the JSON) is longer by the profiler's cost;
 * decode step: median wall ms of a pure decode step at the workload's batch / GPU-busy ms /
   the host's share of the step.
 
