@@ -5,8 +5,9 @@
 
 Three engines on the same prompts (passages of Python's pydoc topics, the text tiny-pydoc was
 trained on): the oracle (the model in float64, its cache float64, TORCH_REF), the model dtype with
-its own cache ("auto"), and the model dtype with an fp8 cache ("fp8": per-layer scales from the
-profile run). For each prompt the logits after its prefill (which reads every K/V back from the
+its own cache ("auto"), and the model dtype with an fp8 cache ("fp8": per-layer scales computed from
+the profile run, `calculate_kv_scales=True`, as in the figures of benchmarks/README.md; the engine's
+default is 1.0). For each prompt the logits after its prefill (which reads every K/V back from the
 cache) are compared with the oracle's: max and mean absolute error over the vocabulary and prompts.
 Greedy agreement with the "auto" cache is counted twice: the first token of every prompt (a
 position-wise comparison), and every token of `--max-tokens` continuations, position by position
@@ -86,7 +87,14 @@ def main() -> None:
     oracle.shutdown()
     rows, tokens = {}, {}
     for cache in ("auto", "fp8"):
-        llm = LLM(args.model, dtype=dtype, kv_cache_dtype=cache, attention_backend=args.attention_backend, **common)
+        llm = LLM(
+            args.model,
+            dtype=dtype,
+            kv_cache_dtype=cache,
+            calculate_kv_scales=cache == "fp8",
+            attention_backend=args.attention_backend,
+            **common,
+        )
         err = (last_logits(llm, prompts) - reference).abs()
         tokens[cache] = greedy(llm, prompts, args.max_tokens)
         layers = list(llm.runner.attn_layers.values())

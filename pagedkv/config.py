@@ -122,8 +122,11 @@ class CacheConfig:
     """"auto" stores K/V in the model dtype; "fp8" / "fp8_e4m3" in float8_e4m3fn with a scale per layer
     (pagedkv/kv_cache/fp8.py); otherwise a torch dtype name such as "float16"."""
     kv_cache_scales: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """An fp8 cache: attention layer name -> its given (k_scale, v_scale); the layers not named get theirs
-    from the profile run's K and V (pagedkv/kv_cache/fp8.py)."""
+    """An fp8 cache: attention layer name -> its given (k_scale, v_scale); the layers not named keep 1.0,
+    or with `calculate_kv_scales` get theirs from the profile run's K and V (pagedkv/kv_cache/fp8.py)."""
+    calculate_kv_scales: bool = False
+    """An fp8 cache: set the scales of the layers `kv_cache_scales` does not name from the profile run's K
+    and V (amax / 200, amax / 100) instead of leaving them 1.0 (vllm/config/cache.py, calculate_kv_scales)."""
     memory_utilization: float = 0.9
     """CUDA only: fraction of total GPU memory the engine may use (weights + activations + KV)."""
     kv_cache_memory: int | None = None

@@ -76,14 +76,17 @@ class Attention(nn.Module):
         )
         self.impl = self.make_impl()
         # An fp8 cache stores K / _k_scale and V / _v_scale (pagedkv/kv_cache/fp8.py): float32 scalars on
-        # the device, so kernels read them without a host sync and a CUDA graph sees their updates.
+        # the device, so kernels read them without a host sync and a CUDA graph sees their updates. They
+        # are 1.0 unless given, as vLLM's are without calculate_kv_scales (vllm/attention/layer.py).
         given = config.cache_config.kv_cache_scales.get(prefix)
         k_scale, v_scale = given or (1.0, 1.0)
         self._k_scale = torch.tensor(k_scale, dtype=torch.float32, device=config.device)
         self._v_scale = torch.tensor(v_scale, dtype=torch.float32, device=config.device)
-        self.calculate_kv_scales = is_fp8(self.kv_cache_dtype) and given is None
-        """Set the scales from the next profile run's K and V (`calc_kv_scales`); then False. Given
-        scales (`kv_cache_scales`) are kept."""
+        self.calculate_kv_scales = (
+            is_fp8(self.kv_cache_dtype) and given is None and config.cache_config.calculate_kv_scales
+        )
+        """Set the scales from the next profile run's K and V (`calc_kv_scales`), then False: only with an
+        fp8 cache, `calculate_kv_scales` on and no scales given for this layer (`kv_cache_scales`)."""
         opaque = config.compilation_config.opaque_attention_op
         if opaque is None:
             opaque = get_platform(config.device).opaque_attention_op()
@@ -123,8 +126,9 @@ class Attention(nn.Module):
         )
 
     def calc_kv_scales(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """The fp8 cache's scales from this K and V: amax / 200 for K, amax / 100 for V, so what the
-        profile run saw lands well below e4m3's 448 (vllm/attention/layer.py, calc_kv_scales)."""
+        """The fp8 cache's scales from this K and V (the profile run's, with `calculate_kv_scales`): amax / 200
+        for K, amax / 100 for V, so what it saw lands well below e4m3's 448 (vllm/attention/layer.py,
+        calc_kv_scales)."""
         self._k_scale.copy_(kv_scale(key, K_SCALE_CONSTANT))
         self._v_scale.copy_(kv_scale(value, V_SCALE_CONSTANT))
         self.calculate_kv_scales = False

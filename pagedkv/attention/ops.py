@@ -88,7 +88,7 @@ def attention_with_output(
 ) -> None:
     """Attention of `layer_name` over its paged cache, written into `output`."""
     attn_metadata, layer, kv_cache, _ = get_attention_context(layer_name)
-    if attn_metadata is None and layer.calculate_kv_scales:  # the profile run calibrates an fp8 cache
+    if attn_metadata is None and layer.calculate_kv_scales:  # the profile run sets fp8 scales, if asked to
         layer.calc_kv_scales(key, value)
     layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata, output)
 

@@ -85,11 +85,16 @@ class EngineArgs:
     """Split long prompts over several steps; off, a whole prompt must fit one step's budget."""
     kv_cache_dtype: str = CacheConfig.cache_dtype
     """What the KV cache stores: "auto" (the model dtype), or "fp8" / "fp8_e4m3" (float8_e4m3fn: half the bytes
-    of bf16, so twice the blocks, with a per-layer K and V scale from the profile run; pagedkv/kv_cache/fp8.py)."""
+    of bf16, so twice the blocks, with a per-layer K and V scale, 1.0 unless kv_cache_scales gives it or
+    calculate_kv_scales computes it; pagedkv/kv_cache/fp8.py)."""
     kv_cache_scales: dict[str, tuple[float, float]] | None = None
-    """With an fp8 KV cache: attention layer name -> (k_scale, v_scale) to use instead of calibrating (the
-    cache stores K / k_scale, V / v_scale), e.g. {"model.layers.0.self_attn.attn": (0.02, 0.01)}; the layers
-    not named are calibrated by the profile run. None: all calibrated."""
+    """With an fp8 KV cache: attention layer name -> (k_scale, v_scale) (the cache stores K / k_scale,
+    V / v_scale), e.g. {"model.layers.0.self_attn.attn": (0.02, 0.01)}; the layers not named keep 1.0, or
+    with calculate_kv_scales get theirs from the profile run. None: no layer named."""
+    calculate_kv_scales: bool = CacheConfig.calculate_kv_scales
+    """With an fp8 KV cache: set each layer's scales from the profile run's K and V (amax / 200 and amax / 100)
+    instead of 1.0, except where kv_cache_scales gives them (vLLM's calculate_kv_scales). That run is
+    max_num_batched_tokens synthetic tokens, so the scales, and the outputs, change with that budget."""
     kv_cache_memory: int | None = CacheConfig.kv_cache_memory
     """Bytes for the KV cache; None: on a GPU what `memory_utilization` leaves after the weights and
     a profile run, on the CPU a fixed default (either way no more than max_num_seqs requests of
@@ -172,6 +177,9 @@ class EngineArgs:
             raise TypeError(f"kv_cache_dtype must be a name such as 'auto' or 'fp8', got {self.kv_cache_dtype!r}.")
         kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype, dtype)  # an unknown name is refused here
         kv_cache_scales = check_kv_cache_scales(self.kv_cache_scales, kv_cache_dtype)
+        calculate_kv_scales = check_bool("calculate_kv_scales", self.calculate_kv_scales)
+        if calculate_kv_scales:
+            check_fp8_cache("calculate_kv_scales=True", kv_cache_dtype)
         kv_cache_memory = check_optional_int("kv_cache_memory", self.kv_cache_memory, 1, hint=" (bytes) or None")
         memory_utilization = check_float("memory_utilization", self.memory_utilization, 0, 1, low_open=True)
         seed = check_int("seed", self.seed, *SEED_RANGE)
@@ -223,6 +231,7 @@ class EngineArgs:
                 num_kv_blocks=num_kv_blocks,
                 cache_dtype=self.kv_cache_dtype,
                 kv_cache_scales=kv_cache_scales,
+                calculate_kv_scales=calculate_kv_scales,
                 kv_cache_memory=kv_cache_memory,
                 memory_utilization=memory_utilization,
             ),
@@ -288,11 +297,7 @@ def check_kv_cache_scales(value: object, kv_cache_dtype: torch.dtype) -> dict[st
     """`kv_cache_scales` as {layer name: (k_scale, v_scale)} of positive floats; only with an fp8 cache."""
     if value is None:
         return {}
-    if not is_fp8(kv_cache_dtype):
-        raise ValueError(
-            f"kv_cache_scales is for an fp8 KV cache (kv_cache_dtype='fp8'); this cache stores {kv_cache_dtype}, "
-            "which needs no scales."
-        )
+    check_fp8_cache("kv_cache_scales", kv_cache_dtype)
     example = "{'model.layers.0.self_attn.attn': (0.02, 0.01)}"
     if not isinstance(value, dict):
         raise TypeError(f"kv_cache_scales must map layer names to (k_scale, v_scale), e.g. {example}; got {value!r}.")
@@ -306,6 +311,15 @@ def check_kv_cache_scales(value: object, kv_cache_dtype: torch.dtype) -> dict[st
             )
         scales[name] = (float(pair[0]), float(pair[1]))
     return scales
+
+
+def check_fp8_cache(argument: str, kv_cache_dtype: torch.dtype) -> None:
+    """Refuse an argument about the fp8 cache's scales (`argument`, as the user wrote it) for another cache."""
+    if not is_fp8(kv_cache_dtype):
+        raise ValueError(
+            f"{argument} is for an fp8 KV cache (kv_cache_dtype='fp8'); this cache stores {kv_cache_dtype}, "
+            "which needs no scales."
+        )
 
 
 def env_flag(var: str, default: bool, unset: str) -> bool:

@@ -95,6 +95,7 @@ class LLM:
         enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill,
         kv_cache_dtype: str = EngineArgs.kv_cache_dtype,
         kv_cache_scales: dict[str, tuple[float, float]] | None = EngineArgs.kv_cache_scales,
+        calculate_kv_scales: bool = EngineArgs.calculate_kv_scales,
         kv_cache_memory: int | None = EngineArgs.kv_cache_memory,
         memory_utilization: float = EngineArgs.memory_utilization,
         seed: int = EngineArgs.seed,

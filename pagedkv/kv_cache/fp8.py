@@ -8,10 +8,12 @@ value is within 1/16 (6.25%) of the original, relatively, anywhere in the normal
 Why a scale: the float format already adapts to magnitude, so precision is not the issue; range is.
 A K of 1,000 would saturate at 448, and values below 2^-6 lose their relative precision. So each
 layer stores `x / scale` and reads `stored * scale`, one float32 scale for its K and one for its V
-(vLLM's Attention._k_scale / _v_scale). With scale = amax / 200 for K (amax / 100 for V: vLLM's
-K_SCALE_CONSTANT and V_SCALE_CONSTANT, vllm/envs.py), the largest value seen while calibrating
-lands at 200 (100), leaving 2.2x (4.5x) headroom below 448 for larger values later
-(vllm/attention/layer.py, calc_kv_scales).
+(vLLM's Attention._k_scale / _v_scale). As in vLLM they are 1.0 unless given (`kv_cache_scales`) or
+computed (`calculate_kv_scales=True`, vllm/config/cache.py). Computed from the profile run's K and V,
+scale = amax / 200 for K (amax / 100 for V: vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT,
+vllm/envs.py) puts the largest value that run saw at 200 (100), leaving 2.2x (4.5x) headroom below
+448 for larger values later (vllm/attention/layer.py, calc_kv_scales). That run's batch is
+max_num_batched_tokens synthetic tokens, so computed scales, and the outputs, change with that budget.
 
 Bytes per token and layer: 2 (K and V) x num_kv_heads x head_size x 1 byte, half of bf16's: the
 same memory holds twice the blocks, and a decode, which reads the whole cache every step, reads
@@ -26,9 +28,9 @@ FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 """448.0: quantizing saturates here (a plain cast of a larger float would give NaN)."""
 
 K_SCALE_CONSTANT = 200.0
-"""The calibrated K amax lands here (vLLM's K_SCALE_CONSTANT)."""
+"""Where a computed K scale puts the profile run's K amax (vLLM's K_SCALE_CONSTANT)."""
 V_SCALE_CONSTANT = 100.0
-"""The calibrated V amax lands here (vLLM's V_SCALE_CONSTANT)."""
+"""Where a computed V scale puts the profile run's V amax (vLLM's V_SCALE_CONSTANT)."""
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

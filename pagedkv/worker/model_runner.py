@@ -144,9 +144,9 @@ class ModelRunner:
     def profile_run(self) -> None:
         """Run the largest batch without metadata (attention outputs zeros), so that its
         activations are counted before the KV cache takes what memory is left; a draft model runs
-        it too, as it does every step. With an fp8 KV cache its K and V also set each layer's scales
-        (`Attention.calc_kv_scales`), the draft model's included: so the tokens are every id in
-        turn, not one id repeated."""
+        it too, as it does every step. With an fp8 KV cache and `calculate_kv_scales` its K and V also
+        set the scales of each layer not given any (`Attention.calc_kv_scales`), the draft model's
+        included: so the tokens are every id in turn, not one id repeated."""
         n = self.config.scheduler_config.max_num_batched_tokens
         ids = torch.arange(n, device=self.device) % self.model.config.vocab_size
         positions = torch.arange(n, device=self.device) % self.config.model_config.max_model_len
@@ -162,7 +162,7 @@ class ModelRunner:
             self.config, self.get_kv_cache_specs(), self.device, self.profile_run, max_blocks_per_request(self.config)
         )
         if any(layer.calculate_kv_scales for layer in self.attn_layers.values()):
-            self.profile_run()  # an fp8 cache's scales, where num_kv_blocks skipped the sizing's profile run
+            self.profile_run()  # calculate_kv_scales' run, where num_kv_blocks skipped the sizing's profile run
         return kv_cache_config
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
