@@ -7,7 +7,8 @@
 DIR gets the repository's layout, so the notebooks' relative paths work as they do in a clone:
 
     DIR/notebooks/NN_topic.ipynb
-    DIR/notebooks/traces/*.json        a trace recorded on an H200 (`StepTrace.load` replays it)
+    DIR/notebooks/traces/*.json        a trace recorded on an H200 (`StepTrace.load` replays it); the
+                                       prefill ladder's TFLOP/s measured on an H100 (notebook 15), once run
     DIR/benchmarks/results/*.json      the H200 numbers that notebooks 06, 07 and 08 plot
 
 Where the files come from: an installed wheel holds them as package data (`pagedkv/notebooks/`,
