@@ -89,6 +89,7 @@ def gpu_run(rungs: dict[str, Any], token_counts: list[int]) -> list[dict[str, An
     from pagedkv.kernels.prefill_ladder import causal_flops
 
     rows = []
+    print(f"{'T':<8}{'kernel':<18}{'TFLOP/s':>8} {'x SDPA':>8}", flush=True)
     for tokens in token_counts:
         gen = torch.Generator(device="cuda").manual_seed(tokens)
         q, k, v = (
