@@ -12,10 +12,18 @@ floating-point sum depends on its order, and the order is chosen from the *whole
 The cure (vllm/model_executor/layers/batch_invariant.py; Thinking Machines, "Defeating
 Nondeterminism in LLM Inference", 2025) is to fix every such choice independently of the batch:
 
-    matmul    one tile shape for every M (it may depend on N and K, the weight's), each output
-              tile reduced over all of K by one program in one order: no split-K.
+    matmul    one K loop for every M: each output tile reduced over all of K by one program, in
+              chunks of the same BLOCK_K taken in the same order (no split-K).
     RMSNorm   one program per row, the row's sum in one fixed order.
     softmax   the same, per row.
+
+vLLM's kernel keeps one tile shape for every M as well. Here the tile's other sides (BLOCK_M,
+BLOCK_N, warps, stages) follow M (`MATMUL_TILES_BY_M` in pagedkv/kernels/batch_invariant_triton.py:
+narrow tiles, many programs, for a decode's few rows), and so do the attention's query-row tiles
+(`batch_invariant_config` in pagedkv/kernels/attention_config.py). They change which tensor-core
+instructions compute a row, not the order of its sums, and a row keeps its bits only because the
+hardware gives every such tile the same bits: tests/gpu/test_batch_invariant_cuda.py checks this
+for every tile the mode can pick, and a tile that fails it leaves the tables.
 
 On CUDA, matmul and RMSNorm are the Triton kernels of pagedkv/kernels/batch_invariant_triton.py. On the CPU (and
 under TRITON_INTERPRET, whose programs run one by one in numpy) the same idea is applied to torch's
@@ -30,6 +38,7 @@ Slower (a call per block), but exactly as the tests check: a row's bits no longe
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +47,18 @@ from pagedkv.library import register_op
 
 ROWS = 16
 """Rows per library call on the CPU path: every call sees [ROWS, ...]."""
+
+T = TypeVar("T")
+
+
+def by_size(table: tuple[tuple[int | None, T], ...], size: int) -> T:
+    """The value of the first (largest size, value) bucket of `table` that holds `size`; the last
+    bucket's bound is None (any size). The mode's tile tables are looked up so (the matmul's by M,
+    the attention's by a request's query rows)."""
+    for bound, value in table:
+        if bound is None or size <= bound:
+            return value
+    raise ValueError(f"size {size} is past every bucket of {table}: end the table with a (None, tiles) bucket")
 
 
 def _use_triton(x: torch.Tensor) -> bool:

@@ -1,5 +1,5 @@
 """The CUDA kernels of the batch-invariant mode (pagedkv/batch_invariant.py says why):
-a matmul with one tile shape for every M and no split-K, and an RMSNorm of one program per row."""
+a matmul whose K loop is the same for every M (no split-K), and an RMSNorm of one program per row."""
 
 from __future__ import annotations
 
@@ -7,30 +7,47 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv.batch_invariant import by_size
 from pagedkv.kernels.common import next_power_of_2
 
 MatmulTiles = tuple[int, int, int, int, int]
 """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the matmul."""
 
-MATMUL_TILES: MatmulTiles = (128, 128, 64, 8, 3)
-"""The matmul's tiles for every weight not in MATMUL_TILES_BY_SHAPE. One shape must serve decode
-steps (M = the batch) and prefill chunks (M = thousands): of the candidates
-benchmarks/batch_invariant_matmul.py timed on an H200 on llama3-8b's layers, this one had the
-least W1-weighted time (0.56x cuBLAS at M = 128, 0.73x at M = 4,096, on 2026-12-04, before the
-grouped program order and the unmasked K loop)."""
+MATMUL_BLOCK_K = 64
+"""K per step of the loop in every tile the mode picks: each output element is then summed over
+the same chunks of K in the same order (k = 0..63, then 64..127, ...) whatever the tile's other sides."""
+
+MATMUL_TILES_BY_M: tuple[tuple[int | None, MatmulTiles], ...] = (
+    (32, (64, 32, 64, 4, 4)),
+    (256, (64, 128, 64, 4, 4)),
+    (None, (128, 128, 64, 8, 3)),
+)
+"""The matmul's tiles by M (the rows of the call): (largest M, tiles) buckets, in order.
+
+One tile for every M (vllm/model_executor/layers/batch_invariant.py) gives a 4,096-wide weight 32
+programs at a decode step, for 132 SMs: most of the bandwidth idles. A decode's few rows want
+narrow tiles and many programs, a prefill chunk's thousands the widest tiles. Every entry has
+BLOCK_K = MATMUL_BLOCK_K and no split-K, so a row's sums run in the same order in each; only the
+tensor-core instructions that compute them differ, and they give the same bits only as far as
+tests/gpu/test_batch_invariant_cuda.py shows on the GPU, for every entry (MATMUL_TILE_CHOICES).
+That test is what allows tiles to follow M: an entry that fails it must leave the table.
+benchmarks/batch_invariant_matmul.py times the candidates per bucket."""
+
+MATMUL_TILE_CHOICES: tuple[MatmulTiles, ...] = tuple(dict.fromkeys(tiles for _, tiles in MATMUL_TILES_BY_M))
+"""Every tile shape the mode can pick for a weight without an entry in MATMUL_TILES_BY_SHAPE: the
+set whose outputs tests/gpu must find bitwise equal."""
 
 MATMUL_TILES_BY_SHAPE: dict[tuple[int, int], MatmulTiles] = {}
-"""Tiles for particular weights, by (N, K) = (out features, in features): where MATMUL_TILES does not
-suit a layer (a narrow weight leaves SMs idle at small M). Empty until an H200 run of
-benchmarks/batch_invariant_matmul.py, whose per-shape table gives the entries; `end_to_end.py
---matmul-tiles` sets them from its JSON in-process. Keyed by the weight alone, never by M: a row's
-sum runs in the same order whatever the batch. Fill it before an engine starts: its CUDA graphs keep
-the tiles they captured, and a row computed with other tiles has other bits."""
+"""One tile for every M of a particular weight, by (N, K) = (out features, in features), in place
+of MATMUL_TILES_BY_M: a row of such a weight never changes tiles, so its bits need no GPU
+agreement between tiles. Empty: `end_to_end.py --matmul-tiles` fills it in-process from a
+benchmarks/batch_invariant_matmul.py JSON, to try per-weight winners. Fill it before an engine
+starts: its CUDA graphs keep the tiles they captured."""
 
 
-def matmul_tiles(n: int, k: int) -> MatmulTiles:
-    """The tiles of a weight [n, k]: its entry in MATMUL_TILES_BY_SHAPE, or MATMUL_TILES."""
-    return MATMUL_TILES_BY_SHAPE.get((n, k), MATMUL_TILES)
+def matmul_tiles(m: int, n: int, k: int) -> MatmulTiles:
+    """The tiles of x [m, k] @ weight [n, k].T: the weight's MATMUL_TILES_BY_SHAPE entry, or M's bucket."""
+    return MATMUL_TILES_BY_SHAPE.get((n, k)) or by_size(MATMUL_TILES_BY_M, m)
 
 
 @triton.jit
@@ -98,11 +115,11 @@ def _matmul_kernel(
 def matmul_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: tuple[int, ...] | None = None
 ) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T (+ bias) with one tile shape for every M (`tiles`, default the
-    weight's `matmul_tiles`)."""
+    """x [M, K] @ weight[N, K].T (+ bias), each output tile summed over K by one program in BLOCK_K
+    chunks, in order (`tiles`, default `matmul_tiles(M, N, K)`)."""
     M, K = x.shape
     N = weight.shape[0]
-    block_m, block_n, block_k, num_warps, num_stages = tiles or matmul_tiles(N, K)
+    block_m, block_n, block_k, num_warps, num_stages = tiles or matmul_tiles(M, N, K)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y

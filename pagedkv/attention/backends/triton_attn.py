@@ -82,10 +82,8 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             dtype=config.model_config.dtype,  # what the dots run in (an fp8 cache is cast to it)
             num_queries_per_kv=self.num_q_heads // kv_cache_spec.num_kv_heads,
         )
-        self.fixed_config: KernelConfig | None = None
-        """The batch-invariant mode's one launch config (same tiles for every batch, no split-KV)."""
-        if config.model_config.batch_invariant:
-            self.fixed_config = batch_invariant_config(**self.shape)  # type: ignore[arg-type]
+        self.batch_invariant = config.model_config.batch_invariant
+        """The batch-invariant mode: `batch_invariant_config`'s tiles (no split-KV), not `choose_config`'s."""
 
     def build(self, common_attn_metadata: CommonAttentionMetadata) -> TritonAttentionMetadata:
         cm = common_attn_metadata
@@ -93,15 +91,18 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
 
     def _metadata(self, cm: CommonAttentionMetadata, max_query_len: int, max_seq_len: int) -> TritonAttentionMetadata:
         spec = self.kv_cache_spec
-        config = self.fixed_config or choose_config(
-            **self.shape,  # type: ignore[arg-type]
-            num_kv_heads=spec.num_kv_heads,
-            num_reqs=cm.num_reqs,
-            num_tokens=cm.num_actual_tokens,
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-            kv_bytes=spec.dtype.itemsize,
-        )
+        if self.batch_invariant:
+            config = batch_invariant_config(**self.shape, max_query_len=max_query_len)  # type: ignore[arg-type]
+        else:
+            config = choose_config(
+                **self.shape,  # type: ignore[arg-type]
+                num_kv_heads=spec.num_kv_heads,
+                num_reqs=cm.num_reqs,
+                num_tokens=cm.num_actual_tokens,
+                max_query_len=max_query_len,
+                max_seq_len=max_seq_len,
+                kv_bytes=spec.dtype.itemsize,
+            )
         return TritonAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=max_query_len,
