@@ -63,7 +63,7 @@ POINTERS = {
 }
 UNIT_STRIDES = ("stride_q_d", "stride_o_d", "stride_kc_d", "stride_vc_d")
 """Innermost strides: 1, which Triton turns into constants at launch."""
-PER_STEP = ("num_reqs", "num_splits")
+PER_STEP = ("num_reqs", "num_splits", "num_q_tiles")
 """Integers the kernel does not specialise; every other int is a multiple of 16 at launch."""
 
 
@@ -83,6 +83,9 @@ def compile_decode(cache: str, keys: int, warps: int, stages: int, max_registers
         SPLIT_KV=True,
         ONE_TILE_PER_REQ=True,
         USE_WINDOW=False,
+        NUM_KV_HEADS=8,
+        SHORT_Q=0,
+        TMA=False,
         DOT_PRECISION="tf32",
         UPCAST=False,
         FP8=fp8,

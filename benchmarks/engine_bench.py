@@ -9,6 +9,7 @@ A *mode* names how a benchmark row builds its engine (`mode_kwargs`):
     FULL_AND_PIECEWISE
     <mode>+async, +sync   the same with async_scheduling on / off (else the engine's default)
     <mode>+invariant      the same with batch_invariant=True (bitwise-identical logits in any batch)
+    <mode>+fp8            the same with an fp8 (e4m3) KV cache: twice the blocks in the same memory
 
 Used by end_to_end.py, prefix_caching.py, speculative.py, tensor_parallel.py and sampler_cpu.py.
 """
@@ -48,10 +49,12 @@ piecewise graphs with async scheduling on and off."""
 def mode_kwargs(mode: str) -> dict[str, object]:
     """`LLM` keyword arguments of a mode (see the module docstring); a ValueError names the valid ones."""
     name, *suffixes = mode.split("+")
-    if name not in ("default", "eager", *GRAPH_MODES) or any(x not in ("async", "sync", "invariant") for x in suffixes):
+    if name not in ("default", "eager", *GRAPH_MODES) or any(
+        x not in ("async", "sync", "invariant", "fp8") for x in suffixes
+    ):
         raise ValueError(
             f"unknown mode {mode!r}: one of default, eager, {', '.join(GRAPH_MODES)}, "
-            "optionally followed by +async or +sync, and +invariant"
+            "optionally followed by +async or +sync, +invariant and +fp8 (an fp8 KV cache)"
         )
     kwargs: dict[str, object] = {}
     if name == "eager":
@@ -62,6 +65,8 @@ def mode_kwargs(mode: str) -> dict[str, object]:
     for suffix in suffixes:
         if suffix == "invariant":
             kwargs["batch_invariant"] = True
+        elif suffix == "fp8":
+            kwargs["kv_cache_dtype"] = "fp8"
         else:
             kwargs["async_scheduling"] = suffix == "async"
     return kwargs

@@ -24,16 +24,23 @@ HQ, HKV, D, BLOCK, DTYPE = 32, 8, 128, 16, torch.bfloat16
 
 
 def llama_batch(
-    query_lens: list[int], context_lens: list[int], *, head_size: int = D, seed: int = 0, device: str = "cuda"
+    query_lens: list[int],
+    context_lens: list[int],
+    *,
+    head_size: int = D,
+    block_size: int = BLOCK,
+    seed: int = 0,
+    device: str = "cuda",
 ) -> PagedBatch:
-    """`random_paged_batch` with HQ query heads over HKV KV heads, blocks of BLOCK, DTYPE values."""
+    """`random_paged_batch` with HQ query heads over HKV KV heads, blocks of BLOCK (or `block_size`),
+    DTYPE values."""
     return random_paged_batch(
         query_lens,
         context_lens,
         num_q_heads=HQ,
         num_kv_heads=HKV,
         head_size=head_size,
-        block_size=BLOCK,
+        block_size=block_size,
         dtype=DTYPE,
         device=device,
         seed=seed,

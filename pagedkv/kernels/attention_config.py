@@ -13,12 +13,14 @@ Two regimes decide everything:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 import torch
 
-from pagedkv.kernels.common import cdiv, interpreting, next_power_of_2, num_compute_units
+from pagedkv.batch_invariant import by_size
+from pagedkv.kernels.common import cdiv, interpreting, next_power_of_2, num_compute_units, supports_tma
 
 MAX_SPLITS = 64
 """Most programs one sequence's keys are split over."""
@@ -57,12 +59,15 @@ class Tuning:
     split_overhead_tiles: int = 2
     """A program's fixed cost (loading Q and the block table, writing its part) in key tiles."""
     long_prefill: Tiles = Tiles(128, 128, 8, 3)
-    """Long prompts: 8 warps = two Hopper warpgroups of 64 rows, long key loops."""
-    short_prefill: Tiles = Tiles(64, 32, 4, 2)
-    """Short prompts and mixed batches: short key loops favour small tiles (and decodes in a
-    mixed batch waste less of a 64-row tile than of a 128-row one)."""
+    """Long prompts: 8 warps = two Hopper warpgroups of 64 rows, long key loops (252 registers, no
+    spills since the page table is read per page; 36 bytes spilled before)."""
+    short_prefill: Tiles = Tiles(64, 64, 4, 3)
+    """Short prompts and the prompts of mixed batches (H100, 2026-12-07, same run: 8 x 1,024 in 263 us
+    against 275 for 64 x 32 x 4 warps x 2 stages, with a page-table entry loaded per page)."""
     long_prefill_tokens: int = 2048
     """Average query tokens per request from which the long-prefill tiles win."""
+    split_mixed: bool = True
+    """Run a batch of prompts and decodes as two launches, decodes with decode tiles (`KernelConfig.short_rows`)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,14 @@ class KernelConfig:
     """Programs sharing one sequence's key range (decode); 1 = no split, no merge kernel."""
     max_registers: int | None = None
     """Registers per thread the compiler may use (`Tiles.max_registers`)."""
+    tma: bool = False
+    """Prefill tiles: load q, K and V tiles with TMA copies (tensor descriptors) where the layout
+    allows (`unified_attention._tma_descriptors`: pages of at least block_n keys); else pointers."""
+    short_rows: KernelConfig | None = None
+    """A mixed batch in two launches: the requests whose queries fit one tile of this (decode) config
+    get a program each with it, the others the tiles above. (One tile shape for both would give a
+    decode's 1-query tile the prefill's 64 or 128 rows: 16-32x the tensor-core work on every key it
+    reads.) None: one launch."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -157,26 +170,79 @@ def choose_config(
         slots = tuning.decode_programs_per_sm * num_compute_units(device)
         num_tiles = cdiv(max(max_seq_len, 1), block_n)
         num_splits = split_count(num_reqs * num_kv_heads, num_tiles, slots, tuning.split_overhead_tiles)
-    return KernelConfig(block_m, block_n, num_warps, num_stages, num_splits, max_registers)
+    short_rows = None
+    short_q = max(16, next_power_of_2(num_queries_per_kv)) // num_queries_per_kv  # a decode tile's queries
+    # Were every request longer than short_q, the batch would hold at least this many tokens: below it,
+    # some request surely is a decode (or a short draft) and gets its own launch.
+    if tuning.split_mixed and not one_tile_per_req and num_tokens < (num_reqs - 1) * (short_q + 1) + max_query_len:
+        decode = choose_config(
+            device=device,
+            head_pad=head_pad,
+            dtype=dtype,
+            num_queries_per_kv=num_queries_per_kv,
+            num_kv_heads=num_kv_heads,
+            num_reqs=num_reqs,
+            num_tokens=num_reqs * short_q,
+            max_query_len=short_q,
+            max_seq_len=max_seq_len,
+            kv_bytes=kv_bytes,
+            tuning=tuning,
+        )
+        # One split: a merge would run over every token's rows, the other launch's included.
+        short_rows = dataclasses.replace(decode, num_splits=1)
+    tma = not one_tile_per_req and tensor_cores and supports_tma(device)
+    return KernelConfig(block_m, block_n, num_warps, num_stages, num_splits, max_registers, tma, short_rows)
 
 
 def batch_invariant_config(
-    *, device: torch.device, head_pad: int, dtype: torch.dtype, num_queries_per_kv: int
+    *, device: torch.device, head_pad: int, dtype: torch.dtype, num_queries_per_kv: int, max_query_len: int
 ) -> KernelConfig:
-    """One launch config for every batch (pagedkv/batch_invariant.py says why): the tiles of
-    `choose_config` depend on the batch's shape, and with them the order in which a query row's keys
-    are summed. Here nothing does:
+    """The batch-invariant mode's launch config (pagedkv/batch_invariant.py says why): a query row's
+    keys are summed in the same order whatever batch it is in, where `choose_config` sizes key tiles
+    and splits by the batch.
 
-    * one tile shape (query rows, keys per tile) for prefills and decodes alike; key tiles start at
-      key 0 for every row, so a row meets its keys in the same tiles whichever batch it is in (tiles
-      past its last key are fully masked: they add exact zeros and rescale by exactly 1);
+    * one key-tile size (64 keys; 32 for heads over 128) for every batch, tiles starting at key 0,
+      so a row meets its keys in the same tiles, in the same order, in any batch (tiles past its last
+      key are fully masked: they add exact zeros and rescale by exactly 1);
     * no split-KV (one split, whatever the sequence): splits would merge partial sums, and a prefill
-      row is never split, so its decode twin must not be either.
+      row is never split, so its decode twin must not be either;
+    * the query-row tile (rows, warps, stages) is looked up by the rows of the batch's longest
+      request in `INVARIANT_ATTENTION_TILES`. A tile changes which tensor-core instructions compute
+      a row, not the order of its sums, and may join that table only while
+      tests/gpu/test_batch_invariant_cuda.py finds every entry giving a row the same bits. Without
+      tensor cores (float32, Triton's interpreter) and for heads over 128, which that test does not
+      cover, one tile serves every batch.
+
+    Host-side facts only (`max_query_len` is the builder's Python int): a CUDA graph captured with
+    these tiles is replayed with them.
     """
+    if max_query_len < 0:
+        raise ValueError(f"max_query_len={max_query_len} is negative: pass the batch's longest query (0 or more)")
     on_gpu = device.type == "cuda" and not interpreting()
     tensor_cores = on_gpu and dtype != torch.float32
-    block_m = max(16, next_power_of_2(num_queries_per_kv))
+    min_rows = max(16, next_power_of_2(num_queries_per_kv))  # a tile holds every query head of a KV head
     if not tensor_cores:
-        return KernelConfig(block_m, 16, 4, 2 if on_gpu else 1)
-    wide = head_pad > 128
-    return KernelConfig(block_m, 32 if wide else 64, 4, 2)
+        return KernelConfig(min_rows, 16, 4, 2 if on_gpu else 1)
+    if head_pad > 128:
+        return KernelConfig(min_rows, 32, 4, 2)
+    tiles = by_size(INVARIANT_ATTENTION_TILES, num_queries_per_kv * max_query_len)
+    return KernelConfig(max(tiles.block_m, min_rows), tiles.block_n, tiles.num_warps, tiles.num_stages)
+
+
+INVARIANT_ATTENTION_TILES: tuple[tuple[int | None, Tiles], ...] = ((None, Tiles(64, 64, 4, 4)),)
+"""The batch-invariant mode's attention tiles by the query rows of the batch's longest request
+(query tokens x query heads per KV head): (largest rows, tiles) buckets, in order, 64 keys per tile
+in every entry (the order of a row's sums).
+
+One bucket, from an H100 (2026-12-07, benchmarks/invariant_attention_tiles.py and the gate in
+tests/gpu): tiles of 64 or 128 rows (wgmma) give a row the same bits as each other, tiles of 16 or
+32 rows (mma.sync) the same bits as each other, but the two families differ in about 2 tokens in
+100 (by one bf16 unit in the last place). So the table holds one family only. Against the mode's
+former 16-row tile, 64 rows, 4 warps, 4 stages took 364 us instead of 827 on a 4,096-token prefill
+and 260 instead of 246 on W1's decode step of 128 requests, and no member of the 64-row family was
+faster than it on a batch of any bucket."""
+
+INVARIANT_ATTENTION_TILE_CHOICES: tuple[Tiles, ...] = tuple(dict.fromkeys(t for _, t in INVARIANT_ATTENTION_TILES))
+"""Every tile `batch_invariant_config` can pick on tensor cores for heads up to 128 (its rows raised
+to the query heads of a KV head where there are more than 64): the set whose outputs tests/gpu must
+find bitwise equal."""

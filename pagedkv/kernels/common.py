@@ -153,6 +153,12 @@ def supports_pdl(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def supports_tma(device: torch.device) -> bool:
+    """Tensor Memory Accelerator copies (Triton's tensor descriptors) in compiled kernels: Hopper+."""
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
 def num_compute_units(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (a few, under the CPU interpreter)."""
     if device.type == "cuda":

@@ -38,6 +38,7 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedkv.kernels.attention_config import KernelConfig, choose_config
 from pagedkv.kernels.common import (
@@ -122,6 +123,7 @@ def _attend_key_tile(
     tile,
     k_base,
     v_base,
+    kv_col,
     block_table_row,
     positions,
     seq_len,
@@ -143,6 +145,7 @@ def _attend_key_tile(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Fold one tile of BLOCK_N keys into the running softmax state (online softmax)."""
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -151,17 +154,38 @@ def _attend_key_tile(
     page = keys // PAGE_SIZE
     offset = keys % PAGE_SIZE
     in_seq = keys < seq_len
-    if MASKED:  # only boundary tiles pay for masks: keys past the sequence, causal, window
-        block = tl.load(block_table_row + page, mask=in_seq, other=0).to(tl.int64)
-    else:  # every key of the tile is in the sequence, so its page-table entry exists
-        block = tl.load(block_table_row + page).to(tl.int64)
-    k_rows = (block * stride_kc_b + offset * stride_kc_s)[:, None]
-    v_rows = (block * stride_vc_b + offset * stride_vc_s)[:, None]
-    k = _load_kv(k_base + k_rows + dims_kv_k, in_seq, dim_ok, MASKED, PADDED).to(q.dtype)  # fp8 -> fp16: exact
-    v = _load_kv(v_base + v_rows + dims_kv_v, in_seq, v_dim_ok, MASKED, PADDED_V)
-    if v.dtype == tl.float8e4nv:
-        v = _widen_fp8_tile(v)
-    v = v.to(q.dtype)
+    if TMA:
+        # The tile lies inside one page (PAGE_SIZE % BLOCK_N == 0): K and V tiles are boxes of the cache
+        # seen as [slots, kv heads x head], one TMA copy each, straight into shared memory. Keys past
+        # the sequence hold whatever the page held before: V's must be zeros (p = 0 times a NaN is NaN).
+        first_key = tile * BLOCK_N
+        row = tl.load(block_table_row + first_key // PAGE_SIZE) * PAGE_SIZE + first_key % PAGE_SIZE
+        k = k_base.load([row, kv_col])
+        v = v_base.load([row, kv_col])
+        if MASKED:
+            v = tl.where(in_seq[:, None], v, 0.0)
+    else:
+        if q.shape[0] >= 64 and BLOCK_N > PAGE_SIZE:
+            # Prefill tiles: one page-table entry per page, spread over its keys. (Saves registers and the
+            # pipeline's 4-byte copies there: 128 x 128 tiles stop spilling. Decode tiles keep the
+            # entry-per-key load below, which compiles to fewer registers for them: 125 against 154.)
+            pages = tile * (BLOCK_N // PAGE_SIZE) + tl.arange(0, BLOCK_N // PAGE_SIZE)
+            if MASKED:
+                ids = tl.load(block_table_row + pages, mask=pages * PAGE_SIZE < seq_len, other=0)
+            else:
+                ids = tl.load(block_table_row + pages)
+            block = tl.reshape(tl.broadcast_to(ids.to(tl.int64)[:, None], [BLOCK_N // PAGE_SIZE, PAGE_SIZE]), [BLOCK_N])
+        elif MASKED:  # only boundary tiles pay for masks: keys past the sequence, causal, window
+            block = tl.load(block_table_row + page, mask=in_seq, other=0).to(tl.int64)
+        else:  # every key of the tile is in the sequence, so its page-table entry exists
+            block = tl.load(block_table_row + page).to(tl.int64)
+        k_rows = (block * stride_kc_b + offset * stride_kc_s)[:, None]
+        v_rows = (block * stride_vc_b + offset * stride_vc_s)[:, None]
+        k = _load_kv(k_base + k_rows + dims_kv_k, in_seq, dim_ok, MASKED, PADDED).to(q.dtype)  # fp8 -> fp16: exact
+        v = _load_kv(v_base + v_rows + dims_kv_v, in_seq, v_dim_ok, MASKED, PADDED_V)
+        if v.dtype == tl.float8e4nv:
+            v = _widen_fp8_tile(v)
+        v = v.to(q.dtype)
 
     s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
     if MASKED:
@@ -184,8 +208,9 @@ def _attend_key_tile(
 # Per-step integers are not specialised: Triton compiles a separate binary for an int argument
 # equal to 1 or divisible by 16, so a batch size or split count that changes every step would
 # keep building variants (and hashing their cache keys) during a run.
-@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "num_q_tiles"])
 def _unified_attention_kernel(
+    num_q_tiles,
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -233,11 +258,24 @@ def _unified_attention_kernel(
     UPCAST: tl.constexpr,
     FP8: tl.constexpr,
     FP8_DOTS_F16: tl.constexpr,  # fp8 cache, 16-bit query: dots in fp16
+    NUM_KV_HEADS: tl.constexpr,
+    SHORT_Q: tl.constexpr,  # > 0: one of a mixed batch's two launches (requests of <= SHORT_Q queries or the rest)
+    TMA: tl.constexpr,  # q_ptr, k_cache_ptr, v_cache_ptr are tensor descriptors
 ):
-    """One program: one query tile of one request, one KV head, one share of its keys."""
-    q_tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    """One program: one query tile of one request, one KV head, one share of its keys.
+
+    Work items (query tile, KV head) in a line on grid axis 0, heaviest first; split s of each on
+    axis 1.
+
+    A request's later query tiles see more keys (causal), so the line starts at the last tile slot:
+    the GPU starts programs in grid order, so the long items start first and short ones fill the end,
+    instead of long ones starting last while the other multiprocessors sit idle (longest processing
+    time first). The KV heads of one tile are neighbours in the line.
+    """
+    work = tl.program_id(0)
+    q_tile = num_q_tiles - 1 - work // NUM_KV_HEADS
+    kv_head = work % NUM_KV_HEADS
+    split = tl.program_id(1)
 
     # --- which request, which of its query tokens --------------------------------------------
     if ONE_TILE_PER_REQ:
@@ -248,8 +286,14 @@ def _unified_attention_kernel(
         first = (q_tile - tl.load(query_start_loc_ptr + req) // BLOCK_Q - req) * BLOCK_Q
     q_start = tl.load(query_start_loc_ptr + req)
     query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    if first >= query_len:
-        return  # an unused tile slot (or a padded, empty request)
+    done = first >= query_len  # an unused tile slot (or a padded, empty request)
+    if SHORT_Q > 0:  # a mixed batch's two launches: the one-tile launch takes the short requests
+        if ONE_TILE_PER_REQ:
+            done = done | (query_len > SHORT_Q)
+        else:
+            done = done | (query_len <= SHORT_Q)
+    if done:
+        return
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - query_len  # the queries are the last query_len positions
 
@@ -262,11 +306,14 @@ def _unified_attention_kernel(
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_SIZE
     tokens = (q_start + q_local).to(tl.int64)
-    q = tl.load(
-        q_ptr + tokens[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims[None, :] * stride_q_d,
-        mask=row_ok[:, None] & dim_ok[None, :],
-        other=0.0,
-    )
+    if TMA:  # q_ptr is a descriptor of q as [tokens, heads, head]: BLOCK_Q tokens x G heads, one box
+        q = tl.reshape(q_ptr.load([q_start + first, kv_head * G, 0]), [BLOCK_M, HEAD_PAD])
+    else:
+        q = tl.load(
+            q_ptr + tokens[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims[None, :] * stride_q_d,
+            mask=row_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
     if FP8_DOTS_F16:
         q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
 
@@ -297,8 +344,10 @@ def _unified_attention_kernel(
     v_dims = tl.arange(0, HEAD_PAD_V)
     v_dim_ok = v_dims < HEAD_SIZE_V
     acc = tl.zeros([BLOCK_M, HEAD_PAD_V], tl.float32)
-    k_base = k_cache_ptr + kv_head * stride_kc_h
-    v_base = v_cache_ptr + kv_head * stride_vc_h
+    if TMA:  # k_cache_ptr / v_cache_ptr are tensor descriptors (see unified_attention)
+        k_base, v_base, kv_col = k_cache_ptr, v_cache_ptr, kv_head * HEAD_SIZE
+    else:
+        k_base, v_base, kv_col = k_cache_ptr + kv_head * stride_kc_h, v_cache_ptr + kv_head * stride_vc_h, 0
     dims_k = (dims * stride_kc_d)[None, :]
     dims_v = (v_dims * stride_vc_d)[None, :]
     block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
@@ -312,6 +361,7 @@ def _unified_attention_kernel(
                 tile,
                 k_base,
                 v_base,
+                kv_col,
                 block_table_row,
                 positions,
                 seq_len,
@@ -333,6 +383,7 @@ def _unified_attention_kernel(
                 USE_WINDOW,
                 DOT_PRECISION,
                 UPCAST,
+                TMA,
             )
     for tile in range(tl.maximum(full_start, mine_start), tl.minimum(full_end, mine_end)):
         acc, m_i, l_i = _attend_key_tile(
@@ -343,6 +394,7 @@ def _unified_attention_kernel(
             tile,
             k_base,
             v_base,
+            kv_col,
             block_table_row,
             positions,
             seq_len,
@@ -364,6 +416,7 @@ def _unified_attention_kernel(
             USE_WINDOW,
             DOT_PRECISION,
             UPCAST,
+            TMA,
         )
     for tile in range(tl.maximum(full_end, mine_start), mine_end):  # the causal diagonal
         acc, m_i, l_i = _attend_key_tile(
@@ -374,6 +427,7 @@ def _unified_attention_kernel(
             tile,
             k_base,
             v_base,
+            kv_col,
             block_table_row,
             positions,
             seq_len,
@@ -395,6 +449,7 @@ def _unified_attention_kernel(
             USE_WINDOW,
             DOT_PRECISION,
             UPCAST,
+            TMA,
         )
 
     # --- write back ---------------------------------------------------------------------------
@@ -478,71 +533,116 @@ def unified_attention(
     if workspace is not None and num_tokens * config.num_splits > workspace.rows:
         # The scratch bounds num_tokens * num_splits: take fewer splits rather than overflow.
         config = dataclasses.replace(config, num_splits=max(workspace.rows // num_tokens, 1))
-    block_q = config.block_m // group
-    if block_q < 1:
-        raise ValueError(f"block_m={config.block_m} is smaller than the {group} query heads per KV head")
-    one_tile_per_req = block_q >= max_query_len
-    if config.num_splits > 1 and not one_tile_per_req:
-        raise ValueError("split-KV needs every request's queries in one tile (a decode-like batch)")
-    num_q_tiles = num_reqs if one_tile_per_req else num_tokens // block_q + num_reqs
+    # A mixed batch may run as two launches (`KernelConfig.short_rows`): first the requests of at most
+    # `short_q` queries, one program each with decode tiles, then the rest with the main tiles.
+    short_q = 0 if config.short_rows is None else config.short_rows.block_m // group
+    for launch in (config,) if config.short_rows is None else (config.short_rows, config):
+        block_q = launch.block_m // group
+        if block_q < 1:
+            raise ValueError(f"block_m={launch.block_m} is smaller than the {group} query heads per KV head")
+        one_tile_per_req = block_q >= max_query_len or launch is config.short_rows
+        if launch.num_splits > 1 and not one_tile_per_req:
+            raise ValueError("split-KV needs every request's queries in one tile (a decode-like batch)")
+        num_q_tiles = num_reqs if one_tile_per_req else num_tokens // block_q + num_reqs
 
-    if config.num_splits > 1:
-        if workspace is None:
-            workspace = SplitKVWorkspace(num_tokens * config.num_splits, num_q_heads, head_size_v, q.device)
-        elif tuple(workspace.partial_out.shape[1:]) != (num_q_heads, head_size_v):
-            raise ValueError(
-                f"the split-KV workspace holds rows of {list(workspace.partial_out.shape[1:])} (heads, head size); "
-                f"this call writes [{num_q_heads}, {head_size_v}]: allocate it with the output's heads and head size"
-            )
-        partial_out, partial_lse = workspace.views(num_tokens, config.num_splits)
-        target, lse = partial_out, partial_lse
-    else:
-        target, lse = out, out  # lse is unused without splits
+        if launch.num_splits > 1:
+            if workspace is None:
+                workspace = SplitKVWorkspace(num_tokens * launch.num_splits, num_q_heads, head_size_v, q.device)
+            elif tuple(workspace.partial_out.shape[1:]) != (num_q_heads, head_size_v):
+                raise ValueError(
+                    f"the split-KV workspace holds rows of {list(workspace.partial_out.shape[1:])} (heads, head size); "
+                    f"this call writes [{num_q_heads}, {head_size_v}]: allocate it with the output's heads and head size"
+                )
+            partial_out, partial_lse = workspace.views(num_tokens, launch.num_splits)
+            target, lse = partial_out, partial_lse
+        else:
+            target, lse = out, out  # lse is unused without splits
 
-    _unified_attention_kernel[(num_q_tiles, num_kv_heads, config.num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        target,
-        lse,
-        query_start_loc,
-        seq_lens,
-        block_table,
-        k_scale if fp8 else seq_lens,  # unread without fp8
-        v_scale if fp8 else seq_lens,
-        num_reqs,
-        config.num_splits,
-        softmax_scale * LOG2_E,
-        NO_WINDOW if sliding_window is None else sliding_window,
-        *q.stride(),
-        *target.stride(),
-        *lse.stride()[:2],
-        *k_cache.stride(),
-        *v_cache.stride(),
-        block_table.stride(0),
-        G=group,
-        HEAD_SIZE=head_size,
-        HEAD_PAD=head_pad,
-        HEAD_SIZE_V=head_size_v,
-        HEAD_PAD_V=head_pad_v,
-        BLOCK_M=config.block_m,
-        BLOCK_Q=block_q,
-        BLOCK_N=config.block_n,
-        PAGE_SIZE=k_cache.shape[1],
-        SPLIT_KV=config.num_splits > 1,
-        ONE_TILE_PER_REQ=one_tile_per_req,
-        USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=interpreting() and q.dtype == torch.bfloat16,
-        FP8=fp8,
-        FP8_DOTS_F16=fp8 and q.dtype != torch.float32,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **({} if config.max_registers is None or interpreting() else {"maxnreg": config.max_registers}),
-    )
-    if config.num_splits > 1:
-        merge_splits(partial_out, partial_lse, out, query_start_loc, config.num_splits)
+        descriptors = None if one_tile_per_req or not launch.tma else _tma_descriptors(q, k_cache, v_cache, launch)
+        _unified_attention_kernel[(num_q_tiles * num_kv_heads, launch.num_splits)](
+            num_q_tiles,
+            *(descriptors or (q, k_cache, v_cache)),
+            target,
+            lse,
+            query_start_loc,
+            seq_lens,
+            block_table,
+            k_scale if fp8 else seq_lens,  # unread without fp8
+            v_scale if fp8 else seq_lens,
+            num_reqs,
+            launch.num_splits,
+            softmax_scale * LOG2_E,
+            NO_WINDOW if sliding_window is None else sliding_window,
+            *q.stride(),
+            *target.stride(),
+            *lse.stride()[:2],
+            *k_cache.stride(),
+            *v_cache.stride(),
+            block_table.stride(0),
+            G=group,
+            HEAD_SIZE=head_size,
+            HEAD_PAD=head_pad,
+            HEAD_SIZE_V=head_size_v,
+            HEAD_PAD_V=head_pad_v,
+            BLOCK_M=launch.block_m,
+            BLOCK_Q=block_q,
+            BLOCK_N=launch.block_n,
+            PAGE_SIZE=k_cache.shape[1],
+            SPLIT_KV=launch.num_splits > 1,
+            ONE_TILE_PER_REQ=one_tile_per_req,
+            USE_WINDOW=sliding_window is not None,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            UPCAST=interpreting() and q.dtype == torch.bfloat16,
+            FP8=fp8,
+            FP8_DOTS_F16=fp8 and q.dtype != torch.float32,
+            NUM_KV_HEADS=num_kv_heads,
+            SHORT_Q=short_q,
+            TMA=descriptors is not None,
+            num_warps=launch.num_warps,
+            num_stages=launch.num_stages,
+            **({} if launch.max_registers is None or interpreting() else {"maxnreg": launch.max_registers}),
+        )
+        if launch.num_splits > 1:
+            merge_splits(partial_out, partial_lse, out, query_start_loc, launch.num_splits)
     return out
+
+
+def _tma_descriptors(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, config: KernelConfig
+) -> tuple[TensorDescriptor, TensorDescriptor, TensorDescriptor] | None:
+    """Tensor descriptors of q and of the K and V caches for a prefill launch's TMA copies, or None
+    where the layout rules them out (the kernel then gathers with pointers). A K/V tile must lie in
+    one page (page size a multiple of block_n: Hopper's TMA copies boxes, it cannot gather the
+    pages of a random page table); a query tile must be exactly BLOCK_Q tokens x G heads, every head
+    its power-of-two size; the caches hold q's dtype (an fp8 cache's tiles are cast after loading)
+    with [blocks, page, heads, head] strides of whole slots."""
+    num_tokens, num_q_heads, head = q.shape
+    num_blocks, page, num_kv_heads, head_k = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    if (
+        k_cache.dtype != q.dtype
+        or head & (head - 1)
+        or v_cache.shape[3] != head
+        or page % config.block_n
+        or (config.block_m // group) * group != config.block_m
+        or group & (group - 1)
+        or q.stride(2) != 1
+        or q.stride(1) != head
+        or any(
+            c.stride()[1:] != (num_kv_heads * head, head, 1) or c.stride(0) != page * c.stride(1)
+            for c in (k_cache, v_cache)
+        )
+    ):
+        return None
+    slots = [num_blocks * page, num_kv_heads * head]
+    try:
+        return (
+            TensorDescriptor(q, list(q.shape), list(q.stride()), [config.block_m // group, group, head]),
+            TensorDescriptor(k_cache, slots, [k_cache.stride(1), 1], [config.block_n, head]),
+            TensorDescriptor(v_cache, slots, [v_cache.stride(1), 1], [config.block_n, head]),
+        )
+    except AssertionError:  # a base address or row stride not 16-byte aligned
+        return None
 
 
 def _check_inputs(

@@ -13,7 +13,9 @@ import torch
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
 from pagedkv.kernels import KernelConfig, SplitKVWorkspace, reshape_and_cache, unified_attention
+from pagedkv.kernels.attention_config import Tuning, choose_config
 from pagedkv.kernels.testing import PagedBatch, random_paged_batch
+from pagedkv.kernels.unified_attention import _tma_descriptors
 from tests.conftest import needs_triton_on_cpu
 
 pytestmark = needs_triton_on_cpu("CPU kernel tests")
@@ -444,3 +446,43 @@ def test_backend_reasons_on_the_cpu() -> None:
     assert any("device 'cpu'" in r for r in reasons) and any("float32" in r for r in reasons)
     if not torch.cuda.is_available():
         assert any("not installed" in r or "compute capability" in r for r in reasons)
+
+
+def test_a_mixed_batch_gives_its_decodes_a_launch_of_their_own() -> None:
+    # 63 decodes beside one 2,048-token prompt (GQA 4): the decodes get 16-row tiles (4 queries x 4
+    # heads) and no split; a batch of prompts only, or of decodes only, stays one launch.
+    def config(query_lens: list[int], tuning: Tuning | None = None) -> KernelConfig:
+        return choose_config(
+            device=torch.device("cpu"),
+            head_pad=128,
+            dtype=torch.bfloat16,
+            num_queries_per_kv=4,
+            num_kv_heads=8,
+            num_reqs=len(query_lens),
+            num_tokens=sum(query_lens),
+            max_query_len=max(query_lens),
+            max_seq_len=4096,
+            tuning=tuning or Tuning(),
+        )
+
+    mixed = config([1] * 63 + [2048])
+    assert mixed.short_rows is not None and mixed.short_rows.block_m == 16 and mixed.short_rows.num_splits == 1
+    assert mixed.block_m > 16
+    # 8 prompts of 1,024 hold 8,192 tokens: were one of them a decode, they would hold at most 7 x 1,024 + 1.
+    assert config([1024] * 8).short_rows is None
+    assert config([1] * 64).short_rows is None
+    assert config([1] * 63 + [2048], Tuning(split_mixed=False)).short_rows is None
+
+
+@pytest.mark.parametrize("kind", ["prefill", "chunked", "mixed"])
+def test_tma_tiles_match_the_reference_and_ignore_stale_slots(kind: str) -> None:
+    # Pages of 32 keys hold two 16-key tiles each, so q, K and V go through tensor descriptors (the
+    # interpreter runs them as plain box copies). The slots past each sequence in its last page are
+    # NaN, as stale values may be: a masked V tile that is not zeroed turns its row into NaN.
+    batch = random_paged_batch(*BATCHES[kind], block_size=32, seed=11)
+    for r, seq_len in enumerate(batch.seq_lens.tolist()):
+        if seq_len % 32:
+            batch.kv_cache[:, batch.block_table[r, seq_len // 32], seq_len % 32 :] = float("nan")
+    config = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, tma=True)
+    assert _tma_descriptors(batch.q, batch.k_cache, batch.v_cache, config) is not None
+    assert_close(run_kernel(batch, config=config), dense_reference(batch, 64**-0.5), torch.float32)
