@@ -31,7 +31,6 @@ import triton
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from pagedkv.batch_invariant import by_size  # noqa: E402
 from pagedkv.kernels.batch_invariant_triton import (  # noqa: E402
     MATMUL_BLOCK_K,
     MATMUL_TILE_CHOICES,
@@ -39,6 +38,7 @@ from pagedkv.kernels.batch_invariant_triton import (  # noqa: E402
     MatmulTiles,
     matmul_triton,
 )
+from pagedkv.kernels.common import by_size  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 """llama3-8b's linear layers as (N, K): out features, in features."""

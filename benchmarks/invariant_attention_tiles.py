@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llama_batch import HKV, HQ, llama_batch  # noqa: E402
-from pagedkv.batch_invariant import by_size  # noqa: E402
 from pagedkv.kernels import unified_attention  # noqa: E402
 from pagedkv.kernels.attention_config import (  # noqa: E402
     INVARIANT_ATTENTION_TILE_CHOICES,
@@ -40,6 +39,7 @@ from pagedkv.kernels.attention_config import (  # noqa: E402
     KernelConfig,
     Tiles,
 )
+from pagedkv.kernels.common import by_size  # noqa: E402
 from pagedkv.kernels.testing import PagedBatch  # noqa: E402
 
 G = HQ // HKV

@@ -38,7 +38,6 @@ Slower (a call per block), but exactly as the tests check: a row's bits no longe
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -47,18 +46,6 @@ from pagedkv.library import register_op
 
 ROWS = 16
 """Rows per library call on the CPU path: every call sees [ROWS, ...]."""
-
-T = TypeVar("T")
-
-
-def by_size(table: tuple[tuple[int | None, T], ...], size: int) -> T:
-    """The value of the first (largest size, value) bucket of `table` that holds `size`; the last
-    bucket's bound is None (any size). The mode's tile tables are looked up so (the matmul's by M,
-    the attention's by a request's query rows)."""
-    for bound, value in table:
-        if bound is None or size <= bound:
-            return value
-    raise ValueError(f"size {size} is past every bucket of {table}: end the table with a (None, tiles) bucket")
 
 
 def _use_triton(x: torch.Tensor) -> bool:

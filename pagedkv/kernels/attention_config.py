@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.batch_invariant import by_size
-from pagedkv.kernels.common import cdiv, interpreting, next_power_of_2, num_compute_units, supports_tma
+from pagedkv.kernels.common import by_size, cdiv, interpreting, next_power_of_2, num_compute_units, supports_tma
 
 MAX_SPLITS = 64
 """Most programs one sequence's keys are split over."""

@@ -7,8 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.batch_invariant import by_size
-from pagedkv.kernels.common import next_power_of_2
+from pagedkv.kernels.common import by_size, next_power_of_2
 
 MatmulTiles = tuple[int, int, int, int, int]
 """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the matmul."""

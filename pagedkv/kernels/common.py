@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_SIZE = 16
@@ -20,6 +23,16 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= n (tile shapes in Triton must be powers of two)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def by_size(table: tuple[tuple[int | None, T], ...], size: int) -> T:
+    """The value of the first (largest size, value) bucket of `table` that holds `size`; the last
+    bucket's bound is None (any size). The mode's tile tables are looked up so (the matmul's by M,
+    the attention's by a request's query rows)."""
+    for bound, value in table:
+        if bound is None or size <= bound:
+            return value
+    raise ValueError(f"size {size} is past every bucket of {table}: end the table with a (None, tiles) bucket")
 
 
 def check_attention_dtype(dtype: torch.dtype, name: str) -> None:

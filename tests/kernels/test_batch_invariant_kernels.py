@@ -116,7 +116,7 @@ def test_cpu_linear_keeps_torch_in_row_blocks(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_by_size_needs_an_unbounded_last_bucket() -> None:
-    from pagedkv.batch_invariant import by_size
+    from pagedkv.kernels.common import by_size
 
     assert [by_size(((4, "a"), (None, "b")), m) for m in (0, 4, 5)] == ["a", "a", "b"]
     with pytest.raises(ValueError, match="size 5 is past every bucket"):
