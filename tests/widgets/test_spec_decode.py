@@ -150,7 +150,14 @@ def test_old_traces_load_without_the_new_fields(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("saved", sorted((Path(__file__).parents[2] / "notebooks" / "traces").glob("*.json")))
+@pytest.mark.parametrize(
+    "saved",  # the step traces (prefill_ladder_*.json beside them are benchmark figures for notebook 15)
+    sorted(
+        p
+        for p in (Path(__file__).parents[2] / "notebooks" / "traces").glob("*.json")
+        if not p.name.startswith("prefill_ladder")
+    ),
+)
 def test_saved_notebook_traces_still_load(saved: Path) -> None:
     trace = StepTrace.load(saved)
     assert all(r.draft_token_ids == [] and r.num_accepted_tokens is None for s in trace for r in s.requests)
