@@ -12,7 +12,7 @@
 #   bash benchmarks/run_on_h200.sh fp8        fp8 decode sweep (speed-ups over bf16, same run),
 #                                             fp8 accuracy on tiny-pydoc, the fp8 GPU tests
 #   bash benchmarks/run_on_h200.sh invariant  whether wider attention tiles keep a row's bits,
-#                                             matmul tiles per shape, then W1 with them
+#                                             matmul tiles per M, then W1 in the mode
 #                                             (uncompiled and compiled)
 #   bash benchmarks/run_on_h200.sh tests35    (carry .whl/nb: Jupyter) the batch-invariance and
 #                                             kernel GPU tests, notebook 14
@@ -53,7 +53,7 @@ case $step in
     timeout 45 python3 benchmarks/invariant_attention_tiles.py --json "$out/invariant_attention_tiles.json" | tail -11
     timeout 100 python3 benchmarks/batch_invariant_matmul.py --json "$out/bim.json" 2>&1 | tee "$out/bim.log" | grep -v '^{'
     timeout 420 python3 benchmarks/end_to_end.py --tables w1 --modes default default+invariant FULL_AND_PIECEWISE+invariant \
-      --matmul-tiles "$out/bim.json" --json "$out/w1_invariant.json" 2>&1 | grep -v '^{' | tail -12 ;;
+      --json "$out/w1_invariant.json" 2>&1 | grep -v '^{' | tail -12 ;;  # the tiles by M (--matmul-tiles would pin one per weight)
   tests35)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/nb/*.whl && export PYTHONPATH=/tmp/site:$PWD
     timeout 540 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_batch_invariant_cuda.py \
