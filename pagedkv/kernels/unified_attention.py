@@ -4,7 +4,7 @@ The one idea: a paged cache is only an indirection. Key position `k` of request 
 `block_table[r, k // block_size]`, offset `k % block_size`; once each K/V tile is gathered
 through that lookup, the rest is ordinary flash attention (tiles of keys, online softmax).
 
-The grid is (query tile, KV head, split):
+The grid is (query tile x KV head, split), the (query tile, KV head) work items heaviest first:
 
 * A **query tile** holds `BLOCK_Q` consecutive query tokens of one request times the
   `G = num_q_heads // num_kv_heads` query heads that share one KV head (GQA/MQA), flattened to
@@ -16,6 +16,13 @@ The grid is (query tile, KV head, split):
 * **Split-KV** (decode): when each request fits one tile, there may be too few programs to fill
   the GPU. Then the key range is cut into `num_splits` parts, each program writes its normalised
   partial output plus its log-sum-exp, and a small second kernel merges the parts.
+* **Mixed batches** (prompts and decodes) run as two launches of this kernel, each skipping the
+  other's requests: the decodes one program each with decode tiles, the prompts with prefill tiles
+  (`KernelConfig.short_rows`).
+* **TMA** (Hopper): where a page holds whole key tiles (block size a multiple of BLOCK_N), a
+  prefill launch loads q and each K/V tile as one tensor-descriptor box (`_tma_descriptors`);
+  otherwise the tile is gathered key by key through pointers (pages of 16 with a random page
+  table: Hopper's copy engine copies boxes, it has no gather).
 * **Head sizes** that are not a power of two (80, 96, ...) run in tiles padded to the next one
   (`HEAD_PAD`). Every access masks the padded dims, so nothing outside q, the cache or out is
   read or written; for a power-of-two head the mask is compiled out. V may have a head size of
@@ -24,8 +31,9 @@ The grid is (query tile, KV head, split):
 * An **fp8 cache** (e4m3, one byte per value; pagedkv/kv_cache/fp8.py) holds `x / scale`. A tile
   is loaded as fp8 and cast to fp16 for the dots (exact: every e4m3 value is an fp16 value; the
   GPU converts a pair of e4m3 values to fp16 in one instruction on sm_89 and later, and reaches
-  bf16 only by way of fp16 and fp32; V's cast: `_widen_fp8_tile`); a bf16 query is cast to fp16 once per program (its 10-bit mantissa holds bf16's 7 bits; it
-  saturates at fp16's +-65504, far above any query). The dequantizing multiply `* scale` is
+  bf16 only by way of fp16 and fp32; V's cast: `_widen_fp8_tile`); a bf16 query is cast to fp16
+  once per program (its 10-bit mantissa holds bf16's 7 bits; it saturates at fp16's +-65504, far
+  above any query). The dequantizing multiply `* scale` is
   folded into scalars: q . (k * k_scale) = (q . k) * k_scale joins the softmax scale, and
   sum p (v * v_scale) = v_scale * sum p v multiplies the output once. So a decode reads half the
   bytes of a bf16 cache and does no extra work per element but the cast.
@@ -40,12 +48,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from pagedkv.kernels.attention_checks import NO_WINDOW, check_attention_inputs, check_batch_on_cpu, check_window
 from pagedkv.kernels.attention_config import KernelConfig, choose_config
 from pagedkv.kernels.common import (
-    check_attention_dtype,
-    check_head_size,
     check_pages_on_cpu,
-    check_tensors,
     interpreting,
     next_power_of_2,
 )
@@ -54,7 +60,6 @@ from pagedkv.kernels.split_kv import SplitKVWorkspace, merge_splits
 
 LOG2_E = 1.4426950408889634
 FP16_MAX = tl.constexpr(65504.0)
-NO_WINDOW = 1 << 30  # "unbounded" sliding window that still fits an int32
 
 
 @triton.jit
@@ -502,16 +507,16 @@ def unified_attention(
     `config` overrides the tile heuristics (benchmarks, tuning). An fp8 cache (float8_e4m3fn)
     needs `k_scale` / `v_scale`, float32 scalar tensors: the cache holds K / k_scale, V / v_scale.
     """
-    _check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table)
+    check_attention_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table)
     fp8 = k_cache.dtype in FP8_CACHE_DTYPES
     check_kv_scales(fp8, k_scale, v_scale, k_cache.device)
-    _check_window(sliding_window)
+    check_window(sliding_window)
     if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
         raise TypeError(f"softmax_scale must be a float (1 / sqrt(head_size), usually), got {softmax_scale!r}")
     num_tokens, num_q_heads, head_size = q.shape
     num_kv_heads, head_size_v = k_cache.shape[2], v_cache.shape[3]
     check_pages_on_cpu(block_table, seq_lens, k_cache.shape[0], k_cache.shape[1])
-    _check_batch_on_cpu(query_start_loc, seq_lens, num_tokens, max_query_len, max_seq_len)
+    check_batch_on_cpu(query_start_loc, seq_lens, num_tokens, max_query_len, max_seq_len)
     if num_tokens == 0 or seq_lens.shape[0] == 0:
         return out
     num_reqs = seq_lens.shape[0]
@@ -643,101 +648,3 @@ def _tma_descriptors(
         )
     except AssertionError:  # a base address or row stride not 16-byte aligned
         return None
-
-
-def _check_inputs(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-) -> None:
-    check_tensors(
-        q=q,
-        k_cache=k_cache,
-        v_cache=v_cache,
-        out=out,
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        block_table=block_table,
-    )
-    if q.dim() != 3:
-        raise ValueError(f"q must be [num_tokens, num_q_heads, head_size]; got {tuple(q.shape)}")
-    if (
-        k_cache.dim() != 4
-        or v_cache.dim() != 4
-        or v_cache.shape[:3] != k_cache.shape[:3]
-        or k_cache.shape[3] != q.shape[2]
-    ):
-        raise ValueError(
-            f"k_cache must be [num_blocks, block_size, num_kv_heads, {q.shape[2]}] and v_cache the same but for "
-            f"its head size; got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-        )
-    expected = (q.shape[0], q.shape[1], v_cache.shape[3])
-    if tuple(out.shape) != expected:
-        raise ValueError(
-            f"out must be [num_tokens, num_q_heads, V's head size] = {list(expected)}, got {list(out.shape)}"
-        )
-    if q.shape[1] % k_cache.shape[2] != 0:
-        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
-    check_head_size(q.shape[2])
-    check_head_size(v_cache.shape[3])
-    for name, tensor in (("q", q), ("out", out)):  # the cache: its own check below
-        check_attention_dtype(tensor.dtype, name)
-    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (q.dtype, *FP8_CACHE_DTYPES):
-        raise ValueError(
-            f"KV cache dtypes {k_cache.dtype} / {v_cache.dtype} must both equal the query dtype {q.dtype} "
-            f"or both be one of {list(FP8_CACHE_DTYPES)}"
-        )
-    for name, tensor in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
-        if tensor.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {tensor.dtype}")
-    if (
-        query_start_loc.dim() != 1
-        or seq_lens.dim() != 1
-        or block_table.dim() != 2
-        or query_start_loc.shape[0] != seq_lens.shape[0] + 1
-        or block_table.shape[0] < seq_lens.shape[0]
-    ):
-        raise ValueError(
-            f"inconsistent batch: query_start_loc {tuple(query_start_loc.shape)}, seq_lens {tuple(seq_lens.shape)}, "
-            f"block_table {tuple(block_table.shape)}; expected [num_reqs + 1], [num_reqs], [>= num_reqs, max_blocks]"
-        )
-    if block_table.stride(1) != 1:
-        raise ValueError("block_table rows must be contiguous")
-
-
-def _check_batch_on_cpu(
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    num_tokens: int,
-    max_query_len: int,
-    max_seq_len: int,
-) -> None:
-    """The ragged batch's offsets and the host-side bounds, checked where that is free (see
-    `check_pages_on_cpu`): offsets past q read outside it, and a max_query_len below a request's
-    query length leaves rows of `out` unwritten."""
-    if query_start_loc.device.type != "cpu" or seq_lens.numel() == 0:
-        return
-    query_lens = query_start_loc.diff()
-    if query_start_loc[0] != 0 or query_lens.min() < 0 or query_start_loc[-1] > num_tokens:
-        raise ValueError(
-            f"query_start_loc must rise from 0 to at most the {num_tokens} tokens of q, got {query_start_loc.tolist()}"
-        )
-    if (query_lens > seq_lens).any():
-        raise ValueError(
-            f"a request's query is longer than its sequence: query lengths {query_lens.tolist()}, "
-            f"seq_lens {seq_lens.tolist()}"
-        )
-    if query_lens.max() > max_query_len or seq_lens.max() > max_seq_len:
-        raise ValueError(
-            f"max_query_len={max_query_len} and max_seq_len={max_seq_len} must bound the batch's "
-            f"{query_lens.max().item()} and {seq_lens.max().item()}"
-        )
-
-
-def _check_window(sliding_window: int | None) -> None:
-    if sliding_window is not None and (not isinstance(sliding_window, int) or not 1 <= sliding_window < NO_WINDOW):
-        raise ValueError(f"sliding_window must be None or a positive int below {NO_WINDOW}, got {sliding_window}")
