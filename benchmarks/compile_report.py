@@ -1,17 +1,21 @@
-"""What the compiler makes of the decode kernel, without a GPU: registers, spills, shared memory, copies.
+"""What the compiler makes of the attention kernel, without a GPU: registers, spills, shared memory, copies.
 
-    python benchmarks/compile_report.py                       # bf16 and fp8 caches, the default tiles
+    python benchmarks/compile_report.py                       # decode over bf16 and fp8 caches, default tiles
     python benchmarks/compile_report.py fp8:128:4:2 fp8:64:4:2:128 --json report.json
+    python benchmarks/compile_report.py prefill:128:128:8:3 prefill-tma:128:128:8:3
 
-Each CONFIG is `cache:keys:warps:stages[:register cap]` (cache bf16 or fp8) for TRITON_ATTN's decode
-of llama3-8b's attention (32 query / 8 KV heads, head 128, block size 16, split-KV on). Triton
-compiles it for sm_90 (H200) on this machine, its own ptxas counts the registers, and the PTX is
-searched for the instructions that decide a memory-bound kernel's speed:
+A decode CONFIG is `cache:keys:warps:stages[:register cap]` (cache bf16 or fp8) for TRITON_ATTN's
+decode of llama3-8b's attention (32 query / 8 KV heads, head 128, block size 16, split-KV on); a
+prefill CONFIG is `prefill:rows:keys:warps:stages` (bf16, pages of 16: K/V gathered with pointer
+copies) or `prefill-tma:...` (pages of 128: q, K and V tiles by tensor descriptors). Triton
+compiles it for sm_90 (Hopper) on this machine, its own ptxas counts the registers, and the PTX is
+searched for the instructions that decide the kernel's speed:
 
     registers, programs/SM   more than 128 registers per thread leave fewer than 4 programs of 4
                              warps on an SM (65,536 registers), so fewer loads are in flight
     copies 16 B / < 16 B     cp.async global -> shared memory; 16 bytes per copy is the widest
     ldmatrix / ld.shared.b8  a dot operand loaded from shared memory 8 x 8 at a time, or byte by byte
+    wgmma / tma              Hopper's warpgroup tensor-core instructions; TMA (bulk tensor) copies
 
 A report, not a timing: the H200 decides (`benchmarks/attention.py --sweep fp8-decode`). It found that
 an fp8 V tile cast directly was gathered byte by byte (see `_widen_fp8_tile`).
@@ -67,25 +71,29 @@ PER_STEP = ("num_reqs", "num_splits", "num_q_tiles")
 """Integers the kernel does not specialise; every other int is a multiple of 16 at launch."""
 
 
-def compile_decode(cache: str, keys: int, warps: int, stages: int, max_registers: int | None) -> tuple[str, int]:
-    """The PTX of one decode configuration, and its shared memory in bytes."""
+def compile_attention(
+    cache: str, keys: int, warps: int, stages: int, max_registers: int | None, prefill_rows: int = 0, tma: bool = False
+) -> tuple[str, int]:
+    """The PTX of one configuration (a decode's, or with `prefill_rows` a prefill's), and its shared
+    memory in bytes."""
     fp8 = cache == "fp8"
+    rows = prefill_rows or 16
     constants: dict[str, object] = dict(
         G=4,
         HEAD_SIZE=128,
         HEAD_PAD=128,
         HEAD_SIZE_V=128,
         HEAD_PAD_V=128,
-        BLOCK_M=16,
-        BLOCK_Q=4,
+        BLOCK_M=rows,
+        BLOCK_Q=rows // 4,
         BLOCK_N=keys,
-        PAGE_SIZE=16,
-        SPLIT_KV=True,
-        ONE_TILE_PER_REQ=True,
+        PAGE_SIZE=128 if tma else 16,
+        SPLIT_KV=not prefill_rows,
+        ONE_TILE_PER_REQ=not prefill_rows,
         USE_WINDOW=False,
         NUM_KV_HEADS=8,
         SHORT_Q=0,
-        TMA=False,
+        TMA=tma,
         DOT_PRECISION="tf32",
         UPCAST=False,
         FP8=fp8,
@@ -99,7 +107,11 @@ def compile_decode(cache: str, keys: int, warps: int, stages: int, max_registers
             signature[name] = "constexpr"
             continue
         signature[name] = POINTERS.get(name) or (cache_type if name in ("k_cache_ptr", "v_cache_ptr") else "i32")
-        if name == "qk_scale":
+        if tma and name == "q_ptr":  # descriptors: q as [tokens, heads, head], the caches as [slots, heads x head]
+            signature[name] = f"tensordesc<bf16[{rows // 4},4,128]>"
+        elif tma and name in ("k_cache_ptr", "v_cache_ptr"):
+            signature[name] = f"tensordesc<bf16[{keys},128]>"
+        elif name == "qk_scale":
             signature[name] = "fp32"
         elif name not in PER_STEP:  # pointers and strides: aligned to 16 (bytes or elements)
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -134,13 +146,20 @@ def registers(ptx: str) -> tuple[int, int]:
 
 def report(config: str) -> dict[str, object]:
     parts = config.split(":")
-    if len(parts) not in (4, 5) or parts[0] not in ("bf16", "fp8") or not all(p.isdigit() for p in parts[1:]):
-        raise SystemExit(
-            f"compile_report: {config!r} is not cache:keys:warps:stages[:register cap], e.g. fp8:64:4:2:128"
+    numbers = len(parts) in (4, 5) and all(p.isdigit() for p in parts[1:])
+    if parts[0] in ("prefill", "prefill-tma") and numbers and len(parts) == 5:
+        _, rows, keys, warps, stages = parts
+        ptx, smem = compile_attention(
+            "bf16", int(keys), int(warps), int(stages), None, int(rows), parts[0] != "prefill"
         )
-    cache, keys, warps, stages, *cap = parts
-    max_registers = int(cap[0]) if cap else None
-    ptx, smem = compile_decode(cache, int(keys), int(warps), int(stages), max_registers)
+    elif parts[0] in ("bf16", "fp8") and numbers:
+        cache, keys, warps, stages, *cap = parts
+        ptx, smem = compile_attention(cache, int(keys), int(warps), int(stages), int(cap[0]) if cap else None)
+    else:
+        raise SystemExit(
+            f"compile_report: error: {config!r} is neither cache:keys:warps:stages[:register cap] (e.g. fp8:64:4:2:128) "
+            "nor prefill[-tma]:rows:keys:warps:stages (e.g. prefill:128:128:8:3)"
+        )
     regs, spill = registers(ptx)
     threads = 32 * int(warps)
     return {
@@ -153,6 +172,8 @@ def report(config: str) -> dict[str, object]:
         "copies_under_16B": len(re.findall(r"cp\.async\.ca\.shared\.global", ptx)),
         "ldmatrix": len(re.findall(r"ldmatrix", ptx)),
         "shared_byte_loads": len(re.findall(r"ld\.shared\.[bsu]8", ptx)),
+        "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "tma_copies": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
     }
 
 
