@@ -50,9 +50,10 @@ class Tuning:
     16 KB per K or V tile; 2 stages keep registers at ~126 so 4 programs fit on an SM."""
     fp8_decode: Tiles = Tiles(16, 64, 4, 2, max_registers=128)
     """Decode over an fp8 cache (1 byte per value). Its casts to fp16 take registers: capped at 128
-    (no spills, triton 3.6), 4 programs still fit on an SM, as `decode`'s do. Not yet timed on the
-    H200 (the last run, with 128-key tiles and the cast after the staging, had 0.94x of bf16's
-    speed); `benchmarks/attention.py --sweep fp8-decode` searches it."""
+    (no spills, triton 3.6), 4 programs still fit on an SM, as `decode`'s do. On an H100 (2026-12-07)
+    1.40-1.41x the bf16 cache's speed; no tile tried did better than 1.51x: the limit is shared
+    memory, not the tile (benchmarks/README.md, issue 45). `benchmarks/attention.py --sweep
+    fp8-decode` searches it."""
     decode_programs_per_sm: int = 4
     """How many decode programs an SM runs at once (occupancy of the decode tiles above)."""
     split_overhead_tiles: int = 2
