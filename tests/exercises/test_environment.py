@@ -36,7 +36,7 @@ def test_environment_report_and_workbook_map() -> None:
     report = environment_report()
     assert report["torch"] == torch.__version__
     assert report["default device"] in ("cpu", "cuda")
-    assert [nb.name[:2] for nb in list_notebooks()] == [f"{i:02d}" for i in range(15)]
+    assert [nb.name[:2] for nb in list_notebooks()] == [f"{i:02d}" for i in range(16)]
     assert runs_here("cpu").startswith("yes")
     with pytest.raises(ValueError):
         runs_here("tpu")
