@@ -3,8 +3,11 @@ readers turned away, package functions restored after a check, and reveal() afte
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +95,18 @@ def test_reveal_only_after_three_wrong_tries(capsys: pytest.CaptureFixture[str])
     reveal()
     assert "2 + 2 = 4" in capsys.readouterr().out
     assert check(4)
+
+
+@pytest.mark.parametrize("notebook", sorted((Path(__file__).parents[2] / "notebooks").glob("[0-9][0-9]_*.ipynb")))
+def test_a_notebook_whose_checkers_offer_reveal_imports_it(notebook: Path) -> None:
+    """After three wrong tries a checker says "Stuck? `reveal()` works out this case for you": the
+    notebook must have imported `reveal` by its first exercise cell, or the advice is a NameError."""
+    cells = [c["source"] for c in json.loads(notebook.read_text())["cells"] if c["cell_type"] == "code"]
+    sources = ["".join(c) if isinstance(c, list) else c for c in cells]
+    first_check = next(
+        (i for i, s in enumerate(sources) if re.search(r"from pagedkv\.exercises\.\w+ import .*check_", s)), None
+    )
+    if first_check is None:
+        pytest.skip(f"{notebook.name} has no exercise")
+    imports = [i for i, s in enumerate(sources) if re.search(r"from pagedkv\.exercises import .*\breveal\b", s)]
+    assert imports and imports[0] <= first_check, f"{notebook.name}: import reveal in the cell of its first exercise"
