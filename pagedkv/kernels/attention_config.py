@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.kernels.common import by_size, cdiv, interpreting, next_power_of_2, num_compute_units, supports_tma
+from pagedkv.kernels.common import by_size, cdiv, interpreting, is_hopper_or_newer, next_power_of_2, num_compute_units
 
 MAX_SPLITS = 64
 """Most programs one sequence's keys are split over."""
@@ -190,7 +190,7 @@ def choose_config(
         )
         # One split: a merge would run over every token's rows, the other launch's included.
         short_rows = dataclasses.replace(decode, num_splits=1)
-    tma = not one_tile_per_req and tensor_cores and supports_tma(device)
+    tma = not one_tile_per_req and tensor_cores and is_hopper_or_newer(device)
     return KernelConfig(block_m, block_n, num_warps, num_stages, num_splits, max_registers, tma, short_rows)
 
 

@@ -160,14 +160,9 @@ def check_pages_on_cpu(block_table: torch.Tensor, seq_lens: torch.Tensor, num_bl
 
 
 @functools.lru_cache(maxsize=None)
-def supports_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: a kernel may start while the one before it finishes (Hopper+)."""
-    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def supports_tma(device: torch.device) -> bool:
-    """Tensor Memory Accelerator copies (Triton's tensor descriptors) in compiled kernels: Hopper+."""
+def is_hopper_or_newer(device: torch.device) -> bool:
+    """Compiled kernels on an sm_90+ GPU, which have programmatic dependent launch (a kernel may start
+    while the one before it finishes) and TMA copies (Triton's tensor descriptors)."""
     return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
 
 

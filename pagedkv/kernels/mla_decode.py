@@ -46,9 +46,9 @@ from pagedkv.kernels.common import (
     check_pages_on_cpu,
     check_tensors,
     interpreting,
+    is_hopper_or_newer,
     next_power_of_2,
     num_compute_units,
-    supports_pdl,
 )
 from pagedkv.kernels.split_kv import SplitKVWorkspace, merge_splits
 from pagedkv.kernels.unified_attention import LOG2_E, _dot
@@ -371,7 +371,7 @@ def mla_decode_attention(
 
     tiles = _tiles(q.dtype, q.device)
     # The merge's launch overlaps this kernel's last programs (0.5-1 point of bandwidth at 32 x 4096).
-    pdl = supports_pdl(q.device)
+    pdl = is_hopper_or_newer(q.device)
     early_merge = num_splits > 1 and pdl
     early_launch = early_launch and pdl
     if num_splits > 1:

@@ -114,7 +114,7 @@ def merge_splits(
     """out[t, h] = log-sum-exp weighted mix of the `num_splits` partial rows of token t.
 
     `early_launch`: launch early, behind an attention kernel that calls `gdc_launch_dependents` (the
-    caller checks `supports_pdl`)."""
+    caller checks `is_hopper_or_newer`)."""
     num_tokens, num_q_heads, head_size = out.shape
     _merge_splits_kernel[(num_tokens, num_q_heads)](
         out,

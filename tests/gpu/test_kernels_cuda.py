@@ -12,6 +12,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 from pagedkv.attention.backends.torch_ref import paged_attention_reference  # noqa: E402
 from pagedkv.kernels import SplitKVWorkspace, reshape_and_cache, unified_attention  # noqa: E402
+from pagedkv.kernels.attention_config import choose_config  # noqa: E402
 from pagedkv.kernels.testing import (  # noqa: E402
     PagedBatch,
     outside,
@@ -20,6 +21,7 @@ from pagedkv.kernels.testing import (  # noqa: E402
     random_paged_batch,
     run_poisoned,
 )
+from pagedkv.kernels.unified_attention import _tma_descriptors  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # ||out - ref|| / ||ref||
 
@@ -72,6 +74,28 @@ def test_llama_shapes(dtype: torch.dtype, case: str) -> None:
         *CASES[case], num_q_heads=32, num_kv_heads=8, head_size=128, dtype=dtype, device="cuda", seed=7
     )
     assert_matches(run(batch), reference(batch), dtype)
+
+
+@pytest.mark.parametrize("case", ["prefill", "mixed"])
+def test_pages_of_128_take_the_tma_path(case: str) -> None:
+    """Pages of 128 hold whole prefill key tiles: q, K and V go through tensor descriptors on Hopper.
+    The slots past each sequence in its last page are NaN, as stale values may be."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA copies need Hopper (sm_90) or later")
+    batch = random_paged_batch(
+        *CASES[case], num_q_heads=32, num_kv_heads=8, head_size=128, block_size=128, dtype=torch.bfloat16,
+        device="cuda", seed=3,
+    )  # fmt: skip
+    for r, seq_len in enumerate(batch.seq_lens.tolist()):
+        if seq_len % 128:
+            batch.kv_cache[:, batch.block_table[r, seq_len // 128], seq_len % 128 :] = float("nan")
+    config = choose_config(
+        device=batch.q.device, head_pad=128, dtype=torch.bfloat16, num_queries_per_kv=4, num_kv_heads=8,
+        num_reqs=len(batch.query_lens), num_tokens=batch.q.shape[0], max_query_len=batch.max_query_len,
+        max_seq_len=batch.max_seq_len,
+    )  # fmt: skip
+    assert config.tma and _tma_descriptors(batch.q, batch.k_cache, batch.v_cache, config) is not None
+    assert_matches(run(batch), reference(batch), torch.bfloat16)
 
 
 def _gqa_bf16_batch(case: str, head_size: int) -> PagedBatch:
