@@ -58,18 +58,44 @@ class BatchDescriptor:
     """Every request has exactly one query token."""
 
 
+AttnMetadata = dict[str, Any] | list[dict[str, Any]] | None
+"""Layer name -> this step's attention metadata; or one such dict per micro-batch (dual-batch
+overlap) or per model (speculative decoding), of which the ops read index 0; None in the profile run."""
+
+
 @dataclass
 class ForwardContext:
     """What one forward pass can look up by layer name."""
 
     no_compile_layers: dict[str, Any]
     """`compilation_config.static_forward_context` itself (not a copy): name -> layer."""
-    attn_metadata: dict[str, Any] | None
-    """Layer name -> this step's attention metadata. None during the profile run."""
+    attn_metadata: AttnMetadata
+    """Layer name -> this step's attention metadata, a list of such dicts, or None (`AttnMetadata`)."""
     slot_mapping: dict[str, torch.Tensor]
     """Layer name -> flat cache slot of every new token (-1 for padding)."""
     cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE
     batch_descriptor: BatchDescriptor | None = None
+
+    def __post_init__(self) -> None:
+        # Refused here, where the runner builds the context, rather than as an AttributeError deep
+        # inside some layer's op (vLLM asserts the slot mapping's type in get_attention_context,
+        # vllm/model_executor/layers/attention/attention.py).
+        if not isinstance(self.slot_mapping, dict):
+            raise TypeError(
+                f"Expected slot_mapping to be a dict (layer name -> slots), got {type(self.slot_mapping).__name__}."
+            )
+        metadata = self.attn_metadata
+        expected = (
+            "Expected attn_metadata to be a dict (layer name -> metadata), a non-empty list of such dicts or None"
+        )
+        if isinstance(metadata, list):
+            if not metadata:
+                raise TypeError(f"{expected}, got an empty list.")
+            others = sorted({type(entry).__name__ for entry in metadata if not isinstance(entry, dict)})
+            if others:
+                raise TypeError(f"{expected}, got a list holding {', '.join(others)}.")
+        elif metadata is not None and not isinstance(metadata, dict):
+            raise TypeError(f"{expected}, got {type(metadata).__name__}.")
 
 
 _forward_context: ForwardContext | None = None
@@ -88,14 +114,17 @@ def is_forward_context_available() -> bool:
 
 @contextlib.contextmanager
 def set_forward_context(
-    attn_metadata: dict[str, Any] | None,
+    attn_metadata: AttnMetadata,
     config: EngineConfig,
     *,
     slot_mapping: dict[str, torch.Tensor] | None = None,
     cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
     batch_descriptor: BatchDescriptor | None = None,
 ) -> Iterator[ForwardContext]:
-    """Install a `ForwardContext` for the `with` block; restore the previous one on exit."""
+    """Install a `ForwardContext` for the `with` block; restore the previous one on exit.
+
+    A `slot_mapping` or `attn_metadata` of the wrong kind is refused here with a TypeError.
+    """
     global _forward_context
     previous = _forward_context
     _forward_context = ForwardContext(
