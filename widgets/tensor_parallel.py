@@ -97,6 +97,28 @@ def layout_table(model: LlamaConfig, tp_size: int, dtype_bytes: int = 2) -> str:
 
 TP_SIZES = [1, 2, 4, 8, 16]
 
+LABEL_PX = 50
+"""Width of a dropdown's description ("model", "tp")."""
+SELECT_CHROME_PX = 8 + 8 + 20 + 2
+"""What JupyterLab draws beside a dropdown's text: the label's right margin, the select's left
+padding, its arrow and its border."""
+CHAR_PX = 9
+"""Room per character of a choice: JupyterLab's 13 px text in a wide sans-serif (DejaVu Sans)
+averages under 7 px a character and 8.3 px a digit (the whole of a short choice like "16")."""
+
+
+def _dropdown(options: list[Any], value: Any, description: str) -> ipywidgets.Dropdown:
+    """A dropdown as wide as its longest choice: ipywidgets' default (300 px with an 80 px label)
+    cut the longer model names, so a picked model could not be read."""
+    longest = max(len(str(option)) for option in options)
+    return ipywidgets.Dropdown(
+        options=options,
+        value=value,
+        description=description,
+        style={"description_width": f"{LABEL_PX}px"},
+        layout=ipywidgets.Layout(width=f"{LABEL_PX + SELECT_CHROME_PX + CHAR_PX * longest}px"),
+    )
+
 
 class TensorParallelLayoutView(ipywidgets.VBox):
     """Pick a model shape and a rank count; see what each rank holds and where ranks talk."""
@@ -105,10 +127,12 @@ class TensorParallelLayoutView(ipywidgets.VBox):
         for name, value, options in (("shape", shape, list(SHAPES)), ("tp_size", tp_size, TP_SIZES)):
             if value not in options:
                 raise ValueError(f"{name} {value!r} is not one of the choices {options}.")
-        self.shape = ipywidgets.Dropdown(options=list(SHAPES), value=shape, description="model")
-        self.tp = ipywidgets.Dropdown(options=TP_SIZES, value=tp_size, description="tp")
+        self.shape = _dropdown(list(SHAPES), shape, "model")
+        self.tp = _dropdown(TP_SIZES, tp_size, "tp")
         self.html = ipywidgets.HTML()
-        super().__init__([ipywidgets.HBox([self.shape, self.tp]), self.html], **kwargs)
+        # A row that wraps: in a narrow output area the rank count goes below the model, whole.
+        controls = ipywidgets.HBox([self.shape, self.tp], layout=ipywidgets.Layout(flex_flow="row wrap"))
+        super().__init__([controls, self.html], **kwargs)
         for control in (self.shape, self.tp):
             control.observe(lambda _: self.redraw(), "value")
         self.redraw()
