@@ -192,6 +192,9 @@ def test_compiled_deepseek_with_moe_equals_eager() -> None:
     layers = llm.model_config.num_hidden_layers
     assert split_at == ["pagedkv::unified_mla_kv_cache_update", "pagedkv::unified_mla_attention_with_output"] * layers
     assert all(_ops_called(item.graph) == [] for item in backend.items if not item.is_splitting_op)
+    mla_layers = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    dependencies = _kv_dependency_of_every_attention(backend.graph, *split_at[:2])
+    assert dependencies == {name: name for name in mla_layers}  # each attention after its own write
     assert len(compiled) == len(eager) >= 4
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
@@ -315,3 +318,24 @@ def test_piecewise_needs_the_cache_write_split_out_too() -> None:
         ops = [op for op in everything.splitting_ops if op != left_out]
         assert not attention_compiled_piecewise(CompilationConfig(compile=True, splitting_ops=ops)), left_out
     assert not attention_compiled_piecewise(CompilationConfig(compile=False, splitting_ops=list(ATTENTION_OPS)))
+
+
+def _kv_dependency_of_every_attention(graph: fx.GraphModule, update: str, attention: str) -> dict[str, str | None]:
+    """Layer name -> the layer whose cache-write node feeds that layer's attention node as
+    `kv_cache_dummy_dep` (None when the attention node takes no such input)."""
+    writes = {node: node.args[-1] for node in graph.graph.nodes if op_name(node.target) == update}
+    return {
+        node.args[-1]: writes.get(node.kwargs.get("kv_cache_dummy_dep"))
+        for node in graph.graph.nodes
+        if op_name(node.target) == attention
+    }
+
+
+def test_every_traced_attention_takes_its_own_cache_write_as_input(traced) -> None:
+    """The dummy tensor the cache write returns is an input of the attention op of the same layer:
+    that data edge is all that keeps a graph pass (or the split) from running attention before
+    the write on the Dynamo graph, where the cache itself is no node's output."""
+    runner, _ = traced[2]
+    graph = runner.compiled_forward.backend.graph  # the whole Dynamo graph, before the split
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    assert _kv_dependency_of_every_attention(graph, KV_UPDATE, ATTENTION) == {name: name for name in layers}
