@@ -11,6 +11,7 @@
 //   figures       a show_figure / PlotView figure showing the rendering of the other theme, or a
 //                 rendering whose background does not match the theme
 //   bare_figures  an image output not drawn through show_figure (it stays white in the dark theme)
+//   code          a code cell whose editor scrolls sideways: a line longer than the column
 (notebook, lightTheme) => {
   const cells = [...notebook.querySelectorAll(".jp-Cell")];
   const cellOf = (el) => cells.indexOf(el.closest(".jp-Cell"));
@@ -21,7 +22,9 @@
   };
   const visible = (el) => el.getClientRects().length > 0 && getComputedStyle(el).visibility !== "hidden";
   const theme = lightTheme ? "light" : "dark";
-  const report = { outputs: 0, figures_checked: 0, overflow: [], cut: [], wraps: [], figures: [], bare_figures: [] };
+  const report = {
+    outputs: 0, figures_checked: 0, overflow: [], cut: [], wraps: [], figures: [], bare_figures: [], code: [],
+  };
   const canvas = document.createElement("canvas");
   const ctx = canvas.getContext("2d");
   // Mean colour of an image's top-left 4x4 pixels: the figure's background.
@@ -123,6 +126,15 @@
       report.bare_figures.push({
         cell, element: describe(img), what: "image output not drawn through show_figure"
           + (lightness === null ? "" : ` (background lightness ${lightness.toFixed(2)})`),
+      });
+    }
+  }
+  for (const scroller of notebook.querySelectorAll(".jp-CodeCell .jp-InputArea-editor .cm-scroller")) {
+    if (visible(scroller) && scroller.scrollWidth > scroller.clientWidth + 1) {
+      const first = (scroller.textContent || "").trim().slice(0, 50);
+      report.code.push({
+        cell: cellOf(scroller), element: `code "${first}"`, by_px: scroller.scrollWidth - scroller.clientWidth,
+        what: "code cell scrolls sideways",
       });
     }
   }

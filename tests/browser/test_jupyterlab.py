@@ -13,10 +13,11 @@ cell is laid out and measured), then:
   free blocks take the page's background.
 - `test_notebook_in_both_themes[NN_x.ipynb]`, one per notebook, one at a time in the same JupyterLab:
   outputs cleared, Run All, no cell raising and none left unrun; then, in the light and in the dark
-  theme at a 1280 px window with the file browser open, over every widget and every HTML output: text contrast >= 4.5:1
-  (contrast.js), and over every output (layout.js): nothing wider than its output area, no text cut
-  by its box (labels, dropdowns), no printed line that wraps, and figures drawn through show_figure
-  showing the rendering of the theme (an image output not drawn through it is a failure too).
+  theme at a 1280 px window with the file browser open, over every widget and every HTML output:
+  text contrast >= 4.5:1 (contrast.js), and over every output (layout.js): nothing wider than its
+  output area, no text cut by its box (labels, dropdowns), no printed line that wraps, figures
+  drawn through show_figure showing the rendering of the theme (an image output not drawn through
+  it is a failure too); and no code cell that scrolls sideways.
   Failures are listed per notebook, cell (index in the notebook, and its first line) and element.
 
 Screenshots of every widget / HTML / image output in both themes, and one JSON report per notebook,
@@ -380,7 +381,7 @@ def _findings(report: dict[str, Any], theme: str, cells: list[dict[str, Any]]) -
         )
     for key in ("low_outline", "free_not_background"):
         lines += [f"{theme}: {key} in {where(item)}: {item}" for item in report.get(key, [])]
-    for key in ("overflow", "cut", "wraps", "figures", "bare_figures"):
+    for key in ("overflow", "cut", "wraps", "figures", "bare_figures", "code"):
         for item in report.get(key, []):
             by = f" by {item['by_px']} px" if "by_px" in item else ""
             lines.append(f"{theme}: {key} in {where(item)}: {item['element']}: {item['what']}{by}")
