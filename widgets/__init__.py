@@ -101,6 +101,7 @@ from pagedkv.widgets.plots import (
     plot_request_timeline,
     plot_throughput,
 )
+from pagedkv.widgets.request_rows import RequestRowsView
 from pagedkv.widgets.slot_mapping import SlotMappingView
 from pagedkv.widgets.spec_decode import SpecDecodeView
 from pagedkv.widgets.tensor_parallel import TensorParallelLayoutView
@@ -114,6 +115,7 @@ __all__ = [
     "MemoryAccessView",
     "PiecewiseSplitView",
     "PlotView",
+    "RequestRowsView",
     "SlotMappingView",
     "SpecDecodeView",
     "StepPlayer",
