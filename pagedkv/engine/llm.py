@@ -44,6 +44,7 @@ from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.kv_cache.spec import SlidingWindowSpec
 from pagedkv.models.loader import PRESETS, generation_eos_token_ids
 from pagedkv.models.tokenizer import get_tokenizer
+from pagedkv.ranges import phase_range
 from pagedkv.spec_decode.ngram_proposer import NgramProposer
 from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, SampledTokens
 from pagedkv.worker.model_runner import ModelRunner, StepResult
@@ -69,6 +70,8 @@ class _LaunchedStep:
     sampled_tokens: SampledTokens
     """The sampled ids on the device, which the next step's placeholder tokens read."""
     start: float
+    number: int
+    """The step's number, counted from the engine's first launch (named in its profiler ranges)."""
 
 
 class LLM:
@@ -167,6 +170,8 @@ class LLM:
         """Plan and launch step N+1 while the GPU runs step N (pagedkv/engine/scheduler.py)."""
         self._launched: deque[_LaunchedStep] = deque()
         """Steps launched whose samples are not booked yet, oldest first (at most 2, under async scheduling)."""
+        self._num_launched = 0
+        """Steps launched so far: the next one's number (pagedkv.ranges names its phases with it)."""
         self._lock = threading.RLock()
         """Held by a step and by add_request / abort_request: one called from another thread (a server's)
         while a step runs lands after it, not in the middle of its plan, forward or booking."""
@@ -346,7 +351,7 @@ class LLM:
     def _step(self, stream: bool) -> list[RequestOutput]:
         """One step booked; `stream`: outputs of every request in it (else of the finished only,
         which is all `generate()` reads: text is made only for outputs a caller sees)."""
-        with self._lock:
+        with self._lock, phase_range("step"):
             return self._locked_step(stream)
 
     def _locked_step(self, stream: bool) -> list[RequestOutput]:
@@ -364,8 +369,9 @@ class LLM:
             raise RuntimeError("Nothing could be scheduled although requests are unfinished (an engine bug).")
         step = self._launched[0]
         # Waits for the GPU (if it is still at it); an interrupt here leaves the step for the next call.
-        rows = step.sampled.rows([r.request_id for r in step.requests], [r.sampling_params for r in step.requests])
-        with deferred_interrupts():
+        with phase_range("wait", step.number):
+            rows = step.sampled.rows([r.request_id for r in step.requests], [r.sampling_params for r in step.requests])
+        with deferred_interrupts(), phase_range("book", step.number):
             self._launched.popleft()
             outputs = self._book(step, rows, stream)  # in self._undelivered from the moment they exist
         if self._listeners:
@@ -395,8 +401,9 @@ class LLM:
         goes on); False when there is nothing to plan. Undone if it raises or is interrupted."""
         sched: SchedulerOutput | None = None
         launched = False  # a Ctrl-C held back during the launch's bookkeeping is raised after it
+        number = self._num_launched
         try:
-            with deferred_interrupts():
+            with deferred_interrupts(), phase_range("schedule", number):
                 sched = self.scheduler.schedule()
                 self.stats.num_preemptions += len(sched.preempted_req_ids)
             if not sched.scheduled:
@@ -412,11 +419,12 @@ class LLM:
             # the runner from its request rows (a request's 1 + k rows share its row).
             meta = result.sampling_metadata
             assert meta is not None
-            if any(num_drafts):  # one target row per draft and one after them: verify, then sample
-                assert result.draft_token_ids is not None
-                sampled = self.rejection_sampler(result.logits, meta, num_drafts, result.draft_token_ids)
-            else:
-                sampled = self.sampler(result.logits, meta)
+            with phase_range("sample", number):
+                if any(num_drafts):  # one target row per draft and one after them: verify, then sample
+                    assert result.draft_token_ids is not None
+                    sampled = self.rejection_sampler(result.logits, meta, num_drafts, result.draft_token_ids)
+                else:
+                    sampled = self.sampler(result.logits, meta)
             with deferred_interrupts():
                 self.scheduler.commit(sched)
                 self._launched.append(
@@ -427,8 +435,10 @@ class LLM:
                         sampled.to_host(),
                         SampledTokens(req_ids, sampled.last_token_ids()),
                         start,
+                        number,
                     )
                 )
+                self._num_launched += 1
                 sched, launched = None, True  # launched: from here on it has happened
             return True
         except BaseException as error:

@@ -29,6 +29,7 @@ from pagedkv.forward_context import BatchDescriptor, get_layers_from_config, set
 from pagedkv.interrupts import deferred_interrupts
 from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheSpec
 from pagedkv.models.loader import CausalLM, HFConfig, load_model, weight_bytes
+from pagedkv.ranges import phase_range
 from pagedkv.worker import cudagraph
 from pagedkv.worker.attn_utils import (
     AttentionGroup,
@@ -417,45 +418,53 @@ class ModelRunner:
         drafts: one row per draft and one after them). The rows of `freed_req_ids` are given back
         first. Placeholder tokens (async scheduling) take their ids from `previous`, and draft
         placeholders from the draft model, on the device."""
-        schedule = self.update_states(scheduled, previous, freed_req_ids)
-        if self.drafter is not None and any(
-            s.num_draft_tokens and s.token_ids[-1] == PLACEHOLDER_TOKEN_ID for s in scheduled
-        ):
-            self.drafter.propose(self.states, schedule, self._draft_forward)
-        num_tokens = schedule.num_tokens
-        # Uniform decode: every request runs its last token and all k drafts (1 + k query tokens).
-        uniform_decode = bool((schedule.query_lens == self.uniform_decode_query_len).all())
-        mode, descriptor = CUDAGraphMode.NONE, BatchDescriptor(num_tokens, uniform_decode)
-        if self.dispatcher is not None:
-            mode, descriptor = self.dispatcher.dispatch(num_tokens, uniform_decode)
-        full = mode is CUDAGraphMode.FULL
-        max_num_seqs = self.config.scheduler_config.max_num_seqs
-        num_reqs = cudagraph.capture_num_reqs(descriptor, max_num_seqs, self.uniform_decode_query_len) if full else None
-        batch = prepare_inputs(self.states, schedule, self.buffers, self.block_sizes, descriptor.num_tokens, num_reqs)
-        # Built in FULL steps too: builders rewrite their persistent buffers (graphs read those).
-        attn_metadata, slot_mapping = self._build_metadata(batch, descriptor.num_tokens if full else num_tokens)
-        if full:
-            assert self.full_graph is not None
-            # The inputs are in the buffers the graph reads: no model code runs, so nothing
-            # looks anything up, and no forward context is set.
-            hidden = self.full_graph.replay(descriptor)
-        else:
-            with set_forward_context(
-                attn_metadata,
-                self.config,
-                slot_mapping=slot_mapping,
-                cudagraph_runtime_mode=mode,
-                batch_descriptor=descriptor,
+        with phase_range("prepare"):
+            schedule = self.update_states(scheduled, previous, freed_req_ids)
+            if self.drafter is not None and any(
+                s.num_draft_tokens and s.token_ids[-1] == PLACEHOLDER_TOKEN_ID for s in scheduled
             ):
-                hidden = self._forward(batch.input_ids, batch.positions)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        if self.drafter is not None:  # the draft model's KV cache catches up on the step's tokens
-            with set_forward_context(attn_metadata, self.config, slot_mapping=slot_mapping):
-                self.drafter.model(batch.input_ids, batch.positions)
+                self.drafter.propose(self.states, schedule, self._draft_forward)
+            num_tokens = schedule.num_tokens
+            # Uniform decode: every request runs its last token and all k drafts (1 + k query tokens).
+            uniform_decode = bool((schedule.query_lens == self.uniform_decode_query_len).all())
+            mode, descriptor = CUDAGraphMode.NONE, BatchDescriptor(num_tokens, uniform_decode)
+            if self.dispatcher is not None:
+                mode, descriptor = self.dispatcher.dispatch(num_tokens, uniform_decode)
+            full = mode is CUDAGraphMode.FULL
+            max_num_seqs = self.config.scheduler_config.max_num_seqs
+            num_reqs = (
+                cudagraph.capture_num_reqs(descriptor, max_num_seqs, self.uniform_decode_query_len) if full else None
+            )
+            batch = prepare_inputs(
+                self.states, schedule, self.buffers, self.block_sizes, descriptor.num_tokens, num_reqs
+            )
+            # Built in FULL steps too: builders rewrite their persistent buffers (graphs read those).
+            attn_metadata, slot_mapping = self._build_metadata(batch, descriptor.num_tokens if full else num_tokens)
+        with phase_range("forward"):
+            if full:
+                assert self.full_graph is not None
+                # The inputs are in the buffers the graph reads: no model code runs, so nothing
+                # looks anything up, and no forward context is set.
+                hidden = self.full_graph.replay(descriptor)
+            else:
+                with set_forward_context(
+                    attn_metadata,
+                    self.config,
+                    slot_mapping=slot_mapping,
+                    cudagraph_runtime_mode=mode,
+                    batch_descriptor=descriptor,
+                ):
+                    hidden = self._forward(batch.input_ids, batch.positions)
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            if self.drafter is not None:  # the draft model's KV cache catches up on the step's tokens
+                with set_forward_context(attn_metadata, self.config, slot_mapping=slot_mapping):
+                    self.drafter.model(batch.input_ids, batch.positions)
         draft_token_ids = batch.input_ids[batch.draft_indices] if schedule.num_draft_tokens.any() else None
-        samples = schedule.samples  # a request's 1 + k logits rows all read its row
-        rows = np.repeat(schedule.rows[samples], 1 + schedule.num_draft_tokens[samples])
-        sampling = self.states.sampling_metadata(rows, batch.positions[batch.logits_indices] + 1)
+        # The sampler's per-row parameters, gathered on the device from the request rows.
+        with phase_range("sample"):
+            samples = schedule.samples  # a request's 1 + k logits rows all read its row
+            rows = np.repeat(schedule.rows[samples], 1 + schedule.num_draft_tokens[samples])
+            sampling = self.states.sampling_metadata(rows, batch.positions[batch.logits_indices] + 1)
         return StepResult(batch, attn_metadata, slot_mapping, descriptor, logits, mode, draft_token_ids, sampling)
 
     def _draft_forward(self, schedule: StepSchedule) -> torch.Tensor:
