@@ -105,6 +105,7 @@ from pagedkv.widgets.request_rows import RequestRowsView
 from pagedkv.widgets.slot_mapping import SlotMappingView
 from pagedkv.widgets.spec_decode import SpecDecodeView
 from pagedkv.widgets.tensor_parallel import TensorParallelLayoutView
+from pagedkv.widgets.timeline import plot_step_breakdown, plot_step_timeline, timeline_figure
 
 __all__ = [
     "AttentionGroupsView",
@@ -127,7 +128,10 @@ __all__ = [
     "plot_batch_composition",
     "plot_kv_cache_usage",
     "plot_request_timeline",
+    "plot_step_breakdown",
+    "plot_step_timeline",
     "plot_throughput",
     "request_color",
     "show_figure",
+    "timeline_figure",
 ]
