@@ -254,7 +254,9 @@ class RequestRowsView(ipywidgets.VBox):
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
         ax.set_title(f"step {record.step}: the request rows; outlined = gathered this step", fontsize=10)
-        return themed_figure_html(fig, alt=f"request rows at step {record.step}")
+        html = themed_figure_html(fig, alt=f"request rows at step {record.step}")
+        plt.close(fig)  # else the inline backend draws it once more when the cell ends
+        return html
 
     def _row_label(self, record: RowsStep, row: int) -> str:
         if row == self.padding_row:
