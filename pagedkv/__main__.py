@@ -1,4 +1,4 @@
-"""Command line: `python -m pagedkv {generate,backends,workbook} ...`."""
+"""Command line: `python -m pagedkv {generate,backends,workbook,lab} ...`."""
 
 from __future__ import annotations
 
@@ -185,6 +185,26 @@ def _workbook(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lab(args: argparse.Namespace) -> int:
+    from pagedkv.exercises import labs
+
+    if args.lab_command == "list":
+        for lab in labs.LABS.values():
+            print(f"{lab.name:<18} {lab.notebook:<34} {labs.writes(lab)}")
+        return 0
+    lab = labs.find_lab(args.name)
+    if args.lab_command == "start":
+        path = Path(args.file or f"{lab.name.replace('-', '_')}.py")
+        if path.exists() and not args.force:
+            raise FileExistsError(f"{path} exists (your work?); name another file, or --force replaces it")
+        path.write_text(labs.starter(lab, path), encoding="utf-8")
+        print(f"wrote {path}: fill in {', '.join(lab.defines)}, then: pagedkv lab check {lab.name} {path}")
+        return 0
+    result = labs.check_file(lab, Path(args.file))
+    print(repr(result))  # the notebook's line: ✓ or ✗, then the message
+    return 0 if result.ok else 1
+
+
 def _cuda() -> bool:
     import torch
 
@@ -192,7 +212,7 @@ def _cuda() -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of `python -m pagedkv`: one sub-command each for generate, backends and workbook."""
+    """The parser of `python -m pagedkv`: one sub-command each for generate, backends, workbook and lab."""
     parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
     debug_help = "show the traceback of an error instead of one line (or set PAGEDKV_DEBUG=1)"
     parser.add_argument("--debug", action="store_true", help=debug_help)
@@ -267,6 +287,29 @@ def build_parser() -> argparse.ArgumentParser:
     wb.add_argument("--lab", action="store_true", help="always open JupyterLab")
     wb.add_argument("--execute", action="store_true", help="always execute every notebook (saved with outputs)")
     wb.set_defaults(func=_workbook)
+
+    lab = sub.add_parser(
+        "lab",
+        parents=[common],
+        help="the workbook's exercises as files: list them, write a starter, grade a file (exit 0: it passes)",
+        description="Each lab is one exercise of a notebook; `check` runs that notebook's checker on your file. "
+        "Exit status: 0 the check passes, 1 it fails, 2 it could not run (no such lab, a file that is missing, "
+        "does not import or lacks a name the lab needs).",
+    )
+    lab_sub = lab.add_subparsers(dest="lab_command", required=True)
+    lab_sub.add_parser("list", parents=[common], help="every lab: its name, its notebook, what the file defines")
+    start = lab_sub.add_parser(
+        "start", parents=[common], help="write a starter file: the notebook's skeleton, with its exercise as docstring"
+    )
+    start.add_argument("name", help="the lab (pagedkv lab list)")
+    start.add_argument("file", nargs="?", help="where to write it (default: the lab's name, as NAME.py)")
+    start.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    check = lab_sub.add_parser(
+        "check", parents=[common], help="grade FILE with the lab's checker: exit 0 if it passes, 1 if not"
+    )
+    check.add_argument("name", help="the lab (pagedkv lab list)")
+    check.add_argument("file", help="the Python file that defines what the lab asks for")
+    lab.set_defaults(func=_lab)
     return parser
 
 
