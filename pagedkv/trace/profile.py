@@ -16,13 +16,13 @@ two lanes:
 - device: on CUDA the kernels (and copies), each given the step and phase whose host range
   launched it (a kernel and the runtime call that launched it share a correlation id); on a CPU
   the top-level aten operators, which are the "device" work there. Intervals of one step and
-  phase closer than `merge_gap_us` are merged into one (`count` says how many), which keeps a
-  record of a Llama-sized model's steps to some ten kB instead of a megabyte of kernels.
+  phase closer than `merge_gap_us` are merged into one (`count` says how many): a CUDA graph runs
+  hundreds of kernels a step back to back, and a timeline cannot show them one by one anyway.
 
 Times are microseconds from the start of the first profiled `LLM.step()` call. The summary is
-worked out from the unmerged intervals. vLLM's profiler entry points (vllm/profiler/, the
-`--profiler-config` of `vllm serve`) write whole Chrome traces; this record keeps only what a
-timeline of a few steps needs.
+worked out from the unmerged intervals. vLLM's `Worker.profile` (vllm/v1/worker/gpu_worker.py,
+started and stopped by `LLM.start_profile()` / `stop_profile()`) writes whole traces; this record
+keeps only what a timeline of a few steps needs.
 """
 
 from __future__ import annotations
