@@ -67,6 +67,9 @@ Figures that follow the theme:
         show_figure(fig)
 
 Not tied to a trace:
+    RequestRowsView      attached to a live LLM: which request holds which row of the model runner's
+                         request state, each row's tokens, and what each step gathered from the rows
+                         (per token its row, position, input id and slot); slider + play over the steps
     CudaGraphModeExplorer  CUDA graph mode, backend support, compile, decode query length,
                            enforce_eager -> the mode `resolve_cudagraph_mode` resolves and why
     PiecewiseSplitView     a compiled model's pieces and the attention ops run eagerly between them
