@@ -90,11 +90,10 @@ def plot_step_timeline(
     ax.set_xlim(0, ms(t1))
     ax.set_xlabel("ms (dotted: an LLM.step() call starts)")
     ax.set_title(title or f"{profile.model} on {profile.device_name}, batch {profile.batch}")
-    ax.legend(
-        handles=[Patch(color=PHASE_COLORS[p], label=p) for p in PHASES],
-        title="phase",
-        **LEGEND_OUTSIDE,
-    )
+    handles = [Patch(color=PHASE_COLORS[p], label=p) for p in PHASES]
+    if any(d.phase is None for d in device):  # e.g. the sampled tokens' copy, started between two ranges
+        handles.append(Patch(color=UNKNOWN_COLOR, label="no range"))
+    ax.legend(handles=handles, title="phase", **LEGEND_OUTSIDE)
     return ax
 
 

@@ -51,6 +51,8 @@ DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
 COMPUTE_PHASES = ("prepare", "forward", "sample")
 """The phases whose operators are a CPU's "device" work."""
 LAUNCH_EVENTS = ("cuda_runtime", "cuda_driver")
+HOST_RANGE_EVENTS = "user_annotation"
+"""The category of a `record_function` range on the thread that opened it."""
 """Categories of the host calls that put that work on the device (cudaLaunchKernel, cudaGraphLaunch...)."""
 
 
@@ -279,12 +281,17 @@ def reduce_trace(
 ) -> StepProfile:
     """A `StepProfile` from Chrome-trace events of the engine's ranges (see the module docstring)."""
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    calls_raw = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in complete if e["name"] == STEP_RANGE)
+    # On CUDA each range shows twice: on its host thread (user_annotation) and as the span of the GPU
+    # work it launched (gpu_user_annotation, on a stream): the host's is the range.
+    annotations = [e for e in complete if e.get("cat") == HOST_RANGE_EVENTS]
+    calls_raw = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in annotations if e["name"] == STEP_RANGE
+    )
     if not calls_raw:
         raise ValueError(f"No {STEP_RANGE!r} range in the trace: was LLM.step() called under the profiler?")
     t0, t1 = calls_raw[0][0], calls_raw[-1][1]
     threads: dict[Any, int] = {}
-    host = _host_ranges(complete, threads)
+    host = _host_ranges(annotations, threads)
     if device_kind == "cuda":
         raw = _cuda_work(complete, host, threads)
     else:

@@ -46,6 +46,7 @@ def _cuda_trace() -> list[dict[str, Any]]:
         _x("pagedkv.wait#4", 1150, 30),
         _x("pagedkv.book#4", 1182, 15),
         _x("pagedkv::unified_attention_with_output", 1090, 5, cat="cpu_op"),  # a custom op, not a phase
+        _x("pagedkv.forward", 1090, 31, cat="gpu_user_annotation", tid=0),  # the range's GPU span: not a range
         _x("cudaGraphLaunch", 980, 4, cat="cuda_runtime", correlation=1),  # before the call: no range holds it
         _x("cudaLaunchKernel", 1085, 2, cat="cuda_runtime", correlation=2),
         _x("cudaLaunchKernel", 1090, 2, cat="cuda_runtime", correlation=3),

@@ -70,6 +70,7 @@ def test_the_lanes_put_each_interval_where_it_ran_in_its_phase_colour() -> None:
     assert [t.get_text() for t in ax.get_yticklabels()] == ["GPU", "host"]
     assert ax.get_xlim() == (0.0, 2.0)
     assert [line.get_xdata()[0] for line in ax.lines] == [0.0, 1.0]  # where each call starts
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [*PHASES, "no range"]
     plt.close(ax.figure)
 
 
@@ -80,6 +81,7 @@ def test_only_the_last_calls_are_drawn_from_zero() -> None:
     assert device == [(0.2, 0.7, PHASE_COLORS["forward"].lower())]  # step 7's work ended before the call
     assert ax.get_xlim() == (0.0, 1.0)
     assert [t.get_text() for t in ax.get_yticklabels()] == ["CPU ops", "host"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(PHASES)  # no work outside a range
     plt.close(ax.figure)
 
 
