@@ -14,10 +14,11 @@ A range is named "pagedkv.<phase>#<step>" (the engine's number of the step it be
 "pagedkv.<phase>" (the runner's phases, which do not know it: pagedkv.trace.profile gives them the
 number of the schedule range before them on their thread), and "pagedkv.step" for a whole call.
 
-Cost: a `torch.profiler.record_function` costs ~8 us even when no profiler runs (measured on the
-2-core CI machine), about as much as a small kernel launch; a step opens 7 ranges. So a range is
-opened only while a profiler runs (`torch.autograd._profiler_enabled()`, ~0.3 us), and an NVTX range
-(for nsys, which starts no torch profiler) only on CUDA and with PAGEDKV_NVTX=1 in the environment,
+Cost: a `torch.profiler.record_function` costs ~8 us even when no profiler runs (measured on a
+busy 2-core machine), about as much as a small kernel launch, and a step opens 8 ranges. So a range
+is opened only while a profiler runs: otherwise `phase_range` costs its check,
+`torch.autograd._profiler_enabled()`, ~0.4 us a range on the same machine. An NVTX range is
+pushed (for nsys, which starts no torch profiler) only on CUDA and with PAGEDKV_NVTX=1 set,
 as vLLM's own NVTX ranges are behind an environment switch (vllm/envs.py,
 VLLM_NVTX_SCOPES_FOR_PROFILING).
 """
