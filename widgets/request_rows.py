@@ -277,6 +277,9 @@ class RequestRowsView(ipywidgets.VBox):
             lines.append(f"handed out in the step: {out}")
         if record.finished:
             lines.append(f"finished in the step (rows given back at the next): {esc(', '.join(record.finished))}")
+        hidden = sorted(row for row in record.holders if row >= self.max_rows)
+        if hidden:
+            lines.append(f"rows {hidden} are held but not drawn (max_rows={self.max_rows})")
         sent = (
             f"rows {record.rows_sent}, num_computed {[s[2] for s in record.schedule]}, "
             f"query_lens {[s[3] for s in record.schedule]}"

@@ -11,15 +11,18 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.widgets import RequestRowsView
 from pagedkv.widgets.request_rows import GatheredToken
 
+Run = tuple[RequestRowsView, list[int], list[int], RequestRowsView]
+"""The view, A's and C's sampled tokens, and a view of the same run drawing one row."""
+
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def run() -> tuple[RequestRowsView, list[int], list[int]]:
+def run() -> Run:
     """Blocks of 4, 8 tokens a step, 2 rows. A (3 tokens, 2 new) and B (5 tokens, 1 new) arrive at once;
-    C (2 tokens, 2 new) before step 2. Returns the view and A's and C's sampled tokens."""
+    C (2 tokens, 2 new) before step 2."""
     llm = LLM(
         "tiny",
         device="cpu",
@@ -30,23 +33,25 @@ def run() -> tuple[RequestRowsView, list[int], list[int]]:
         enable_prefix_caching=False,
     )
     view = RequestRowsView(llm, min_frame_s=0)
+    narrow = RequestRowsView(llm, max_rows=1, min_frame_s=0)  # draws row 0 only
     llm.add_request({"prompt_token_ids": [11, 12, 13]}, greedy(2))
     llm.add_request({"prompt_token_ids": [21, 22, 23, 24, 25]}, greedy(1))
     outputs = llm.step()
     llm.add_request({"prompt_token_ids": [31, 32]}, greedy(2))
     outputs += llm.step() + llm.step()
     view.detach()
+    narrow.detach()
     llm.generate([{"prompt_token_ids": [1, 2]}], greedy(1), use_tqdm=False)  # detached: not recorded
     last = {o.request_id: o.outputs[0].token_ids for o in outputs}
-    return view, last["0"], last["2"]
+    return view, last["0"], last["2"], narrow
 
 
 def tokens(req_id: str, row: int, positions: range, ids: list[int], slots: list[int]) -> list[GatheredToken]:
     return [GatheredToken(req_id, row, p, i, (s,)) for p, i, s in zip(positions, ids, slots, strict=True)]
 
 
-def test_rows_follow_requests(run: tuple[RequestRowsView, list[int], list[int]]) -> None:
-    view, a_out, c_out = run
+def test_rows_follow_requests(run: Run) -> None:
+    view, a_out, c_out, _ = run
     assert [s.step for s in view.steps] == [1, 2, 3]
     one, two, three = view.steps
     # Step 1: rows are handed out lowest first: A row 0, B row 1. B finishes (1 token).
@@ -64,8 +69,8 @@ def test_rows_follow_requests(run: tuple[RequestRowsView, list[int], list[int]])
     assert three.contents == {1: [31, 32, c_out[0]]}
 
 
-def test_gathered_ids_positions_slots(run: tuple[RequestRowsView, list[int], list[int]]) -> None:
-    view, a_out, c_out = run
+def test_gathered_ids_positions_slots(run: Run) -> None:
+    view, a_out, c_out, _ = run
     one, two, three = view.steps
     # The pool hands out blocks 1, 2, 3, ... in order; freed ones go to the back of the free queue.
     # A: block 1 (slots 4-7); B: blocks 2, 3 (slots 8-15); C, after B's blocks went to the back: block 4.
@@ -79,8 +84,8 @@ def test_gathered_ids_positions_slots(run: tuple[RequestRowsView, list[int], lis
     assert three.gathered == tokens("2", 1, range(2, 3), [c_out[0]], [18])
 
 
-def test_drawing_and_text(run: tuple[RequestRowsView, list[int], list[int]]) -> None:
-    view, _, _ = run
+def test_drawing_and_text(run: Run) -> None:
+    view, _, _, narrow = run
     view.index = 1
     assert repr(view) == "RequestRowsView(step 2, 3 recorded; row 0: req 0, row 1: req 2)"
     assert view.shown_rows(view.steps[1]) == [0, 1, 2]  # rows 0, 1 and the padding row (max_num_seqs = 2)
@@ -94,3 +99,5 @@ def test_drawing_and_text(run: tuple[RequestRowsView, list[int], list[int]]) -> 
     assert "step 2" in view.label.value
     with pytest.raises(IndexError, match="out of range"):
         view.index = 3
+    assert narrow.shown_rows(narrow.steps[1]) == [0, 2]  # row 0 and the padding row
+    assert "rows [1] are held but not drawn (max_rows=1)" in narrow.table_html(narrow.steps[1])
