@@ -5,16 +5,17 @@
     pagedkv lab check NAME FILE.py     import FILE.py and run the notebook's own checker on it
 
 A lab is one exercise of a notebook whose answer is code: a function (or, for the Triton puzzles, a
-`@triton.jit` kernel and its launcher). `check` builds what the notebook's exercise cell had at hand
+`@triton.jit` kernel and its launcher), or a value the checker can judge on its own (08's lowering
+questions and 13's modes: the checker builds the configuration it asks about). `check` builds what the notebook's exercise cell had at hand
 (the notebook's engine, for the checkers that take `llm`), then calls the same public checker the
 notebook calls, with the names the file defines. Its result is the notebook's line (✓ or ✗, the
 broken rule and a hint); a failing check never works the answer out: `reveal()` is a notebook's, after
 three tries in one kernel, and a lab is one try.
 
 The starter comes from the notebook itself (the skeleton cell's definitions and the exercise's
-text), so a lab cannot drift from the exercise it grades. Exercises whose answer is a value read off
-a state the notebook builds live (02's blocks and slots, 09's schedules), the lowering questions of
-08 and 13 and notebook 04's backend classes are not labs.
+text), so a lab cannot drift from the exercise it grades. Not labs: answers read off a state the
+notebook builds live and shows (02's blocks and slots, 09's schedules), and notebook 04's backend,
+which subclasses NAIVE classes that live only in the notebook.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import importlib.util
 import json
 import re
 import sys
+import textwrap
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,8 +41,8 @@ from pagedkv.workbook import shipped_dirs
 
 @dataclass(frozen=True)
 class Lab:
-    """One function-writing exercise of a notebook, as a file: the names the file defines, and the
-    notebook's checker that grades them."""
+    """One exercise of a notebook as a file: the names the file defines, and the notebook's checker
+    that grades them."""
 
     name: str
     notebook: str
@@ -56,6 +58,10 @@ class Lab:
     """Lines the starter needs that the notebook ran in an earlier cell."""
     arguments: Callable[[Sequence[Any]], tuple[Any, ...]] = field(default=tuple, repr=False)
     """The checker's arguments (after the engine) from the defined objects, in `defines` order."""
+    value: str | None = None
+    """What the one name is set to, for an exercise whose answer is a value; None: functions."""
+    shows: Callable[[], str] | None = field(default=None, repr=False)
+    """What the notebook prints for the question (the configuration asked about), for the starter."""
 
 
 def _triton(notebook: str, stem: str, checker: str) -> Lab:
@@ -66,6 +72,36 @@ def _triton(notebook: str, stem: str, checker: str) -> Lab:
         (f"{stem}_kernel", f"{stem}_launch"),
         checker,
         imports=("import triton", "import triton.language as tl"),
+    )
+
+
+def _lowering_configuration(number: int) -> Callable[[], str]:
+    def shows() -> str:
+        from pagedkv.exercises.cudagraph import LOWERING_EXERCISES
+
+        return str(LOWERING_EXERCISES[number])
+
+    return shows
+
+
+def _lowering(number: int) -> Lab:
+    """Notebook 08's lowering exercise `number`: what resolve_cudagraph_mode makes of its configuration."""
+    return Lab(
+        f"lowering-{number}",
+        "08_cuda_graphs_and_torch_compile",
+        (f"answer_{number}",),
+        "pagedkv.exercises.cudagraph:check_lowering",
+        arguments=lambda names: (number, *names),
+        value='a CUDAGraphMode or its name ("PIECEWISE"), or ValueError if the resolver raises',
+        shows=_lowering_configuration(number),
+    )
+
+
+def _spec_mode_cases() -> str:
+    from pagedkv.exercises.spec_decode import SPEC_MODE_CASES, spec_mode_case
+
+    return "\n".join(
+        f"case {case}:\n   " + str(spec_mode_case(case)).replace("\n", "\n   ") for case in SPEC_MODE_CASES
     )
 
 
@@ -124,6 +160,14 @@ LABS: dict[str, Lab] = {
             ("kernel_row",),
             "pagedkv.exercises.flash_attention:check_kernel_block_rows",
         ),
+        *(_lowering(number) for number in range(1, 6)),
+        Lab(
+            "raising",
+            "08_cuda_graphs_and_torch_compile",
+            ("answer_6",),
+            "pagedkv.exercises.cudagraph:check_raising",
+            value='a set of (mode, support) pairs of names, such as {("NONE", "ALWAYS")}',
+        ),
         Lab(
             "rank-heads",
             "10_tensor_parallelism",
@@ -148,6 +192,14 @@ LABS: dict[str, Lab] = {
         Lab("hit-length", "12_prefix_caching", ("my_hit_length",), "pagedkv.exercises.prefix_caching:check_hit_length"),
         Lab("next-block", "12_prefix_caching", ("my_next_block",), "pagedkv.exercises.prefix_caching:check_next_block"),
         Lab("emitted", "13_speculative_decoding", ("my_emitted",), "pagedkv.exercises.spec_decode:check_emitted"),
+        Lab(
+            "spec-modes",
+            "13_speculative_decoding",
+            ("my_modes",),
+            "pagedkv.exercises.spec_decode:check_spec_modes",
+            value='a dict {case: mode} for the cases "a" to "d" (a mode: a CUDAGraphMode, its name, or ValueError)',
+            shows=_spec_mode_cases,
+        ),
         Lab(
             "rollback-slots",
             "13_speculative_decoding",
@@ -203,17 +255,18 @@ class Exercise:
 
     text: str
     """The markdown of the exercise, from its heading ("## Exercise ...", "### Puzzle ...") on."""
-    definitions: list[ast.FunctionDef]
-    """The skeleton cell's top-level functions, in order."""
+    definitions: list[ast.FunctionDef | ast.Assign]
+    """The skeleton cell's top-level functions and its assignments of the lab's names, in order."""
     code: str
     """Their source as the cell has it (the skeleton's comments and `...` included)."""
 
 
 def exercise_of(lab: Lab) -> Exercise:
-    """Find `lab`'s exercise in its notebook: the code cell that defines `lab.defines[0]`, and the
-    nearest markdown cell above it with an exercise or puzzle heading."""
+    """Find `lab`'s exercise in its notebook: the code cell that defines `lab.defines[0]` (a value
+    lab's: sets it to `...`), and the nearest markdown cell above it with an exercise or puzzle heading."""
     cells = _cells(lab.notebook)
-    defining = re.compile(rf"^def {re.escape(lab.defines[0])}\(", re.M)
+    first = re.escape(lab.defines[0])
+    defining = re.compile(rf"^def {first}\(" if lab.value is None else rf"^{first} = \.\.\.", re.M)
     at = next(
         (i for i, c in enumerate(cells) if c["cell_type"] == "code" and defining.search(_source(c))),
         None,
@@ -234,24 +287,35 @@ def exercise_of(lab: Lab) -> Exercise:
     )
     source = _source(cells[at])
     lines = source.splitlines()
-    definitions = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)]
+    definitions = [
+        node
+        for node in ast.parse(source).body
+        if isinstance(node, ast.FunctionDef) or (isinstance(node, ast.Assign) and defined_name(node) in lab.defines)
+    ]
 
-    def lines_of(node: ast.FunctionDef) -> str:
+    def lines_of(node: ast.FunctionDef | ast.Assign) -> str:
         """The definition with its decorators (@triton.jit) and the indented lines after its last
         statement: a skeleton's body ends in `# TODO` comments, which are its hints."""
         end = node.end_lineno or node.lineno
         while end < len(lines) and (not lines[end].strip() or lines[end][0].isspace()):
             end += 1
-        start = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 1
+        start = min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno]) - 1
         return "\n".join(lines[start:end]).rstrip()
 
-    # The cell's other statements (the imports of the checker, `answer = ...`, the check) are the notebook's.
+    # The cell's other statements (the imports of the checker, `answer = fn`, the check) are the notebook's.
     code = "\n\n\n".join(lines_of(node) for node in definitions)
     # The text's last sentence may introduce the notebook's next cell ("A first try that ...:"), which no lab has.
     text = text.strip()
     if text.endswith(":"):
         text = text[: max(text.rfind(". ") + 1, text.rfind("\n\n"))].rstrip()
     return Exercise(text, definitions, code)
+
+
+def defined_name(node: ast.FunctionDef | ast.Assign) -> str:
+    """The name a skeleton's definition or assignment (`answer_1 = ...`) binds."""
+    if isinstance(node, ast.FunctionDef):
+        return node.name
+    return node.targets[0].id if isinstance(node.targets[0], ast.Name) else ""
 
 
 def signature(node: ast.FunctionDef) -> str:
@@ -264,22 +328,33 @@ def signature(node: ast.FunctionDef) -> str:
 
 
 def writes(lab: Lab) -> str:
-    """What the file must define, for `lab list`: each name with the notebook's signature."""
-    definitions = {node.name: node for node in exercise_of(lab).definitions}
+    """What the file must define, for `lab list`: each function with the notebook's signature, or the
+    value its one name is set to."""
+    if lab.value is not None:
+        return f"{lab.defines[0]} = {lab.value}"
+    definitions = {defined_name(node): node for node in exercise_of(lab).definitions}
     return "; ".join(signature(definitions[name]) for name in lab.defines)
 
 
 def starter(lab: Lab, path: Path) -> str:
-    """The starter file of `lab`: the exercise's text as its docstring, the imports, the skeleton."""
+    """The starter file of `lab`: the exercise's text as its docstring (with what the notebook
+    prints for a question about a configuration), the imports, the skeleton."""
     exercise = exercise_of(lab)
-    text = exercise.text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
-    return (
-        f'"""Lab {lab.name}, from notebook {lab.notebook}. Fill in the definitions below, then grade them:\n\n'
+    text = exercise.text
+    if lab.shows is not None:
+        text += "\n\nThe notebook shows:\n\n" + textwrap.indent(lab.shows(), "    ")
+    if lab.value is not None:
+        text += f"\n\nSet {lab.defines[0]} to {lab.value}."
+    text = text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+    docstring = (
+        f'"""Lab {lab.name}, from notebook {lab.notebook}. Fill in your answer below, then grade it:\n\n'
         f"    pagedkv lab check {lab.name} {path}\n\n"
-        "(exit status 0 and a ✓ once they are right; a failing check names the rule your code broke, with a\n"
+        "(exit status 0 and a ✓ once it is right; a failing check names the rule your answer broke, with a\n"
         "hint: the notebook's reveal() has no counterpart here). The notebook's exercise:\n\n"
-        f'{text}\n"""\n\n' + "".join(f"{line}\n" for line in lab.imports) + f"\n\n{exercise.code}\n"
+        f'{text}\n"""'
     )
+    imports = "\n".join(lab.imports)
+    return "\n\n".join([docstring, imports, exercise.code] if imports else [docstring, exercise.code]) + "\n"
 
 
 # ---- grading a file -------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 checker; a file that cannot be graded, or an unknown lab, is one `pagedkv: error:` line (exit 2).
 
 The right answers are worked out here by hand from each exercise's rules (the Triton puzzles: the notebooks'
-worked kernels), never by calling pagedkv's implementation; the wrong ones are the mistakes the notebooks'
-first tries make, or the starter as `pagedkv lab start` writes it.
+worked kernels and answers), never by calling pagedkv's implementation; the wrong ones are the mistakes the
+notebooks' first tries make, or a worked kernel with one rule broken.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 from pagedkv.__main__ import main as cli
 from pagedkv.exercises import FAIL_MARK, PASS_MARK
-from pagedkv.exercises.labs import LABS, exercise_of
+from pagedkv.exercises.labs import LABS, defined_name, exercise_of
 from tests.exercises.checks import worked_solutions
 
 RIGHT: dict[str, str] = {
@@ -276,7 +276,28 @@ WRONG: dict[str, str] = {
         """,
 }
 
+# The value labs (08's lowering questions, 13's modes): right, the notebooks' worked answers; wrong, a mode that
+# none of them is, or a rule left out.
+WRONG_VALUES = {
+    **{f"lowering-{n}": f'answer_{n} = "FULL"' for n in range(1, 6)},
+    "raising": 'answer_6 = {("FULL", "NEVER"), ("FULL_DECODE_ONLY", "NEVER")}',
+    "spec-modes": 'my_modes = {"a": "NONE", "b": "NONE", "c": "NONE", "d": "NONE"}',
+}
 TRITON = [name for name, lab in LABS.items() if "triton" in lab.checker or "prefill_ladder" in lab.checker]
+# The Triton labs: right, the notebooks' worked kernels; wrong, the same with one rule broken (old -> new).
+TRITON_SLIPS = {
+    "block-table-row": ("pos % PAGE_SIZE, -1)", "pos % PAGE_SIZE, 0)"),  # padding slots not -1
+    "scatter": (
+        "tl.store(v_cache_ptr + dst, tl.load(value_ptr + src))",
+        "tl.store(v_cache_ptr + dst, tl.load(key_ptr + src))",
+    ),
+    "page-scores": ("s = tl.sum(q[None, :] * k, 1) * scale", "s = tl.sum(q[None, :] * k, 1)"),  # no scale
+    "masked-scores": ('* scale, float("-inf"))', "* scale, 0.0)"),  # keys past seq_len score 0, not -inf
+    "online-softmax": ("dims, acc / l_i)", "dims, acc)"),  # never normalised
+    "gqa": ("s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale", "s = tl.sum(q[:, None, :] * k[None, :, :], 2)"),
+    "split-kv": ("m_i + tl.log(l_safe)", "m_i"),  # a split's lse without its denominator
+    "flash-prefill": ("acc / l_i[:, None], mask=", "acc, mask="),
+}
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -296,19 +317,32 @@ def start(capsys: pytest.CaptureFixture[str], name: str, path: Path) -> str:
     return path.read_text()
 
 
-def triton_solution(capsys: pytest.CaptureFixture[str], name: str, path: Path) -> str:
+def triton_solution(capsys: pytest.CaptureFixture[str], name: str, path: Path, slip: bool = False) -> str:
     """Lab `name`'s starter with its kernels replaced by the notebook's worked ones (its launcher is the
-    skeleton's): the worked solutions are in the notebook's order, one per lab of that notebook."""
+    skeleton's), with its slip (TRITON_SLIPS) if `slip`: the worked solutions are in the notebook's order,
+    one per lab of that notebook."""
     lab = LABS[name]
     of_notebook = [n for n in TRITON if LABS[n].notebook == lab.notebook]
     code = worked_solutions(f"{lab.notebook}.ipynb")[of_notebook.index(name)]
     kernels = "\n".join(line for line in code.splitlines() if not line.startswith("print("))
+    if slip:
+        old, new = TRITON_SLIPS[name]
+        assert kernels.count(old) == 1, (name, old)
+        kernels = kernels.replace(old, new)
     return start(capsys, name, path) + "\n\n" + kernels  # later definitions win
 
 
+def worked_value(name: str) -> str:
+    """The notebook's worked answer of value lab `name` (`answer_2 = "..."`), without its check."""
+    lab = LABS[name]
+    code = next(c for c in worked_solutions(f"{lab.notebook}.ipynb") if f"\n{lab.defines[0]} = " in f"\n{c}")
+    return "\n".join(line for line in code.splitlines() if not line.startswith("print("))
+
+
 def test_every_function_writing_lab_has_a_right_and_a_wrong_answer_here() -> None:
-    assert sorted(RIGHT) == sorted(WRONG) == sorted(set(LABS) - set(TRITON))
-    assert len(TRITON) == 8  # notebook 06's seven puzzles and notebook 15's rung 1
+    assert sorted(RIGHT) == sorted(WRONG) == sorted(set(LABS) - set(TRITON) - set(WRONG_VALUES))
+    assert sorted(TRITON) == sorted(TRITON_SLIPS) and len(TRITON) == 8  # 06's seven puzzles, 15's rung 1
+    assert sorted(WRONG_VALUES) == sorted(name for name, lab in LABS.items() if lab.value is not None)
 
 
 @pytest.mark.parametrize("name", list(LABS))
@@ -318,7 +352,10 @@ def test_a_right_file_passes_and_a_wrong_one_fails(
     right, wrong = tmp_path / "right.py", tmp_path / "wrong.py"
     if name in TRITON:
         right.write_text(triton_solution(capsys, name, right))
-        start(capsys, name, wrong)  # the skeleton's kernels write nothing
+        wrong.write_text(triton_solution(capsys, name, wrong, slip=True))
+    elif name in WRONG_VALUES:
+        right.write_text(worked_value(name))
+        wrong.write_text(WRONG_VALUES[name])
     else:
         right.write_text(textwrap.dedent(RIGHT[name]))
         wrong.write_text(textwrap.dedent(WRONG[name]))
@@ -328,17 +365,19 @@ def test_a_right_file_passes_and_a_wrong_one_fails(
     assert (code, out.startswith(FAIL_MARK)) == (1, True), out + err
 
 
-@pytest.mark.parametrize("name", sorted(set(LABS) - set(TRITON)))
+@pytest.mark.parametrize("name", list(LABS))
 def test_a_starter_checked_as_it_is_fails_and_names_the_lab_and_its_notebook(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str
 ) -> None:
-    """(The Triton labs' starters are their wrong answers above.)"""
+    """A starter that still holds the notebook's `...` (a value lab's) or kernels that store nothing is not
+    counted as a try by its checker (○), but it does not pass either."""
     path = tmp_path / "mine.py"
     text = start(capsys, name, path)
     lab = LABS[name]
     assert f"pagedkv lab check {name} {path}" in text and lab.notebook in text
     code, out, err = run(capsys, "lab", "check", name, str(path))
-    assert (code, out.startswith(FAIL_MARK), err) == (1, True, "")
+    assert (code, out[:1] in (FAIL_MARK, "○"), err) == (1, True, ""), out
+    assert lab.value is not None or name in TRITON or out.startswith(FAIL_MARK)
 
 
 def test_starters_carry_the_notebooks_skeleton_and_exercise_text(
@@ -385,7 +424,7 @@ def test_list_names_every_lab_its_notebook_and_what_to_write(capsys: pytest.Capt
 @pytest.mark.parametrize("name", list(LABS))
 def test_each_lab_names_what_its_notebook_defines(name: str) -> None:
     """The lab's names are the skeleton's, in its order (a notebook edit that renames one fails here)."""
-    assert [node.name for node in exercise_of(LABS[name]).definitions] == list(LABS[name].defines)
+    assert [defined_name(node) for node in exercise_of(LABS[name]).definitions] == list(LABS[name].defines)
 
 
 @pytest.mark.parametrize(
