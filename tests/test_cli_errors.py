@@ -73,6 +73,12 @@ def kv_cache_gib(num_blocks: int, block_size: int, model: str) -> str:
             [*GENERATE, "--cudagraph-mode", "PIECEWISE", "--tensor-parallel-size", "2"],
             r"tensor_parallel_size=2 captures whole-model CUDA graphs only .*got cudagraph_mode=PIECEWISE",
         ),
+        # `pagedkv lab`: the labs are listed (tests/exercises/test_labs.py has the rest).
+        (["lab", "check", "qkv-widht", "mine.py"], r"no lab 'qkv-widht'; the labs are: choose-backend, qkv-width, "),
+        (
+            ["lab", "start", "qkv-width", "no/such/dir/mine.py"],
+            r"\[Errno 2\] No such file or directory: 'no/such/dir/mine.py'",
+        ),
         # Before: the CPU allocator's message under a traceback (it tried 1,525,878 GiB).
         (
             [*GENERATE, "--num-kv-blocks", "100000000000"],
