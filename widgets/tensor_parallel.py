@@ -33,7 +33,7 @@ x (whole, on every rank)
  ├─ attention    on those heads only, against this rank's KV cache
  ├─ o_proj       row-parallel: partial sums over this rank's heads
  ├─ all-reduce   (1)  [tokens, hidden]
- ├─ gate_up_proj column-parallel: this rank's columns of the MLP        no communication
+ ├─ gate_up_proj column-parallel: this rank's columns of the MLP       no communication
  ├─ down_proj    row-parallel: partial sums
  └─ all-reduce   (2)  [tokens, hidden]       -> x for the next layer, whole on every rank again"""
 
