@@ -76,6 +76,9 @@ def _triton(notebook: str, stem: str, checker: str) -> Lab:
 
 
 def _lowering_configuration(number: int) -> Callable[[], str]:
+    """What notebook 08 prints for lowering exercise `number`; its module is imported only when a
+    starter is written (`lab list` stays quick)."""
+
     def shows() -> str:
         from pagedkv.exercises.cudagraph import LOWERING_EXERCISES
 
@@ -98,6 +101,7 @@ def _lowering(number: int) -> Lab:
 
 
 def _spec_mode_cases() -> str:
+    """What notebook 13 prints for its mode question: each case's configuration."""
     from pagedkv.exercises.spec_decode import SPEC_MODE_CASES, spec_mode_case
 
     return "\n".join(

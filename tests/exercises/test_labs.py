@@ -390,6 +390,9 @@ def test_starters_carry_the_notebooks_skeleton_and_exercise_text(
     qkv = start(capsys, "qkv-width", tmp_path / "b.py")
     assert "## Exercise 1: one rank's `qkv_proj`" in qkv
     assert "A first try that forgets about the GPUs:" not in qkv  # it introduced a notebook cell a lab lacks
+    lowering = start(capsys, "lowering-2", tmp_path / "c.py")  # a value lab: the configuration the notebook prints
+    assert "### Exercise 2 (rule 2)" in lowering and re.search(r"^    cudagraph_mode +FULL$", lowering, re.M)
+    assert lowering.endswith("\nanswer_2 = ...\n") and "Set answer_2 to a CUDAGraphMode or its name" in lowering
     assert qkv.endswith("    ...  # your code here\n") and "def my_qkv_width(hidden_size: int, num_heads: int," in qkv
 
 
