@@ -223,6 +223,7 @@ LABS: dict[str, Lab] = {
             "pagedkv.exercises.precision:check_num_blocks",
         ),
         _triton("15_prefill_ladder", "flash_prefill", "pagedkv.exercises.prefill_ladder:check_flash_prefill"),
+        Lab("idle-gap", "16_profiling_a_step", ("my_idle_gap",), "pagedkv.exercises.profiling:check_idle_gap"),
     ]
 }
 

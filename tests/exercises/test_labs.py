@@ -182,6 +182,13 @@ RIGHT: dict[str, str] = {
             per_block = config.num_hidden_layers * 2 * block_size * config.num_key_value_heads * config.head_dim * value
             return memory_bytes // per_block
         """,
+    "idle-gap": """
+        def my_idle_gap(profile, step):
+            # Listed by start, so the previous step's work ends at its LATEST end, not at its last range's end.
+            ends = [d.end for d in profile.device if d.step == step - 1]
+            starts = [d.start for d in profile.device if d.step == step]
+            return max(0.0, min(starts) - max(ends))
+        """,
 }
 
 WRONG: dict[str, str] = {
@@ -273,6 +280,12 @@ WRONG: dict[str, str] = {
         def my_num_blocks(memory_bytes, config, block_size, kv_cache_dtype):
             value = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1}[kv_cache_dtype]
             return memory_bytes // (config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * value)
+        """,
+    "idle-gap": """
+        def my_idle_gap(profile, step):
+            last = [d for d in profile.device if d.step == step - 1][-1]  # the last listed: not the last to end
+            first = [d for d in profile.device if d.step == step][0]
+            return max(0.0, first.start - last.end)
         """,
 }
 
