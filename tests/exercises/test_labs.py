@@ -20,7 +20,7 @@ import pytest
 from pagedkv.__main__ import main as cli
 from pagedkv.exercises import FAIL_MARK, PASS_MARK
 from pagedkv.exercises.labs import LABS, defined_name, exercise_of
-from tests.exercises.checks import worked_solutions
+from tests.exercises.checks import NOTEBOOKS, notebook_cells, worked_solutions
 
 RIGHT: dict[str, str] = {
     "choose-backend": """
@@ -435,6 +435,27 @@ def test_list_names_every_lab_its_notebook_and_what_to_write(capsys: pytest.Capt
         "split_partial_kernel (a @triton.jit kernel); split_merge_kernel (a @triton.jit kernel); split_kv_launch("
         in out
     )
+
+
+NOT_LABS = {
+    "check_blocks_held": "02: about the engine state the notebook built and shows",
+    "check_next_slot_mapping": "02: the same",
+    "check_next_schedule": "09: about the scheduler's state the notebook built and shows",
+    "check_backend": "04: the backend subclasses NAIVE classes defined in the notebook",
+}
+
+
+def test_every_checker_a_notebook_calls_is_a_lab_or_said_not_to_be() -> None:
+    """A new exercise gets a lab, or a line in NOT_LABS saying why not."""
+    called = {
+        checker
+        for path in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+        for cell in notebook_cells(path.name)
+        if cell["cell_type"] == "code"
+        for checker in re.findall(r"\b(check_\w+)\(", "".join(cell["source"]))
+    }
+    graded = {lab.checker.partition(":")[2] for lab in LABS.values()}
+    assert (sorted(called - graded), sorted(graded - called)) == (sorted(NOT_LABS), [])
 
 
 @pytest.mark.parametrize("name", list(LABS))
