@@ -358,8 +358,8 @@ def starter(lab: Lab, path: Path) -> str:
         "hint: the notebook's reveal() has no counterpart here). The notebook's exercise:\n\n"
         f'{text}\n"""'
     )
-    imports = "\n".join(lab.imports)
-    return "\n\n".join([docstring, imports, exercise.code] if imports else [docstring, exercise.code]) + "\n"
+    head = "\n\n".join([docstring, "\n".join(lab.imports)] if lab.imports else [docstring])
+    return f"{head}\n\n\n{exercise.code}\n"  # laid out as ruff format would: two blank lines before a def
 
 
 # ---- grading a file -------------------------------------------------------------------------------------
