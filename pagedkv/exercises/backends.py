@@ -243,7 +243,7 @@ def _call_student(
                 first_line = (str(exc).splitlines() or [""])[0]
                 return steps, f"{where}: your backend raised {type(exc).__name__}: {first_line}"
             step.output = output.detach().to("cpu", copy=True)
-            if isinstance(result, torch.Tensor) and result.data_ptr() != output.data_ptr():
+            if type(result) is torch.Tensor and result.data_ptr() != output.data_ptr():  # a subclass: ignored
                 step.returned = result.detach().to("cpu", copy=True)
             step.cache_error = _cache_write_error(kv_cache, before, key, value, common.slot_mapping)
     return steps, None

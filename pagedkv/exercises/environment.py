@@ -19,7 +19,7 @@ import torch
 
 from pagedkv.attention.selector import ENV_VAR, backend_report, get_attn_backend
 from pagedkv.engine.llm import LLM
-from pagedkv.exercises import CheckResult, call_on_cases, exercise, package_answer
+from pagedkv.exercises import CheckResult, Either, call_on_cases, exercise, package_answer, plain
 from pagedkv.platforms import default_device, get_platform
 from pagedkv.widgets.common import BG_HEADER, BORDER_LIGHT, FG, esc
 
@@ -193,10 +193,12 @@ def check_choose_backend(
         Each rule is checked on its own, so the message names the rule without naming the answer.
         """
         servable = [n for n in priority if not reasons.get(n)]
+        try:  # a plain str: an answer's own == takes no part in the comparisons
+            got = plain(got, Either(("", None)))
+        except TypeError:
+            return f"you returned a {type(got).__name__}: return the name of a backend (a str), or None"
         if got is None:
             return "you returned None, but a backend in the priority list can serve the layer" if servable else None
-        if type(got) is not str:  # exactly a str: a subclass's own == could claim to equal anything
-            return f"you returned a {type(got).__name__}: return the name of a backend (a str), or None"
         if got not in reasons:
             return f"you returned {got!r}, which names no backend: return one from the priority list, or None"
         if reasons[got]:

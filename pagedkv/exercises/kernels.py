@@ -446,8 +446,9 @@ def check_launches(
         reason = not_a_student_kernel(kernel)
         if reason:
             return CheckResult(False, f"{what}: {reason}")
-    for make_case in make_cases:
+    for number, make_case in enumerate(make_cases):
         case = make_case()
+        before = {name: t.detach().clone() for name, t in case.outputs.items()}
         logs: list[Any] = []
         stand_ins, rejected = _run_launcher(kernels, launch, case, what, run=True, log=logs)
         if rejected is not None:
@@ -462,6 +463,14 @@ def check_launches(
                     f"{what}: the launcher launched {name} {n} times; launch it once, "
                     "with a grid of programs, not in a Python loop.",
                 )
+        if number == 0 and not any(_changed(got, before[name]) for name, got in case.outputs.items()):
+            # The notebook's skeleton (a kernel of TODO comments) stores nothing: Run All spends no try on it.
+            return CheckResult(
+                False,
+                f"{what}: not answered yet: the kernel stores nothing (write its tl.store, then run the cell "
+                "again; no try is counted).",
+                answered=False,
+            )
         expected = case.reference()  # only now, after the student's code has run
         for name, got in case.outputs.items():
             index = first_mismatch(got, expected[name])
@@ -492,6 +501,13 @@ def check_launches(
             "the work belongs in the @triton.jit kernel.",
         )
     return CheckResult(True, f"{what}: {len(make_cases)} random cases match the float64 reference.")
+
+
+def _changed(after: torch.Tensor, before: torch.Tensor) -> bool:
+    """Whether any element of an output differs from what it held before the launch (NaN = NaN)."""
+    return not torch.equal(after.detach().cpu().nan_to_num(0.5), before.cpu().nan_to_num(0.5)) or bool(
+        (after.detach().cpu().isnan() != before.cpu().isnan()).any()
+    )
 
 
 def unwritten(value: float, sentinel: float) -> str:

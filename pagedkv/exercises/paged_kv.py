@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 
 from pagedkv.engine.llm import LLM
-from pagedkv.exercises import CheckResult, exercise
+from pagedkv.exercises import CheckResult, exercise, plain
 
 
 def show_cache_state(llm: LLM, group: int = 0) -> str:
@@ -33,13 +33,10 @@ def check_blocks_held(llm: LLM, req_id: str, num_blocks: object, num_empty_slots
     req = next((r for r in llm.scheduler.running if r.request_id == req_id), None)
     if req is None:
         return CheckResult(False, f"Request {req_id!r} is not running in this engine; see show_cache_state(llm).")
-    if num_blocks is ... or num_empty_slots is ...:
-        return CheckResult(False, "Replace both `...` with numbers, then run the cell again.")
-    if type(num_blocks) is not int or type(num_empty_slots) is not int:  # a look-alike's == could do anything
-        return CheckResult(
-            False,
-            f"Give two whole numbers (ints), got a {type(num_blocks).__name__} and a {type(num_empty_slots).__name__}.",
-        )
+    try:  # plain ints: an answer's own == takes no part in the comparisons
+        num_blocks, num_empty_slots = plain((num_blocks, num_empty_slots), (0, 0))
+    except TypeError as error:
+        return CheckResult(False, f"Give two whole numbers (ints): {error}.")
     bs = llm.kv_cache_manager.specs[0].block_size
     held = len(llm.kv_cache_manager.get_block_ids(req_id)[0])
     cached = req.num_computed_tokens
@@ -82,15 +79,11 @@ def check_next_slot_mapping(llm: LLM, answer: object, group: int = 0) -> CheckRe
     The answer's form is checked first (a list of ints), so the slots are worked out (on a copy of
     the scheduler: the engine is untouched) only once nothing of the student's can run any more.
     """
-    if answer is not ... and answer is not None:
-        if type(answer) not in (list, tuple):
-            return CheckResult(False, f"The answer is a list of slot numbers, got {type(answer).__name__}.")
-        wrong_type = next((i for i, slot in enumerate(answer) if type(slot) is not int), None)
-        if wrong_type is not None:
-            return CheckResult(
-                False,
-                f"Every slot is a whole number (an int); entry {wrong_type} is a {type(answer[wrong_type]).__name__}.",
-            )
+    if answer is not None:
+        try:  # plain ints: an answer's own == takes no part in the comparisons
+            answer = plain(answer, [0])
+        except TypeError as error:
+            return CheckResult(False, f"The answer is a list of slot numbers (ints): {error}.")
 
     scheduler = copy.deepcopy(llm.scheduler)
     plan = scheduler.schedule()
@@ -103,8 +96,8 @@ def check_next_slot_mapping(llm: LLM, answer: object, group: int = 0) -> CheckRe
         start = s.request.num_computed_tokens
         tokens += [(rid, p, row, held) for p in range(start, start + s.num_new_tokens)]
     slots = [row[p // bs] * bs + p % bs for _, p, row, _ in tokens]
-    if answer is ... or answer is None:
-        return CheckResult(False, f"Replace `...` with a list of {len(tokens)} slots, one per token of the next step.")
+    if answer is None:
+        return CheckResult(False, f"Give a list of {len(tokens)} slots, one per token of the next step.")
     if len(answer) != len(tokens):
         return CheckResult(False, f"The next step computes {len(tokens)} token(s); you gave {len(answer)} slot(s).")
 

@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from pagedkv.config import parse_kv_cache_dtype
-from pagedkv.exercises import CheckResult, call_on_cases, exercise, package_answer
-from pagedkv.kernels.attention_config import MAX_SPLITS, batch_invariant_config, choose_config, split_count
+from pagedkv.exercises import CheckResult, call_on_cases, exercise, functions_of, package_answer, plain
+from pagedkv.kernels import attention_config
+from pagedkv.kernels.attention_config import MAX_SPLITS
 from pagedkv.kernels.common import cdiv
-from pagedkv.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, get_kv_cache_config
+from pagedkv.kv_cache import spec as kv_cache_spec
+from pagedkv.kv_cache.spec import FullAttentionSpec, get_kv_cache_config
 from pagedkv.models.configs import LlamaConfig
 from pagedkv.models.loader import PRESETS
 
@@ -63,7 +67,14 @@ SHOWN_SPLIT_CASES: list[SplitCase] = [(10, 132), (200, 132), (1500, 132), (4096,
 """(seq_len, num_sms) cases the notebook can print: a request of seq_len keys on a GPU of num_sms SMs."""
 BATCH_SIZES = [1, 2, 8, 33, 64, 256, 1024]
 """The batches each request runs in: alone, then among batch_size - 1 others."""
-SPLIT_PACKAGE: list[Callable[..., Any]] = [choose_config, batch_invariant_config, split_count, split_count.__wrapped__]
+
+
+def _package(module: ModuleType) -> list[Callable[..., Any]]:
+    """What an answer may not hand the work to: every function of `module` (the split rules of the
+    kernels' config, or the KV cache specs and their page sizes), methods and properties included,
+    and this module's own (its example rule, its sizing), but the helpers the notebook hands out."""
+    mine = functions_of(sys.modules[__name__], but=[max_splits, split_kv_attention])
+    return [*functions_of(module), *mine]
 
 
 def max_splits(seq_len: int) -> int:
@@ -92,17 +103,22 @@ def check_num_splits(fn: Callable[[int, int, int], Any], num_hidden: int = 12) -
     batch_size requests on a GPU of num_sms SMs. It must be valid (1 to `max_splits(seq_len)`), give the
     request's attention row bitwise the same in every batch, and keep split-KV (>= 2 splits) for a lone
     request of SPLIT_KV_MIN_KEYS keys or more."""
-    own = package_answer(fn, SPLIT_PACKAGE, "the split rule")
+    package = _package(attention_config)
+    own = package_answer(fn, package, "the split rule")
     if own is not None:
         return own
     rng = random.Random()
     cases = SHOWN_SPLIT_CASES + [_random_split_case(rng) for _ in range(num_hidden)]
     calls = [(n, b, sms) for n, sms in cases for b in BATCH_SIZES]
-    results, rejected = call_on_cases(fn, calls, SPLIT_PACKAGE, "the split rule", lambda c: f"fn{tuple(c)}")
+    results, rejected = call_on_cases(fn, calls, package, "the split rule", lambda c: f"fn{tuple(c)}")
     if rejected is not None:
         return rejected
-    counts = dict(zip(calls, results))
-    for (n, b, sms), got in counts.items():
+    counts = {}
+    for (n, b, sms), got in zip(calls, results):
+        try:  # plain ints: an answer's own == takes no part in the comparisons
+            counts[(n, b, sms)] = got = plain(got, 0)
+        except TypeError:
+            pass
         if type(got) is not int or not 1 <= got <= max_splits(n):
             tiles = cdiv(n, KEYS_PER_TILE)
             return CheckResult(
@@ -168,11 +184,6 @@ SHOWN_BLOCK_CASES: list[BlockCase] = [
     (64 * 2**20, "tiny", 16, "float32"),
 ]
 """(memory_bytes, preset, block_size, kv_cache_dtype) cases the notebook can print."""
-BLOCK_PACKAGE: list[Callable[..., Any]] = [
-    get_kv_cache_config,
-    KVCacheSpec.page_size_bytes.fget,  # type: ignore[attr-defined]
-    KVCacheConfig.bytes_per_block.fget,  # type: ignore[attr-defined]
-]
 KV_CACHE_DTYPES = ["bfloat16", "float16", "float32", "fp8", "fp8_e4m3"]
 
 
@@ -254,14 +265,15 @@ def check_num_blocks(fn: Callable[[int, LlamaConfig, int, str], Any], num_hidden
     allocates in memory_bytes (`KVCacheConfig.num_blocks`, the null block included) for a model of this
     config, blocks of block_size tokens, a cache of kv_cache_dtype ("bfloat16", "float16", "float32",
     "fp8" or "fp8_e4m3")."""
-    own = package_answer(fn, BLOCK_PACKAGE, "the block arithmetic")
+    package = _package(kv_cache_spec)
+    own = package_answer(fn, package, "the block arithmetic")
     if own is not None:
         return own
     rng = random.Random()
     cases = SHOWN_BLOCK_CASES + [_random_block_case(rng) for _ in range(num_hidden)]
     calls = [(case[0], block_case_config(case), case[2], case[3]) for case in cases]
     results, rejected = call_on_cases(
-        fn, calls, BLOCK_PACKAGE, "the block arithmetic", lambda c: f"fn({c[0]}, <config>, {c[2]}, {c[3]!r})"
+        fn, calls, package, "the block arithmetic", lambda c: f"fn({c[0]}, <config>, {c[2]}, {c[3]!r})"
     )
     if rejected is not None:
         return rejected
@@ -271,8 +283,10 @@ def check_num_blocks(fn: Callable[[int, LlamaConfig, int, str], Any], num_hidden
         name = case[1] if isinstance(case[1], str) else "a model"
         shape = f"{name}: {config.num_hidden_layers} layers, {config.num_key_value_heads} KV heads of {config.head_dim}"
         call = f"fn({memory}, <{shape}>, {block_size}, {kv_cache_dtype!r})"
-        if type(got) is not int:
-            return CheckResult(False, f"{call} returned {got!r}: return the number of blocks (a Python int).")
+        try:
+            got = plain(got, 0)  # a plain int: an answer's own == takes no part in the comparisons
+        except TypeError as error:
+            return CheckResult(False, f"{call}: {error}; return the number of blocks (an int).")
         if got == _engine_blocks(memory, config, block_size, kv_cache_dtype):
             continue
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.exercises import CheckResult, call_on_cases, exercise, package_answer
+from pagedkv.exercises import CheckResult, call_on_cases, exercise, package_answer, plain
 from pagedkv.kv_cache.block_pool import BlockPool, hash_block_tokens, hash_request_blocks
 from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.kv_cache.spec import FullAttentionSpec, get_kv_cache_config
@@ -72,13 +72,15 @@ class _Raised:
         return f"{call} raised {type(self.error).__name__}: {first_line}."
 
 
-def _not_an_int(call: str, got: Any, what: str) -> CheckResult | None:
-    """The failed result for an answer that raised or is not a plain int (`what` it should be), else None."""
+def _plain_int(call: str, got: Any, what: str) -> int | CheckResult:
+    """`got` as a plain int (`plain`: its own == takes no part), or the failed result for an answer
+    that raised or is not an int (`what` it should be)."""
     if isinstance(got, _Raised):
         return CheckResult(False, got.message(call))
-    if type(got) is not int:  # a plain int: a subclass could make == say yes
-        return CheckResult(False, f"{call} returned {got!r}: return {what} (a Python int).")
-    return None
+    try:
+        return plain(got, 0)
+    except TypeError as error:
+        return CheckResult(False, f"{call}: {error}; return {what} (an int).")
 
 
 def _keep_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -158,8 +160,8 @@ def check_hit_length(fn: Callable[[list[list[int]], list[int], int], Any], num_h
 
     for (cached, prompt, bs), got in zip(cases, results):
         call = f"fn({cached}, {prompt}, {bs})"
-        if (wrong := _not_an_int(call, got, "a number of tokens")) is not None:
-            return wrong
+        if isinstance(got := _plain_int(call, got, "a number of tokens"), CheckResult):
+            return got
         expected = found(cached, prompt, bs)
         if got == expected:
             continue
@@ -348,8 +350,8 @@ def check_next_block(fn: Callable[[list[Event], int, int], Any], num_hidden: int
 
     for (events, num_blocks, bs), got in zip(cases, results):
         call = f"fn({events}, num_blocks={num_blocks}, block_size={bs})"
-        if (wrong := _not_an_int(call, got, "a block id")) is not None:
-            return wrong
+        if isinstance(got := _plain_int(call, got, "a block id"), CheckResult):
+            return got
         steps = queues(events, num_blocks, bs)
         queue = steps[-1]
         if got == queue[0]:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.request import Request
 from pagedkv.engine.scheduler import SchedulerOutput
-from pagedkv.exercises import CheckResult, exercise
+from pagedkv.exercises import CheckResult, Either, exercise, plain
 
 
 def show_queue_state(llm: LLM) -> str:
@@ -125,18 +125,19 @@ def _worked(llm: LLM, plan: SchedulerOutput) -> Callable[[], str]:
 @exercise("09: the scheduler's next step")
 def check_next_schedule(llm: LLM, tokens: object, preempted: object = ()) -> CheckResult:
     """`tokens`: {request id: tokens it computes in the next step}; `preempted`: ids preempted in it."""
-    if tokens is ... or tokens is None:
-        return CheckResult(False, "Replace `...` with a dict {request id: number of tokens} for the next step.")
-    if not isinstance(tokens, dict):
-        return CheckResult(False, f"tokens must be a dict such as {{'0': 1, '3': 12}}, got {type(tokens).__name__}.")
-    if preempted is ...:
-        return CheckResult(False, "Replace the `...` of `preempted` with a list of request ids ([] if none).")
-    if not isinstance(preempted, (list, tuple)):
-        return CheckResult(False, f"preempted must be a list such as ['2'] or [], got {type(preempted).__name__}.")
-    try:  # plain ints and strs from here on: an int subclass could make == say yes to anything
-        counts = [(str(int(k)), int(v)) for k, v in dict(tokens).items()]
-        wrote = sorted(str(int(p)) for p in preempted)
-    except (TypeError, ValueError) as exc:
+    request_id = Either(("", 0))
+    try:  # plain ints and strs from here on: an answer's own == takes no part in the comparisons
+        plain_tokens = plain(tokens, {request_id: 0})
+    except TypeError as error:
+        return CheckResult(False, f"tokens must be a dict such as {{'0': 1, '3': 12}}: {error}.")
+    try:
+        plain_preempted = plain(preempted, [request_id])
+    except TypeError as error:
+        return CheckResult(False, f"preempted must be a list such as ['2'] or []: {error}.")
+    try:
+        counts = [(str(int(k)), v) for k, v in plain_tokens.items()]
+        wrote = sorted(str(int(p)) for p in plain_preempted)
+    except ValueError as exc:
         return CheckResult(False, f"Request ids are numbers such as '0' or 0, token counts ints: {exc}.")
     got = {rid: n for rid, n in counts if n}  # a request with 0 tokens may be left out
     known = {req.request_id for req in [*llm.scheduler.running, *llm.scheduler.waiting]}

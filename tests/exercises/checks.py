@@ -3,11 +3,14 @@ notebooks' worked solutions."""
 
 from __future__ import annotations
 
+import io
 import json
+from collections.abc import Callable
+from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
-from pagedkv.exercises import FAIL_MARK, PASS_MARK, CheckResult
+from pagedkv.exercises import FAIL_MARK, PASS_MARK, REVEAL_AFTER, TODO_MARK, CheckResult, forget_tries, reveal
 
 NOTEBOOKS = Path(__file__).parents[2] / "notebooks"
 
@@ -19,6 +22,25 @@ def assert_rejected(result: CheckResult, *phrases: str) -> None:
     assert repr(result).startswith(FAIL_MARK)
     for phrase in phrases:
         assert phrase in result.message, result.message
+
+
+def assert_not_answered(result: CheckResult) -> None:
+    """`result` is neither a pass nor a fail: the exercise is not answered yet (no try counted)."""
+    assert isinstance(result, CheckResult)
+    assert not result and not result.answered, result.message
+    assert repr(result).startswith(TODO_MARK) and "not answered yet" in result.message
+
+
+def revealed(check: Callable[[], CheckResult]) -> tuple[CheckResult, str]:
+    """Run `check()` `REVEAL_AFTER` times from no tries (it must fail each time) and return its last
+    result and what `reveal()` prints then: the only way to a worked answer."""
+    forget_tries()
+    for _ in range(REVEAL_AFTER):
+        result = check()
+        assert not result, result.message
+    with redirect_stdout(io.StringIO()) as printed:
+        reveal()
+    return result, printed.getvalue()
 
 
 class _SaysEqual:

@@ -17,7 +17,7 @@ from pagedkv.attention.selector import get_attn_backend
 from pagedkv.exercises import environment, reveal
 from pagedkv.exercises.environment import check_choose_backend, environment_report, html_table, runs_here
 from pagedkv.workbook import list_notebooks
-from tests.exercises.checks import StrEqualToAnything, assert_rejected
+from tests.exercises.checks import StrEqualToAnything, assert_rejected, revealed
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_environment_report_and_workbook_map() -> None:
     report = environment_report()
     assert report["torch"] == torch.__version__
     assert report["default device"] in ("cpu", "cuda")
-    assert [nb.name[:2] for nb in list_notebooks()] == [f"{i:02d}" for i in range(16)]
+    assert [nb.name[:2] for nb in list_notebooks()] == [f"{i:02d}" for i in range(17)]
     assert runs_here("cpu").startswith("yes")
     with pytest.raises(ValueError):
         runs_here("tpu")
@@ -71,7 +71,7 @@ def test_choose_backend_passes_a_right_rule(tiny: LLM) -> None:
     ],
 )
 def test_choose_backend_names_the_broken_rule_not_the_answer(tiny: LLM, wrong, phrase: str) -> None:
-    result = check_choose_backend(tiny, wrong)
+    result, work = revealed(lambda: check_choose_backend(tiny, wrong))
     assert_rejected(result, "For priority", phrase)
     assert "expected" not in result.message
     # The right answer of the failing case, worked out by this test from the case the message shows:
@@ -80,7 +80,7 @@ def test_choose_backend_names_the_broken_rule_not_the_answer(tiny: LLM, wrong, p
     serve = case.group(2).split(", ")
     want = next((n for n in eval(case.group(1)) if n in serve), None)  # noqa: S307  (a list of names)
     assert f"return {want!r}" not in result.message and f"answer: {want!r}" not in result.message
-    assert result.reveal is not None and f"answer: {want!r}" in result.reveal()
+    assert f"answer: {want!r}" in work
 
 
 def test_choose_backend_turns_away_the_package_and_frame_readers(tiny: LLM) -> None:
@@ -125,5 +125,5 @@ def test_choose_backend_offers_reveal_after_three_tries(tiny: LLM, capsys: pytes
 
 def test_choose_backend_is_not_fooled_by_a_str_that_equals_everything(tiny: LLM) -> None:
     assert_rejected(
-        check_choose_backend(tiny, lambda p, r: StrEqualToAnything(p[0])), "return the name of a backend (a str)"
-    )
+        check_choose_backend(tiny, lambda p, r: StrEqualToAnything(p[0])), "which refuses the layer"
+    )  # graded as the str it holds

@@ -24,9 +24,9 @@ import torch
 
 import pagedkv.exercises.triton_puzzles as P
 import pagedkv.kernels as K
-from pagedkv.exercises import FAIL_MARK, PASS_MARK, CheckResult, reveal
+from pagedkv.exercises import FAIL_MARK, PASS_MARK, TODO_MARK, CheckResult, reveal
 from pagedkv.exercises.kernels import INTERPRETER_OPS
-from tests.exercises.checks import assert_rejected
+from tests.exercises.checks import assert_rejected, revealed
 
 if not K.HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -902,15 +902,14 @@ def test_right_values_with_loads_of_keys_the_request_does_not_own_fail_the_memor
     """Point 7 of issue 32: the loads and stores are part of the verdict. Scores masked to -inf give
     the right values even when the kernel loads the rows past seq_len (another request's keys, or
     the null block's); the memory check names the program and the row."""
-    result = P.check_masked_scores(_scores, _launch_scores(2))
+    result, work = revealed(lambda: P.check_masked_scores(_scores, _launch_scores(2)))
     assert_rejected(
         result,
         "the right values, but _scores program (0, 1)",
         "of k_cache that holds no key of the program's request (mask the loads past seq_len)",
     )
     assert "Hint: a kernel loads only what its program needs" in result.message
-    assert result.reveal is not None
-    assert "Every memory rule the kernel broke:\n_scores program (0, 1)" in result.reveal()
+    assert "Every memory rule the kernel broke:\n_scores program (0, 1)" in work
 
 
 @interpreter_only
@@ -999,14 +998,15 @@ def test_each_worked_solution_passes_its_check_in_a_fresh_interpreter(tmp_path: 
     assert len(exercises) == len(solutions) == len(PUZZLES)
     done = _run_fresh([e + "\n" + s for e, s in zip(exercises, solutions)], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    verdicts = [line for line in done.stdout.splitlines() if line[:1] in (PASS_MARK, FAIL_MARK)]
+    verdicts = [line for line in done.stdout.splitlines() if line[:1] in (PASS_MARK, FAIL_MARK, TODO_MARK)]
     unable = [v for v in verdicts if "interpreter cannot run a loop" in v]  # old Triton with new numpy
     if unable:
         pytest.skip(unable[0])
-    skeleton = f"{FAIL_MARK} block-table row: slots[0, 0] is -2 (never written"
-    assert verdicts[0].startswith(skeleton), verdicts
-    assert verdicts[1] == f"{PASS_MARK} block-table row: 2 random cases match the float64 reference.", verdicts
-    assert sum(v.startswith(PASS_MARK) for v in verdicts) == len(PUZZLES), done.stdout
+    # The skeleton cells grade nothing (not run, or "not answered yet"): no fail; then every solution passes.
+    assert not any(v.startswith(FAIL_MARK) for v in verdicts), verdicts
+    passes = [v for v in verdicts if v.startswith(PASS_MARK)]
+    assert passes[0] == f"{PASS_MARK} block-table row: 2 random cases match the float64 reference.", verdicts
+    assert len(passes) == len(PUZZLES), done.stdout
 
 
 def test_no_worked_solution_runs_on_run_all() -> None:
@@ -1056,7 +1056,8 @@ def test_without_triton_the_first_cell_says_what_to_install_and_the_source_cells
 
 
 def test_checker_explains_triton_imported_without_the_interpreter(tmp_path: Path) -> None:
-    done = _run_fresh(["import triton\n" + _tagged_cells("exercise")[1]], tmp_path)
+    answered = _tagged_cells("exercise")[1].replace("answer = ...", "answer = scatter_kernel")
+    done = _run_fresh(["import triton\n" + answered], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"{FAIL_MARK} scatter kernel: Triton cannot run kernels here" in done.stdout
     assert "TRITON_INTERPRET=1" in done.stdout and len(done.stdout.strip().splitlines()) == 1

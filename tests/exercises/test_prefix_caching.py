@@ -312,5 +312,5 @@ def test_the_notebooks_worked_solutions_pass_and_are_not_run() -> None:
 
 
 def test_an_int_that_equals_anything_fails() -> None:
-    assert_rejected(check_hit_length(lambda *a: EqualToAnything(0)), "a Python int")
-    assert_rejected(check_next_block(lambda *a: EqualToAnything(1)), "a Python int")
+    assert_rejected(check_hit_length(lambda *a: EqualToAnything(0)))  # graded as the 0 it holds
+    assert_rejected(check_next_block(lambda *a: EqualToAnything(1)))  # graded as the 1 it holds
