@@ -49,14 +49,14 @@ def smoke_run(script: str, json_out: Path, *args: str) -> dict:
 
 
 @pytest.fixture(autouse=True)
-def fresh_tries(monkeypatch: pytest.MonkeyPatch) -> None:
+def fresh_tries() -> None:
     """Every test starts with no wrong tries counted and nothing to reveal, whatever ran before it.
 
     Only where pagedkv.exercises is imported: before that, its registry is fresh anyway (and the other tests
     need not import it)."""
     exercises = sys.modules.get("pagedkv.exercises")
     if exercises is not None:
-        monkeypatch.setattr(exercises, "_TRIES", exercises._Tries())
+        exercises.forget_tries()
 
 
 def edit_config_json(model_dir: Path, **changes: object) -> None:
