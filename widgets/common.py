@@ -103,6 +103,21 @@ def short_layer(name: str) -> str:
     return name
 
 
+DROPDOWN_CHROME_PX = 8 + 8 + 20 + 2
+"""What JupyterLab draws beside a dropdown's text: the label's right margin, the select's left
+padding, its arrow and its border."""
+DROPDOWN_CHAR_PX = 9
+"""Room per character of a choice: JupyterLab's 13 px text in a wide sans-serif (DejaVu Sans)
+averages under 7 px a character and 8.3 px a digit (the whole of a short choice like "16")."""
+
+
+def dropdown_size(chars: int, label_px: int) -> dict[str, Any]:
+    """`ipywidgets.Dropdown` keywords for a box wide enough for a choice of `chars` characters
+    beside a label of `label_px` (ipywidgets' default 300 px cuts longer choices), at most 900 px."""
+    width = min(label_px + DROPDOWN_CHROME_PX + DROPDOWN_CHAR_PX * chars, 900)
+    return {"style": {"description_width": f"{label_px}px"}, "layout": ipywidgets.Layout(width=f"{width}px")}
+
+
 def step_index_error(index: int, num_steps: int) -> IndexError:
     """The error for a step index outside a trace of `num_steps` steps (views and players)."""
     return IndexError(

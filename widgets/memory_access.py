@@ -22,7 +22,7 @@ from pagedkv.exercises.memory_access import (
     count_text,
     where_outside,
 )
-from pagedkv.widgets.common import BASE_STYLE, BG, BORDER_LIGHT, FG_MUTED, PALETTE, SVG_STYLE, esc
+from pagedkv.widgets.common import BASE_STYLE, BG, BORDER_LIGHT, FG_MUTED, PALETTE, SVG_STYLE, dropdown_size, esc
 
 LOAD_COLOR, STORE_COLOR = PALETTE[0], PALETTE[1]
 """Blue and vermilion (Okabe-Ito): told apart with every common colour vision deficiency, each >= 3:1
@@ -151,11 +151,8 @@ LEGEND = (
 )
 
 
-def _sized(chars: int) -> dict[str, Any]:
-    """Dropdown keywords: wide enough for a choice of `chars` characters (the check in the browser
-    test finds a choice cut by its box), its label on its left."""
-    width = min(60 + 8 * chars + 40, 900)
-    return {"style": {"description_width": "60px"}, "layout": ipywidgets.Layout(width=f"{width}px")}
+LABEL_PX = 60
+"""Width of a picker's description ("launch", "program")."""
 
 
 def _span_text(info: TensorInfo, offsets: np.ndarray) -> str:
@@ -196,10 +193,12 @@ class MemoryAccessView(ipywidgets.HTML):
             options=options,
             value=launch % len(log.launches),
             description="launch",
-            **_sized(max(len(text) for text, _ in options)),
+            **dropdown_size(max(len(text) for text, _ in options), LABEL_PX),
         )
         longest = max(len(log.launches[i].program_text(log.launches[i].programs()[-1])) for _, i in options)
-        self.program_picker = ipywidgets.Dropdown(description="program", **_sized(max(longest, len("all programs"))))
+        self.program_picker = ipywidgets.Dropdown(
+            description="program", **dropdown_size(max(longest, len("all programs")), LABEL_PX)
+        )
         self._filling = False
         self._fill_programs(program)
         self.launch_picker.observe(lambda _change: self._fill_programs(None), "value")

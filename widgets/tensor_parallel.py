@@ -9,7 +9,7 @@ import ipywidgets
 from pagedkv.models.configs import LlamaConfig
 from pagedkv.models.layers import head_layout, rank_heads
 from pagedkv.models.loader import PRESETS
-from pagedkv.widgets.common import ACCENT, BASE_STYLE, BG_HEADER, BORDER, FG_MUTED, esc
+from pagedkv.widgets.common import ACCENT, BASE_STYLE, BG_HEADER, BORDER, FG_MUTED, dropdown_size, esc
 
 # Shapes of public checkpoints (config.json values), to pick from; one model a line. Llama-3-8B is the
 # "llama3-8b" preset itself, so the widget and the benchmarks' model cannot disagree on its shape.
@@ -99,24 +99,13 @@ TP_SIZES = [1, 2, 4, 8, 16]
 
 LABEL_PX = 50
 """Width of a dropdown's description ("model", "tp")."""
-SELECT_CHROME_PX = 8 + 8 + 20 + 2
-"""What JupyterLab draws beside a dropdown's text: the label's right margin, the select's left
-padding, its arrow and its border."""
-CHAR_PX = 9
-"""Room per character of a choice: JupyterLab's 13 px text in a wide sans-serif (DejaVu Sans)
-averages under 7 px a character and 8.3 px a digit (the whole of a short choice like "16")."""
 
 
 def _dropdown(options: list[Any], value: Any, description: str) -> ipywidgets.Dropdown:
-    """A dropdown as wide as its longest choice: ipywidgets' default (300 px with an 80 px label)
-    cut the longer model names, so a picked model could not be read."""
+    """A dropdown as wide as its longest choice, so a picked model can be read whole."""
     longest = max(len(str(option)) for option in options)
     return ipywidgets.Dropdown(
-        options=options,
-        value=value,
-        description=description,
-        style={"description_width": f"{LABEL_PX}px"},
-        layout=ipywidgets.Layout(width=f"{LABEL_PX + SELECT_CHROME_PX + CHAR_PX * longest}px"),
+        options=options, value=value, description=description, **dropdown_size(longest, LABEL_PX)
     )
 
 
