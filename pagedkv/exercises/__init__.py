@@ -97,15 +97,15 @@ def _describe(like: object) -> str:
     if isinstance(like, (list, set, frozenset)):
         kind = "list" if isinstance(like, list) else "set"
         inner = _describe(next(iter(like))) if like else "an int"
-        return f"a {kind} of {inner.split(' ', 1)[1]}s"
+        return f"a {kind} of {inner.split(' ', 1)[-1]}s"
     if isinstance(like, tuple):
-        return f"a tuple ({', '.join(_describe(x).split(' ', 1)[1] for x in like)})"
+        return f"a tuple ({', '.join(_describe(x).split(' ', 1)[-1] for x in like)})"
     if isinstance(like, dict):
         key, value = next(iter(like.items()), (0, 0))
-        return f"a dict of {_describe(key).split(' ', 1)[1]} to {_describe(value).split(' ', 1)[1]}"
+        return f"a dict of {_describe(key).split(' ', 1)[-1]} to {_describe(value).split(' ', 1)[-1]}"
     if like is Ellipsis:
         return "a value"
-    return {bool: "a bool", int: "an int", float: "a float", str: "a str", type(None): "a None"}[type(like)]
+    return {bool: "a bool", int: "an int", float: "a float", str: "a str", type(None): "None"}[type(like)]
 
 
 def plain(value: object, like: T) -> T:
@@ -123,7 +123,8 @@ def plain(value: object, like: T) -> T:
     forms; `...` in a template takes any value as it is (the checker reads it further itself).
     Raises TypeError naming the type wanted when `value` is not of that form.
     """
-    wanted = TypeError(f"the answer should be {_describe(like)}, not a {type(value).__name__}")
+    name = type(value).__name__
+    wanted = TypeError(f"the answer should be {_describe(like)}, not {'an' if name[0] in 'aeiou' else 'a'} {name}")
     if like is Ellipsis:
         return value  # type: ignore[return-value]  # any value: the checker reads it further itself
     if isinstance(like, Either):
@@ -525,7 +526,10 @@ def package_answer(answer: object, functions: Iterable[Callable[..., Any]], what
     package's `functions` itself, else None."""
     if not callable(answer):
         return CheckResult(False, f"Pass your function itself (not its result), got {answer!r}.")
-    unwrapped = inspect.unwrap(answer)  # type: ignore[arg-type]  # what a cache or a wraps() wraps
+    try:
+        unwrapped = inspect.unwrap(answer)  # type: ignore[arg-type]  # what a cache or a wraps() wraps
+    except ValueError:  # a __wrapped__ chain that loops
+        unwrapped = answer
     for function in functions:
         if answer is function or unwrapped is function:
             return CheckResult(False, f"That is pagedkv's own {function.__qualname__}; write {what} yourself.")

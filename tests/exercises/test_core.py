@@ -9,9 +9,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
-from pagedkv.exercises import CheckResult, call_answer, exercise, reveal, watch_calls
+from pagedkv.exercises import CheckResult, Either, call_answer, exercise, plain, reveal, watch_calls
 from pagedkv.models.layers import head_layout
 from tests.exercises.checks import assert_rejected
 
@@ -110,3 +112,33 @@ def test_a_notebook_whose_checkers_offer_reveal_imports_it(notebook: Path) -> No
         pytest.skip(f"{notebook.name} has no exercise")
     imports = [i for i, s in enumerate(sources) if re.search(r"from pagedkv\.exercises import .*\breveal\b", s)]
     assert imports and imports[0] <= first_check, f"{notebook.name}: import reveal in the cell of its first exercise"
+
+
+def test_plain_rebuilds_answers_from_builtin_types_and_turns_away_other_forms() -> None:
+    class Shifty(list):  # type: ignore[type-arg]
+        """A list whose own methods tell another story than its entries."""
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter([7, 7])
+
+        def __len__(self) -> int:
+            return 2
+
+    got = plain(Shifty([1, 2, 3]), [0])
+    assert got == [1, 2, 3] and type(got) is list  # read through list's own methods
+    assert plain(range(2, 5), [0]) == [2, 3, 4] and plain(torch.tensor([1, 2]), [0]) == [1, 2]
+    assert plain(np.int64(4), 0) == 4 and type(plain(np.int64(4), 0)) is int
+    assert plain(torch.tensor(5), 0) == 5 and plain((1, [2]), (0, [0])) == (1, [2])
+    assert plain(None, Either(((0, 0, 0), None))) is None and plain([1, 2, 3], Either(((0, 0, 0), None))) == (1, 2, 3)
+    assert plain({"a": 1}, {"": 0}) == {"a": 1}
+    for value, like, words in [
+        (True, 0, "an int, not a bool"),
+        (2.0, 0, "an int, not a float"),
+        ("3", 0, "an int, not a str"),
+        ([1, "2"], [0], "an int, not a str"),
+        ((1, 2), (0, 0, 0), "3 values, not 2"),
+        (torch.tensor([[1]]), [0], "a list of ints, not a Tensor"),
+        (object(), Either(((0, 0, 0), None)), "a tuple (int, int, int) or None, not an object"),
+    ]:
+        with pytest.raises(TypeError, match=re.escape(words)):
+            plain(value, like)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pagedkv.kernels as K
-from pagedkv.exercises import reveal
+from pagedkv.exercises import CheckResult, reveal
 from pagedkv.exercises.prefill_ladder import check_flash_prefill
 from tests.exercises.checks import (
     NOTEBOOKS,
@@ -183,12 +183,15 @@ def _run(code: str, tmp_path: Path) -> list[object]:
 
 
 def test_the_skeleton_is_not_graded_and_the_worked_solution_passes(tmp_path: Path) -> None:
-    """The exercise cell as saved grades nothing (its TODO stores nothing: "not answered yet", no
-    try spent); with the collapsed worked solution run after it, the check passes. Run All runs
-    only the first, and no saved output shows a pass."""
+    """The exercise cell as saved grades nothing (it asks for the kernel first); given its skeleton
+    kernel, whose TODO stores nothing, the checker says "not answered yet" and spends no try; with
+    the collapsed worked solution run after it, the check passes. Run All runs only the first, and
+    no saved output shows a pass."""
     [exercise_cell] = _cells("exercise")
     [solution] = worked_solutions(NOTEBOOK)
-    [skeleton] = _run(exercise_cell, tmp_path)
+    [prompt] = _run(exercise_cell, tmp_path)
+    assert not isinstance(prompt, CheckResult) and "then run this cell again" in str(prompt)
+    [skeleton] = _run(exercise_cell.replace("answer = ...", "answer = flash_prefill_kernel"), tmp_path)
     assert_not_answered(skeleton)
     *_, solved = _run(exercise_cell + "\n" + solution, tmp_path)
     assert solved, solved
