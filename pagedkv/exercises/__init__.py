@@ -473,9 +473,12 @@ def _set_profile_on_other_threads(profile: Callable[[FrameType, str, object], No
 
     Python 3.11 has no `threading.setprofile_all_threads` (3.12 does, looping over the thread
     states with `_PyEval_SetProfile`, which CPython 3.11 exports too): this is that loop, through
-    ctypes, with the profiler as a C callback that hands each call's frame to `profile`.
+    ctypes, with the profiler as a C callback that hands each call's frame to `profile`. Where the
+    interpreter does not export it (not CPython), the tripwires alone watch those threads.
     """
     api = ctypes.pythonapi
+    if not hasattr(api, "_PyEval_SetProfile"):
+        return
     api._PyEval_SetProfile.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.py_object]
     api.PyThreadState_Get.restype = api.PyInterpreterState_Get.restype = ctypes.c_void_p
     api.PyInterpreterState_ThreadHead.argtypes = api.PyThreadState_Next.argtypes = [ctypes.c_void_p]

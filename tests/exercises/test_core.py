@@ -142,3 +142,21 @@ def test_plain_rebuilds_answers_from_builtin_types_and_turns_away_other_forms() 
     ]:
         with pytest.raises(TypeError, match=re.escape(words)):
             plain(value, like)
+
+
+def test_a_closure_run_on_an_earlier_thread_is_seen_and_no_profiler_stays_behind() -> None:
+    """No tripwire fits a function with a closure; the profiler set on threads started before
+    the check (Python 3.11 through ctypes, 3.12+ by threading) sees it, and is gone afterwards."""
+    pool = ThreadPoolExecutor(1)
+    pool.submit(lambda: None).result()  # its thread runs before the check begins
+    seen = []
+
+    def with_closure(x: int) -> int:
+        seen.append(x)
+        return x
+
+    with watch_calls([with_closure]) as called:
+        assert pool.submit(with_closure, 1).result() == 1
+    assert called == [with_closure.__qualname__]
+    assert pool.submit(sys.getprofile).result() is None
+    pool.shutdown()
