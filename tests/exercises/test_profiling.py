@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import redirect_stdout
 from typing import Any
 
+import numpy as np
 import pytest
 
 from pagedkv.exercises import reveal
@@ -59,6 +60,7 @@ def test_a_right_answer_passes() -> None:
     result = check_idle_gap(right)
     assert result, result.message
     assert check_idle_gap(lambda p, s: int(right(p, s))), "an int is a number of us too"
+    assert check_idle_gap(lambda p, s: np.float32(right(p, s))), "and so is a numpy scalar"
 
 
 @pytest.mark.parametrize(
@@ -90,9 +92,10 @@ def test_the_package_is_refused() -> None:
 
 
 def test_answers_that_are_no_number_fail_on_their_form() -> None:
-    assert_rejected(check_idle_gap(lambda p, s: EqualToAnything(290)), "of type EqualToAnything", "a float")
-    assert_rejected(check_idle_gap(lambda p, s: "290"), "of type str", "a float")
-    assert_rejected(check_idle_gap(lambda p, s: True), "of type bool")
+    # graded as the int it holds (290 is right for the first case only): its == takes no part
+    assert_rejected(check_idle_gap(lambda p, s: EqualToAnything(290)), "fn(profile, 5) = 290.0")
+    assert_rejected(check_idle_gap(lambda p, s: "290"), "a float", "str")
+    assert_rejected(check_idle_gap(lambda p, s: True), "a float", "bool")
     assert_rejected(check_idle_gap(lambda p, s: 1 / 0), "raised ZeroDivisionError")
 
 
