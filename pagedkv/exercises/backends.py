@@ -35,7 +35,7 @@ from pagedkv.config import EngineConfig, ModelConfig
 from pagedkv.engine.events import StepEvent
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.request import SamplingParams
-from pagedkv.exercises import CheckResult, exercise, used_package, watch_calls
+from pagedkv.exercises import CheckResult, exercise, plain, used_package, watch_calls
 from pagedkv.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 from pagedkv.platforms import default_device
 
@@ -242,6 +242,14 @@ def _call_student(
                     return steps, None
                 first_line = (str(exc).splitlines() or [""])[0]
                 return steps, f"{where}: your backend raised {type(exc).__name__}: {first_line}"
+            for name, tensor in (("output", output), ("kv_cache", kv_cache)):
+                try:  # exactly a tensor still: a class given to it could make the torch ops below lie
+                    plain(tensor, query)
+                except TypeError:
+                    return steps, (
+                        f"{where}: your backend made `{name}` a {type(tensor).__name__}; write into the "
+                        "tensors the engine passes, as they are"
+                    )
             step.output = output.detach().to("cpu", copy=True)
             if type(result) is torch.Tensor and result.data_ptr() != output.data_ptr():  # a subclass: ignored
                 step.returned = result.detach().to("cpu", copy=True)

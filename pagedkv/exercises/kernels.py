@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_leaves
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # why: see the module docstring
 
-from pagedkv.exercises import CheckResult, call_answer, exercise  # noqa: E402
+from pagedkv.exercises import CheckResult, call_answer, exercise, plain  # noqa: E402
 from pagedkv.platforms import default_device  # noqa: E402
 
 Launch = Callable[..., None]
@@ -462,6 +462,13 @@ def check_launches(
                     False,
                     f"{what}: the launcher launched {name} {n} times; launch it once, "
                     "with a grid of programs, not in a Python loop.",
+                )
+        for name, got in case.outputs.items():
+            try:  # exactly a tensor still: a class given to it could make the comparisons below lie
+                plain(got, torch.empty(0))
+            except TypeError:
+                return CheckResult(
+                    False, f"{what}: the launcher made {name} a {type(got).__name__}; write into it as it is."
                 )
         if number == 0 and not any(_changed(got, before[name]) for name, got in case.outputs.items()):
             # The notebook's skeleton (a kernel of TODO comments) stores nothing: Run All spends no try on it.

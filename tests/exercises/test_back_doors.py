@@ -352,3 +352,33 @@ def test_a_kernel_that_stores_nothing_is_not_answered_and_spends_no_try() -> Non
     for _ in range(exercises.REVEAL_AFTER + 1):
         assert_not_answered(check_block_table_row(skeleton, launch))
     assert "Nothing to reveal" in printed_by_reveal()
+
+
+def test_a_launcher_that_gives_the_output_a_lying_class_is_turned_away() -> None:
+    triton = pytest.importorskip("triton")
+    tl = pytest.importorskip("triton.language")
+    import torch
+
+    from pagedkv.exercises.triton_puzzles import check_block_table_row
+
+    class SaysClose(torch.Tensor):
+        """A tensor class whose comparisons all come out equal."""
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            result = super().__torch_function__(func, types, args, kwargs or {})
+            if func in (torch.isclose, torch.Tensor.__eq__, torch.equal):
+                return True if func is torch.equal else torch.ones(torch.Tensor.size(result), dtype=torch.bool)
+            return result
+
+    @triton.jit
+    def skeleton(block_table_ptr, seq_lens_ptr, slots_ptr, stride_bt, stride_slots, PAGE_SIZE: tl.constexpr):  # noqa: ANN001
+        req = tl.program_id(0)  # noqa: F841
+
+    def launch(kernel: Any, block_table: Any, seq_lens: Any, slots: Any, page_size: int) -> None:
+        kernel[(block_table.shape[0],)](
+            block_table, seq_lens, slots, block_table.stride(0), slots.stride(0), PAGE_SIZE=page_size
+        )
+        slots.__class__ = SaysClose
+
+    assert_rejected(check_block_table_row(skeleton, launch), "the launcher made slots a SaysClose")

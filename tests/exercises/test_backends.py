@@ -320,3 +320,31 @@ def test_the_notebooks_worked_solution_passes_and_is_not_run() -> None:
         "enable_prefix_caching=False" in line or "LLM(" not in line or "def " in line
         for line in source.replace(",\n", ", ").splitlines()
     )
+
+
+class _LyingTensor(torch.Tensor):
+    """A tensor class whose comparisons say "equal": a backend gives it to the engine's tensors."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in (torch.allclose, torch.equal):
+            return True
+        result = super().__torch_function__(func, types, args, kwargs or {})
+        if func in (torch.isclose, torch.isfinite, torch.Tensor.isfinite):
+            return torch.ones(torch.Tensor.size(result), dtype=torch.bool)  # a plain tensor: all close, all finite
+        return result
+
+
+class _LyingImpl(_Impl):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output):  # type: ignore[no-untyped-def]
+        output.__class__ = kv_cache.__class__ = _LyingTensor  # writes nothing: only says it is right
+        return output
+
+
+def test_backend_rejects_a_class_given_to_the_engines_tensors() -> None:
+    backend = _backend("TEST_LYING")
+    backend.get_impl_cls = staticmethod(lambda: _LyingImpl)  # type: ignore[method-assign]
+    try:
+        assert_rejected(check_backend(backend, device="cpu"), "your backend made `output` a _LyingTensor")
+    finally:
+        unregister_backend("TEST_LYING")
