@@ -151,11 +151,11 @@ def test_old_traces_load_without_the_new_fields(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "saved",  # the step traces (prefill_ladder_*.json beside them are benchmark figures for notebook 15)
+    "saved",  # the step traces (prefill_ladder_*.json beside them are benchmark figures for notebook 15, profile_step_*.json step profiles for notebook 16)
     sorted(
         p
         for p in (Path(__file__).parents[2] / "notebooks" / "traces").glob("*.json")
-        if not p.name.startswith("prefill_ladder")
+        if not p.name.startswith(("prefill_ladder", "profile_step"))
     ),
 )
 def test_saved_notebook_traces_still_load(saved: Path) -> None:
