@@ -8,7 +8,8 @@ name against the installed package, without running any cell:
 
 - code cells (parsed with `ast`): `import pagedkv...`, `from pagedkv... import name`, and every
   attribute chain read off a name such an import bound to a module or a class;
-- markdown cells: backticked dotted names `pagedkv.a.b`, backticked `Name.attr` where the notebook
+- markdown cells: backticked dotted names `pagedkv.a.b`, backticked imports
+  `from pagedkv.a import b`, backticked `Name.attr` where the notebook
   imported `Name` from pagedkv above that cell or `Name` is a class pagedkv defines, backticked paths `pagedkv/a/b.py`, and the code of
   fenced python blocks (the worked solutions) as above.
 
@@ -205,6 +206,9 @@ def markdown_symbols(text: str, namespace: Namespace) -> list[str]:
     """The pagedkv names a markdown cell mentions that do not exist (see the module docstring)."""
     missing = [m for block in FENCED_PYTHON.findall(text) for m in code_symbols(block, dict(namespace))]
     for code in INLINE_CODE.findall(FENCED_ANY.sub("", text)):
+        if code.startswith(("from pagedkv", "import pagedkv")):
+            missing += code_symbols(code, dict(namespace))  # the names it imports, too
+            continue
         missing += [name for name in DOTTED.findall(code) if resolve_module_path(name) is None]
         missing += [path for path in PATH.findall(code) if not (ROOT / path.rstrip(".")).exists()]
         for base, rest in ATTRIBUTE.findall(code):
@@ -248,7 +252,8 @@ def test_a_made_up_name_is_caught_wherever_it_appears(tmp_path: Path) -> None:
         nbformat.v4.new_markdown_cell(
             "See `pagedkv.kv_cache.block_pool.not_there`, `BlockPool.not_there_either` and "
             "`pagedkv/no_such_file.py`; `BlockPool.get_new_blocks` and `pagedkv/kv_cache/` exist; "
-            "`KVCacheManager.no_such_method` names a class the notebook never imported.\n"
+            "`KVCacheManager.no_such_method` names a class the notebook never imported; "
+            "`from pagedkv.kv_cache.block_pool import BlockPool, gone` imports one that is gone.\n"
             "```python\nfrom pagedkv.exercises import no_such_checker\n```\n"
         ),
     ]
@@ -264,4 +269,5 @@ def test_a_made_up_name_is_caught_wherever_it_appears(tmp_path: Path) -> None:
         "99_made_up.ipynb cell 1: BlockPool.not_there_either",
         "99_made_up.ipynb cell 1: pagedkv/no_such_file.py",
         "99_made_up.ipynb cell 1: KVCacheManager.no_such_method",
+        "99_made_up.ipynb cell 1: pagedkv.kv_cache.block_pool.gone",
     ]
