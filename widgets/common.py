@@ -126,6 +126,14 @@ def step_index_error(index: int, num_steps: int) -> IndexError:
     )
 
 
+def slider_position(index: int, num_steps: int) -> int:
+    """Where a step slider goes for step `index` (-1: the newest) of `num_steps`; an IndexError
+    (`step_index_error`) outside them. A slider over no steps yet sits at 0."""
+    if not -max(num_steps, 1) <= index < max(num_steps, 1):
+        raise step_index_error(index, num_steps)
+    return index % max(num_steps, 1)
+
+
 class LiveRedraw:
     """Runs `draw` after a new step: at once in a plain Python process (no one watches). While a
     notebook cell runs:

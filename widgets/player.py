@@ -8,7 +8,7 @@ from typing import Any
 import ipywidgets
 
 from pagedkv.trace import StepRecord, StepTrace
-from pagedkv.widgets.common import MIN_FRAME_S, LiveRedraw, TraceView, step_index_error
+from pagedkv.widgets.common import MIN_FRAME_S, LiveRedraw, TraceView, slider_position
 
 
 class StepPlayer(ipywidgets.VBox):
@@ -71,10 +71,7 @@ class StepPlayer(ipywidgets.VBox):
     @index.setter
     def index(self, value: int) -> None:
         """Show step `value` (-1: the newest, as for a view)."""
-        n = len(self.trace)
-        if not -max(n, 1) <= value < max(n, 1):
-            raise step_index_error(value, n)
-        self.slider.value = value % max(n, 1)
+        self.slider.value = slider_position(value, len(self.trace))
 
     def close(self) -> None:
         """Stop following the trace, then close the player (not its views: they have their own `close`)."""

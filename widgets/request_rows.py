@@ -30,7 +30,7 @@ from pagedkv.widgets.common import (
     LiveRedraw,
     esc,
     request_color,
-    step_index_error,
+    slider_position,
 )
 from pagedkv.widgets.figure import themed_figure_html
 
@@ -161,10 +161,7 @@ class RequestRowsView(ipywidgets.VBox):
 
     @index.setter
     def index(self, value: int) -> None:
-        n = len(self.steps)
-        if not -max(n, 1) <= value < max(n, 1):
-            raise step_index_error(value, n)
-        self.slider.value = value % max(n, 1)
+        self.slider.value = slider_position(value, len(self.steps))
 
     def detach(self) -> None:
         """Stop recording steps (the recorded ones stay)."""
