@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from pagedkv.config import parse_kv_cache_dtype
-from pagedkv.exercises import CheckResult, call_on_cases, exercise, functions_of, package_answer, plain
+from pagedkv.exercises import CheckResult, call_on_cases, exercise, package_answer, plain
+from pagedkv.exercises.watch import functions_of
 from pagedkv.kernels import attention_config
 from pagedkv.kernels.attention_config import MAX_SPLITS
 from pagedkv.kernels.common import cdiv
