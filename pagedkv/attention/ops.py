@@ -46,18 +46,11 @@ def get_attention_context(layer_name: str) -> tuple[Any, AttentionOpLayer, torch
     forward_context = get_forward_context()
     if layer_name not in forward_context.no_compile_layers:
         raise KeyError(f"No layer named {layer_name!r} is registered in the static forward context.")
-    metadata = forward_context.attn_metadata
+    metadata = forward_context.attn_metadata  # its type is checked when the context is made
     if isinstance(metadata, list):
         # One dict per micro-batch (dual-batch overlap) or per model (speculative decoding):
         # index 0 is the base model's, as in vllm/model_executor/layers/attention/attention.py:709-715.
-        if not metadata:
-            raise TypeError("The forward context's attention metadata is an empty list: no micro-batch has any.")
         metadata = metadata[0]
-    if metadata is not None and not isinstance(metadata, dict):
-        raise TypeError(
-            "The forward context's attention metadata must be a dict (layer name -> metadata), a list of such "
-            f"dicts or None, got a {type(metadata).__name__}."
-        )
     if metadata is not None and layer_name not in metadata:
         raise KeyError(
             f"The forward context has no attention metadata for layer {layer_name!r} "
