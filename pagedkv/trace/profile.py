@@ -207,13 +207,13 @@ def profile_decode(
     vocab = llm.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=2 * (steps + warmup) + 4, ignore_eos=True)
     previous = llm.async_scheduling
-    if async_scheduling is not None:
-        llm.async_scheduling = async_scheduling
-    ids = [
-        llm.add_request({"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)]}, params)
-        for _ in range(batch)
-    ]
-    try:
+    ids: list[str] = []
+    try:  # from here on, an interrupt (or an error) still aborts what was added and restores the switch
+        if async_scheduling is not None:
+            llm.async_scheduling = async_scheduling
+        for _ in range(batch):
+            prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+            ids.append(llm.add_request({"prompt_token_ids": prompt}, params))
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in _requests(llm, ids)):
             llm.step()
         for _ in range(warmup):
