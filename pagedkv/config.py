@@ -117,7 +117,7 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per KV cache block (a page)."""
     num_kv_blocks: int | None = None
-    """Blocks per KV cache group; None sizes the cache from `memory_utilization` / `kv_cache_memory`."""
+    """Blocks per KV cache group; None sizes the cache from `gpu_memory_utilization` / `kv_cache_memory`."""
     cache_dtype: str = "auto"
     """"auto" stores K/V in the model dtype; "fp8" / "fp8_e4m3" in float8_e4m3fn with a scale per layer
     (pagedkv/kv_cache/fp8.py); otherwise a torch dtype name such as "float16"."""
@@ -127,10 +127,10 @@ class CacheConfig:
     calculate_kv_scales: bool = False
     """An fp8 cache: set the scales of the layers `kv_cache_scales` does not name from the profile run's K
     and V (amax / 200, amax / 100) instead of leaving them 1.0 (vllm/config/cache.py, calculate_kv_scales)."""
-    memory_utilization: float = 0.9
+    gpu_memory_utilization: float = 0.9
     """CUDA only: fraction of total GPU memory the engine may use (weights + activations + KV)."""
     kv_cache_memory: int | None = None
-    """Explicit KV cache budget in bytes (overrides `memory_utilization`; CPU default 64 MiB)."""
+    """Explicit KV cache budget in bytes (overrides `gpu_memory_utilization`; CPU default 64 MiB)."""
 
 
 @dataclass

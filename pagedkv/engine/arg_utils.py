@@ -96,11 +96,11 @@ class EngineArgs:
     instead of 1.0, except where kv_cache_scales gives them (vLLM's calculate_kv_scales). That run is
     max_num_batched_tokens synthetic tokens, so the scales, and the outputs, change with that budget."""
     kv_cache_memory: int | None = CacheConfig.kv_cache_memory
-    """Bytes for the KV cache; None: on a GPU what `memory_utilization` leaves after the weights and
+    """Bytes for the KV cache; None: on a GPU what `gpu_memory_utilization` leaves after the weights and
     a profile run, on the CPU a fixed default (either way no more than max_num_seqs requests of
     max_model_len tokens can use)."""
-    memory_utilization: float = CacheConfig.memory_utilization
-    """Share in (0, 1] of the GPU's memory the engine may use in all (vLLM's gpu_memory_utilization)."""
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    """Share in (0, 1] of the GPU's memory the engine may use in all (the name and meaning as in vLLM)."""
     seed: int = ModelConfig.seed
     """Seed of a preset's random weights, and of unseeded requests' sampling (each such request draws from
     a seed hashed from this one and its arrival number; a seeded request from SamplingParams.seed)."""
@@ -181,7 +181,7 @@ class EngineArgs:
         if calculate_kv_scales:
             check_fp8_cache("calculate_kv_scales=True", kv_cache_dtype)
         kv_cache_memory = check_optional_int("kv_cache_memory", self.kv_cache_memory, 1, hint=" (bytes) or None")
-        memory_utilization = check_float("memory_utilization", self.memory_utilization, 0, 1, low_open=True)
+        gpu_memory_utilization = check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_open=True)
         seed = check_int("seed", self.seed, *SEED_RANGE)
         tensor_parallel_size = check_int(
             "tensor_parallel_size", self.tensor_parallel_size, 1, hint=" (processes, each holding a shard of the model)"
@@ -233,7 +233,7 @@ class EngineArgs:
                 kv_cache_scales=kv_cache_scales,
                 calculate_kv_scales=calculate_kv_scales,
                 kv_cache_memory=kv_cache_memory,
-                memory_utilization=memory_utilization,
+                gpu_memory_utilization=gpu_memory_utilization,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -10,7 +10,7 @@ import reprlib
 
 import torch
 
-from pagedkv.checks import check_bool, check_int, check_optional_int, describe
+from pagedkv.checks import check_bool, check_float, check_int, check_optional_int, describe
 from pagedkv.config import CompilationConfig, CUDAGraphMode, parse_dtype
 from pagedkv.models.layers import head_layout
 from pagedkv.models.loader import HFConfig, resolve_model
@@ -33,6 +33,37 @@ def check_token_ids(name: str, value: object) -> list[int]:
             checked.append(check_int(f"{name}[{i}]", token, low=0))
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name} must be a list of ints >= 0, got {reprlib.repr(value)}: {e}") from None
+    return checked
+
+
+def check_stop_strings(value: object) -> list[str]:
+    """`SamplingParams.stop`: None, one string, or a list of non-empty strings, as a list."""
+    if value is None:
+        return []
+    strings = [value] if isinstance(value, str) else value
+    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
+        raise TypeError(f"stop must be a string, a list of strings or None, got {describe(value)}.")
+    if any(s == "" for s in strings):
+        raise ValueError(f"stop strings must not be empty (an empty string matches at once), got {strings!r}.")
+    return list(strings)
+
+
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+"""Biases taken, as OpenAI's API takes them."""
+
+
+def check_logit_bias(value: object) -> dict[int, float] | None:
+    """`SamplingParams.logit_bias`: None, or a dict of token id (an int >= 0, or its decimal string as
+    JSON keys are) -> a finite number in LOGIT_BIAS_RANGE."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"logit_bias must be a dict of token id -> bias, or None, got {describe(value)}.")
+    checked = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        token = check_int("a logit_bias token id", token, 0)
+        checked[token] = check_float(f"logit_bias[{token}]", bias, *LOGIT_BIAS_RANGE)
     return checked
 
 

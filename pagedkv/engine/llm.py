@@ -43,7 +43,7 @@ from pagedkv.interrupts import deferred_interrupts
 from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.kv_cache.spec import SlidingWindowSpec
 from pagedkv.models.loader import PRESETS, generation_eos_token_ids
-from pagedkv.models.tokenizer import get_tokenizer
+from pagedkv.models.tokenizer import Tokenizer, get_tokenizer
 from pagedkv.ranges import phase_range
 from pagedkv.spec_decode.ngram_proposer import NgramProposer
 from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, SampledTokens
@@ -100,7 +100,7 @@ class LLM:
         kv_cache_scales: dict[str, tuple[float, float]] | None = EngineArgs.kv_cache_scales,
         calculate_kv_scales: bool = EngineArgs.calculate_kv_scales,
         kv_cache_memory: int | None = EngineArgs.kv_cache_memory,
-        memory_utilization: float = EngineArgs.memory_utilization,
+        gpu_memory_utilization: float = EngineArgs.gpu_memory_utilization,
         seed: int = EngineArgs.seed,
         cudagraph_mode: CUDAGraphMode | str | None = EngineArgs.cudagraph_mode,
         enforce_eager: bool = EngineArgs.enforce_eager,
@@ -205,6 +205,15 @@ class LLM:
         return self.runner.model
 
     # ---- lifecycle -------------------------------------------------------------------
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The tokenizer prompts are encoded and outputs decoded with (vLLM's `LLM.get_tokenizer`)."""
+        if self.tokenizer is None:
+            raise ValueError(
+                f"Model {self.config.model_config.model!r} has no tokenizer: its prompts are token ids "
+                "({'prompt_token_ids': [...]}) and its outputs are read from CompletionOutput.token_ids."
+            )
+        return self.tokenizer
 
     def shutdown(self) -> None:
         """End the tensor-parallel worker processes (nothing to do with one rank). Also done when

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pagedkv.checks import check_bool, check_float, check_int, check_optional_int
-from pagedkv.engine.checks import check_token_ids
+from pagedkv.engine.checks import check_logit_bias, check_stop_strings, check_token_ids
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.worker.states import RowSamplingParams
 
@@ -31,6 +31,10 @@ class SamplingParams:
     are accepted and stored as Python ints.
     """
 
+    n: int = 1
+    """Outputs to generate for the prompt, >= 1: n requests that share the prompt's KV cache blocks
+    (through prefix caching), returned together as one RequestOutput with n CompletionOutputs. A
+    seeded request's i-th output draws with seed + i, as in vLLM."""
     temperature: float = 1.0
     """0 means greedy (argmax), and so does anything below SAMPLING_EPS (1e-5)."""
     top_k: int = 0
@@ -39,6 +43,15 @@ class SamplingParams:
     """Keep the smallest set of tokens whose probability adds up to top_p, in (0, 1]."""
     min_p: float = 0.0
     """Keep only tokens at least min_p times as likely as the most likely one, in [0, 1]; 0 keeps all."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output holds already, in [-2, 2] (OpenAI's)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the output holds it, in [-2, 2] (OpenAI's)."""
+    repetition_penalty: float = 1.0
+    """> 0; a token of the prompt or the output has its logit divided by it when positive and multiplied
+    by it when negative (the CTRL paper's, as `transformers` applies it); 1 changes nothing."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's); None: none."""
     seed: int | None = None
     """Per-request random seed: the same seed gives the same tokens, alone or in any batch, chunked,
     preempted, interrupted or with speculative decoding (the token at a position is drawn from a hash
@@ -47,31 +60,62 @@ class SamplingParams:
     identical unseeded requests draw differently and a whole engine run is reproducible."""
     max_tokens: int = 16
     """Most new tokens, >= 1."""
+    min_tokens: int = 0
+    """Fewest new tokens, in [0, max_tokens]: until then the end-of-sequence tokens and `stop_token_ids`
+    cannot be sampled and `stop` strings are not looked for."""
     ignore_eos: bool = False
     """Keep going past the model's end-of-sequence tokens."""
+    stop: list[str] = field(default_factory=list)
+    """Stop when the output text contains any of these strings (a str is one string; None: none). The
+    text is cut before the string unless `include_stop_str_in_output`; the tokens are kept whole."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Stop after any of these token ids (it is kept in the output); None means none."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched `stop` string at the end of the output text."""
     logprobs: int | None = None
     """Return, with each output token, its log-probability and those of the `logprobs` most likely
-    tokens (of the model's distribution, before temperature and filters, as vLLM's default); at most
-    MAX_LOGPROBS. None: none."""
+    tokens (of the model's distribution, before temperature, penalties and filters, as vLLM's default);
+    at most MAX_LOGPROBS. None: none."""
+    prompt_logprobs: int | None = None
+    """Return, for each prompt token after the first, its log-probability given the tokens before it
+    and those of the `prompt_logprobs` most likely tokens there; at most MAX_LOGPROBS. None: none. (Such
+    a request computes its whole prompt: it does not read the prefix cache, as in vLLM.)"""
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Check every field's type and range; normalise numbers to Python int / float."""
+        self.n = check_int("n", self.n, 1, hint=" (how many outputs of the prompt)")
         self.temperature = check_float("temperature", self.temperature, 0, hint=" (0 = greedy)")
         self.top_k = check_int("top_k", self.top_k, 0, hint=" (0 keeps all tokens)")
         self.top_p = check_float("top_p", self.top_p, 0, 1, low_open=True, hint=" (1 keeps all tokens)")
         self.min_p = check_float("min_p", self.min_p, 0, 1, hint=" (0 keeps all tokens)")
+        self.presence_penalty = check_float("presence_penalty", self.presence_penalty, -2, 2, hint=" (0: none)")
+        self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty, -2, 2, hint=" (0: none)")
+        self.repetition_penalty = check_float(
+            "repetition_penalty", self.repetition_penalty, 0, low_open=True, hint=" (1: none)"
+        )
+        self.logit_bias = check_logit_bias(self.logit_bias)
         self.seed = check_optional_int("seed", self.seed, *SEED_RANGE, hint=" or None (any int64 or uint64)")
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
+        self.min_tokens = check_int(
+            "min_tokens", self.min_tokens, 0, self.max_tokens, hint=f" (at most max_tokens={self.max_tokens})"
+        )
         self.ignore_eos = check_bool("ignore_eos", self.ignore_eos)
+        self.stop = check_stop_strings(self.stop)
         stop = [] if self.stop_token_ids is None else self.stop_token_ids
         self.stop_token_ids = check_token_ids("stop_token_ids", stop)
+        self.include_stop_str_in_output = check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self.logprobs = check_optional_int(
             "logprobs", self.logprobs, 0, MAX_LOGPROBS, hint=" or None (how many of the most likely tokens to return)"
+        )
+        self.prompt_logprobs = check_optional_int(
+            "prompt_logprobs",
+            self.prompt_logprobs,
+            0,
+            MAX_LOGPROBS,
+            hint=" or None (how many of the most likely tokens to return per prompt position)",
         )
 
     @property
@@ -202,6 +246,9 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     """With SamplingParams.logprobs: per token, {token id: log-probability} of the sampled token and
     the most likely ones."""
+    stop_reason: int | str | None = None
+    """What stopped it, when finish_reason is "stop": the matched `stop` string or stop token id (None
+    for an end-of-sequence token), as in vLLM."""
 
 
 @dataclass
@@ -219,3 +266,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With SamplingParams.prompt_logprobs: per prompt token, {token id: log-probability} of that token
+    and the most likely ones at its position; None for the first token (nothing comes before it)."""

@@ -47,7 +47,7 @@ def kv_cache_config_for(
     max_blocks_per_request: int,
 ) -> KVCacheConfig:
     """The KV cache's block count: `num_kv_blocks`, or a memory budget (`kv_cache_memory`; on a GPU
-    what `memory_utilization` leaves after the weights and `profile_run`'s activations; on the CPU
+    what `gpu_memory_utilization` leaves after the weights and `profile_run`'s activations; on the CPU
     CPU_DEFAULT_KV_CACHE_BYTES), never more than a full batch of max-length requests can use."""
     cache = config.cache_config
     if cache.num_kv_blocks is not None:
@@ -59,7 +59,7 @@ def kv_cache_config_for(
         # What is still free after the weights and the profile run's activations, minus the
         # share of the GPU the engine must leave alone (other engines in this process count too).
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(free - (1.0 - cache.memory_utilization) * total)
+        budget = int(free - (1.0 - cache.gpu_memory_utilization) * total)
     else:
         budget = CPU_DEFAULT_KV_CACHE_BYTES
     kv_cache_config = get_kv_cache_config(specs, memory_bytes=max(budget, 0))

@@ -401,10 +401,10 @@ BAD_ENGINE_ARGS = [
     (dict(num_kv_blocks=2.5), TypeError, "num_kv_blocks"),
     (dict(num_kv_blocks=True), TypeError, "num_kv_blocks"),
     (dict(num_kv_blocks=-4), ValueError, "num_kv_blocks"),
-    (dict(num_kv_blocks=None, memory_utilization=0.0), ValueError, "memory_utilization"),
-    (dict(num_kv_blocks=None, memory_utilization=1.5), ValueError, "memory_utilization"),
-    (dict(num_kv_blocks=None, memory_utilization=math.nan), ValueError, "memory_utilization"),
-    (dict(num_kv_blocks=None, memory_utilization="high"), TypeError, "memory_utilization"),
+    (dict(num_kv_blocks=None, gpu_memory_utilization=0.0), ValueError, "gpu_memory_utilization"),
+    (dict(num_kv_blocks=None, gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
+    (dict(num_kv_blocks=None, gpu_memory_utilization=math.nan), ValueError, "gpu_memory_utilization"),
+    (dict(num_kv_blocks=None, gpu_memory_utilization="high"), TypeError, "gpu_memory_utilization"),
     (dict(num_kv_blocks=None, kv_cache_memory=0), ValueError, "kv_cache_memory"),
     (dict(num_kv_blocks=None, kv_cache_memory=-1), ValueError, "kv_cache_memory"),
     (dict(num_kv_blocks=None, kv_cache_memory=2.5e6), TypeError, "kv_cache_memory"),
@@ -517,7 +517,7 @@ def test_each_default_is_written_once() -> None:
             if has_default and field.name in args and field.name not in RESOLVED_AT_START_UP:
                 assert args[field.name] == field.default, f"EngineArgs.{field.name} / {config.__name__}.{field.name}"
                 shared += 1
-    assert shared >= 12  # block_size, max_num_seqs, max_num_batched_tokens, memory_utilization, ...
+    assert shared >= 12  # block_size, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, ...
     assert all(args[name] is None for name in RESOLVED_AT_START_UP)
     generate = vars(build_parser().parse_args(["generate"]))
     backends = vars(build_parser().parse_args(["backends"]))
@@ -605,7 +605,7 @@ def test_cli_options_are_the_engine_args() -> None:
         "generate",
         "--max-num-seqs",
         "3",
-        "--memory-utilization",
+        "--gpu-memory-utilization",
         "0.5",
         "--no-enable-chunked-prefill",
         "--cudagraph-mode",
@@ -620,7 +620,7 @@ def test_cli_options_are_the_engine_args() -> None:
         k: got[k]
         for k in (
             "max_num_seqs",
-            "memory_utilization",
+            "gpu_memory_utilization",
             "enable_chunked_prefill",
             "cudagraph_mode",
             "enable_prefix_caching",
@@ -629,7 +629,7 @@ def test_cli_options_are_the_engine_args() -> None:
         )
     } == dict(
         max_num_seqs=3,
-        memory_utilization=0.5,
+        gpu_memory_utilization=0.5,
         enable_chunked_prefill=False,
         cudagraph_mode="full",
         enable_prefix_caching=False,
