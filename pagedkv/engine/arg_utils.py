@@ -17,6 +17,7 @@ import enum
 import inspect
 import itertools
 import json
+import math
 import os
 import textwrap
 import typing
@@ -202,8 +203,14 @@ class EngineArgs:
         model_cfg = load_config(model)
         check_tensor_parallel(tensor_parallel_size, model_cfg, device, compilation)
         speculative = check_speculative_config(self.speculative_config, model_cfg)
-        if speculative is not None and speculative.model is not None:
-            check_tensor_parallel(tensor_parallel_size, load_config(speculative.model), device, compilation)
+        draft_cfg = None if speculative is None or speculative.model is None else load_config(speculative.model)
+        if draft_cfg is not None:
+            try:
+                check_tensor_parallel(tensor_parallel_size, draft_cfg, device, compilation)
+            except (ValueError, NotImplementedError) as error:  # its message speaks of "the model": say which
+                raise type(error)(
+                    f"The draft model {speculative.model!r} (speculative_config['model']): {error}"
+                ) from None
         if speculative is not None and self.async_scheduling:
             raise ValueError(
                 "async_scheduling=True cannot run with speculative_config: a step's drafts are proposed from the "
@@ -216,6 +223,15 @@ class EngineArgs:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
                 f"({model_cfg.max_position_embeddings})."
+            )
+        if draft_cfg is not None and draft_cfg.max_position_embeddings < max_model_len:
+            # The draft runs at the target's positions (its RoPE table ends at its own limit): refused
+            # here, not as an IndexError once a request grows past it.
+            raise ValueError(
+                f"The draft model {speculative.model!r} (speculative_config['model']) has max_position_embeddings "
+                f"{draft_cfg.max_position_embeddings}, below the target {model!r}'s max_model_len {max_model_len}: "
+                "it proposes at every position of a request. Pass max_model_len <= "
+                f"{draft_cfg.max_position_embeddings}, or a draft model with a longer context."
             )
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
@@ -304,10 +320,14 @@ def check_kv_cache_scales(value: object, kv_cache_dtype: torch.dtype) -> dict[st
     scales = {}
     for name, pair in value.items():
         ok = isinstance(name, str) and isinstance(pair, (tuple, list)) and len(pair) == 2
-        if not ok or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in pair):
+        # math.isfinite: an inf scale stores every K as 0 and reads it back as 0 * inf = NaN (every request
+        # would fail), a NaN scale the same; 0 or a negative scale would divide by 0 or flip the signs.
+        if not ok or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in pair
+        ):
             raise ValueError(
-                f"kv_cache_scales[{name!r}] = {pair!r}: give a layer name and two positive floats (k_scale, v_scale), "
-                f"e.g. {example}."
+                f"kv_cache_scales[{name!r}] = {pair!r}: give a layer name and two finite floats > 0 "
+                f"(k_scale, v_scale), e.g. {example}."
             )
         scales[name] = (float(pair[0]), float(pair[1]))
     return scales
