@@ -31,7 +31,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -88,6 +88,16 @@ def cuda_graphs_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+class LoweringRules(TypedDict):
+    """The keyword arguments `resolve_explained` and `resolve_cudagraph_mode` both take, built
+    once so the two calls below cannot be given different rules."""
+
+    backend_name: str
+    attention_compiled_piecewise: bool
+    uniform_decode_query_len: int
+    enforce_eager: bool
+
+
 def resolve_engine_mode(
     config: EngineConfig, device: torch.device, attn_groups: list[list[AttentionGroup]]
 ) -> tuple[CUDAGraphMode, Resolution]:
@@ -102,7 +112,7 @@ def resolve_engine_mode(
     support, backend = min_cudagraph_support(attn_groups)
     piecewise = attention_compiled_piecewise(compilation)
     spec = config.speculative_config
-    rules = dict(
+    rules = LoweringRules(
         backend_name=backend,
         attention_compiled_piecewise=piecewise,
         uniform_decode_query_len=spec.uniform_decode_query_len if spec is not None else 1,
@@ -280,7 +290,9 @@ class TorchCUDAGraph:
 
     def __init__(self, memory: GraphMemory) -> None:
         if memory.pool is None:
-            memory.pool, memory.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+            memory.pool = torch.cuda.graph_pool_handle()
+            # torch.cuda.Stream.__new__ has no annotations in torch (torch/cuda/streams.py).
+            memory.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         self.memory = memory
         self.graph = torch.cuda.CUDAGraph()
         self.output: Any = None

@@ -91,7 +91,8 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     if total == 0:
         return np.zeros(0, dtype=np.int64)
     offsets = np.repeat(np.cumsum(counts) - counts, counts)
-    return (np.repeat(starts, counts) + np.arange(total) - offsets).astype(np.int64)
+    ranges: np.ndarray = (np.repeat(starts, counts) + np.arange(total) - offsets).astype(np.int64)
+    return ranges
 
 
 @dataclass
@@ -151,7 +152,7 @@ def prepare_inputs(
     # One host-to-device copy for everything the host knows.
     parts = (rows, qsl_cpu, seq_lens_cpu, logits_indices, draft_indices)
     packed = to_device(np.concatenate(parts).astype(np.int32), device).long()
-    rows_d, qsl_d, seq_lens_d, logits_d, drafts_d = packed.split([len(p) for p in parts])
+    rows_d, qsl_d, seq_lens_d, logits_d, drafts_d = torch.split(packed, [len(p) for p in parts])
 
     query_start_loc = buffers.query_start_loc[: n_pad + 1]
     query_start_loc.copy_(qsl_d)

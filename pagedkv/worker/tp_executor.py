@@ -178,6 +178,7 @@ def _worker_main(
         with tensor_parallel(group):  # for this process's whole life
             runner = _start_rank(config, model_config, group, check_driver)
             while (message := broadcast_object(group, None, wait_s=IDLE_TIMEOUT_S)) is not None:
+                assert isinstance(message, tuple)  # the driver's (scheduled, previous, freed_req_ids)
                 runner.execute_model(*message)
         close_tensor_parallel_group(group)
     except BaseException:  # noqa: BLE001 -- reported by the driver as this rank's death

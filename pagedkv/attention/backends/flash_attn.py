@@ -64,7 +64,8 @@ def flash_attn_version() -> int | None:
 
 def _varlen_func(version: int) -> Callable[..., Any]:
     module = importlib.import_module("flash_attn.cute" if version == 4 else "flash_attn")
-    return module.flash_attn_varlen_func
+    varlen_func: Callable[..., Any] = module.flash_attn_varlen_func  # flash_attn has no type hints
+    return varlen_func
 
 
 @dataclass

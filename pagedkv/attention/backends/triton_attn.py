@@ -16,8 +16,9 @@ uses upper bounds (see `build_for_cudagraph_capture`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypedDict
 
 import torch
 
@@ -58,6 +59,15 @@ class TritonAttentionMetadata:
     causal: bool = True
 
 
+class GroupShape(TypedDict):
+    """The launch-config arguments fixed for an attention group: the same every step."""
+
+    device: torch.device
+    head_pad: int
+    dtype: torch.dtype
+    num_queries_per_kv: int
+
+
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMetadata]):
     """Holds the split-KV scratch; per step it picks the launch config and repackages tensors."""
 
@@ -76,7 +86,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         # All layers of the group run one after another, so they can share one scratch buffer.
         self.workspace = SplitKVWorkspace(rows, self.num_q_heads, kv_cache_spec.head_size, device)
         # The group's fixed facts, once: the tiles depend on them and, per step, on the batch.
-        self.shape = dict(
+        self.shape = GroupShape(
             device=device,
             head_pad=next_power_of_2(kv_cache_spec.head_size),
             dtype=config.model_config.dtype,  # what the dots run in (an fp8 cache is cast to it)
@@ -92,10 +102,10 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
     def _metadata(self, cm: CommonAttentionMetadata, max_query_len: int, max_seq_len: int) -> TritonAttentionMetadata:
         spec = self.kv_cache_spec
         if self.batch_invariant:
-            config = batch_invariant_config(**self.shape, max_query_len=max_query_len)  # type: ignore[arg-type]
+            config = batch_invariant_config(**self.shape, max_query_len=max_query_len)
         else:
             config = choose_config(
-                **self.shape,  # type: ignore[arg-type]
+                **self.shape,
                 num_kv_heads=spec.num_kv_heads,
                 num_reqs=cm.num_reqs,
                 num_tokens=cm.num_actual_tokens,
@@ -144,10 +154,16 @@ class TritonCacheWriter:
     _cache_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """(kv_cache, its K view, its V view): made once, since each view costs host time every call."""
 
+    kv_scales: Callable[[AttentionLayer], dict[str, torch.Tensor]]
+    """`AttentionImpl.kv_scales`, which every class mixing this in also derives from (a
+    declaration for the type checker: no attribute is made here, so the MRO finds the method)."""
+
     def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cache_views is None or self._cache_views[0] is not kv_cache:
-            self._cache_views = (kv_cache, *kv_cache.unbind(0))
-        return self._cache_views[1], self._cache_views[2]
+        views = self._cache_views
+        if views is None or views[0] is not kv_cache:
+            k, v = kv_cache.unbind(0)
+            views = self._cache_views = (kv_cache, k, v)
+        return views[1], views[2]
 
     def do_kv_cache_update(
         self,
@@ -201,6 +217,10 @@ class TritonBackendRules:
     """What a backend of Triton kernels refuses whatever its kernel: no triton, a KV cache dtype
     other than the model's, the CPU without Triton's interpreter. TRITON_ATTN and TRITON_MLA
     share it; `kernel_reasons` adds a kernel's own limits."""
+
+    supported_kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]]
+    """`AttentionBackend`'s, which every backend mixing this in also derives from (a declaration
+    only: the MRO finds the backend's own tuple)."""
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -309,7 +309,7 @@ class MLACommonImpl(AttentionImpl[MLACommonMetadata[M]]):
         md = attn_metadata
         nd, n = md.num_decode_tokens, md.num_actual_tokens
         if md.decode is not None:
-            q_nope, q_pe = q[:nd].split([self.mla_dims.qk_nope_head_dim, self.mla_dims.qk_rope_head_dim], dim=-1)
+            q_nope, q_pe = torch.split(q[:nd], [self.mla_dims.qk_nope_head_dim, self.mla_dims.qk_rope_head_dim], dim=-1)
             # Absorb W_UK: [heads, tokens, nope] @ [heads, nope, kv_lora_rank] -> latent-space queries.
             ql_nope = torch.bmm(q_nope.transpose(0, 1), self.W_UK).transpose(0, 1)
             latent_out = self.forward_mqa(torch.cat([ql_nope, q_pe], dim=-1), kv_cache, md.decode)
@@ -355,7 +355,9 @@ class MLACommonImpl(AttentionImpl[MLACommonMetadata[M]]):
                 rows = gather_latents(
                     kv_cache, prefill.block_table[i], c, min(c + prefill.context_chunk_tokens, context_len)
                 )
-                k, v = self._up_project(*rows.split([self.mla_dims.kv_lora_rank, self.mla_dims.qk_rope_head_dim], -1))
+                k, v = self._up_project(
+                    *torch.split(rows, [self.mla_dims.kv_lora_rank, self.mla_dims.qk_rope_head_dim], -1)
+                )
                 out, lse = merge_attn_states(out, lse, *attention_with_lse(q_i, k, v, self.scale, causal_offset=None))
             output[start:end] = out.to(output.dtype)
 
@@ -366,7 +368,7 @@ class MLACommonImpl(AttentionImpl[MLACommonMetadata[M]]):
         kv = (kv_c.to(self.kv_b_weight.dtype) @ self.kv_b_weight.T).view(
             -1, self.num_heads, dims.qk_nope_head_dim + dims.v_head_dim
         )
-        k_nope, v = kv.split([dims.qk_nope_head_dim, dims.v_head_dim], dim=-1)
+        k_nope, v = torch.split(kv, [dims.qk_nope_head_dim, dims.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None, :].to(k_nope.dtype).expand(-1, self.num_heads, -1)], dim=-1)
         return k, v
 

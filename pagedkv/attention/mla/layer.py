@@ -31,6 +31,8 @@ class MLAAttention(Attention):
     """Attention over a latent cache (one row of kv_lora_rank + rope values per token)."""
 
     impl: MLACommonImpl[Any]
+    kv_b_proj: nn.Module
+    """The model's kv_b_proj, held outside `_modules` (see __init__); a declaration, no class attribute."""
 
     def __init__(
         self,
@@ -79,9 +81,12 @@ class MLAAttention(Attention):
 
     def process_weights_after_loading(self) -> None:
         """Hand the loaded kv_b_proj weight to the impl, which splits it into W_UK and W_UV."""
-        self.impl.process_weights_after_loading(self.kv_b_proj.weight)
+        weight = self.kv_b_proj.weight
+        # nn.Module's attributes type as `Tensor | Module`; a linear layer's weight is a Parameter.
+        assert isinstance(weight, torch.Tensor), f"kv_b_proj.weight is a {type(weight).__name__}, not a tensor"
+        self.impl.process_weights_after_loading(weight)
 
-    def forward(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """q [T, heads * qk_head_dim], kv_c_normed [T, kv_lora_rank], k_pe [T, rope] -> [T, heads * v_head_dim]."""
         dims = self.mla_dims
         output = torch.empty(q.shape[0], self.num_heads * dims.v_head_dim, dtype=q.dtype, device=q.device)

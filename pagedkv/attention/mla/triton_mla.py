@@ -138,7 +138,10 @@ def group_prefill_passes(
 ) -> TritonMLAPrefillMetadata:
     """Group the prefills into passes of whole requests, in order, each within `tokens_per_pass`
     sequence tokens; a request longer than that on its own goes to `long_requests`."""
-    passes, long_requests, group, group_tokens = [], [], [], 0
+    passes: list[PrefillPass] = []
+    long_requests: list[tuple[slice, MLAPrefillMetadata]] = []
+    group: list[int] = []
+    group_tokens = 0
     for i, seq_len in enumerate(prefill.seq_lens_cpu):
         too_long = seq_len > tokens_per_pass
         if group and (too_long or group_tokens + seq_len > tokens_per_pass):
@@ -222,9 +225,9 @@ class TritonMLAImpl(MLACommonImpl[TritonMLADecodeMetadata]):
         for rows, alone in prefill.long_requests:
             super().forward_mha(q[rows], kv_c_normed[rows], k_pe[rows], kv_cache, alone, output[rows])
         for p in prefill.passes:
-            rows = kv_cache[p.blocks]  # [blocks, block_size, latent]
-            k, v = self._up_project(*rows.flatten(0, 1).split([dims.kv_lora_rank, dims.qk_rope_head_dim], -1))
-            paged = (rows.shape[0], rows.shape[1], self.num_heads)  # the gathered blocks, as pages
+            latents = kv_cache[p.blocks]  # [blocks, block_size, latent]
+            k, v = self._up_project(*torch.split(latents.flatten(0, 1), [dims.kv_lora_rank, dims.qk_rope_head_dim], -1))
+            paged = (latents.shape[0], latents.shape[1], self.num_heads)  # the gathered blocks, as pages
             unified_attention(  # K of qk_head_dim values, V (and the output) of v_head_dim
                 q[p.tokens].to(k.dtype),
                 k.view(*paged, dims.qk_head_dim),
