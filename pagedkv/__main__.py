@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+import typing
 from pathlib import Path
 from typing import TextIO
 
@@ -14,6 +15,8 @@ from tqdm import tqdm
 from pagedkv import LLM, SamplingParams, StepEvent
 from pagedkv.engine.arg_utils import CLI_ARGS, add_cli_args
 from pagedkv.engine.llm import Prompt
+from pagedkv.entrypoints.cli import add_serve_parser
+from pagedkv.plugins import load_plugin
 from pagedkv.workbook import DEFAULT_DIR as DEFAULT_WORKBOOK_DIR
 
 BACKENDS_ENGINE_ARGS = ["model", "device", "dtype", "block_size", "kv_cache_dtype"]
@@ -57,10 +60,12 @@ def _show_steps(llm: LLM) -> None:
     llm.add_step_listener(show)
 
 
-def _stream(llm: LLM, prompts: list[Prompt], params: SamplingParams) -> None:
-    """Drive the engine step by step, printing each new token as `[request id] token_id 'text'`."""
+def _stream(llm: LLM, prompts: list[Prompt], params: SamplingParams) -> list[str]:
+    """Drive the engine step by step, printing each new token as `[request id] token_id 'text'`;
+    returns the errors of the requests that failed."""
     for prompt in prompts:
         llm.add_request(prompt, params)
+    errors = []
     while llm.has_unfinished_requests():
         for out in llm.step():
             completion = out.outputs[0]
@@ -69,12 +74,14 @@ def _stream(llm: LLM, prompts: list[Prompt], params: SamplingParams) -> None:
                 piece = llm.tokenizer.decode([token]) if llm.tokenizer is not None else ""
                 print(f"[{out.request_id}] {token} {piece!r}", flush=True)
             if out.error is not None:
+                errors.append(out.error)
                 print(f"[{out.request_id}] failed: {out.error}", flush=True)
             elif out.finished:
                 print(f"[{out.request_id}] done ({completion.finish_reason}): {completion.text!r}", flush=True)
+    return errors
 
 
-def _generate(args: argparse.Namespace) -> None:
+def _generate(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     # Every engine option, defaults included (EngineArgs' own, so the CLI picks none itself).
@@ -83,11 +90,13 @@ def _generate(args: argparse.Namespace) -> None:
         _show_steps(llm)
     start = time.perf_counter()
     if args.stream:
-        _stream(llm, prompts, params)
+        errors = _stream(llm, prompts, params)
     else:
+        errors = []
         for out in llm.generate(prompts, params):
             print(out.outputs[0].text)
             if out.error is not None:
+                errors.append(out.error)
                 print(f"# request {out.request_id} failed: {out.error}", file=sys.stderr)
     elapsed = time.perf_counter() - start
     s = llm.stats
@@ -107,6 +116,11 @@ def _generate(args: argparse.Namespace) -> None:
         file=sys.stderr,
     )
     llm.shutdown()
+    if len(errors) == len(prompts):  # nothing came out: a script must not read that as success
+        first = " ".join(errors[0].split())
+        print(f"pagedkv: error: all {len(prompts)} requests failed; the first: {first}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _backends(args: argparse.Namespace) -> None:
@@ -211,19 +225,38 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (argparse prints the whole usage first, ~25 lines for
+    `generate`), as every other mistake is; `--help` still prints it all. Sub-command parsers are
+    made of the same class (add_subparsers' default parser_class)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"pagedkv: error: {message} ({self.prog} --help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of `python -m pagedkv`: one sub-command each for generate, backends, workbook and lab."""
-    parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
+    parser = _OneLineErrorParser(prog="pagedkv", description=__doc__)
     debug_help = "show the traceback of an error instead of one line (or set PAGEDKV_DEBUG=1)"
     parser.add_argument("--debug", action="store_true", help=debug_help)
     # Also after the command (`pagedkv generate ... --debug`); SUPPRESS keeps the top-level value when absent.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
+    # The sub-commands that build an engine can import the user's code first (pagedkv/plugins.py).
+    plugins = argparse.ArgumentParser(add_help=False)
+    plugins.add_argument(
+        "--load",
+        action="append",
+        default=[],
+        metavar="FILE.py|MODULE",
+        help="import this Python file or module first (may be given several times), e.g. one that calls "
+        "register_backend(MyBackend), so that --attention-backend MY_BACKEND can name it",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser(
         "generate",
-        parents=[common],
+        parents=[common, plugins],
         help="generate text, optionally streaming tokens or showing every engine step",
         description="The engine options are LLM's arguments (pagedkv.engine.arg_utils.EngineArgs); "
         'one left out keeps LLM\'s default, and "None: ..." says what that picks.',
@@ -266,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     be = sub.add_parser(
-        "backends", parents=[common], help="which attention backends can serve this model here, and why not"
+        "backends", parents=[common, plugins], help="which attention backends can serve this model here, and why not"
     )
     add_cli_args(be, BACKENDS_ENGINE_ARGS)
     be.set_defaults(func=_backends)
@@ -310,12 +343,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("name", help="the lab (pagedkv lab list)")
     check.add_argument("file", help="the Python file that defines what the lab asks for")
     lab.set_defaults(func=_lab)
+    add_serve_parser(sub, common)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
+        for plugin in getattr(args, "load", []):
+            load_plugin(plugin)
         code = args.func(args)
     except KeyboardInterrupt:
         print("pagedkv: interrupted", file=sys.stderr)

@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -316,3 +317,97 @@ def test_a_local_directory_named_like_a_preset_wins_and_is_named_once(
     ]
     (tmp_path / "tiny" / "config.json").unlink()  # a folder that holds no model does not count
     assert LLM("tiny", device="cpu", num_kv_blocks=16).model_config.vocab_size == PRESETS["tiny"].vocab_size
+
+
+# ---- argparse's own errors, failed requests, a user's backend from the command line --------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--max-num-seqs", "x"], "argument --max-num-seqs: invalid int value: 'x' (pagedkv generate"),
+        (["generate", "--bogus"], "unrecognized arguments: --bogus (pagedkv --help"),
+        (["lab", "check"], "the following arguments are required: name, file (pagedkv lab check --help"),
+        (["nonsense"], "argument command: invalid choice: 'nonsense'"),
+    ],
+)
+def test_argument_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    """Before, argparse printed the whole usage first: 26 lines for `generate`, the error last."""
+    code, line = error_line(capsys, argv)
+    assert code == 2
+    assert line.startswith(f"pagedkv: error: {message}"), line
+
+
+@pytest.fixture
+def nan_model(tmp_path: Path) -> Path:
+    """A Llama whose output projection is NaN: every request's logits are NaN, so every request fails."""
+    model_dir = write_hf_llama(tmp_path / "nan")
+    path = model_dir / "model.safetensors"
+    tensors = safetensors_torch.load_file(str(path))
+    tensors["lm_head.weight"] = torch.full_like(tensors["lm_head.weight"], float("nan"))
+    safetensors_torch.save_file(tensors, str(path), metadata={"format": "pt"})
+    return model_dir
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_exits_1_when_every_request_failed(
+    capsys: pytest.CaptureFixture[str], nan_model: Path, stream: bool
+) -> None:
+    """Before, it exited 0 (each failure was only a line of output)."""
+    argv = [*GENERATE, "--model", str(nan_model), "--prompt-token-ids", "4,5", *(["--stream"] if stream else [])]
+    with pytest.raises(SystemExit) as exited:
+        cli(argv)
+    assert exited.value.code == 1
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert re.fullmatch(r"pagedkv: error: all 2 requests failed; the first: .*NaN.*", last), last
+
+
+BACKEND_PLUGIN = """
+from pagedkv.attention.backends.torch_ref import TorchRefBackend
+from pagedkv.attention.selector import register_backend
+
+
+@register_backend
+class MyBackend(TorchRefBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "MY_CLI_BACKEND"
+"""
+
+
+@pytest.fixture
+def plugin_file(tmp_path: Path) -> Iterator[Path]:
+    from pagedkv.attention.selector import unregister_backend
+
+    path = tmp_path / "my_cli_backend.py"
+    path.write_text(BACKEND_PLUGIN)
+    yield path
+    unregister_backend("MY_CLI_BACKEND")
+    sys.modules.pop("my_cli_backend", None)
+
+
+def test_a_registered_backend_is_chosen_from_the_command_line(
+    capsys: pytest.CaptureFixture[str], plugin_file: Path
+) -> None:
+    """--load imports the user's file first; before, --attention-backend MY_CLI_BACKEND was "Unknown"
+    (the CLI never ran the code that registers it). Its tokens are TORCH_REF's, which it subclasses."""
+    argv = [*GENERATE[:3], "--model", "tiny", "--prompt-token-ids", "4,5,6", "--max-tokens", "6", "--stream"]
+    cli([*argv, "--attention-backend", "TORCH_REF"])
+    reference = capsys.readouterr().out  # a line per token: [request id] token id 'text'
+    assert len(re.findall(r"^\[0\] \d+ ", reference, re.MULTILINE)) == 6, reference
+    cli([*argv, "--load", str(plugin_file), "--attention-backend", "MY_CLI_BACKEND"])
+    assert capsys.readouterr().out == reference
+    cli(["backends", "--device", "cpu", "--load", str(plugin_file)])
+    assert re.search(r"^  MY_CLI_BACKEND +ok$", capsys.readouterr().out, re.MULTILINE)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_such_file.py", "--load no_such_file.py: no such file"),
+        ("no_such_module_here", "--load no_such_module_here: no module of that name is importable here"),
+    ],
+)
+def test_load_names_what_it_could_not_import(capsys: pytest.CaptureFixture[str], spec: str, message: str) -> None:
+    code, line = error_line(capsys, [*GENERATE, "--load", spec])
+    assert (code, line.startswith(f"pagedkv: error: {message}")) == (2, True), line

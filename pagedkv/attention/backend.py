@@ -288,7 +288,13 @@ class AttentionBackend(ABC):
                 else "an MLA backend serves MLA layers only; this layer is MHA/GQA/MQA"
             )
         if device_type not in cls.supported_devices:
-            reasons.append(f"device {device_type!r} not supported (needs one of {list(cls.supported_devices)})")
+            hint = ""
+            if cls.supported_devices is AttentionBackend.supported_devices:  # the default, which a writer may not know
+                hint = (
+                    f"; {cls.__name__} inherits AttentionBackend.supported_devices = ('cuda',): set "
+                    f"supported_devices = ('cuda', {device_type!r}) on the class if it runs there"
+                )
+            reasons.append(f"device {device_type!r} not supported (needs one of {list(cls.supported_devices)}){hint}")
         unavailable = cls.unavailable_reason()
         if unavailable:
             reasons.append(unavailable)

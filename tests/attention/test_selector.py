@@ -129,3 +129,36 @@ def run_students_backend(base: type[AttentionBackend] = TorchRefBackend) -> list
 def test_students_backend_is_used_by_the_engine() -> None:
     calls = run_students_backend()
     assert calls[:4] == [3, 3, 3, 3] and len(calls) == 4 * 3  # 4 layers x 3 steps (num_kv_blocks given: no profile run)
+
+
+class _FromScratch(AttentionBackend):
+    """A backend written from the base class, as the README's recipe starts: it keeps the default
+    supported_devices, ("cuda",)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "FROM_SCRATCH"
+
+    @staticmethod
+    def get_impl_cls():
+        return TorchRefBackend.get_impl_cls()
+
+    @staticmethod
+    def get_builder_cls():
+        return TorchRefBackend.get_builder_cls()
+
+
+def test_a_backend_left_cuda_only_by_default_is_told_the_setting() -> None:
+    """Before, the CPU refusal said only "device 'cpu' not supported (needs one of ['cuda'])": a writer
+    who never set supported_devices could not tell where that came from."""
+    reasons = _FromScratch.validate_configuration(**LAYER, device_type="cpu")
+    assert (
+        "device 'cpu' not supported (needs one of ['cuda']); _FromScratch inherits "
+        "AttentionBackend.supported_devices = ('cuda',): set supported_devices = ('cuda', 'cpu') on the class "
+        "if it runs there"
+    ) in reasons
+    # Setting it as the message says makes the device reason go (the class then serves the layer on the CPU).
+    fixed = type("Fixed", (_FromScratch,), {"supported_devices": ("cuda", "cpu")})
+    assert fixed.validate_configuration(**LAYER, device_type="cpu") == []
+    # A backend that chose CUDA only itself (FLASH_ATTN) is not told to change it.
+    assert not any("inherits" in r for r in _Picky.validate_configuration(**LAYER, device_type="cuda"))
