@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagedkv.trace.checks import check_trace_values
 from pagedkv.trace.recorder import engine_info, step_record
 from pagedkv.trace.records import EngineInfo, StepRecord
 
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
 
 TRACE_FORMAT = "pagedkv-trace"
 TRACE_VERSION = 1
+NOT_STEP_TRACES = ("prefill_ladder_", "profile_step_")
+"""Prefixes of the other JSON files beside the shipped step traces (notebooks 15 and 16 read them)."""
 
 
 class StepTrace:
@@ -126,16 +129,23 @@ class StepTrace:
 
     @classmethod
     def from_json(cls, text: str) -> StepTrace:
-        payload = json.loads(text)
+        """The trace in `text` (what `to_json` wrote); its shape and values are checked
+        (pagedkv/trace/checks.py), so a view never meets a block id outside the pool."""
+        try:
+            payload = json.loads(text)
+        except RecursionError:  # json's parser recurses per level: thousands of [[[... exhaust Python's stack
+            raise ValueError(
+                "its JSON is nested too deeply to parse (a trace nests a few levels: engine, steps, requests)."
+            ) from None
         if payload.get("format") != TRACE_FORMAT or payload.get("version") != TRACE_VERSION:
             raise ValueError(
                 f"Not a {TRACE_FORMAT} v{TRACE_VERSION} file "
                 f"(format={payload.get('format')!r}, version={payload.get('version')!r})."
             )
-        return cls(
-            _from_plain(EngineInfo, payload["engine"]),
-            [_from_plain(StepRecord, s) for s in payload["steps"]],
-        )
+        engine = _from_plain(EngineInfo, payload["engine"])
+        steps = [_from_plain(StepRecord, s) for s in payload["steps"]]
+        check_trace_values(engine, steps)
+        return cls(engine, steps)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -143,12 +153,25 @@ class StepTrace:
         return path
 
     @classmethod
+    def load_shipped(cls, name: str) -> StepTrace:
+        """A trace that ships with pagedkv, by name (`"h200_tiny-hybrid"`: the workbook's
+        notebooks/traces/h200_tiny-hybrid.json), from an installed wheel or a clone alike."""
+        from pagedkv.workbook import shipped_dirs  # the workbook knows where this installation keeps its files
+
+        traces = shipped_dirs()[0] / "traces"
+        path = traces / f"{name.removesuffix('.json')}.json"
+        if not path.is_file():
+            names = sorted(p.stem for p in traces.glob("*.json") if not p.stem.startswith(NOT_STEP_TRACES))
+            raise ValueError(f"No shipped trace {name!r}; the shipped step traces are {names} (in {traces}).")
+        return cls.load(path)
+
+    @classmethod
     def load(cls, path: str | Path) -> StepTrace:
         """The trace saved in `path`; a file that is not one is a ValueError naming it."""
         path = Path(path)
         try:
             return cls.from_json(path.read_text(encoding="utf-8"))
-        # Bad JSON or UTF-8 (ValueErrors), or JSON of another shape: a missing key, a list for a dict, ...
+        # Bad JSON or UTF-8, bad values (ValueErrors), or JSON of another shape: a missing key, a list for a dict, ...
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(
                 f"{path} is not a readable {TRACE_FORMAT} v{TRACE_VERSION} file: {type(exc).__name__}: {exc}"
