@@ -273,6 +273,38 @@ def test_config_json_rope_scaling_is_checked_before_the_tokenizer_loads(
     assert re.fullmatch("pagedkv: error: " + re.escape(f"{pydoc_dir / 'config.json'}: ") + message + ".*", line), line
 
 
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        # Before: "cannot convert dictionary update sequence element #0 to a sequence" (Python's own words).
+        (
+            dict(rope_parameters=[10000.0]),
+            r"rope_parameters must be an object such as \{\"rope_type\": .*got \[10000\.0\]\.",
+        ),
+        (dict(rope_parameters="default"), r"rope_parameters must be an object .*got 'default'\."),
+        # Before: "unsupported operand type(s) for /: 'Tensor' and 'str'", naming no file.
+        (
+            dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": "4"}),
+            r"rope_parameters\['factor'\] must be a number > 0, got '4'\.",
+        ),
+        (
+            dict(rope_scaling={"rope_type": "linear", "factor": -2.0}),
+            r"rope_scaling\['factor'\] must be a number > 0, got -2\.0\.",
+        ),
+        # Before: "... could not load the tokenizer ...": transformers' tokenizer read config.json and failed on it.
+        (dict(bos_token_id="<s>"), r"bos_token_id '<s>' must be a token id \(an int in \[0, 258\)\) or null\."),
+        (dict(pad_token_id=[0]), r"pad_token_id \[0\] must be a token id \(an int\) or null\."),
+    ],
+)
+def test_a_bad_config_json_is_named_as_the_config_error(
+    capsys: pytest.CaptureFixture[str], pydoc_dir: Path, changes: dict, message: str
+) -> None:
+    edit_config_json(pydoc_dir, **changes)
+    code, line = error_line(capsys, [*GENERATE, "--model", str(pydoc_dir)])
+    assert code == 2
+    assert re.fullmatch("pagedkv: error: " + re.escape(f"{pydoc_dir / 'config.json'}: ") + message, line), line
+
+
 def test_config_json_eos_ids_are_checked(tmp_path: Path) -> None:
     """(Its other fields' errors name the file too: test_config_json_numbers_are_checked_by_name.)"""
     model_dir = write_hf_llama(tmp_path / "model")

@@ -50,6 +50,20 @@ def check_config_numbers(
             raise ValueError(f"config.json: {name} must be a number > 0, got {value!r}.")
 
 
+ROPE_POSITIVE = (
+    "rope_theta",
+    "factor",
+    "original_max_position_embeddings",
+    "low_freq_factor",
+    "high_freq_factor",
+    "beta_fast",
+    "beta_slow",
+)
+"""The keys of a RoPE scaling that are numbers > 0 (as transformers' rope_config_validation reads them)."""
+ROPE_NUMBERS = ("attention_factor", "mscale", "mscale_all_dim")
+"""The keys of a RoPE scaling that are numbers of any sign."""
+
+
 def hf_rope_parameters(
     hf: dict[str, Any], default_theta: float, max_positions: int
 ) -> tuple[float, dict[str, Any] | None]:
@@ -63,7 +77,22 @@ def hf_rope_parameters(
     `max_positions` (the config's max_position_embeddings); YaRN without a `factor` takes the
     ratio of the two lengths.
     """
-    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    given = hf.get(field) or {}
+    if not isinstance(given, dict):
+        raise ValueError(
+            f'config.json: {field} must be an object such as {{"rope_type": "default", "rope_theta": 10000.0}} '
+            f"(or null for plain RoPE), got {given!r}."
+        )
+    for key in (*ROPE_POSITIVE, *ROPE_NUMBERS):
+        value, positive = given.get(key), key in ROPE_POSITIVE
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and not value > 0)
+        ):
+            raise ValueError(
+                f"config.json: {field}[{key!r}] must be a number{' > 0' if positive else ''}, got {value!r}."
+            )
+    rope = dict(given)
     if hf.get("rope_theta") is not None:
         rope.setdefault("rope_theta", hf["rope_theta"])
     kind = rope_type(rope)

@@ -178,6 +178,8 @@ def load_config(model: str) -> HFConfig:
     except NotImplementedError as exc:
         raise NotImplementedError(f"{config_file}: {exc}") from None
     _eos_ids(hf.get("eos_token_id"), config_file, config.vocab_size)
+    _token_id("bos_token_id", hf.get("bos_token_id"), config_file, config.vocab_size)
+    _token_id("pad_token_id", hf.get("pad_token_id"), config_file, None)
     return config
 
 
@@ -302,6 +304,17 @@ def _eos_ids(eos: object, file: Path, vocab_size: int) -> list[int]:
             "(the model's vocab_size)."
         )
     return ids
+
+
+def _token_id(name: str, value: object, file: Path, vocab_size: int | None) -> None:
+    """A `bos_token_id` / `pad_token_id` entry: null or an int, in [0, vocab_size) unless that is None
+    (old Llama configs say pad_token_id -1). Checked here because transformers' tokenizer reads
+    config.json too, and its failure named the tokenizer instead of this file."""
+    if value is None:
+        return
+    if type(value) is not int or (vocab_size is not None and not 0 <= value < vocab_size):
+        where = "an int" if vocab_size is None else f"an int in [0, {vocab_size})"
+        raise ValueError(f"{file}: {name} {value!r} must be a token id ({where}) or null.")
 
 
 # Presets drawn on the CPU with weights scaled so that attention decides the output.
