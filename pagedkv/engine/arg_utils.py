@@ -411,6 +411,18 @@ def attribute_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def engine_args_doc(width: int = 100) -> str:
+    """The "Args:" section of `LLM`'s docstring, made from `EngineArgs` itself: each field with its
+    default and its docstring, so `help(LLM)` shows what `pagedkv generate --help` shows and neither
+    can drift from the fields."""
+    docs = attribute_docs(EngineArgs)
+    lines = ["Args:"]
+    for field in fields(EngineArgs):
+        text = f"{field.name} (default {field.default!r}): {docs[field.name]}"
+        lines += textwrap.wrap(text, width, initial_indent="    ", subsequent_indent="        ")
+    return "\n".join(lines)
+
+
 def cli_flag(name: str) -> str | None:
     """The command-line flag of the `EngineArgs` field `name` (None: it has none)."""
     return CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
