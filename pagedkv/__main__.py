@@ -15,7 +15,6 @@ from tqdm import tqdm
 from pagedkv import LLM, SamplingParams, StepEvent
 from pagedkv.engine.arg_utils import CLI_ARGS, add_cli_args
 from pagedkv.engine.llm import Prompt
-from pagedkv.entrypoints.cli import add_serve_parser
 from pagedkv.plugins import load_plugin
 from pagedkv.workbook import DEFAULT_DIR as DEFAULT_WORKBOOK_DIR
 
@@ -343,7 +342,6 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("name", help="the lab (pagedkv lab list)")
     check.add_argument("file", help="the Python file that defines what the lab asks for")
     lab.set_defaults(func=_lab)
-    add_serve_parser(sub, common)
     return parser
 
 
