@@ -45,6 +45,7 @@ from pagedkv.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from pagedkv.engine.async_llm import AsyncLLM
 from pagedkv.engine.events import EngineStats, StepEvent
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.request import CompletionOutput, RequestOutput, SamplingParams
@@ -53,6 +54,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "CacheConfig",
     "CompilationConfig",
     "CompletionOutput",
