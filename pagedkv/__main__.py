@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import shutil
 import sys
 import time
 import typing
@@ -189,7 +191,7 @@ def _workbook(args: argparse.Namespace) -> int:
             say(f"skip {run.name} ({run.skipped})")
         else:
             say(f"ran  {run.name} in {run.seconds:.1f} s")
-    print(f"The executed notebooks are in {dest / 'notebooks'}; open them with: pagedkv workbook {args.dir} --lab")
+    print(f"The executed notebooks are in {dest / 'notebooks'}; open them with: {_command()} workbook {args.dir} --lab")
     if failed:
         print(
             f"pagedkv: error: {len(failed)} of {len(runnable)} notebooks failed: {', '.join(failed)}", file=sys.stderr
@@ -216,6 +218,17 @@ def _lab(args: argparse.Namespace) -> int:
     result = labs.check_file(lab, Path(args.file))
     print(repr(result))  # the notebook's line: ✓ or ✗, then the message
     return 0 if result.ok else 1
+
+
+def _command() -> str:
+    """How to run pagedkv again from this shell: `pagedkv` where that name finds this installation,
+    else the full path of its script (a venv that is not activated: `pagedkv` there is "command not
+    found"), else `python -m pagedkv` with this interpreter."""
+    script = Path(sys.executable).parent / "pagedkv"
+    found = shutil.which("pagedkv")
+    if found is not None and script.is_file() and Path(found).resolve() == script.resolve():
+        return "pagedkv"
+    return shlex.quote(str(script)) if script.is_file() else f"{shlex.quote(sys.executable)} -m pagedkv"
 
 
 def _cuda() -> bool:
