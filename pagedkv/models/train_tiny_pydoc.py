@@ -242,6 +242,13 @@ def byte_tokenizer_json() -> dict[str, Any]:
     }
 
 
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+"""tiny-pydoc's chat template (Jinja, as Hugging Face tokenizers keep one)."""
+
+
 def write_tokenizer(out: Path) -> None:
     """`tokenizer.json` + `tokenizer_config.json` + `special_tokens_map.json` for AutoTokenizer."""
     (out / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(), indent=1, ensure_ascii=False) + "\n")
@@ -253,6 +260,9 @@ def write_tokenizer(out: Path) -> None:
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": True,
         "model_max_length": FIXED_SHAPE["max_position_embeddings"],
+        # For `pagedkv serve`'s /v1/chat/completions: "role: content" lines, then the assistant's cue
+        # (the model was trained on plain text, so this is a format, not a skill it learned).
+        "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}, indent=1) + "\n")

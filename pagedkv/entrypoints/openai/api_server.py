@@ -1,0 +1,136 @@
+"""The FastAPI app of `pagedkv serve` and the server that runs it (as vllm/entrypoints/openai/api_server.py).
+
+    POST /v1/completions, /v1/chat/completions   OpenAI's API, streamed (server-sent events) or not
+    GET  /v1/models, /health, /metrics           the model served, liveness, Prometheus' numbers
+
+Every refusal is OpenAI's error JSON, `{"error": {"message", "type", "param", "code"}}`: 400 for a
+bad request (naming the field), 404 for a model or a path that is not here, 500 when the engine
+fails; a traceback goes to the server's log, never to the client.
+"""
+
+from __future__ import annotations
+
+import logging
+import reprlib
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from pagedkv import __version__
+from pagedkv.engine.async_llm import AsyncLLM
+from pagedkv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from pagedkv.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    RequestError,
+)
+from pagedkv.entrypoints.openai.serving_chat import ChatTemplate, OpenAIServingChat
+from pagedkv.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedkv.entrypoints.openai.serving_engine import error_json, failure_message
+from pagedkv.models.loader import checkpoint_dir
+
+logger = logging.getLogger(__name__)
+
+
+def validation_error(error: RequestValidationError) -> JSONResponse:
+    """pydantic's complaints as one 400: `param` is the first field at fault, the message names each
+    (a union such as `prompt` gives one complaint per form it could take: the first is enough)."""
+    messages: dict[str, str] = {}
+    for e in error.errors():
+        path = [str(part) for part in e["loc"][1:]]  # loc[0] is "body"
+        field = path[0] if path else ""
+        if field in messages:
+            continue
+        if e["type"] == "missing":
+            messages[field] = f"{'.'.join(path)} is required"
+        elif e["type"] == "json_invalid" or not field:
+            messages[field] = f"The request body is not a valid JSON object: {e['msg']}"
+        else:
+            messages[field] = f"{'.'.join(path)}: {e['msg']} (got {reprlib.repr(e.get('input'))})"
+    param = next(iter(messages), "") or None
+    return JSONResponse(error_json("; ".join(messages.values()) + ".", 400, param), status_code=400)
+
+
+def build_app(engine: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
+    """The app serving `engine` under `served_model_name` (default: the model's name)."""
+    model_config = engine.llm.config.model_config
+    name = served_model_name or model_config.model
+    metrics = ServerMetrics(lambda: engine.stats, name)
+    serving = (engine, name, model_config.max_model_len, metrics)
+    completion = OpenAIServingCompletion(*serving)
+    model_dir = checkpoint_dir(model_config.model)
+    chat = OpenAIServingChat(*serving, chat_template=ChatTemplate.load(model_dir), model_dir=model_dir)
+    app = FastAPI(title="pagedkv", version=__version__)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, error: RequestValidationError) -> JSONResponse:
+        return validation_error(error)
+
+    @app.exception_handler(RequestError)
+    async def _refused(_: Request, error: RequestError) -> JSONResponse:
+        body = error_json(error.message, error.status, error.param, error.code)
+        return JSONResponse(body, status_code=error.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, error: HTTPException) -> JSONResponse:  # an unknown path (404), a wrong method
+        return JSONResponse(error_json(str(error.detail), error.status_code), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def _failed(_: Request, error: Exception) -> JSONResponse:
+        return JSONResponse(error_json(failure_message(error), 500), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the engine runs, 503 once its loop has stopped."""
+        return Response(status_code=200 if engine.is_running else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = ModelCard(id=name, root=model_config.model, max_model_len=model_config.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        return await completion.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create_chat_completion(request, raw_request)
+
+    return app
+
+
+def run_server(
+    model: str,
+    engine_args: dict[str, Any],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    log_level: str = "info",
+) -> None:
+    """Build the engine, then serve it until Ctrl-C (or SIGTERM): uvicorn stops taking requests,
+    gives those in flight a few seconds, and the engine thread is stopped."""
+    engine = AsyncLLM(model, **engine_args)
+    try:
+        app = build_app(engine, served_model_name)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        print(
+            f"pagedkv: serving {served_model_name or model!r} at {url}/v1 (OpenAI API: /v1/completions, "
+            f"/v1/chat/completions, /v1/models; {url}/health, {url}/metrics). Ctrl-C stops.",
+            flush=True,
+        )
+        uvicorn.Server(config).run()
+    finally:
+        engine.shutdown()
