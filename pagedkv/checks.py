@@ -13,6 +13,7 @@ import math
 import numbers
 import operator
 import reprlib
+from typing import SupportsIndex
 
 import torch
 
@@ -34,7 +35,7 @@ def check_int(name: str, value: object, low: int | None = None, high: int | None
     """`value` as a Python int in [low, high] (either bound may be None)."""
     is_bool = isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool)
     try:
-        if is_bool:
+        if is_bool or not isinstance(value, SupportsIndex):
             raise TypeError
         number = operator.index(value)  # ints, numpy / torch integer scalars; never floats or strings
     except TypeError:

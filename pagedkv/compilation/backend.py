@@ -118,7 +118,10 @@ class PiecewiseBackend:
             return piece
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(piece, list(example_args))
+        compiled = compile_fx(piece, list(example_args))
+        # compile_fx returns a path, paths or weights only when compiling ahead of time (AOTInductor).
+        assert callable(compiled), f"compile_fx returned a {type(compiled).__name__}, not a callable"
+        return compiled
 
 
 class _ArgRecorder(fx.Interpreter):

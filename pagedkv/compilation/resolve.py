@@ -71,7 +71,7 @@ class Resolution:
 
     def describe(self) -> str:
         """The resolved mode, or the error, and the path through the rules as logged."""
-        outcome = f"raises ValueError: {self.error}" if self.error else f"resolves to {self.resolved.name}"
+        outcome = f"raises ValueError: {self.error}" if self.resolved is None else f"resolves to {self.resolved.name}"
         log = "".join(f"\n  log: {message}" for message in self.warnings)
         if not log and not self.error:
             log = "\n  (no warning: the mode is unchanged)"
@@ -106,52 +106,55 @@ def resolve_explained(
         TypeError, ValueError: an argument is malformed (a refused configuration is no
             exception here: it is `Resolution.error`).
     """
-    configured = mode = CUDAGraphMode.parse(mode)
+    configured = CUDAGraphMode.parse(mode)
+    current = configured  # lowered by the rules below, one step at a time
     _check_arguments(support, backend_name, uniform_decode_query_len)
     steps: list[LoweringStep] = []
     by_backend = f"{backend_name} backend (support: {support.name})"
 
     def lower(rule: int, new: CUDAGraphMode, cause: str, reason: str) -> CUDAGraphMode:
-        steps.append(LoweringStep(rule, mode, new, cause, reason))
+        steps.append(LoweringStep(rule, current, new, cause, reason))
         return new
 
     def refused() -> Resolution:
-        error = f"CUDAGraphMode.{mode.name} is not supported with {by_backend}; please try cudagraph_mode=PIECEWISE"
+        error = f"CUDAGraphMode.{current.name} is not supported with {by_backend}; please try cudagraph_mode=PIECEWISE"
         return Resolution(configured, None, tuple(steps), error)
 
     if enforce_eager:
-        if mode is not CUDAGraphMode.NONE:
+        if current is not CUDAGraphMode.NONE:
             lower(1, CUDAGraphMode.NONE, "enforce_eager=True", "every step runs eagerly")
         return Resolution(configured, CUDAGraphMode.NONE, tuple(steps), None)
     split = "attention is compiled piecewise" if attention_compiled_piecewise else "attention is not compiled piecewise"
-    if mode.mixed_mode() is CUDAGraphMode.FULL and support is not AttentionCGSupport.ALWAYS:
+    if current.mixed_mode() is CUDAGraphMode.FULL and support is not AttentionCGSupport.ALWAYS:
         if support is AttentionCGSupport.NEVER:
             return refused()
         fallback = CUDAGraphMode.FULL_AND_PIECEWISE if attention_compiled_piecewise else CUDAGraphMode.FULL_DECODE_ONLY
-        mode = lower(2, fallback, by_backend, f"full graphs of mixed batches need support ALWAYS; {split}")
-    if mode.decode_mode() is CUDAGraphMode.FULL and support is AttentionCGSupport.NEVER:
-        mode = lower(3, _piecewise_or_none(attention_compiled_piecewise), by_backend, f"no full graphs at all; {split}")
+        current = lower(2, fallback, by_backend, f"full graphs of mixed batches need support ALWAYS; {split}")
+    if current.decode_mode() is CUDAGraphMode.FULL and support is AttentionCGSupport.NEVER:
+        current = lower(
+            3, _piecewise_or_none(attention_compiled_piecewise), by_backend, f"no full graphs at all; {split}"
+        )
     if (
-        mode.decode_mode() is CUDAGraphMode.FULL
+        current.decode_mode() is CUDAGraphMode.FULL
         and uniform_decode_query_len > 1
         and support.value < AttentionCGSupport.UNIFORM_BATCH.value
     ):
-        mode = lower(
+        current = lower(
             4,
             _piecewise_or_none(attention_compiled_piecewise),
             by_backend,
             f"decode steps of {uniform_decode_query_len} query tokens need support UNIFORM_BATCH; {split}",
         )
-    if mode.requires_piecewise_compilation() and not attention_compiled_piecewise:
-        mode = lower(
+    if current.requires_piecewise_compilation() and not attention_compiled_piecewise:
+        current = lower(
             5,
-            mode.without_piecewise(),
+            current.without_piecewise(),
             "a model not split at the attention ops",
             "piecewise graphs need the attention ops split out, as compile=True does",
         )
-    if mode.has_full_cudagraphs() and support is AttentionCGSupport.NEVER:
+    if current.has_full_cudagraphs() and support is AttentionCGSupport.NEVER:
         return refused()
-    return Resolution(configured, mode, tuple(steps), None)
+    return Resolution(configured, current, tuple(steps), None)
 
 
 def resolve_cudagraph_mode(

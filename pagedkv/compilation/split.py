@@ -78,12 +78,13 @@ def split_graph(graph: fx.GraphModule, splitting_ops: Sequence[str]) -> tuple[fx
         else:
             part_of[node] = part
     # keep_original_order: the attention op writes into a buffer made in the piece before
-    # it (mutation), so nodes must not be regrouped out of program order.
-    split = split_module(graph, None, lambda node: part_of[node], keep_original_order=True)
-    items = [
-        SplitItem(name, int(name.removeprefix("submod_")) in splitting_parts, module)
-        for name, module in split.named_children()
-    ]
+    # it (mutation), so nodes must not be regrouped out of program order. The root module
+    # argument is unused by torch (vLLM passes None); `graph` is what it names.
+    split = split_module(graph, graph, lambda node: part_of[node], keep_original_order=True)
+    items = []
+    for name, module in split.named_children():
+        assert isinstance(module, fx.GraphModule)  # split_module makes every submod_<i> a GraphModule
+        items.append(SplitItem(name, int(name.removeprefix("submod_")) in splitting_parts, module))
     items.sort(key=lambda item: int(item.name.removeprefix("submod_")))
     return split, items
 

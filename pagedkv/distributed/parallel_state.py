@@ -53,7 +53,7 @@ def new_tensor_parallel_group(
     store = dist.FileStore(rendezvous, world_size)
     timeout = timedelta(seconds=timeout_s)
     cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), rank, world_size, timeout)
-    device_group = cpu_group
+    device_group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL = cpu_group
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

@@ -24,10 +24,10 @@ from pagedkv.kv_cache.spec import KVCacheSpec, MLAAttentionSpec
 SHOWN_SHAPES: list[tuple[int, int, int]] = [(27, 512, 64), (60, 512, 64), (61, 512, 64)]
 """(layers, kv_lora_rank, qk_rope_head_dim) the notebook names: DeepSeek-V2-Lite, V2, V3."""
 
-SPEC_SIZES: list[Callable[..., Any]] = [
-    MLAAttentionSpec.page_size_bytes.fget,  # type: ignore[attr-defined]
-    KVCacheSpec.page_size_bytes.fget,
-]  # type: ignore[attr-defined]
+SPEC_SIZES: list[Callable[..., Any]] = [  # the properties' getters (vars: the property objects themselves)
+    vars(MLAAttentionSpec)["page_size_bytes"].fget,
+    vars(KVCacheSpec)["page_size_bytes"].fget,
+]
 """What the cache manager sizes blocks with: an answer may not ask it."""
 
 

@@ -8,6 +8,7 @@ check_next_slot_mapping(llm, answer)           the slot of every token of the ne
 from __future__ import annotations
 
 import copy
+import functools
 
 from pagedkv.engine.llm import LLM
 from pagedkv.exercises import CheckResult, exercise, plain
@@ -143,6 +144,6 @@ def check_next_slot_mapping(llm: LLM, answer: object, group: int = 0) -> CheckRe
                 False,
                 f"next step's slot mapping, entry {i} (request {rid}'s token at position {p}): "
                 f"{got} is not it; {mistake(got, *token[1:])}.",
-                reveal=lambda t=token: worked(*t),
+                reveal=functools.partial(worked, *token),
             )
     return CheckResult(True, f"next step's slot mapping {slots}: correct.")

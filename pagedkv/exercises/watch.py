@@ -96,7 +96,7 @@ def watch_calls(functions: Iterable[Callable[..., Any]]) -> Iterator[list[str]]:
         if event == "call" and (name := watched(frame.f_code)) is not None:
             note(name)
         elif event == "c_call" and arg in FRAME_READERS:
-            note(f"{arg.__module__}.{arg.__name__} (reading the checker's frames)")  # type: ignore[attr-defined]
+            note(f"{arg.__module__}.{arg.__name__} (reading the checker's frames)")
 
     def profile_earlier_threads(frame: FrameType, event: str, arg: object) -> None:
         """On threads started before the block: package calls only (their frame readers may be a

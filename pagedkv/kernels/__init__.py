@@ -28,7 +28,7 @@ else:  # pragma: no cover
     def _missing(*args: Any, **kwargs: Any) -> Any:
         raise ImportError("pagedkv.kernels needs the `triton` package (pip install triton)")
 
-    reshape_and_cache = unified_attention = mla_decode_attention = interpreter_problem = _missing  # type: ignore[assignment]
+    reshape_and_cache = unified_attention = mla_decode_attention = interpreter_problem = _missing
     KernelConfig = SplitKVWorkspace = MLADecodeWorkspace = None  # type: ignore[assignment,misc]
 
 __all__ = [

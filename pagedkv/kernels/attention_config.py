@@ -158,8 +158,8 @@ def choose_config(
         block_n, num_warps, max_registers = 16, 4, None
         num_stages = 2 if on_gpu and one_tile_per_req else 1
     else:
-        decode = tuning.fp8_decode if kv_bytes == 1 else tuning.decode
-        tiles = decode if one_tile_per_req else prefill
+        decode_tiles = tuning.fp8_decode if kv_bytes == 1 else tuning.decode
+        tiles = decode_tiles if one_tile_per_req else prefill
         block_n = tiles.block_n // 2 if wide else tiles.block_n
         num_warps = tiles.num_warps
         num_stages = min(tiles.num_stages, 2) if wide else tiles.num_stages

@@ -106,9 +106,10 @@ def _interpreter_loop_problem() -> str | None:
 
     # On the CPU by name: the first call may come while a model is built under `torch.device("meta")`,
     # whose tensors have no data to run on (and this answer is kept for the process's life).
-    cpu = dict(dtype=torch.int32, device="cpu")
     try:
-        count_pairs[(1,)](torch.tensor([5], **cpu), torch.zeros(1, **cpu))
+        count_pairs[(1,)](
+            torch.tensor([5], dtype=torch.int32, device="cpu"), torch.zeros(1, dtype=torch.int32, device="cpu")
+        )
     except Exception as exc:  # the interpreter wraps the TypeError in its own error
         return (
             f"Triton {triton.__version__}'s interpreter cannot run a loop bounded by a loaded value with "

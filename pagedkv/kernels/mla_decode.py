@@ -375,6 +375,7 @@ def mla_decode_attention(
     early_merge = num_splits > 1 and pdl
     early_launch = early_launch and pdl
     if num_splits > 1:
+        assert workspace is not None  # splits are chosen above only with a workspace
         target, lse = workspace.views(num_decodes, num_splits)
     else:
         target, lse = out, out  # lse is unused without splits
@@ -415,6 +416,7 @@ def mla_decode_attention(
         launch_pdl=early_launch,
     )
     if num_splits > 1:
+        assert workspace is not None  # as above
         merge_splits(
             target, lse, out, workspace.query_start_loc[: num_decodes + 1], num_splits, early_launch=early_merge
         )

@@ -418,7 +418,7 @@ def _prepare(
         softmax_scale = head_dim**-0.5
     elif not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
         raise TypeError(f"softmax_scale must be a float (1 / sqrt(head_dim), usually), got {softmax_scale!r}")
-    dot = dict(
+    dot: dict[str, object] = dict(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # 16-bit inputs: ignored
         UPCAST=interpreting() and q.dtype == torch.bfloat16,
     )

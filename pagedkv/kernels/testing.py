@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -24,6 +24,17 @@ from pagedkv.kernels.common import next_power_of_2
 
 if TYPE_CHECKING:
     from pagedkv.kernels.split_kv import SplitKVWorkspace
+
+
+class AttentionKwargs(TypedDict):
+    """`unified_attention`'s metadata keyword arguments, as `PagedBatch.attention_kwargs` gives them."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    block_table: torch.Tensor
+    softmax_scale: float
 
 
 @dataclass
@@ -62,9 +73,9 @@ class PagedBatch:
     def max_seq_len(self) -> int:
         return int(self.seq_lens.max())
 
-    def attention_kwargs(self) -> dict[str, object]:
+    def attention_kwargs(self) -> AttentionKwargs:
         """The metadata keyword arguments of `unified_attention` (scale 1/sqrt(head_size))."""
-        return dict(
+        return AttentionKwargs(
             query_start_loc=self.query_start_loc,
             seq_lens=self.seq_lens,
             max_query_len=self.max_query_len,
