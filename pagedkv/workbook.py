@@ -327,7 +327,9 @@ def workbook_client() -> type:
             self.ctrl_c += 1
             if self.km is not None and self.km.has_kernel:
                 stop = self.km.interrupt_kernel() if self.ctrl_c == 1 else self.km.shutdown_kernel(now=True)
-                asyncio.ensure_future(stop)
+                # nbclient types km as a (blocking) KernelManager; it makes an AsyncKernelManager, whose
+                # interrupt_kernel and shutdown_kernel return coroutines.
+                asyncio.ensure_future(stop)  # type: ignore[call-overload]
 
         async def async_execute_cell(self, cell: Any, cell_index: int, *args: Any, **kwargs: Any) -> Any:
             if self.ctrl_c:  # pressed while the kernel started, or between two cells

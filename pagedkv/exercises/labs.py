@@ -374,7 +374,9 @@ def _import_file(lab: Lab, path: Path) -> ModuleType:
     # Not under "pagedkv.": the Triton checkers refuse a kernel from pagedkv's own modules.
     name = f"pagedkv_lab_{lab.name.replace('-', '_')}"
     loader = importlib.machinery.SourceFileLoader(name, str(path))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+    spec = importlib.util.spec_from_loader(name, loader)
+    assert spec is not None  # None only for a loader without a file name; a SourceFileLoader has one
+    module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # registered while it runs, as an import does (dataclasses look it up)
     try:
         loader.exec_module(module)

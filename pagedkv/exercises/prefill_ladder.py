@@ -17,6 +17,7 @@ one key tile at a time; a whole row of scores at once is rung 0 again).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -153,7 +154,7 @@ def _whole_rows_loaded(kernel: Any, launch: Launch) -> CheckResult | None:
 def check_flash_prefill(kernel: Any, launch: Launch) -> CheckResult:
     """Rung 1: `launch(kernel, q, k, v, out, scale, block)` writes causal attention of q, k, v into
     out, one program per (query tile of `block` rows, head), key tiles up to the diagonal."""
-    result = check_launches([kernel], launch, [lambda c=c: _case(*c) for c in CASES], WHAT, HINT)
+    result = check_launches([kernel], launch, [functools.partial(_case, *c) for c in CASES], WHAT, HINT)
     if not result:
         return result
     whole_rows = _whole_rows_loaded(kernel, launch)  # a CheckResult is falsy when it fails: test for None

@@ -19,6 +19,7 @@ reference in nested code, only after the launcher has run.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -235,7 +236,7 @@ def _check_scores(
             access=_memory_rules(table, seq_lens, {"k_cache": k_cache.shape}, "scores"),
         )
 
-    return check_launches([kernel], launch, [lambda s=spec: case(*s) for spec in specs], what, hint)
+    return check_launches([kernel], launch, [functools.partial(case, *spec) for spec in specs], what, hint)
 
 
 @exercise("06: puzzle 3, Q.K^T over one page")
@@ -357,7 +358,7 @@ def _check_attention(
             access=_memory_rules(table, seq_lens, caches, "out"),
         )
 
-    return check_launches(kernels, launch, [lambda s=spec: case(**s) for spec in specs], what, hint)
+    return check_launches(kernels, launch, [functools.partial(case, **spec) for spec in specs], what, hint)
 
 
 @exercise("06: puzzle 5, online softmax across pages")

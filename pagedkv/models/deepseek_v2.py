@@ -132,6 +132,8 @@ class DeepseekV2Gate(nn.Module):
         else:
             scores = choice = logits.softmax(dim=-1)
         if self.method != "greedy":
+            # DeepseekV2Config refuses a grouped topk_method without n_group and topk_group.
+            assert self.n_group is not None and self.topk_group is not None
             grouped = choice.view(x.shape[0], self.n_group, -1)
             group_scores = grouped.topk(2, dim=-1).values.sum(-1) if self.method == "noaux_tc" else grouped.amax(-1)
             keep = torch.zeros_like(group_scores, dtype=torch.bool)

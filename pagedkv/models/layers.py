@@ -110,6 +110,8 @@ class RotaryEmbedding(nn.Module):
     they were. cos and sin carry the scaling's attention factor (YaRN; 1 otherwise).
     """
 
+    cos_sin_cache: torch.Tensor  # a buffer (register_buffer below), declared for the type checker
+
     def __init__(
         self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None, interleaved: bool = False
     ) -> None:

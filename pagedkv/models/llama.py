@@ -38,6 +38,8 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: LlamaConfig, prefix: str, sliding_window: int | None) -> None:
         super().__init__()
+        # LlamaConfig.__post_init__ fills in what config.json may leave out.
+        assert config.head_dim is not None and config.num_key_value_heads is not None and config.qkv_bias is not None
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
@@ -168,10 +170,12 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in self.state_dict().items():
             for part, (fused, index) in _STACKED.items():
                 if fused in name:
+                    first = self.model.layers[0]
+                    assert isinstance(first, LlamaDecoderLayer)  # LlamaModel's layers are all decoder layers
                     sizes = (
-                        self.model.layers[0].self_attn.qkv_proj.output_sizes
+                        first.self_attn.qkv_proj.output_sizes
                         if fused == ".qkv_proj."
-                        else self.model.layers[0].mlp.gate_up_proj.output_sizes
+                        else first.mlp.gate_up_proj.output_sizes
                     )
                     out[name.replace(fused, part)] = tensor.split(sizes)[index]
             if not any(fused in name for fused, _ in _STACKED.values()):

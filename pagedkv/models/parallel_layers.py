@@ -19,7 +19,7 @@ rank every layer is the plain layer it replaces (`ReplicatedLinear` is whole on 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +77,7 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: S
 def load_hf_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
-    stacked: dict[str, tuple[str, ShardId]],
+    stacked: Mapping[str, tuple[str, ShardId]],
     tied_embeddings: bool = False,
 ) -> None:
     """Copy Hugging Face-named tensors into `model`'s (fused, sharded) parameters: each parameter's

@@ -9,7 +9,8 @@ from pagedkv.models.loader import TRAINED_PRESETS
 
 
 class Tokenizer(Protocol):
-    eos_token_id: int | None
+    @property
+    def eos_token_id(self) -> int | None: ...  # read-only here, so a class attribute of int matches
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -59,7 +60,9 @@ class HFTokenizer:
         return list(self._tok.encode(text))
 
     def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+        text = self._tok.decode(token_ids, skip_special_tokens=True)
+        assert isinstance(text, str)  # one list of ids decodes to one string (a batch would be a list)
+        return text
 
     def decode_batch(self, batch: list[list[int]]) -> list[str]:
         return self._tok.batch_decode(batch, skip_special_tokens=True)
