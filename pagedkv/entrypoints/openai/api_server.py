@@ -32,8 +32,9 @@ from pagedkv.entrypoints.openai.protocol import (
 )
 from pagedkv.entrypoints.openai.serving_chat import ChatTemplate, OpenAIServingChat
 from pagedkv.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedkv.entrypoints.openai.serving_engine import error_json, failure_message
+from pagedkv.entrypoints.openai.serving_engine import EngineError, error_json, failure_message
 from pagedkv.models.loader import checkpoint_dir
+from pagedkv.worker.tp_executor import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,10 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None) -> FastAPI
     async def _http(_: Request, error: HTTPException) -> JSONResponse:  # an unknown path (404), a wrong method
         return JSONResponse(error_json(str(error.detail), error.status_code), status_code=error.status_code)
 
+    # EngineError and EngineDeadError by name: Starlette re-raises what only the catch-all handles (to
+    # log its traceback), which is for surprises; these two say all there is in their message.
+    @app.exception_handler(EngineError)
+    @app.exception_handler(EngineDeadError)
     @app.exception_handler(Exception)
     async def _failed(_: Request, error: Exception) -> JSONResponse:
         return JSONResponse(error_json(failure_message(error), 500), status_code=500)

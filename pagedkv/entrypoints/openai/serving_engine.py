@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from pagedkv.engine.request import CompletionOutput, RequestOutput, SamplingParams
 from pagedkv.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from pagedkv.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, RequestError
+from pagedkv.worker.tp_executor import EngineDeadError
 
 if TYPE_CHECKING:
     from pagedkv.engine.async_llm import AsyncLLM
@@ -44,11 +45,12 @@ def error_json(message: str, status: int, param: str | None = None, code: str | 
 
 
 def failure_message(error: Exception) -> str:
-    """What a client is told about an engine failure (logged here with its traceback)."""
-    logger.error("A request failed: %s", error, exc_info=error)
-    if isinstance(error, EngineError):
+    """What a client is told about a failure, logged here (with its traceback where it is a surprise)."""
+    if isinstance(error, (EngineError, EngineDeadError)):  # the message says it all
+        logger.error("A request failed: %s", error)
         return str(error)
-    return f"The engine failed: {type(error).__name__}: {error}"
+    logger.error("A request failed: %s", error, exc_info=error)
+    return f"The server failed: {type(error).__name__}: {error}"
 
 
 Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
