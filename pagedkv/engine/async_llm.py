@@ -37,11 +37,11 @@ from pagedkv.worker.tp_executor import EngineDeadError
 logger = logging.getLogger("pagedkv")
 
 
-def merge_outputs(merged: RequestOutput | None, new: RequestOutput) -> RequestOutput:
+def fold_output(merged: RequestOutput | None, new: RequestOutput) -> RequestOutput:
     """A request's state so far: `new`, holding the latest CompletionOutput of every index seen.
 
     A request with SamplingParams(n > 1) streams one RequestOutput per child and step, each with
-    only that child's CompletionOutput; fold them with `merged = merge_outputs(merged, output)`
+    only that child's CompletionOutput; fold them with `merged = fold_output(merged, output)`
     (as vLLM's RequestOutput.add does) to get all n, ordered by index."""
     latest = {c.index: c for c in merged.outputs} if merged is not None else {}
     latest.update((c.index, c) for c in new.outputs)
@@ -270,7 +270,8 @@ class _EngineLoop:
             if output.finished:
                 del self.by_engine_id[output.request_id]
                 finished.append(stream)
-            self._post(stream, replace(output, request_id=stream.request_id))
+            output.request_id = stream.request_id  # the LLM made this output for us alone (no copy: hot path)
+            self._post(stream, output)
         self.num_finished += len(finished)
         self._forget(finished)
 
@@ -388,7 +389,7 @@ class AsyncLLM:
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's RequestOutputs as its tokens come (cumulative; the last one has
-        finished=True). With n > 1, one per child and step: fold them with `merge_outputs`.
+        finished=True). With n > 1, one per child and step: fold them with `fold_output`.
 
         Bad input raises the first time the generator is awaited (TypeError / ValueError, as
         LLM.add_request's), before anything is queued; so does a request_id in use (ValueError).
@@ -416,7 +417,8 @@ class AsyncLLM:
                     finished = True  # the engine is gone: nothing to abort
                     raise item
                 output = self._aborted(stream, merged) if item is None else item
-                merged = merge_outputs(merged, output)
+                # With n = 1 an output holds the whole request so far (its outputs are cumulative).
+                merged = output if stream.n == 1 else fold_output(merged, output)
                 finished = output.finished
                 yield output
         finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
@@ -15,7 +16,7 @@ from typing import Any, TypeVar
 import pytest
 
 from pagedkv import LLM, AsyncLLM, CompletionOutput, RequestOutput, SamplingParams, StepEvent
-from pagedkv.engine.async_llm import EngineSnapshot, merge_outputs
+from pagedkv.engine.async_llm import EngineSnapshot, fold_output
 from pagedkv.worker.tp_executor import EngineDeadError
 from tests.engine.test_engine_api import assert_idle
 
@@ -387,17 +388,17 @@ def test_stats_snapshot(llm: LLM) -> None:
     assert (done.num_steps, done.num_decode_tokens) == (llm.stats.num_steps, llm.stats.num_decode_tokens)
 
 
-def test_merge_outputs() -> None:
+def test_fold_output() -> None:
     def child(index: int, text: str, reason: str | None, finished: bool = False) -> RequestOutput:
         completion = CompletionOutput(index, text, [ord(c) for c in text], reason)
         return RequestOutput("r", "p", [1], [completion], finished=finished)
 
     merged = None
     for output in [child(1, "b", None), child(0, "a", None), child(1, "bc", "length"), child(0, "ad", "stop", True)]:
-        merged = merge_outputs(merged, output)
+        merged = fold_output(merged, output)
     assert merged is not None and merged.finished
     assert [(c.index, c.text, c.finish_reason) for c in merged.outputs] == [(0, "ad", "stop"), (1, "bc", "length")]
-    assert merge_outputs(None, child(0, "a", None)).outputs[0].text == "a"
+    assert fold_output(None, child(0, "a", None)).outputs[0].text == "a"
 
 
 def test_n_outputs_stream_one_child_at_a_time(llm: LLM) -> None:
@@ -414,7 +415,7 @@ def test_n_outputs_stream_one_child_at_a_time(llm: LLM) -> None:
     merged = None
     for output in outputs:
         assert len(output.outputs) == 1
-        merged = merge_outputs(merged, output)
+        merged = fold_output(merged, output)
     assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
     assert merged is not None
     assert [c.token_ids for c in merged.outputs] == [c.token_ids for c in reference.outputs]
@@ -438,3 +439,80 @@ def test_owns_its_llm_and_refuses_a_busy_one() -> None:
         AsyncLLM.from_llm(busy)
     with pytest.raises(TypeError, match="takes an LLM"):
         AsyncLLM.from_llm("tiny")  # type: ignore[arg-type]
+
+
+def test_aborted_n_request_ends_every_child(llm: LLM) -> None:
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=1000, ignore_eos=True)
+
+    async def main() -> list[RequestOutput]:
+        async with AsyncLLM.from_llm(llm) as engine:
+            outputs = []
+            async for output in engine.generate("Hello", params, "n2"):
+                outputs.append(output)
+                if len(outputs) == 3:
+                    assert await engine.abort("n2") is True
+            await wait_until(engine, lambda s: engine_idle(s) and s.num_requests_aborted == 1)
+            return outputs
+
+    outputs = run(main())
+    if len(outputs[0].outputs) != 1:
+        pytest.skip("LLM does not fan out n > 1 yet (issue 47, must-deliver 1)")
+    *streamed, last = outputs
+    latest = {o.outputs[0].index: o.outputs[0].token_ids for o in streamed}
+    assert last.finished and [c.index for c in last.outputs] == [0, 1]
+    assert [c.finish_reason for c in last.outputs] == ["abort", "abort"]
+    assert {c.index: c.token_ids for c in last.outputs if c.index in latest} == latest
+
+
+def test_callers_on_two_event_loops(llm: LLM) -> None:
+    """Two threads, each with its own asyncio.run, share one engine: each gets its own outputs."""
+    prompts = [f"Thread {i} says" for i in range(6)]
+    reference = llm.generate(prompts, GREEDY, use_tqdm=False)
+    engine = AsyncLLM.from_llm(llm)
+    results: dict[int, list[list[RequestOutput]]] = {}
+
+    def caller(half: int) -> None:
+        async def main() -> list[list[RequestOutput]]:
+            return await asyncio.gather(*(collect(engine, prompts[i], GREEDY, f"t{i}") for i in range(half, 6, 2)))
+
+        results[half] = run(main())
+
+    threads = [threading.Thread(target=caller, args=(half,)) for half in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    engine.shutdown()
+    for half in (0, 1):
+        for i, outputs in zip(range(half, 6, 2), results[half]):
+            check_stream(outputs, reference[i], f"t{i}")
+
+
+def test_abort_before_the_first_output(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Added and aborted between the same two steps: the last output is the only one, every child empty."""
+    step, held, go = llm.step, threading.Event(), threading.Event()
+
+    def held_step() -> list[RequestOutput]:
+        held.set()
+        go.wait(10)  # the engine thread waits here while the request is added and aborted
+        return step()
+
+    monkeypatch.setattr(llm, "step", held_step)
+    params = SamplingParams(n=2, max_tokens=4)
+
+    async def main() -> list[RequestOutput]:
+        async with AsyncLLM.from_llm(llm) as engine:
+            keep_busy = asyncio.create_task(collect(engine, "Hello", GREEDY, "busy"))
+            while not held.is_set():  # its step is held
+                await asyncio.sleep(0.002)
+            early = asyncio.create_task(collect(engine, {"prompt_token_ids": [4, 5]}, params, "early"))
+            aborted = asyncio.create_task(engine.abort("early"))
+            await asyncio.sleep(0.05)  # both handed over
+            go.set()
+            assert await aborted is True
+            await keep_busy
+            return await early
+
+    [last] = run(main())
+    assert last.finished and last.request_id == "early" and last.prompt_token_ids == [4, 5]
+    assert [(c.index, c.token_ids, c.finish_reason) for c in last.outputs] == [(0, [], "abort"), (1, [], "abort")]
