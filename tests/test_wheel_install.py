@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.readme_snippets import python_script, readme_snippets
+
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # a fresh venv and a build: minutes
 INSTALL_TORCH = REPO / ".ci" / "install-torch"  # the CPU build without a GPU, as .ci/setup installs it
@@ -85,24 +87,33 @@ def test_wheel_contents(dist: Path) -> None:
     assert "License-Expression: Apache-2.0" in metadata
 
 
-@pytest.fixture
-def venv(tmp_path: Path) -> Iterator[Path]:
-    """A fresh virtual environment, removed afterwards: it is the largest thing the suite writes."""
-    free_gib = shutil.disk_usage(tmp_path).free / 2**30
+@pytest.fixture(scope="module")
+def venv(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A fresh virtual environment with the wheel installed as a student installs it, `pip install
+    "pagedkv[notebooks]"` (no triton extra, no `ipykernel install`), after a CPU torch where no GPU is
+    visible; shared by this module's tests, removed afterwards: it is the largest thing the suite writes."""
+    folder = tmp_path_factory.mktemp("wheel-venv")
+    free_gib = shutil.disk_usage(folder).free / 2**30
     if free_gib < VENV_GIB:
-        pytest.skip(f"{free_gib:.1f} GiB free under {tmp_path}; a fresh venv with torch needs about {VENV_GIB} GiB")
-    yield tmp_path / "venv"
-    shutil.rmtree(tmp_path / "venv", ignore_errors=True)
-
-
-def test_installed_wheel_runs_the_engine_and_the_workbook(dist: Path, venv: Path, tmp_path: Path) -> None:
-    """What a student types: `pip install "pagedkv[notebooks]"` (no triton extra, no `ipykernel install`),
-    then `pagedkv workbook`, by its path, from an empty folder (the venv not activated)."""
-    _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)
+        pytest.skip(f"{free_gib:.1f} GiB free under {folder}; a fresh venv with torch needs about {VENV_GIB} GiB")
+    venv = folder / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], cwd=folder)
     python = str(venv / "bin" / "python")
-    wheel = next(dist.glob("*.whl"))
-    _run(["bash", str(INSTALL_TORCH), python], cwd=tmp_path)
-    _run([python, "-m", "pip", "install", "-q", f"{wheel}[notebooks]"], cwd=tmp_path)
+    _run(["bash", str(INSTALL_TORCH), python], cwd=folder)
+    _run([python, "-m", "pip", "install", "-q", f"{next(dist.glob('*.whl'))}[notebooks]"], cwd=folder)
+    yield venv
+    shutil.rmtree(venv, ignore_errors=True)
+
+
+def _student_env() -> dict[str, str]:
+    """The environment of a student's shell: nothing of this test run's (no PYTHONPATH into the clone)."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET", "DISPLAY")}
+
+
+def test_installed_wheel_runs_the_engine_and_the_workbook(venv: Path, tmp_path: Path) -> None:
+    """What a student types after the install: Python, then `pagedkv workbook`, by its path, from an
+    empty folder (the venv not activated)."""
+    python = str(venv / "bin" / "python")
     # The notebooks extra brought triton (where it has wheels: Linux x86_64 / aarch64), and kept the CPU torch.
     versions = (
         "import importlib.metadata as m, platform, torch\n"
@@ -116,7 +127,7 @@ def test_installed_wheel_runs_the_engine_and_the_workbook(dist: Path, venv: Path
 
     student = tmp_path / "my-project"  # an empty folder outside the repository
     student.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET", "DISPLAY")}
+    env = _student_env()
     code = (
         "import importlib.util, pagedkv\n"
         "from pagedkv import LLM, SamplingParams\n"
@@ -159,3 +170,32 @@ def test_installed_wheel_runs_the_engine_and_the_workbook(dist: Path, venv: Path
     assert all(c["execution_count"] for c in cells), f"{EXECUTED_NOTEBOOK}: not every code cell ran"
     errors = [o for c in cells for o in c["outputs"] if o["output_type"] == "error"]
     assert not errors, f"{EXECUTED_NOTEBOOK}: {errors[0]['ename']}: {errors[0]['evalue']}"
+
+
+def test_every_readme_snippet_runs_from_the_installed_wheel(venv: Path, tmp_path: Path) -> None:
+    """The README's python blocks (in order, as one script) and bash blocks (each under `bash -e`, with
+    the venv's bin first on PATH: activated), run from an empty folder outside the repository. Blocks
+    marked `<!-- skip-test: REASON -->` are left out (tests/readme_snippets.py has the convention)."""
+    snippets = readme_snippets()
+    student = tmp_path / "readme-reader"
+    student.mkdir()
+    env = {**_student_env(), "PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '')}", "VIRTUAL_ENV": str(venv)}
+    script = student / "readme.py"
+    script.write_text(python_script(snippets))
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), str(script)], cwd=student, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, f"the README's python blocks failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    for s in snippets:
+        if s.language != "bash" or s.skip is not None:
+            continue
+        done = subprocess.run(
+            ["bash", "-e", "-c", s.code], cwd=student, env=env, capture_output=True, text=True, timeout=900
+        )
+        assert done.returncode == s.exit_code, (
+            f"README.md line {s.line}: exit {done.returncode}, not {s.exit_code}:\n{s.code}\n"
+            f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+        )
+        assert "pagedkv: error" not in done.stderr, f"README.md line {s.line}:\n{done.stderr[-2000:]}"
+    skipped = [f"line {s.line}: {s.skip}" for s in snippets if s.skip is not None]
+    print("README blocks not run:", *skipped, sep="\n  ")
