@@ -62,3 +62,19 @@ def test_serve_without_the_extra_names_it() -> None:
     assert done.stderr.strip() == (
         "pagedkv: error: pagedkv serve needs fastapi, which is not installed: pip install 'pagedkv[serve]'"
     )
+
+
+@pytest.mark.slow
+def test_serve_on_a_taken_port_says_so() -> None:
+    needs_server_packages()
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "pagedkv", "serve", MODEL, "--port", str(port), "--device", "cpu"]
+        done = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=120)
+    assert done.returncode == 3  # uvicorn's start-up failure
+    assert "address already in use" in done.stderr and "Traceback" not in done.stderr
+    assert "serving" not in done.stdout  # no line announcing a server that never listened

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import reprlib
+import socket
 from typing import Any
 
 import uvicorn
@@ -115,6 +116,19 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None) -> FastAPI
     return app
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, which says where it listens once it does (not before: the port may be taken)."""
+
+    def __init__(self, config: uvicorn.Config, announcement: str) -> None:
+        super().__init__(config)
+        self.announcement = announcement
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(self.announcement, flush=True)
+
+
 def run_server(
     model: str,
     engine_args: dict[str, Any],
@@ -131,11 +145,10 @@ def run_server(
         app = build_app(engine, served_model_name)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-        print(
+        announcement = (
             f"pagedkv: serving {served_model_name or model!r} at {url}/v1 (OpenAI API: /v1/completions, "
-            f"/v1/chat/completions, /v1/models; {url}/health, {url}/metrics). Ctrl-C stops.",
-            flush=True,
+            f"/v1/chat/completions, /v1/models; {url}/health, {url}/metrics). Ctrl-C stops."
         )
-        uvicorn.Server(config).run()
+        _Server(config, announcement).run()
     finally:
         engine.shutdown()
