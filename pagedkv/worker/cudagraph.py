@@ -37,7 +37,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from pagedkv.compilation import resolve_cudagraph_mode
-from pagedkv.compilation.backend import CompiledPiece
+from pagedkv.compilation.backend import CompiledPiece, PieceWrapper
 from pagedkv.compilation.resolve import Resolution, resolve_explained
 from pagedkv.compilation.wrapper import attention_compiled_piecewise
 from pagedkv.config import CUDAGraphMode, EngineConfig
@@ -362,7 +362,7 @@ class CUDAGraphWrapper:
         return self.graphs[descriptor].replay()
 
 
-def piece_wrapper(memory: GraphMemory) -> Callable[[CompiledPiece], CUDAGraphWrapper]:
+def piece_wrapper(memory: GraphMemory) -> PieceWrapper:
     """The `wrap_piece` hook of `compile_model`: a PIECEWISE graph wrapper per compiled piece."""
 
     def wrap(piece: CompiledPiece) -> CUDAGraphWrapper:
