@@ -37,7 +37,7 @@ from pagedkv.engine.detokenizer import IncrementalDetokenizer, detokenize_batch
 from pagedkv.engine.events import EngineStats, StepEvent, StepListener
 from pagedkv.engine.rejection_sampler import RejectionSampler
 from pagedkv.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from pagedkv.engine.sampler import Sampler, SamplerOutput, row_sampling_params
+from pagedkv.engine.sampler import Sampler, SamplerOutput, check_vocabulary, row_sampling_params
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.interrupts import deferred_interrupts
 from pagedkv.kv_cache.manager import KVCacheManager
@@ -278,6 +278,7 @@ class LLM:
         params = replace(params)
         token_ids = check_prompt(prompt, self.tokenizer, self.config.model_config.model, self.model_config.vocab_size)
         self.scheduler.check_request(len(token_ids), params.max_tokens)
+        check_vocabulary(params, self.model_config.vocab_size)
         return token_ids, prompt if isinstance(prompt, str) else None, params
 
     def _add(self, token_ids: list[int], text: str | None, params: SamplingParams) -> str:
@@ -294,8 +295,8 @@ class LLM:
             prompt=text,
             detokenizer=detokenizer,
             sampling_seed=seed,
-            row_sampling=row_sampling_params(params, seed, self.model_config.vocab_size),
         )
+        request.row_sampling = row_sampling_params(request, self.model_config.vocab_size)
         with deferred_interrupts():  # in both books or in neither; a number is used only once it is in them
             self.scheduler.add_request(request)
             self._requests[request.request_id] = request

@@ -11,8 +11,11 @@ rows the inverse CDF of p_j at the uniform hashed from (the request's seed, the 
 Every emitted token is t at its position, the token the Sampler would have drawn there without drafts:
 so a seeded request's tokens are the same with or without drafts, whatever the proposer, the token
 budget or preemption did to how many drafts it got, and the output is exactly the target's
-distribution for any proposer. For greedy rows this is the usual rule (drafts kept while equal to the
-argmax; vLLM's vllm/v1/sample/rejection_sampler.py, unchanged here).
+distribution for any proposer. Penalties, logit_bias and min_tokens are part of each row's draw (the
+Sampler applies them, pagedkv/engine/logits_processors.py): row j counts the tokens before its own
+position, its request's drafts up to there included, which are its true history whenever its token is
+emitted (every draft before it was kept). For greedy rows this is the usual rule (drafts kept while
+equal to the argmax; vLLM's vllm/v1/sample/rejection_sampler.py, unchanged here).
 
 Why exact match rather than the rejection rule (keep x with probability min(1, p(x) / q(x)), on a
 rejection draw from norm(max(0, p - q))) that vLLM's v1 RejectionSampler implements: with a

@@ -6,7 +6,8 @@ so the work is a handful of batched kernels however many requests there are, and
 device (the host reads the tokens later, through `SamplerOutput.to_host` / `rows`, which is what lets
 async scheduling run ahead).
 
-    logits [rows, vocab] --argmax-------------------------------------------------> greedy rows
+    logits [rows, vocab] -> logit bias, min_tokens, penalties (pagedkv/engine/logits_processors.py)
+                         --argmax-------------------------------------------------> greedy rows
                          --/ temperature -> min-p -> top-k -> top-p -> weights w
                            -> u = hash(seed, position) in [0, 1): first column with
                               cumsum(w) > u * sum(w) (the inverse CDF) ---------------> random rows
@@ -43,9 +44,10 @@ import numpy as np
 import torch
 
 from pagedkv import batch_invariant
-from pagedkv.engine.request import SamplingParams
+from pagedkv.engine.logits_processors import apply_logits_processors
+from pagedkv.engine.request import Request, SamplingParams
 from pagedkv.worker.sampling_metadata import TARGET_SALT, SamplingMetadata, seed_as_int64, uniform_noise
-from pagedkv.worker.states import RowSamplingParams, to_device
+from pagedkv.worker.states import RequestStates, RowSamplingParams, to_device
 
 
 @dataclass
@@ -118,17 +120,41 @@ class SamplerOutput:
         return out
 
 
-def row_sampling_params(params: SamplingParams, seed: int, vocab_size: int) -> RowSamplingParams:
+def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
+    """Refuse token ids the model has no logit for (a logit_bias key, a stop token id): checked when a
+    request is added, so that it never reaches an index on the device."""
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+        bad = sorted(t for t in ids if t >= vocab_size)
+        if bad:
+            raise ValueError(
+                f"{name} names token id {bad[0]}, but the model's vocabulary has {vocab_size} tokens "
+                f"(ids 0 to {vocab_size - 1})."
+            )
+
+
+def row_sampling_params(request: Request, vocab_size: int) -> RowSamplingParams:
     """A request's parameters as its row in the runner holds them: a greedy request's temperature as
-    0.0, a top-k of the vocabulary or more as 0 (none), the seed as an int64."""
-    return RowSamplingParams(
+    0.0, a top-k of the vocabulary or more as 0 (none), the seed as an int64; min_tokens' stop ids
+    (its end-of-sequence ids unless it ignores them, and its stop token ids); with a penalty, a
+    reference to its token list (`RowSamplingParams.token_ids`)."""
+    params = request.sampling_params
+    stop_ids = [] if params.ignore_eos else list(request.eos_token_ids)
+    row = RowSamplingParams(
         temperature=0.0 if params.greedy else params.temperature,
         top_k=params.top_k if 0 < params.top_k < vocab_size else 0,
         top_p=params.top_p,
         min_p=params.min_p,
-        seed=seed_as_int64(seed),
+        seed=seed_as_int64(request.sampling_seed),
         num_logprobs=-1 if params.logprobs is None else params.logprobs,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        num_prompt_tokens=request.num_prompt_tokens,
+        logit_bias=tuple((params.logit_bias or {}).items()),
+        min_tokens=params.min_tokens,
+        min_tokens_stop_ids=tuple(dict.fromkeys([*stop_ids, *params.stop_token_ids])),
     )
+    return dataclasses.replace(row, token_ids=request.all_token_ids) if row.penalized else row
 
 
 def sampling_metadata(
@@ -137,22 +163,30 @@ def sampling_metadata(
     positions: list[int] | torch.Tensor,
     vocab_size: int,
     device: torch.device | str,
+    histories: list[tuple[list[int], list[int]]] | None = None,
+    eos_token_ids: list[int] | None = None,
 ) -> SamplingMetadata:
     """A `SamplingMetadata` from host values, one entry per logits row: each row's parameters, its
-    request's seed, and the position of the token it draws (a list, or a tensor on the device). What
-    the runner gathers from its request rows in an engine step (`RequestStates.sampling_metadata`),
-    for driving a sampler directly (tests, exercises)."""
-    rows = [row_sampling_params(p, seed, vocab_size) for p, seed in zip(params, seeds)]
-    host = np.array([(r.temperature, r.top_k, r.top_p, r.min_p) for r in rows], dtype=np.float32).reshape(-1, 4).T
+    request's seed, and the position of the token it draws (a list, or a tensor on the device); for
+    penalties, each row's (prompt, output) tokens, those before its position; for min_tokens, the
+    end-of-sequence ids. Made as an engine step makes it, through request rows of its own
+    (`RequestStates.sampling_metadata`), for driving a sampler directly (tests, exercises)."""
+    requests = [
+        Request(str(i), list(prompt), p, eos_token_ids or [], output_token_ids=list(output), sampling_seed=seed)
+        for i, (p, seed, (prompt, output)) in enumerate(zip(params, seeds, histories or [([], [])] * len(params)))
+    ]
+    rows = [row_sampling_params(request, vocab_size) for request in requests]
+    if histories is None and any(row.penalized for row in rows):
+        raise ValueError("A row with a penalty needs its tokens: pass histories=[(prompt, output), ...].")
+    width = max((r.num_tokens for r in requests), default=0) + 1
+    states = RequestStates(len(params), width, [1], torch.device(device))
+    for request, row in zip(requests, rows):
+        states.stage_tokens(states.add(request.request_id, row), 0, request.all_token_ids)
+    states.apply()
     if not isinstance(positions, torch.Tensor):
         positions = torch.tensor(positions, dtype=torch.int64)
-    return SamplingMetadata.from_rows(
-        to_device(np.ascontiguousarray(host), device),
-        host,
-        np.array([r.num_logprobs for r in rows], dtype=np.int64),
-        to_device([r.seed for r in rows], device, torch.int64),
-        positions.to(device, torch.int64, non_blocking=True),
-    )
+    positions = positions.to(device, torch.int64, non_blocking=True)
+    return states.sampling_metadata(np.arange(len(params)), positions)
 
 
 def argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,16 +285,19 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [rows, vocab], `meta` one entry per row -> each row's next token."""
         logits = logits.float()
+        # Bias, min_tokens, penalties: every row draws from (greedy rows: the argmax of) these.
+        processed = apply_logits_processors(logits, meta)
         if meta.all_greedy:
-            tokens, failed = argmax_rows(logits)
+            tokens, failed = argmax_rows(processed)
         else:
             # A row fails when it holds a NaN (amax is NaN) or is all -inf: as `argmax_rows` says it.
-            row_max = logits.amax(dim=-1, keepdim=True)
+            row_max = processed.amax(dim=-1, keepdim=True)
             failed = row_max[:, 0].isnan() | (row_max[:, 0] == float("-inf"))
-            tokens = self.draw(logits, row_max, meta)
+            tokens = self.draw(processed, row_max, meta)
             if not meta.all_random:  # greedy rows: the argmax, bit for bit as without random rows
-                tokens = torch.where(meta.temperature == 0, logits.argmax(dim=-1), tokens)
+                tokens = torch.where(meta.temperature == 0, processed.argmax(dim=-1), tokens)
         output = SamplerOutput(tokens.masked_fill(failed, 0), failed)
+        # The logprobs are the model's own distribution's, before any of the above (vLLM's raw_logprobs).
         return with_logprobs(output, logits, meta.max_num_logprobs, self.batch_invariant)
 
     def draw(self, logits: torch.Tensor, row_max: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

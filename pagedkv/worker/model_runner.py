@@ -302,7 +302,7 @@ class ModelRunner:
                         )
                     row = row_of.get(s.req_id)
                     if row is None:
-                        row = states.add(s.req_id, s.sampling)
+                        row = states.add(s.req_id, s.sampling, s.num_computed_tokens)
                         added.append(s.req_id)
                     if PLACEHOLDER_TOKEN_ID not in s.token_ids:
                         stage_tokens(row * width + s.num_computed_tokens, s.token_ids)
@@ -464,7 +464,7 @@ class ModelRunner:
         with phase_range("sample"):
             samples = schedule.samples  # a request's 1 + k logits rows all read its row
             rows = np.repeat(schedule.rows[samples], 1 + schedule.num_draft_tokens[samples])
-            sampling = self.states.sampling_metadata(rows, batch.positions[batch.logits_indices] + 1)
+            sampling = self.states.sampling_metadata(rows, batch.positions[batch.logits_indices] + 1, batch.max_seq_len)
         return StepResult(batch, attn_metadata, slot_mapping, descriptor, logits, mode, draft_token_ids, sampling)
 
     def _draft_forward(self, schedule: StepSchedule) -> torch.Tensor:

@@ -43,6 +43,45 @@ _MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
 
 
 @dataclass
+class PenaltyInputs:
+    """What presence, frequency and repetition penalties need of the logits rows that have one: each
+    row's tokens by position, of which those before the position it draws count (the prompt's for the
+    repetition penalty, the output's for all three)."""
+
+    rows: torch.Tensor
+    """[m] int64: the logits rows with a penalty (the others are left untouched, bit for bit)."""
+    token_ids: torch.Tensor
+    """[m, width] int32: each row's request's token at each position (past `positions`: anything)."""
+    positions: torch.Tensor
+    """[m] int64: the position each row draws: its tokens are those at the positions before it."""
+    num_prompt_tokens: torch.Tensor
+    """[m] int64: where each row's output starts."""
+    presence: torch.Tensor
+    """[m] float32: presence penalty (0: none)."""
+    frequency: torch.Tensor
+    """[m] float32: frequency penalty (0: none)."""
+    repetition: torch.Tensor
+    """[m] float32: repetition penalty (1: none)."""
+
+
+@dataclass
+class LogitAdjustments:
+    """Sparse additions to the logits, one entry each: a logit bias, or -inf on a stop token id while
+    the output is shorter than min_tokens. Entry e adds values[e] to logits[rows[e], token_ids[e]] when
+    the row draws a position below until[e]."""
+
+    rows: torch.Tensor
+    """[n] int64: the logits row of each entry."""
+    token_ids: torch.Tensor
+    """[n] int64."""
+    values: torch.Tensor
+    """[n] float32."""
+    until: torch.Tensor
+    """[n] int64: the entry holds while its row draws a position below this (min_tokens: the prompt's
+    length + min_tokens; a bias: always)."""
+
+
+@dataclass
 class SamplingMetadata:
     """A step's sampling parameters as tensors, one entry per logits row, plus host-side summaries that
     let the sampler choose its kernels without reading the device.
@@ -78,6 +117,10 @@ class SamplingMetadata:
     """Some sampled row has min_p > 0."""
     max_num_logprobs: int | None
     """The most logprobs a row asks for; None when no row asks for any."""
+    penalties: PenaltyInputs | None = None
+    """None when no row has a presence, frequency or repetition penalty: no count is taken."""
+    adjustments: LogitAdjustments | None = None
+    """None when no row has a logit bias or min_tokens: nothing is added."""
 
     @classmethod
     def from_rows(
