@@ -326,8 +326,8 @@ def check_kv_cache_scales(value: object, kv_cache_dtype: torch.dtype) -> dict[st
             isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in pair
         ):
             raise ValueError(
-                f"kv_cache_scales[{name!r}] = {pair!r}: give a layer name and two finite floats > 0 "
-                f"(k_scale, v_scale), e.g. {example}."
+                f"kv_cache_scales[{name!r}] = {pair!r}: give a layer name and two positive floats (k_scale, "
+                f"v_scale), finite (an inf or NaN scale makes every request's logits NaN), e.g. {example}."
             )
         scales[name] = (float(pair[0]), float(pair[1]))
     return scales

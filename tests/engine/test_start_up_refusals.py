@@ -25,7 +25,9 @@ def test_kv_cache_scales_must_be_finite_and_positive(scale: float, which: int) -
     pair = (scale, 0.5) if which == 0 else (0.5, scale)
     with pytest.raises(
         ValueError,
-        match=re.escape(f"kv_cache_scales[{LAYER!r}] = {pair!r}: give a layer name and two finite floats > 0"),
+        match=re.escape(
+            f"kv_cache_scales[{LAYER!r}] = {pair!r}: give a layer name and two positive floats (k_scale, v_scale), finite"
+        ),
     ):
         LLM("tiny", device="cpu", kv_cache_dtype="fp8", kv_cache_scales={LAYER: pair}, num_kv_blocks=16)
 
