@@ -285,7 +285,7 @@ def test_step_failure_fails_every_pending_request(llm: LLM, monkeypatch: pytest.
         )
         for error in results:
             assert isinstance(error, EngineDeadError), error
-            assert "RuntimeError: boom in the forward" in str(error)
+            assert "stopped on RuntimeError: boom in the forward" in str(error)
             assert isinstance(error.__cause__, RuntimeError)
         assert not engine.is_running and not engine.stats.alive
         with pytest.raises(EngineDeadError, match="boom in the forward"):
