@@ -76,6 +76,11 @@ class RowSamplingParams:
     KV cache holds already (a prefix-cache hit), which no schedule sends but its penalties count. The
     engine's own growing list, read only up to the cached count; empty for a request without penalties."""
 
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled (sent to the worker ranks of tensor parallelism with every step's schedule) without
+        `token_ids`: only rank 0 samples, and the list would be the whole sequence, every step."""
+        return {**self.__dict__, "token_ids": ()}
+
     @property
     def penalized(self) -> bool:
         """Whether a penalty counts the row's tokens (the sampler then gathers its history)."""

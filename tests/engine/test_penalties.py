@@ -265,3 +265,21 @@ def test_speculative_decoding_and_a_prefix_cache_hit_give_the_tokens_of_a_plain_
         assert [o.outputs[0].token_ids for o in cached.generate(prompts, params)] == plain
     assert cached.stats.num_cached_tokens >= 8
     assert check.rows_checked > 0
+
+
+def test_tensor_parallel_ranks_get_no_token_history_and_sample_the_same() -> None:
+    """Under TP=2 rank 0 samples (the workers get each step's parameters pickled, without the token
+    list): the penalized tokens of one rank, a prefix-cache hit included."""
+    import pickle
+
+    from pagedkv.engine.request import Request
+    from pagedkv.engine.sampler import row_sampling_params
+
+    row = row_sampling_params(Request("r", [1, 2, 3], PENALIZED[0], [7]), V)
+    assert list(row.token_ids) == [1, 2, 3] and pickle.loads(pickle.dumps(row)) == row
+    assert pickle.loads(pickle.dumps(row)).token_ids == ()
+    prompts, params = [PROMPTS[0], PROMPTS[1]], [PENALIZED[0], PENALIZED[1]]
+    plain = [o.outputs[0].token_ids for o in engine(num_kv_blocks=48).generate(prompts, params)]
+    with engine(num_kv_blocks=48, tensor_parallel_size=2, enable_prefix_caching=True) as llm:
+        for _ in range(2):
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
