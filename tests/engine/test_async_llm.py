@@ -17,6 +17,7 @@ import pytest
 
 from pagedkv import LLM, AsyncLLM, CompletionOutput, RequestOutput, SamplingParams, StepEvent
 from pagedkv.engine.async_llm import EngineSnapshot, fold_output
+from pagedkv.engine.request import Request
 from pagedkv.worker.tp_executor import EngineDeadError
 from tests.engine.test_engine_api import assert_idle
 
@@ -263,6 +264,36 @@ def test_request_that_fails_in_the_engine_ends_with_error(llm: LLM, monkeypatch:
             check_stream(await collect(engine, "Hello", GREEDY, "again"), reference, "again")
 
     run(main())
+
+
+def test_request_failing_in_a_step_ends_with_error_and_the_loop_goes_on(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    poison = [9, 9, 9]
+    reference = llm.generate(["Hello", {"prompt_token_ids": poison}], GREEDY, use_tqdm=False)
+    check_stop = Request.check_stop
+
+    def failing(request: Request, max_model_len: int) -> bool:  # while its third token is booked
+        if request.prompt_token_ids == poison and len(request.output_token_ids) == 3:
+            raise RuntimeError("booking failed")
+        return check_stop(request, max_model_len)
+
+    monkeypatch.setattr(Request, "check_stop", failing)
+
+    async def main() -> tuple[list[RequestOutput], list[RequestOutput]]:
+        async with AsyncLLM.from_llm(llm) as engine:
+            results = await asyncio.gather(
+                collect(engine, "Hello", GREEDY, "h"), collect(engine, {"prompt_token_ids": poison}, GREEDY, "p")
+            )
+            assert engine.is_running
+            check_stream(await collect(engine, "Hello", GREEDY, "again"), reference[0], "again")
+            return results
+
+    ok, failed = run(main())
+    check_stream(ok, reference[0], "h")
+    last = failed[-1]
+    assert last.finished and last.outputs[0].finish_reason == "error" and "booking failed" in (last.error or "")
+    assert last.outputs[0].token_ids == reference[1].outputs[0].token_ids[:3]  # its tokens booked before it
 
 
 def test_step_failure_fails_every_pending_request(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
