@@ -9,8 +9,8 @@ and how many tokens each; its inputs are gathered from the rows on the device
     row r    token_ids[r, p]         token at position p: prompt, outputs, drafts
              block_tables[g][r, c]   per KV cache group, its c-th physical block (0 = the null block)
              sampling[:, r]          temperature, top-k, top-p, min-p, presence, frequency and
-                                     repetition penalties (+ seeds[r], num_prompt_tokens[r]): device
-                                     copies the sampler gathers, host copies for its summaries
+                                     repetition penalties, prompt length (+ seeds[r]): device copies
+                                     the sampler gathers, host copies for its summaries
              adjustments[r]          (host) its logit_bias and min_tokens entries: (token, value, until)
     row R    (one past the last)     all zeros, never owned: what a graph's padding requests read
 
@@ -140,12 +140,11 @@ class RequestStates:
         """The row padding requests read: zeros everywhere, never owned."""
         self.token_ids = torch.zeros(rows, max_model_len, dtype=torch.int32, device=device)
         self.block_tables = [torch.zeros(rows, width, dtype=torch.int32, device=device) for width in max_blocks]
-        self.sampling = torch.zeros(7, rows, dtype=torch.float32, device=device)
-        """Per row: temperature, top-k, top-p, min-p, presence, frequency and repetition penalties
-        (top-k < 2**24, exact in float32)."""
+        self.sampling = torch.zeros(8, rows, dtype=torch.float32, device=device)
+        """Per row: temperature, top-k, top-p, min-p, presence, frequency and repetition penalties, and
+        the prompt's length (top-k and lengths < 2**24, exact in float32): one copy when rows are admitted."""
         self.seeds = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.num_prompt_tokens = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.sampling_host = np.zeros((7, rows), dtype=np.float32)
+        self.sampling_host = np.zeros((8, rows), dtype=np.float32)
         self.num_logprobs = np.full(rows, -1, dtype=np.int64)
         self.penalized = np.zeros(rows, dtype=bool)
         """Per row (host): a penalty counts its tokens."""
@@ -163,8 +162,7 @@ class RequestStates:
         """Token ids at flat positions row * max_model_len + position."""
         self._block_writes = [StagedWrites(t) for t in self.block_tables]
         self._seed_writes = StagedWrites(self.seeds)
-        self._prompt_writes = StagedWrites(self.num_prompt_tokens)
-        self._writes = [self.token_writes, *self._block_writes, self._seed_writes, self._prompt_writes]
+        self._writes = [self.token_writes, *self._block_writes, self._seed_writes]
         self._admitted: list[int] = []
         """Rows added since the last `apply`: their sampling parameters go over with it."""
         self._pending_rows: list[tuple[int, int, list[int]]] = []
@@ -192,14 +190,14 @@ class RequestStates:
         self.row_of[req_id] = row
         p = params
         self.sampling_host[:, row] = (
-            p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+            p.temperature, p.top_k, p.top_p, p.min_p,
+            p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.num_prompt_tokens,
         )  # fmt: skip
         self.num_logprobs[row] = p.num_logprobs
         self.penalized[row] = p.penalized
         self.adjusted[row] = bool(p.logit_bias) or bool(p.min_tokens and p.min_tokens_stop_ids)
         self.adjustments[row] = p.adjustments() if self.adjusted[row] else _NO_ADJUSTMENTS
         self._seed_writes.stage(row, [p.seed])
-        self._prompt_writes.stage(row, [p.num_prompt_tokens])
         if p.penalized and num_cached_tokens:
             self.stage_tokens(row, 0, list(p.token_ids[:num_cached_tokens]))
         self._admitted.append(row)
@@ -300,7 +298,7 @@ class RequestStates:
             rows=which,
             token_ids=self.token_ids[rows, :width],
             positions=positions[which],
-            num_prompt_tokens=self.num_prompt_tokens[rows],
+            num_prompt_tokens=self.sampling[7, rows].long(),
             presence=self.sampling[4, rows],
             frequency=self.sampling[5, rows],
             repetition=self.sampling[6, rows],
