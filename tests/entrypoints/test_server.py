@@ -194,6 +194,17 @@ def test_bad_completion_requests(client: openai.OpenAI, request_body: dict, para
         assert param in error["message"].lower() and "Traceback" not in error["message"]
 
 
+def test_prompt_that_is_not_utf8(server: Server) -> None:
+    # JSON may escape a lone surrogate, which no UTF-8 tokenizer can encode (the openai client cannot
+    # even send it: the body is written by hand).
+    body = b'{"prompt": "def \\ud800", "max_tokens": 2}'
+    response = httpx.post(
+        f"{server.base_url}/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "prompt" and "UTF-8" in response.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("request_body", "param"),
     [

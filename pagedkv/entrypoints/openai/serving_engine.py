@@ -138,7 +138,10 @@ class OpenAIServing:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt is empty.", "prompt")
-            return self.tokenizer.encode(prompt)
+            try:
+                return self.tokenizer.encode(prompt)
+            except UnicodeError as error:  # a lone surrogate ("\ud800" in the JSON): not UTF-8 text
+                raise RequestError(f"The prompt cannot be encoded as UTF-8: {error}.", "prompt") from None
         if not prompt:
             raise RequestError("prompt is an empty list of token ids.", "prompt")
         return list(prompt)
