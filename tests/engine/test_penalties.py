@@ -245,26 +245,42 @@ def test_min_tokens_holds_back_an_end_of_sequence_that_comes_first() -> None:
         assert ref[token] >= ref.max() - 1e-3
 
 
-def test_speculative_decoding_and_a_prefix_cache_hit_give_the_tokens_of_a_plain_run() -> None:
-    """n-gram drafts (kept iff they equal the token drawn at their position) and a second run of the
-    same prompts, now read from the prefix cache: the penalized tokens of a plain engine, greedy and
-    seeded alike."""
-    seeded = replace(GREEDY, temperature=0.9, seed=5, presence_penalty=1.0, repetition_penalty=1.3)
-    params = [PENALIZED[0], seeded, PENALIZED[1]]
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1]]
-    plain = [
-        o.outputs[0].token_ids for o in engine(num_kv_blocks=48, enable_prefix_caching=False).generate(prompts, params)
-    ]
-    spec = engine(num_kv_blocks=48, speculative_config=NGRAM, enable_prefix_caching=False)
-    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == plain
-    assert spec.stats.num_draft_tokens > 0 and spec.stats.num_accepted_tokens > 0
-    cached = engine(num_kv_blocks=48, enable_prefix_caching=True)
-    check = HistoryCheck(cached)
-    cached.generate([{"prompt_token_ids": [2, 2, 2, 2, 2, 2, 2, 2, 2]}], GREEDY)  # the rows hold other tokens now
-    for _ in range(2):  # the second time, each prompt's full blocks come from the cache
-        assert [o.outputs[0].token_ids for o in cached.generate(prompts, params)] == plain
-    assert cached.stats.num_cached_tokens >= 8
-    assert check.rows_checked > 0
+SEEDED = replace(GREEDY, temperature=0.9, seed=5, presence_penalty=1.0, repetition_penalty=1.3)
+MIXED = ([PROMPTS[0], PROMPTS[1], PROMPTS[1]], [PENALIZED[0], SEEDED, PENALIZED[1]])
+"""Greedy and seeded penalized requests: their tokens must not depend on how the engine runs them."""
+
+
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    llm = engine(num_kv_blocks=48, enable_prefix_caching=False)
+    return [o.outputs[0].token_ids for o in llm.generate(*MIXED)]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"speculative_config": NGRAM},
+        {"speculative_config": {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2}},
+        {"enable_prefix_caching": True},
+        {"enable_prefix_caching": True, "num_kv_blocks": 14, "max_num_batched_tokens": 12},  # preemption, chunks
+    ],
+    ids=["ngram", "draft-model", "prefix-cache-hit", "preempted"],
+)
+def test_the_tokens_of_a_plain_run(config: dict[str, Any], plain: list[list[int]]) -> None:
+    """Drafts (n-gram on the host, a draft model's on the device; kept iff they equal the token drawn
+    at their position), a second run read from the prefix cache, preemption and chunked prefill: the
+    penalized tokens of a plain engine, greedy and seeded alike."""
+    llm = engine(**{"num_kv_blocks": 48, "enable_prefix_caching": False, **config})
+    check = HistoryCheck(llm)
+    llm.generate([{"prompt_token_ids": [2] * 9}], GREEDY)  # the rows hold other tokens now
+    for _ in range(2):  # the second time, each prompt's full blocks may come from the prefix cache
+        assert [o.outputs[0].token_ids for o in llm.generate(*MIXED)] == plain
+    if "speculative_config" in config:
+        assert llm.stats.num_draft_tokens > llm.stats.num_accepted_tokens > 0
+    else:
+        assert check.rows_checked > 0 and llm.stats.num_cached_tokens >= 8
+    if "num_kv_blocks" in config:
+        assert llm.stats.num_preemptions > 0
 
 
 def test_tensor_parallel_ranks_get_no_token_history_and_sample_the_same() -> None:
