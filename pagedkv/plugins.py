@@ -11,7 +11,6 @@ or module itself, which needs no packaging.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -19,24 +18,25 @@ from types import ModuleType
 
 def load_plugin(spec: str) -> ModuleType:
     """Import `spec`: a Python file (`my_backend.py`, any path) or an importable module name
-    (`my_package.backends`). Its top-level code runs once, as an import's does."""
+    (`my_package.backends`). Its top-level code runs once, as an import's does.
+
+    A file is imported by its name from its folder, which goes first on `sys.path`: so the module
+    has a real name, and the processes of tensor parallelism (which start from this `sys.path`)
+    import it again by that name when they receive its backend class."""
     if spec.endswith(".py") or Path(spec).is_file():
-        path = Path(spec)
+        path = Path(spec).resolve()
         if not path.is_file():
             raise FileNotFoundError(f"--load {spec}: no such file (give a Python file or an importable module name).")
         name = path.stem
-        if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path.resolve()):
-            return sys.modules[name]  # loaded already: running it again would register everything twice
-        module_spec = importlib.util.spec_from_file_location(name, path.resolve())
-        assert module_spec is not None and module_spec.loader is not None  # a .py file always has one
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module  # as an import does (dataclasses and pickling look the module up by name)
-        try:
-            module_spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-        return module
+        loaded = sys.modules.get(name)
+        if loaded is not None and Path(getattr(loaded, "__file__", None) or "").resolve() != path:
+            raise ValueError(
+                f"--load {spec}: a module named {name!r} is already imported from "
+                f"{getattr(loaded, '__file__', None) or 'a built-in'}; rename the file."
+            )
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))
+        return importlib.import_module(name)
     try:
         return importlib.import_module(spec)
     except ModuleNotFoundError as error:

@@ -416,6 +416,8 @@ def plugin_file(tmp_path: Path) -> Iterator[Path]:
     yield path
     unregister_backend("MY_CLI_BACKEND")
     sys.modules.pop("my_cli_backend", None)
+    if str(tmp_path) in sys.path:  # --load put the file's folder there
+        sys.path.remove(str(tmp_path))
 
 
 def test_a_registered_backend_is_chosen_from_the_command_line(
@@ -431,6 +433,29 @@ def test_a_registered_backend_is_chosen_from_the_command_line(
     assert capsys.readouterr().out == reference
     cli(["backends", "--device", "cpu", "--load", str(plugin_file)])
     assert re.search(r"^  MY_CLI_BACKEND +ok$", capsys.readouterr().out, re.MULTILINE)
+
+
+@pytest.mark.slow  # two tensor-parallel engines: 20 s on 2 cores
+def test_a_loaded_backend_reaches_the_tensor_parallel_workers(
+    capsys: pytest.CaptureFixture[str], plugin_file: Path
+) -> None:
+    """The spawned rank imports the file by its name (its folder is on the sys.path it starts from).
+    Before that, the rank failed on `No module named 'my_cli_backend'` and rank 0 timed out waiting."""
+    argv = [
+        *GENERATE[:3],
+        "--prompt-token-ids",
+        "4,5,6",
+        "--max-tokens",
+        "4",
+        "--stream",
+        "--tensor-parallel-size",
+        "2",
+    ]
+    cli([*argv, "--attention-backend", "TORCH_REF"])
+    reference = capsys.readouterr().out
+    assert len(re.findall(r"^\[0\] \d+ ", reference, re.MULTILINE)) == 4, reference
+    cli([*argv, "--load", str(plugin_file), "--attention-backend", "MY_CLI_BACKEND"])
+    assert capsys.readouterr().out == reference
 
 
 @pytest.mark.parametrize(
