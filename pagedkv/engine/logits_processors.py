@@ -13,8 +13,8 @@ which read how often each token occurs before the position the row draws:
 then temperature, min-p, top-k and top-p (pagedkv/engine/sampler.py). The logprobs a request asks for
 stay those of the model's own distribution (vLLM's default, `raw_logprobs`).
 
-The counts are taken afresh every step from the row's tokens on the device (one scatter_add per
-count, over the penalized rows only), where vLLM's Model Runner V2 keeps running bin counts
+The counts are taken afresh every step from the row's tokens on the device (one scatter_add over
+the penalized rows' tokens), where vLLM's Model Runner V2 keeps running bin counts
 (vllm/v1/worker/gpu/sample/penalties.py). Recounting costs a pass over each penalized row's tokens,
 but keeps nothing between steps: a row under speculative decoding counts exactly the tokens before
 its own position (its drafts up to there included), an interrupted step has nothing to restore, and
@@ -40,8 +40,7 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
     if meta.adjustments is not None:
         add_adjustments(logits, meta.adjustments, meta.positions)
     if meta.penalties is not None:
-        p = meta.penalties
-        logits.index_copy_(0, p.rows, apply_penalties(logits.index_select(0, p.rows), p))
+        apply_penalties(logits, meta.penalties)
     return logits
 
 
@@ -53,24 +52,27 @@ def add_adjustments(logits: torch.Tensor, adjustments: LogitAdjustments, positio
     logits.index_put_((a.rows, a.token_ids), values, accumulate=True)
 
 
-def token_counts(p: PenaltyInputs, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[m, vocab] float32 each: how often each token occurs before the position the row draws, in the
-    whole sequence (prompt and output) and in the output only. Counts below 2**24 are exact in float32,
-    whatever order the scatter adds them in."""
+def apply_penalties(logits: torch.Tensor, p: PenaltyInputs) -> None:
+    """In place, on the rows `p` names (vLLM's order: repetition, then frequency, then presence).
+
+    Only the tokens a row holds can change (a repetition penalty applies to every one of them, the
+    others to output tokens, which are among them): so each row's [width] history columns are
+    gathered, penalized and scattered back, and the whole vocabulary is touched once, by the zeros
+    the output counts are added into. A token held at several positions is written as many times,
+    always with the same value. A penalty at its neutral value changes nothing, bit for bit."""
     columns = torch.arange(p.token_ids.shape[1], device=p.token_ids.device)
     before = columns < p.positions[:, None]
     in_output = before & (columns >= p.num_prompt_tokens[:, None])
-    # A column past the row's position holds anything (a rejected draft, the last owner's token):
-    # it is read as token 0 and counted 0 times.
-    token_ids = p.token_ids.long().masked_fill(~before, 0)
-    zeros = torch.zeros(token_ids.shape[0], vocab_size, dtype=torch.float32, device=token_ids.device)
-    return zeros.scatter_add(1, token_ids, before.float()), zeros.scatter_add(1, token_ids, in_output.float())
-
-
-def apply_penalties(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:
-    """[m, vocab] penalized logits of the rows `p` describes (vLLM's order: repetition, then frequency,
-    then presence). A penalty at its neutral value changes nothing, bit for bit: x / 1, x * 1, x - 0."""
-    everywhere, in_output = token_counts(p, logits.shape[1])
+    # A column at or past the row's position holds anything (a rejected draft, the last owner's
+    # token): it stands in for the row's first token instead (a row draws at position 1 or later),
+    # so it changes nothing that the first column does not change the same way.
+    token_ids = p.token_ids.long()
+    token_ids = torch.where(before, token_ids, token_ids[:, :1])
+    zeros = torch.zeros(token_ids.shape[0], logits.shape[1], dtype=torch.float32, device=logits.device)
+    # Counts below 2**24 are exact in float32, whatever order the scatter adds them in.
+    counts = zeros.scatter_add_(1, token_ids, in_output.float()).gather(1, token_ids)
+    where = (p.rows[:, None], token_ids)
+    held = logits[where]
     r = p.repetition[:, None]
-    logits = torch.where(everywhere > 0, torch.where(logits > 0, logits / r, logits * r), logits)
-    return logits - p.frequency[:, None] * in_output - p.presence[:, None] * (in_output > 0)
+    held = torch.where(held > 0, held / r, held * r)
+    logits[where] = held - p.frequency[:, None] * counts - p.presence[:, None] * (counts > 0)
