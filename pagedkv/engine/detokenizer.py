@@ -95,3 +95,23 @@ def detokenize_batch(tokenizer: Tokenizer, items: Sequence[tuple[IncrementalDeto
         detokenizer.update(ids, [next(texts) for _ in request_pieces])
         for (detokenizer, ids), request_pieces in zip(items, pieces)
     ]
+
+
+def find_stop_string(text: str, num_new_chars: int, stop: Sequence[str], include: bool) -> tuple[str, int] | None:
+    """The first `stop` string in the newest `num_new_chars` characters of `text` (a match may begin up to
+    len(stop) - 1 characters earlier, in text searched before), and the length the text is cut to: before
+    the string, or after it with `include`. None when none ends in the new text.
+
+    As vLLM's `check_stop_strings` (vllm/v1/engine/detokenizer.py), only the new text is searched each
+    step, so a request's stop check costs O(new text), not O(output); unlike it, of several strings
+    found in one step's new text the earliest in the text wins, not the first in `stop`."""
+    best: tuple[str, int] | None = None
+    for s in stop:
+        start = max(len(text) - num_new_chars - len(s) + 1, 0)
+        index = text.find(s, start)
+        if index != -1 and (best is None or index < best[1]):
+            best = (s, index)
+    if best is None:
+        return None
+    s, index = best
+    return s, index + len(s) if include else index

@@ -35,9 +35,10 @@ from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.checks import check_prompt
 from pagedkv.engine.detokenizer import IncrementalDetokenizer, detokenize_batch
 from pagedkv.engine.events import EngineStats, StepEvent, StepListener
+from pagedkv.engine.parallel_sampling import ParentRequest, child_params, child_request_id, merge_outputs
 from pagedkv.engine.rejection_sampler import RejectionSampler
 from pagedkv.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from pagedkv.engine.sampler import Sampler, SamplerOutput, check_vocabulary, row_sampling_params
+from pagedkv.engine.sampler import Sampler, SamplerOutput, check_vocabulary, row_sampling_params, with_logprobs
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.interrupts import deferred_interrupts
 from pagedkv.kv_cache.manager import KVCacheManager
@@ -46,9 +47,10 @@ from pagedkv.models.loader import PRESETS, generation_eos_token_ids
 from pagedkv.models.tokenizer import Tokenizer, get_tokenizer
 from pagedkv.ranges import phase_range
 from pagedkv.spec_decode.ngram_proposer import NgramProposer
-from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, SampledTokens
+from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, SampledTokens, ScheduledTokens
 from pagedkv.worker.model_runner import ModelRunner, StepResult
 from pagedkv.worker.sampling_metadata import derive_seed
+from pagedkv.worker.states import to_device
 from pagedkv.worker.tp_executor import EngineDeadError, TensorParallelExecutor
 
 logger = logging.getLogger("pagedkv")
@@ -72,6 +74,9 @@ class _LaunchedStep:
     start: float
     number: int
     """The step's number, counted from the engine's first launch (named in its profiler ranges)."""
+    prompt_logprobs: tuple[list[tuple[Request, int, int]], SamplerOutput] | None = None
+    """With prompt logprobs asked: per request (first position, positions), and their logprobs (its token
+    ids are the prompt tokens that follow each position), on their way to the host."""
 
 
 class LLM:
@@ -163,6 +168,9 @@ class LLM:
         """Requests added so far: the next one's id and arrival number (an unseeded request's seed)."""
         # Unfinished requests only: a record goes when its final output is returned or it is aborted.
         self._requests: dict[str, Request] = {}
+        """By the engine's own id (a child of a prompt with n > 1: f"{index}_{parent id}")."""
+        self._parents: dict[str, ParentRequest] = {}
+        """Prompts with n > 1 that have unfinished children, by the id the caller knows."""
         # Outputs of a step whose listener raised: the step had run, so they are kept, and the
         # next step() returns them first (else a request finishing in that step would be lost).
         self._undelivered: list[RequestOutput] = []
@@ -238,10 +246,32 @@ class LLM:
 
     # ---- requests --------------------------------------------------------------------
 
-    def add_request(self, prompt: Prompt, params: SamplingParams) -> str:
-        """Queue one prompt; returns its request id. Bad input raises and queues nothing."""
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue one prompt; returns its request id: `request_id`, or with None one the engine makes.
+        Bad input (or an id in use by an unfinished request) raises and queues nothing.
+
+        With `params.n` > 1 the prompt runs as n requests (pagedkv/engine/parallel_sampling.py), all
+        streamed under this id: each `RequestOutput` of `step()` holds one of them, its
+        `outputs[0].index` saying which, and `finished` is True on the last output of the last one."""
         with self._lock:
-            return self._add(*self._prepare(prompt, params))
+            if request_id is not None:
+                self._check_unused(request_id, params.n if isinstance(params, SamplingParams) else 1)
+            return self._add(*self._prepare(prompt, params), request_id)
+
+    def _check_unused(self, request_id: object, n: int) -> None:
+        """Refuse a caller's request id that is not a str, or that an unfinished request (or, with n > 1,
+        one of its children) uses already."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str or None (the engine makes one), got {request_id!r}.")
+        if self._in_use(request_id, n):
+            raise ValueError(
+                f"request_id {request_id!r} is in use by an unfinished request: pass another one, or None "
+                "(the engine makes one)."
+            )
+
+    def _in_use(self, request_id: str, n: int) -> bool:
+        ids = [request_id] if n == 1 else [request_id] + [child_request_id(request_id, i) for i in range(n)]
+        return any(i in self._requests or i in self._parents for i in ids)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop an unfinished (waiting or running) request now and free its blocks.
@@ -257,16 +287,25 @@ class LLM:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str (what add_request returned), got {request_id!r}.")
         with self._lock:
-            request = self._requests.get(request_id)
-            if request is None:
-                return False
-            with deferred_interrupts():
+            parent = self._parents.get(request_id)
+            if parent is not None:  # n > 1: every unfinished child
+                requests = [c for c in parent.children if c.request_id in self._requests]
+            else:
+                request = self._requests.get(request_id)
+                # A child's own id is the engine's, never a caller's.
+                requests = [request] if request is not None and request.parent_id is None else []
+            self._abort(requests)
+            return bool(requests)
+
+    def _abort(self, requests: list[Request]) -> None:
+        with deferred_interrupts():
+            for request in requests:
                 self._end(request, "abort")
                 self._forget(request)
-            return True
 
     def has_unfinished_requests(self) -> bool:
-        """Whether `step()` has more to return: requests not finished, or outputs not yet delivered."""
+        """Whether `step()` has more to return: requests not finished (with n > 1, any child), or outputs
+        not yet delivered."""
         return bool(self._undelivered) or self.scheduler.has_unfinished_requests()
 
     def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None, SamplingParams]:
@@ -281,35 +320,55 @@ class LLM:
         check_vocabulary(params, self.model_config.vocab_size)
         return token_ids, prompt if isinstance(prompt, str) else None, params
 
-    def _add(self, token_ids: list[int], text: str | None, params: SamplingParams) -> str:
-        detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        number = self._num_added
-        # An unseeded request draws from a seed hashed from the engine's seed and its arrival number:
-        # two identical requests differ, and the same engine run gives the same tokens again.
-        seed = params.seed if params.seed is not None else derive_seed(self.config.model_config.seed, number)
-        request = Request(
-            str(number),
-            token_ids,
-            params,
-            eos_token_ids=self.eos_token_ids,
-            prompt=text,
-            detokenizer=detokenizer,
-            sampling_seed=seed,
-        )
-        request.row_sampling = row_sampling_params(request, self.model_config.vocab_size)
+    def _add(self, token_ids: list[int], text: str | None, params: SamplingParams, request_id: str | None) -> str:
+        """Queue a checked prompt as one request, or with n > 1 as n children; returns the caller's id."""
+        n = params.n
+        if request_id is None:  # the arrival number, unless a caller took it (then with a suffix)
+            request_id = str(self._num_added)
+            while self._in_use(request_id, n):
+                request_id += "+"
+        requests = []
+        for index in range(n):
+            # An unseeded request draws from a seed hashed from the engine's seed and its arrival number
+            # (each child has its own): two identical requests differ, and the same engine run gives the
+            # same tokens again.
+            number = self._num_added + index
+            p = params if n == 1 else child_params(params, index)
+            seed = p.seed if p.seed is not None else derive_seed(self.config.model_config.seed, number)
+            request = Request(
+                request_id if n == 1 else child_request_id(request_id, index),
+                token_ids,
+                p,
+                eos_token_ids=self.eos_token_ids,
+                prompt=text,
+                detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
+                sampling_seed=seed,
+                parent_id=None if n == 1 else request_id,
+                index=index,
+                prompt_logprobs=[None] if p.prompt_logprobs is not None else [],
+            )
+            request.row_sampling = row_sampling_params(request, self.model_config.vocab_size)
+            requests.append(request)
         with deferred_interrupts():  # in both books or in neither; a number is used only once it is in them
-            self.scheduler.add_request(request)
-            self._requests[request.request_id] = request
-            self._num_added += 1
-        return request.request_id
+            for request in requests:
+                self.scheduler.add_request(request)
+                self._requests[request.request_id] = request
+            if n > 1:
+                self._parents[request_id] = ParentRequest(request_id, requests)
+            self._num_added += n
+        return request_id
 
     def _end(self, request: Request, reason: str, error: BaseException | None = None) -> None:
         """Finish an unfinished request early ("abort", "error"): out of the scheduler, blocks freed."""
         self.scheduler.finish_request(request, reason, error)
 
     def _forget(self, request: Request) -> None:
-        """Drop a finished request's record (the sampler keeps nothing per request)."""
+        """Drop a finished request's record (the sampler keeps nothing per request), and its parent's
+        once no child of it is left."""
         self._requests.pop(request.request_id, None)
+        parent = self._parents.get(request.parent_id) if request.parent_id is not None else None
+        if parent is not None and parent.forget(request):
+            del self._parents[parent.request_id]
 
     # ---- stepping --------------------------------------------------------------------
 
@@ -317,7 +376,9 @@ class LLM:
         """Run one engine step; a `RequestOutput` per request that got a token (or failed) in it.
 
         Outputs are cumulative (all tokens and text so far) with `finished` set on a request's
-        last one, after which the engine forgets the request. With nothing to do, returns [].
+        last one, after which the engine forgets the request. With nothing to do, returns []. A prompt
+        with n > 1 streams one output per child under the prompt's id (`outputs[0].index` says which),
+        `finished` on the last one of the last child; `generate` returns its n completions together.
 
         Async scheduling (`async_scheduling`, on by default on CUDA): before this call waits for
         its step's tokens, it plans and launches the next step, so that the GPU never waits for
@@ -365,9 +426,11 @@ class LLM:
             return self._locked_step(stream)
 
     def _locked_step(self, stream: bool) -> list[RequestOutput]:
-        # Steps launched for requests that all finished meanwhile: nothing in them to book.
+        # Steps launched for requests that all finished meanwhile (or that sample none: prompt chunks):
+        # nothing in them to book but the prompt logprobs they computed.
         while self._launched and all(r.status is RequestStatus.FINISHED for r in self._launched[0].requests):
-            self._launched.popleft()
+            with deferred_interrupts():
+                self._book_prompt_logprobs(self._launched.popleft())
         if not self.scheduler.has_unfinished_requests():
             outputs, self._undelivered = self._undelivered, []
             return outputs
@@ -420,7 +483,8 @@ class LLM:
                 return False
             start = time.perf_counter()
             previous = self._launched[-1].sampled_tokens if self._launched else None
-            result = (self._executor or self.runner).execute_model(sched.runner_input(), previous, sched.freed_req_ids)
+            scheduled = sched.runner_input()
+            result = (self._executor or self.runner).execute_model(scheduled, previous, sched.freed_req_ids)
             requests = [self._requests[r] for r in result.batch.sampling_req_ids]
             req_ids = [r.request_id for r in requests]
             drafts = {s.request.request_id: len(s.draft_token_ids) for s in sched.scheduled}
@@ -435,6 +499,7 @@ class LLM:
                     sampled = self.rejection_sampler(result.logits, meta, num_drafts, result.draft_token_ids)
                 else:
                     sampled = self.sampler(result.logits, meta)
+                prompt_logprobs = self._prompt_logprobs(scheduled, result.prompt_logits)
             with deferred_interrupts():
                 self.scheduler.commit(sched)
                 self._launched.append(
@@ -446,6 +511,7 @@ class LLM:
                         SampledTokens(req_ids, sampled.last_token_ids()),
                         start,
                         number,
+                        prompt_logprobs,
                     )
                 )
                 self._num_launched += 1
@@ -464,6 +530,41 @@ class LLM:
                 )
             raise
 
+    def _prompt_logprobs(
+        self, scheduled: list[ScheduledTokens], logits: torch.Tensor | None
+    ) -> tuple[list[tuple[Request, int, int]], SamplerOutput] | None:
+        """The step's prompt logprobs, on their way to the host: per prompt position asked for, the
+        log-probability of the prompt token after it and of the N most likely tokens there, as the
+        sampler computes its logprobs (float32, of the model's raw distribution: `with_logprobs`)."""
+        if logits is None:
+            return None
+        spans = [(self._requests[s.req_id], s.num_computed_tokens, s.num_prompt_logits) for s in scheduled]
+        spans = [span for span in spans if span[2]]
+        targets = [t for request, first, n in spans for t in request.prompt_token_ids[first + 1 : first + 1 + n]]
+        most = max(request.sampling_params.prompt_logprobs or 0 for request, _, _ in spans)
+        next_tokens = to_device(targets, logits.device, torch.int64)
+        output = SamplerOutput(next_tokens, torch.zeros_like(next_tokens, dtype=torch.bool))
+        return spans, with_logprobs(output, logits.float(), most, self.sampler.batch_invariant).to_host()
+
+    @staticmethod
+    def _book_prompt_logprobs(step: _LaunchedStep) -> None:
+        """Append a step's prompt logprobs to its requests': only positions they have none for yet (a
+        preempted request computes its prompt again)."""
+        if step.prompt_logprobs is None:
+            return
+        spans, output = step.prompt_logprobs
+        if output.ready is not None:
+            output.ready.synchronize()
+        assert output.logprob_token_ids is not None and output.logprobs is not None
+        ids, logprobs = output.logprob_token_ids.tolist(), output.logprobs.tolist()
+        row = 0
+        for request, first, n in spans:
+            width = 1 + (request.sampling_params.prompt_logprobs or 0)
+            for position in range(first, first + n):
+                if position + 1 == len(request.prompt_logprobs):  # the entry of the token after it
+                    request.prompt_logprobs.append(dict(zip(ids[row][:width], logprobs[row][:width])))
+                row += 1
+
     def _book(
         self,
         step: _LaunchedStep,
@@ -480,6 +581,7 @@ class LLM:
         alone with finish_reason "error". What comes after the outputs (the drafts' ids for the
         trace, the counters) concerns no request: if it raises, the outputs are kept for the next
         call."""
+        self._book_prompt_logprobs(step)
         live = [(r, row) for r, row in zip(step.requests, rows) if r.status is not RequestStatus.FINISHED]
         self.scheduler.update(step.sched, {r.request_id: t for r, (t, _) in live if not isinstance(t, Exception)})
         for request, (tokens, logprobs) in live:
@@ -495,8 +597,18 @@ class LLM:
                 logger.warning("Request %s failed while its step was booked: %r", request.request_id, error)
                 self._end(request, "error", error)
         booked = [r for r, _ in live]
-        # Text only for the outputs a caller reads: streamed ones, or generate()'s finished ones.
-        outputs = self._outputs(booked if stream else [r for r in booked if r.status is RequestStatus.FINISHED])
+        # Text only for the outputs a caller reads (streamed ones, or generate()'s finished ones), and for
+        # requests with `stop` strings, searched in their new text every step (vllm/v1/engine/detokenizer.py).
+        watched = [r for r in booked if r.sampling_params.stop and r.finish_reason in (None, "length")]
+        texts = dict(zip([r.request_id for r in watched], self._texts(watched))) if watched else {}
+        for request in watched:
+            if request.finish_reason in (None, "length") and request.check_stop_strings(texts[request.request_id]):
+                if request.status is not RequestStatus.FINISHED:
+                    self._end(request, "stop")
+        shown = booked if stream else [r for r in booked if r.status is RequestStatus.FINISHED]
+        unread = [r for r in shown if r.request_id not in texts]
+        texts.update(zip([r.request_id for r in unread], self._texts(unread)))
+        outputs = [self._streamed(r, r.output(texts[r.request_id])) for r in shown]
         self._undelivered += outputs
         finished = [r for r in booked if r.status is RequestStatus.FINISHED]
         for request in finished:
@@ -545,16 +657,25 @@ class LLM:
             f"and their KV cache blocks freed{later}."
         )
 
+    def _streamed(self, request: Request, output: RequestOutput) -> RequestOutput:
+        """A request's output as step() streams it: a child's (n > 1) is finished only when its prompt is."""
+        parent = self._parents.get(request.parent_id) if request.parent_id is not None else None
+        return output if parent is None else parent.stream(output, request)
+
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
-        """The requests' outputs, their text brought up to date by one batched decode (only the
-        outputs a caller reads are made: streamed ones, or generate()'s finished ones)."""
+        """The requests' outputs, their text brought up to date (`_texts`)."""
+        return [request.output(text) for request, text in zip(requests, self._texts(requests))]
+
+    def _texts(self, requests: list[Request]) -> list[str]:
+        """The requests' output texts, brought up to date by one batched decode (made only where needed:
+        outputs a caller reads, and requests with `stop` strings)."""
         texts = [""] * len(requests)
         if self.tokenizer is not None:
             try:
                 texts = detokenize_batch(self.tokenizer, [(r.detokenizer, r.output_token_ids) for r in requests])
             except Exception:  # whose text raised is not known: each on its own (a detokenizer that
                 texts = [self._text(r) for r in requests]  # settled in the batch gives the same text again)
-        return [request.output(text) for request, text in zip(requests, texts)]
+        return texts
 
     def _text(self, request: Request) -> str:
         """One request's text; if it cannot be made, the request ends with an error (its tokens are
@@ -616,18 +737,21 @@ class LLM:
                 raise (TypeError if isinstance(e, TypeError) else ValueError)(
                     f"prompt {i}: {e} (nothing was queued)"
                 ) from None
-        requests = []
+        per_prompt: list[tuple[str, list[Request]]] = []  # each prompt's id and its requests (n of them)
         try:
             for p in prepared:
-                requests.append(self._requests[self._add(*p)])
+                request_id = self._add(*p, None)
+                parent = self._parents.get(request_id)
+                per_prompt.append((request_id, parent.children if parent else [self._requests[request_id]]))
+            requests = [r for _, rs in per_prompt for r in rs]
             with tqdm(total=len(requests), desc="generate", unit="req", disable=not show_progress) as bar:
                 while self.has_unfinished_requests():
                     bar.update(len(self._step(stream=False)))
         except BaseException:
             with deferred_interrupts():  # a second Ctrl-C must not stop the clean-up half way
-                for request in requests:
-                    self.abort_request(request.request_id)
+                self._abort([r for _, rs in per_prompt for r in rs if r.request_id in self._requests])
                 self._undelivered.clear()  # this call's (the engine was idle): it returns none of them
             raise
         # The Request objects hold the final state, also of one aborted meanwhile (by a listener, say).
-        return self._outputs(requests)
+        outputs = iter(self._outputs(requests))
+        return [merge_outputs(request_id, [next(outputs) for _ in rs]) for request_id, rs in per_prompt]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.checks import check_bool, check_float, check_int, check_optional_int
 from pagedkv.engine.checks import check_logit_bias, check_stop_strings, check_token_ids
-from pagedkv.engine.detokenizer import IncrementalDetokenizer
+from pagedkv.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagedkv.worker.states import RowSamplingParams
 
 SAMPLING_EPS = 1e-5
@@ -157,6 +157,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     """"stop", "length", "abort" or "error" once finished."""
+    stop_reason: int | str | None = None
+    """With finish_reason "stop": the `stop` string or stop token id that ended it (None: end of sequence)."""
     error: str | None = None
     """Why the request failed (finish_reason "error")."""
     num_preemptions: int = 0
@@ -170,6 +172,17 @@ class Request:
     """Turns output_token_ids into text (None: the model has no tokenizer, the text stays "")."""
     row_sampling: RowSamplingParams = field(default_factory=RowSamplingParams, repr=False)
     """Its sampling parameters as its row in the runner holds them (set by the engine when it is added)."""
+    parent_id: str | None = None
+    """With SamplingParams.n > 1: the id the caller knows; this request is its output number `index`
+    (its own id, f"{index}_{parent_id}" as in vLLM, stays inside the engine)."""
+    index: int = 0
+    """Which of its prompt's n outputs it is (CompletionOutput.index)."""
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list, repr=False)
+    """With SamplingParams.prompt_logprobs: per prompt token so far, {token id: logprob}, None first."""
+    num_text_chars_searched: int = 0
+    """Characters of its text already searched for `stop` strings (each step searches only what is new)."""
+    text_length: int | None = None
+    """Set when a `stop` string ended it: its text is cut to this many characters (the tokens stay whole)."""
     _token_ids: list[int] = field(init=False, repr=False)
     num_prompt_tokens: int = field(init=False, repr=False)
 
@@ -211,28 +224,66 @@ class Request:
         return None if self.sampling_params.logprobs is None else list(self.output_logprobs)
 
     def output(self, text: str) -> RequestOutput:
-        """Its state as a caller sees it, `text` being its output tokens' text so far."""
-        completion = CompletionOutput(0, text, list(self.output_token_ids), self.finish_reason, self.logprobs_so_far())
+        """Its state as a caller sees it, `text` being its output tokens' text so far (cut where a
+        `stop` string ended it). With n > 1 it carries the id the caller knows and its index; whether
+        the whole prompt is finished is the engine's to say (pagedkv/engine/parallel_sampling.py)."""
+        params, shown = self.sampling_params, self.text_length
+        if shown is None and self.finish_reason is None and params.stop and not params.include_stop_str_in_output:
+            # Held back, as vLLM's detokenizer does (stop_buffer_length): the last len(longest stop) - 1
+            # characters may be the start of a stop string the final text leaves out, and a streamed text
+            # must only grow.
+            shown = max(len(text) - max(map(len, params.stop)) + 1, 0)
+        completion = CompletionOutput(
+            self.index,
+            text[:shown],
+            list(self.output_token_ids),
+            self.finish_reason,
+            self.logprobs_so_far(),
+            self.stop_reason,
+        )
+        asked = params.prompt_logprobs is not None
         return RequestOutput(
-            request_id=self.request_id,
+            request_id=self.request_id if self.parent_id is None else self.parent_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=[completion],
             finished=self.finish_reason is not None,
             error=self.error,
+            prompt_logprobs=list(self.prompt_logprobs) if asked else None,
         )
 
     def check_stop(self, max_model_len: int) -> bool:
-        """Set the finish reason after a new token; True when the request is done."""
+        """Set the finish reason after a new token; True when the request is done. Before `min_tokens`
+        outputs only the length limits end it (as vllm/v1/core/sched/utils.py check_stop)."""
         last = self.output_token_ids[-1]
         params = self.sampling_params
-        if not params.ignore_eos and last in self.eos_token_ids:
+        if len(self.output_token_ids) < params.min_tokens:
+            pass
+        elif not params.ignore_eos and last in self.eos_token_ids:
             self.finish_reason = "stop"
         elif last in params.stop_token_ids:
-            self.finish_reason = "stop"
-        elif len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason, self.stop_reason = "stop", last
+        if self.finish_reason is None and (
+            len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len
+        ):
             self.finish_reason = "length"
         return self.finish_reason is not None
+
+    def check_stop_strings(self, text: str) -> bool:
+        """Search the text that is new since the last call for the `stop` strings (the text of the
+        first `min_tokens` outputs is never searched, though a string may begin in it); on a match set
+        the finish reason, the stop reason and the length its text is cut to, and return True. The
+        engine finishes the request (its blocks freed) if it was running."""
+        params = self.sampling_params
+        new_chars, self.num_text_chars_searched = len(text) - self.num_text_chars_searched, len(text)
+        if len(self.output_token_ids) <= params.min_tokens:
+            return False
+        found = find_stop_string(text, new_chars, params.stop, params.include_stop_str_in_output)
+        if found is None:
+            return False
+        self.stop_reason, self.text_length = found
+        self.finish_reason = "stop"
+        return True
 
 
 @dataclass

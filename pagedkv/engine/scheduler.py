@@ -126,6 +126,10 @@ class SchedulerOutput:
             known = s.num_new_tokens - len(s.draft_token_ids)
             token_ids = s.request.token_ids_between(s.num_computed_tokens, s.num_computed_tokens + known)
             token_ids += [PLACEHOLDER_TOKEN_ID] * (known - len(token_ids)) + s.draft_token_ids
+            num_prompt_logits = 0
+            if s.request.sampling_params.prompt_logprobs is not None:  # positions whose next token is a prompt token
+                last = min(s.num_computed_tokens + known, s.request.num_prompt_tokens - 1)
+                num_prompt_logits = max(last - s.num_computed_tokens, 0)
             scheduled.append(
                 ScheduledTokens(
                     s.request.request_id,
@@ -135,6 +139,7 @@ class SchedulerOutput:
                     s.block_ids,
                     num_draft_tokens=len(s.draft_token_ids),
                     sampling=s.request.row_sampling,
+                    num_prompt_logits=num_prompt_logits,
                 )
             )
         return scheduled
@@ -266,7 +271,10 @@ class Scheduler:
                 break
             hits, num_hit = [], 0
             admitting.append((request, request.status))
-            if request.num_computed_tokens == 0:  # new or preempted: holds no blocks
+            # New or preempted: holds no blocks. One that asked for prompt logprobs computes every prompt
+            # position, so it reads no cached prefix (as vllm/v1/core/kv_cache_manager.py get_computed_blocks).
+            looks_up = request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None
+            if looks_up:
                 hits, num_hit = kv.get_computed_blocks(request.request_id, request.all_token_ids)
             n = request.num_tokens - request.num_computed_tokens - num_hit
             if n > budget:
@@ -279,7 +287,7 @@ class Scheduler:
             ):
                 admitting.clear()
                 break
-            looked_up = request.num_tokens if request.num_computed_tokens == 0 else 0
+            looked_up = request.num_tokens if looks_up else 0
             request.num_computed_tokens += num_hit
             admitted = ScheduledRequest(
                 request, n, num_cached_tokens=num_hit, num_lookup_tokens=looked_up, admitted_from=request.status

@@ -72,6 +72,9 @@ class ScheduledTokens:
     the token before them: 1 + num_draft_tokens rows."""
     sampling: RowSamplingParams = RowSamplingParams()
     """Its sampling parameters: read when the request gets its row (they never change)."""
+    num_prompt_logits: int = 0
+    """Prompt logprobs (SamplingParams.prompt_logprobs): the first this-many `token_ids` are prompt positions
+    whose next token is a prompt token too; the step returns their logits as well (`StepResult.prompt_logits`)."""
 
 
 @dataclass

@@ -68,6 +68,9 @@ class StepResult:
     sampling_metadata: SamplingMetadata | None = None
     """Per logits row, its request's sampling parameters and the position it draws, gathered from the
     request rows (`execute_model` always sets it)."""
+    prompt_logits: torch.Tensor | None = None
+    """[tokens, vocab]: the logits at the prompt positions asked for (`ScheduledTokens.num_prompt_logits`),
+    request after request in batch order; None when no request asked."""
 
 
 class ModelRunner:
@@ -456,6 +459,7 @@ class ModelRunner:
                 ):
                     hidden = self._forward(batch.input_ids, batch.positions)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
+            prompt_logits = self._prompt_logits(scheduled, batch, hidden)
             if self.drafter is not None:  # the draft model's KV cache catches up on the step's tokens
                 with set_forward_context(attn_metadata, self.config, slot_mapping=slot_mapping):
                     self.drafter.model(batch.input_ids, batch.positions)
@@ -465,7 +469,22 @@ class ModelRunner:
             samples = schedule.samples  # a request's 1 + k logits rows all read its row
             rows = np.repeat(schedule.rows[samples], 1 + schedule.num_draft_tokens[samples])
             sampling = self.states.sampling_metadata(rows, batch.positions[batch.logits_indices] + 1, batch.max_seq_len)
-        return StepResult(batch, attn_metadata, slot_mapping, descriptor, logits, mode, draft_token_ids, sampling)
+        return StepResult(
+            batch, attn_metadata, slot_mapping, descriptor, logits, mode, draft_token_ids, sampling, prompt_logits
+        )
+
+    def _prompt_logits(
+        self, scheduled: list[ScheduledTokens], batch: InputBatch, hidden: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The logits of the prompt positions whose logprobs are asked for: the first
+        `num_prompt_logits` query tokens of each such request (vLLM's runner does the same for
+        prompt_logprobs, vllm/v1/worker/gpu_model_runner.py _get_prompt_logprobs_dict)."""
+        if not any(s.num_prompt_logits for s in scheduled):
+            return None
+        starts = batch.query_start_loc_cpu.tolist()
+        indices = [range(start, start + s.num_prompt_logits) for start, s in zip(starts, scheduled)]
+        rows = to_device([i for r in indices for i in r], hidden.device, torch.int64)
+        return self.model.compute_logits(hidden[rows])
 
     def _draft_forward(self, schedule: StepSchedule) -> torch.Tensor:
         """One forward of the draft model over a small batch of its own (pagedkv/worker/draft_model.py)."""
