@@ -125,6 +125,11 @@ def test_chat_refusals_use_the_chat_names() -> None:
     with pytest.raises(RequestError) as info:
         ChatCompletionRequest(messages=CHAT, tools=[{"type": "function"}]).to_sampling_params(3, 100)
     assert info.value.param == "tools"
+    with pytest.raises(RequestError) as info:
+        ChatCompletionRequest(messages=CHAT, response_format={"type": "json_object"}).to_sampling_params(3, 100)
+    assert info.value.param == "response_format"
+    # Plain text is what every answer is anyway.
+    assert ChatCompletionRequest(messages=CHAT, response_format={"type": "text"}).to_sampling_params(3, 100)
 
 
 def test_prompts_of_every_form() -> None:

@@ -182,6 +182,8 @@ def test_models(client: openai.OpenAI) -> None:
         ({"prompt": PROMPT, "logprobs": 99}, "logprobs"),
         ({"prompt": [1, 2, 99999]}, "prompt"),  # a token id beyond the vocabulary: the engine's refusal
         ({"max_tokens": 3}, "prompt"),  # missing
+        ({"prompt": PROMPT, "logit_bias": {"50256": -100}}, "logit_bias"),  # beyond the vocabulary: the engine's
+        ({"prompt": PROMPT, "stop_token_ids": [50256]}, "stop_token_ids"),
     ],
 )
 def test_bad_completion_requests(client: openai.OpenAI, request_body: dict, param: str) -> None:

@@ -9,6 +9,7 @@ openai client sends with `extra_body={...}`.
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from typing import Any, ClassVar, Literal
@@ -106,15 +107,17 @@ class SamplingRequest(OpenAIBaseModel):
                 logprobs=logprobs,
             )
         except (TypeError, ValueError) as error:
-            raise RequestError(str(error), self._param_of(str(error))) from None
+            raise RequestError(str(error), self.param_of(str(error))) from None
 
-    def _param_of(self, message: str) -> str | None:
-        """The request field a SamplingParams message is about: its messages begin with the field's
-        name ("temperature must be ...", "logit_bias[5] must ...", "a logit_bias token id ...")."""
-        words = message.replace("[", " ").split()
-        for word in words[:3]:
+    def param_of(self, message: str) -> str | None:
+        """The request field a refusal of SamplingParams or of the engine is about: such messages begin
+        with the field's name ("temperature must be ...", "logit_bias[5] must ...", "a logit_bias token
+        id ...", "stop_token_ids names token id ..."); or the prompt + max_tokens that do not fit."""
+        for word in re.findall(r"\w+", message)[:3]:
             if word in SamplingParams.__dataclass_fields__:
                 return self.RENAMED.get(word, word)
+        if "max_tokens" in message:
+            return self.RENAMED.get("max_tokens", "max_tokens")
         return None
 
     @property
@@ -192,9 +195,13 @@ class ChatCompletionRequest(SamplingRequest):
     RENAMED: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
 
     def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-        for name in ("tools", "response_format"):
-            if getattr(self, name) is not None:
-                raise RequestError(f"{name} is not supported by this server.", name)
+        if self.tools is not None:
+            raise RequestError("tools is not supported by this server.", "tools")
+        if self.response_format is not None and self.response_format.get("type") != "text":  # text: the default
+            raise RequestError(
+                f"response_format {self.response_format!r} is not supported by this server (only plain text).",
+                "response_format",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true.", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

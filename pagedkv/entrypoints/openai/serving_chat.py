@@ -118,7 +118,7 @@ class OpenAIServingChat(OpenAIServing):
         params = request.to_sampling_params(len(token_ids), self.max_model_len)
         request_id = random_id("chatcmpl")
         tracker = self.metrics.tracker()
-        merged, first = await self.start([token_ids], params, request_id, tracker)
+        merged, first = await self.start(request, [token_ids], params, request_id, tracker)
         usage = UsageInfo(prompt_tokens=len(token_ids))
         outputs = chain(first, merged)
         if request.stream:

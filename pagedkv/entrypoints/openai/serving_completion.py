@@ -46,7 +46,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echoed = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if request.echo else None
         request_id = random_id("cmpl")
         tracker = self.metrics.tracker()
-        merged, first = await self.start(token_ids, params, request_id, tracker)
+        merged, first = await self.start(request, token_ids, params, request_id, tracker)
         num_choices = len(prompts) * params.n
         usage = UsageInfo(prompt_tokens=sum(map(len, token_ids)))
         outputs = chain(first, merged)

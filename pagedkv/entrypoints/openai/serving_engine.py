@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from pagedkv.engine.request import CompletionOutput, RequestOutput, SamplingParams
 from pagedkv.entrypoints.openai.metrics import RequestTracker, ServerMetrics
-from pagedkv.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, RequestError
+from pagedkv.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, RequestError, SamplingRequest
 from pagedkv.worker.tp_executor import EngineDeadError
 
 if TYPE_CHECKING:
@@ -147,7 +147,12 @@ class OpenAIServing:
         return list(prompt)
 
     async def start(
-        self, prompts: list[list[int]], params: SamplingParams, request_id: str, tracker: RequestTracker
+        self,
+        request: SamplingRequest,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str,
+        tracker: RequestTracker,
     ) -> tuple[Outputs, tuple[int, RequestOutput]]:
         """Start one engine request per prompt; returns the merged stream and its first output.
 
@@ -165,8 +170,7 @@ class OpenAIServing:
             raise EngineError("The engine ended the request without an output.") from None
         except (TypeError, ValueError) as error:
             await merged.aclose()
-            message = str(error)
-            raise RequestError(message, "max_tokens" if "max_tokens" in message else "prompt") from None
+            raise RequestError(str(error), request.param_of(str(error)) or "prompt") from None
         except BaseException:
             await merged.aclose()
             raise
