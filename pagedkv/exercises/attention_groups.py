@@ -7,6 +7,7 @@ than any cache), and only then work out the right answers, inside the check.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from typing import Any
@@ -115,7 +116,7 @@ def check_lengths(fn: Callable[[list[int], list[int]], Any]) -> CheckResult:
                 return CheckResult(
                     False,
                     f"{where}: {result.message}",
-                    reveal=lambda s=starts, n=seq_lens, w=wrong: _worked_lengths(s, n, w),
+                    reveal=functools.partial(_worked_lengths, starts, seq_lens, wrong),
                 )
     return CheckResult(
         True,
@@ -260,7 +261,7 @@ def check_null_blocks(fn: Callable[[int, int, int], Any]) -> CheckResult:
                 f"block(s), which is not it. Hint: the step's earliest query sits at position context_len and "
                 f"still sees the last sliding_window positions up to its own; a block can be given back only "
                 "when all its positions are older than that, and there is never a negative number of blocks.",
-                reveal=lambda c=context_len, w=window, b=block: _worked_null_blocks(c, w, b),
+                reveal=functools.partial(_worked_null_blocks, context_len, window, block),
             )
     return CheckResult(
         True,

@@ -20,6 +20,7 @@ looks at *which* rows and heads differ and names the usual cause:
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 import types
@@ -456,7 +457,7 @@ def check_backend(backend: Any, device: torch.device | str | None = None) -> Che
             return CheckResult(
                 False,
                 f"{step.where}: the KV cache write is wrong: {step.cache_error}",
-                reveal=lambda s=step: _worked_cache_write(s),
+                reveal=functools.partial(_worked_cache_write, step),
             )
         right = torch.cat([attend(step, i) for i in range(len(step.query_lens))])
         if step.output.shape != right.shape:
@@ -468,7 +469,7 @@ def check_backend(backend: Any, device: torch.device | str | None = None) -> Che
         if not torch.isfinite(step.output).all() or not torch.allclose(
             step.output.double(), right, atol=_ATOL, rtol=1e-3
         ):
-            return CheckResult(False, _diagnose(step, right), reveal=lambda s=step, r=right: _worked_step(s, r))
+            return CheckResult(False, _diagnose(step, right), reveal=functools.partial(_worked_step, step, right))
     if failure is not None:
         return CheckResult(False, failure + ".")
     not_used = sorted(n for n, b in backend_names.items() if b != name)

@@ -163,6 +163,7 @@ def explain_miss(answer: CUDAGraphMode | str, result: Resolution, exercise: Lowe
             f"rule 2 raises only when the mixed routine is FULL, and {configured.name}'s is not; a FULL decode "
             "routine is lowered by rule 3 before the last guard (rule 6) looks."
         )
+    assert isinstance(answer, CUDAGraphMode)  # RAISES is the one name an answer is read as
     if result.error is not None:
         return (
             f"{answer.name} is not what happens. Rule 2: the mixed routine of {configured.name} is FULL, and "
@@ -314,7 +315,7 @@ def check_raising(answer: Iterable[tuple[Any, Any]]) -> CheckResult:
                 f"  {mode.name}: "
                 + (
                     "raises (rule 2: its mixed routine is FULL)"
-                    if result.error
+                    if result.resolved is None
                     else f"resolves to {result.resolved.name}"
                 )
             )

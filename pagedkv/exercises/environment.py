@@ -8,6 +8,7 @@ engine's layer 0 and on cases of its own, and explains the engine's choice.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import platform
@@ -234,7 +235,7 @@ def check_choose_backend(
             return CheckResult(
                 False,
                 f"For {shown(priority, reasons)}: {broken}.",
-                reveal=lambda p=priority, r=reasons: worked_choice(p, r),
+                reveal=functools.partial(worked_choice, priority, reasons),
             )
     chosen = llm.runner.attn_layers[layer_name].attn_backend.get_name()
     return CheckResult(

@@ -3,6 +3,7 @@ fused qkv projection width and the tensor-parallel head layout."""
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from typing import Any
@@ -157,7 +158,7 @@ def check_qkv_width(fn: QkvWidthFn, num_hidden: int = 8) -> CheckResult:
             return CheckResult(
                 False,
                 f"{call}: {got} is not it: {_qkv_hint(got, h, hq, hkv, d, tp)}.",
-                reveal=lambda case=(h, hq, hkv, d, tp): worked(*case),
+                reveal=functools.partial(worked, h, hq, hkv, d, tp),
             )
     q, kv, w = width(*(QWEN2_7B_TP4[k] for k in ("num_heads", "num_kv_heads", "head_dim", "tp_size")))
     return CheckResult(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.request import Request
@@ -125,7 +126,7 @@ def _worked(llm: LLM, plan: SchedulerOutput) -> Callable[[], str]:
 @exercise("09: the scheduler's next step")
 def check_next_schedule(llm: LLM, tokens: object, preempted: object = ()) -> CheckResult:
     """`tokens`: {request id: tokens it computes in the next step}; `preempted`: ids preempted in it."""
-    request_id = Either(("", 0))
+    request_id: Any = Either(("", 0))  # a str or an int id: plain gives whichever the answer used
     try:  # plain ints and strs from here on: an answer's own == takes no part in the comparisons
         plain_tokens = plain(tokens, {request_id: 0})
     except TypeError as error:

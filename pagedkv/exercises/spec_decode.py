@@ -14,6 +14,7 @@ never the value; `reveal()` works the failing case out after three tries.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,6 +66,7 @@ def _emitted_by_the_engine(drafts: list[int], target: list[int]) -> list[int]:
     rows = len(target)
     meta = sampling_metadata([SamplingParams(temperature=0)] * rows, [0] * rows, list(range(rows)), VOCAB, "cpu")
     out = RejectionSampler(Sampler())(logits, meta, [len(drafts)], torch.tensor(drafts, dtype=torch.long))
+    assert out.num_tokens is not None  # a rejection sampler's output counts each request's tokens
     return out.token_ids[: int(out.num_tokens[0])].tolist()
 
 
@@ -163,7 +165,7 @@ def check_spec_modes(answers: Any) -> CheckResult:
         answers = plain(answers, {"": ...})
     except TypeError:
         answers = None
-    if answers is None or set(answers) != set(SPEC_MODE_CASES):  # type: ignore[arg-type]
+    if answers is None or set(answers) != set(SPEC_MODE_CASES):
         return CheckResult(False, f"Give a dict with one mode per case: keys {sorted(SPEC_MODE_CASES)}.")
     parsed = {case: parse_mode_answer(answer) for case, answer in answers.items()}
     for case in sorted(SPEC_MODE_CASES):
@@ -175,12 +177,14 @@ def check_spec_modes(answers: Any) -> CheckResult:
     for case in sorted(SPEC_MODE_CASES):  # only now, with every answer in
         config = spec_mode_case(case)
         result = config.resolve()
-        if parsed[case] == (RAISES if result.error else result.resolved):
+        answer = parsed[case]
+        assert answer is not None  # every answer was read in the loop above
+        if answer == (RAISES if result.error else result.resolved):
             continue
         return CheckResult(
             False,
-            f"case {case} ({config.backend_name}, {config.mode.name}): {explain_miss(parsed[case], result, config)}",
-            reveal=lambda result=result, config=config: worked_lowering(result, config),
+            f"case {case} ({config.backend_name}, {config.mode.name}): {explain_miss(answer, result, config)}",
+            reveal=functools.partial(worked_lowering, result, config),
         )
     return CheckResult(
         True, f"All {len(SPEC_MODE_CASES)} cases resolve as you said with {1 + NUM_SPECULATIVE_TOKENS}-token decodes."
