@@ -148,3 +148,23 @@ def test_stream_options_need_a_stream() -> None:
         CompletionRequest(prompt="x", stream_options={"include_usage": True}).to_sampling_params()
     assert info.value.param == "stream_options"
     assert CompletionRequest(prompt="x", stream=True, stream_options={"include_usage": True}).include_usage
+
+
+def test_a_template_that_writes_bos_gets_one_bos() -> None:
+    pytest.importorskip("fastapi", reason="the chat endpoint needs fastapi")
+    pytest.importorskip("jinja2", reason="chat templates need jinja2")
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from pagedkv.entrypoints.openai.serving_chat import ChatTemplate, OpenAIServingChat
+    from pagedkv.models.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()  # adds BOS (256) itself, as Llama's tokenizers do
+    template = ChatTemplate(
+        "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}", {"bos_token": "<s>"}
+    )
+    engine = SimpleNamespace(get_tokenizer=lambda: tokenizer)
+    chat = OpenAIServingChat(engine, "m", 64, None, chat_template=template, model_dir=Path("."))  # type: ignore[arg-type]
+    token_ids = chat.prompt_token_ids(chat.prompt(ChatCompletionRequest(messages=CHAT)))
+    # Worked by hand: one BOS, then the bytes of "hi" (not BOS + the bytes of "<s>hi").
+    assert token_ids == [256, ord("h"), ord("i")]

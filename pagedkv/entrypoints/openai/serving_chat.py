@@ -110,7 +110,13 @@ class OpenAIServingChat(OpenAIServing):
         if not request.messages:
             raise RequestError("messages is empty: give at least one message.", "messages")
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(request.messages)]
-        return self.chat_template.render(messages, request.add_generation_prompt)
+        text = self.chat_template.render(messages, request.add_generation_prompt)
+        # Many templates write the BOS token's text first, and a tokenizer that adds BOS would add a
+        # second: keep the tokenizer's (vLLM encodes a chat with add_special_tokens=False instead).
+        bos = self.chat_template.special_tokens.get("bos_token")
+        if bos and text.startswith(bos) and self.tokenizer.encode(""):
+            text = text[len(bos) :]
+        return text
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
