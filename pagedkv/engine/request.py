@@ -307,7 +307,9 @@ class RequestOutput:
     """A request's state after a step: what `LLM.step` streams and `LLM.generate` returns.
 
     `outputs[0]` holds everything generated so far (token ids and text, cumulative as in vLLM's
-    default), `finished` says whether more will come. A request that failed is finished with
+    default), `finished` says whether more will come. With SamplingParams.n > 1, `generate` returns the
+    n completions in `outputs` (by index), and each output `LLM.step` streams holds one child's, its
+    `index` saying which; `finished` is then set once every child is done. A request that failed is finished with
     `outputs[0].finish_reason == "error"` and the reason in `error`.
     """
 
