@@ -101,7 +101,8 @@ class AsyncLLM:
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's RequestOutputs as its tokens come (cumulative; the last one has
-        finished=True). With n > 1, one per child and step: fold them with `fold_output`.
+        finished=True); a consumer that falls behind gets the steps it missed in one output. With
+        n > 1, each holds the children that got tokens: fold them with `fold_output`.
 
         Bad input raises the first time the generator is awaited (TypeError / ValueError, as
         LLM.add_request's), before anything is queued; so does a request_id in use (ValueError).
@@ -124,15 +125,24 @@ class AsyncLLM:
         try:
             self._loop.submit(stream, prompt, params)
             while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine is gone: nothing to abort
-                    raise item
-                output = self._aborted(stream, merged) if item is None else item
-                # With n = 1 an output holds the whole request so far (its outputs are cumulative).
-                merged = output if stream.n == 1 else fold_output(merged, output)
-                finished = output.finished
-                yield output
+                items = [await stream.queue.get()]
+                # A consumer that fell behind gets everything that came meanwhile as one output (they
+                # are cumulative), as vLLM's RequestOutputCollector does: a slow client costs neither a
+                # growing queue nor a yield per step it missed.
+                while not stream.queue.empty():
+                    items.append(stream.queue.get_nowait())
+                batch: RequestOutput | None = None
+                for item in items:
+                    if isinstance(item, BaseException):
+                        finished = True  # the engine is gone: nothing to abort
+                        raise item
+                    output = self._aborted(stream, merged) if item is None else item
+                    # With n = 1 an output holds the whole request so far.
+                    merged = output if stream.n == 1 else fold_output(merged, output)
+                    batch = output if stream.n == 1 else fold_output(batch, output)
+                assert batch is not None
+                finished = batch.finished
+                yield batch
         finally:
             if not finished:  # the consumer stopped reading: free the request's blocks
                 self._loop.abort(stream, None)
