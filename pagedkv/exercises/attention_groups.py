@@ -23,13 +23,17 @@ from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from pagedkv.worker.model_runner import ModelRunner
 
-_LENGTHS_PACKAGE = [
-    CommonAttentionMetadata.query_lens_cpu.fget,  # type: ignore[attr-defined]
-    CommonAttentionMetadata.context_lens_cpu.fget,  # type: ignore[attr-defined]
+_LENGTHS_PACKAGE: list[Callable[..., Any]] = [
+    vars(CommonAttentionMetadata)["query_lens_cpu"].fget,  # the properties' getters (vars: the property objects)
+    vars(CommonAttentionMetadata)["context_lens_cpu"].fget,
     ModelRunner.common_attn_metadata,
 ]
 """What the lengths could be handed off to: CommonAttentionMetadata's own, and the runner's builder of it."""
-_WINDOW_PACKAGE = [KVCacheManager.allocate_slots, KVCacheManager._allocate, KVCacheManager._free_out_of_window]
+_WINDOW_PACKAGE: list[Callable[..., Any]] = [
+    KVCacheManager.allocate_slots,
+    KVCacheManager._allocate,
+    KVCacheManager._free_out_of_window,
+]
 """What frees the blocks behind the window: a manager run by the student's function would count them for it."""
 
 

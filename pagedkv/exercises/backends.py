@@ -300,7 +300,9 @@ def _builtin_work() -> list[Callable[..., Any]]:
         getattr(kernels, n) for n in ("unified_attention", "reshape_and_cache") if kernels is not None
     ]
     for module in (sys.modules.get(m) for m in _BUILTIN_MODULES):
-        for obj in vars(module).values() if module is not None else ():
+        if module is None:
+            continue
+        for obj in vars(module).values():
             if getattr(obj, "__module__", None) != module.__name__:
                 continue  # imported from elsewhere (torch, the backend base classes)
             if isinstance(obj, types.FunctionType):
@@ -332,7 +334,10 @@ def _serve(
     for groups in llm.runner.attn_groups:
         for group in groups:
             if group.backend.get_name() == name:
-                group.metadata_builder.build = _watched(group.metadata_builder.build, called)
+                builder = group.metadata_builder
+                assert builder is not None  # made with the KV cache, before the first step
+                # Instrumented on purpose, this engine's builder only (mypy refuses assigning to a method).
+                builder.build = _watched(builder.build, called)  # type: ignore[method-assign]
     steps: list[_StudentStep] = []
     seen: dict[str, tuple[torch.Tensor, ...]] = {}  # this step: layer name -> (query, key, value, output)
     histories: dict[tuple[str, str], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}

@@ -237,7 +237,7 @@ def check_head_layout(fn: Callable[[int, int, int], Any], num_hidden: int = 12) 
             got = plain(got, Either(((0, 0, 0), None)))
         except TypeError as error:
             return CheckResult(False, f"{case}: {error}; return a tuple of three ints (or None).")
-        again = {"reveal": lambda c=(hq, hkv, tp): worked(*c)}
+        reveal = functools.partial(worked, hq, hkv, tp)
         why = refusal(hq, hkv, tp)
         if why is not None:
             if got is not None:
@@ -245,12 +245,12 @@ def check_head_layout(fn: Callable[[int, int, int], Any], num_hidden: int = 12) 
                     False,
                     f"{case}: the engine refuses this model ({why}); your function returned "
                     f"{got} instead of refusing it too.",
-                    **again,
+                    reveal=reveal,
                 )
             continue
         if got is None:
             return CheckResult(
-                False, f"{case}: the heads split over the ranks, but your function refused them.", **again
+                False, f"{case}: the heads split over the ranks, but your function refused them.", reveal=reveal
             )
         want = layout(hq, hkv, tp)
         if got == want:
@@ -266,7 +266,7 @@ def check_head_layout(fn: Callable[[int, int, int], Any], num_hidden: int = 12) 
                 "one whole KV head, and each KV head is copied to as many ranks as it takes for every rank "
                 "to have one"
             )
-        return CheckResult(False, f"{case}: " + ", ".join(wrong) + f". Hint: {hint}.", **again)
+        return CheckResult(False, f"{case}: " + ", ".join(wrong) + f". Hint: {hint}.", reveal=reveal)
     return CheckResult(
         True,
         f"Your layout matches the engine's in all {len(cases)} cases ({num_hidden} of them "

@@ -14,6 +14,7 @@ never the value; `reveal()` works the failing case out after three tries.
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import sys
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from pagedkv.kernels import attention_config
 from pagedkv.kernels.attention_config import MAX_SPLITS
 from pagedkv.kernels.common import cdiv
 from pagedkv.kv_cache import spec as kv_cache_spec
-from pagedkv.kv_cache.spec import FullAttentionSpec, get_kv_cache_config
+from pagedkv.kv_cache.spec import FullAttentionSpec, KVCacheSpec, get_kv_cache_config
 from pagedkv.models.configs import LlamaConfig
 from pagedkv.models.loader import PRESETS
 
@@ -98,6 +99,10 @@ def _fixed_size_rule(seq_len: int) -> int:
     return min(MAX_SPLITS, cdiv(seq_len, FIXED_SPLIT_KEYS))
 
 
+def _fixed_size_example(seq_len: int) -> str:
+    return f"e.g. min({MAX_SPLITS}, cdiv({seq_len}, {FIXED_SPLIT_KEYS})) = {_fixed_size_rule(seq_len)} splits"
+
+
 @exercise("14: a batch-invariant split count")
 def check_num_splits(fn: Callable[[int, int, int], Any], num_hidden: int = 12) -> CheckResult:
     """`fn(seq_len, batch_size, num_sms)` -> the split count of a decode of seq_len keys in a batch of
@@ -164,9 +169,7 @@ def check_num_splits(fn: Callable[[int, int, int], Any], num_hidden: int = 12) -
                 f"fn({n}, 1, {sms}) = 1: a lone request of {n} keys runs on one program per KV head, most of the "
                 f"{sms} SMs idle. Keep split-KV: at least 2 splits from {SPLIT_KV_MIN_KEYS} keys (1 split everywhere "
                 "is invariant too: the engine's batch-invariant mode does that; here, keep the splits).",
-                reveal=lambda n=n: (
-                    f"e.g. min({MAX_SPLITS}, cdiv({n}, {FIXED_SPLIT_KEYS})) = {_fixed_size_rule(n)} splits"
-                ),
+                reveal=functools.partial(_fixed_size_example, n),
             )
     return CheckResult(
         True,
@@ -191,7 +194,9 @@ KV_CACHE_DTYPES = ["bfloat16", "float16", "float32", "fp8", "fp8_e4m3"]
 def block_case_config(case: BlockCase | tuple[int, LlamaConfig, int, str]) -> LlamaConfig:
     """The case's model config: a copy of the preset (an answer may not change the preset itself)."""
     config = case[1]
-    return copy.deepcopy(PRESETS[config] if isinstance(config, str) else config)
+    preset = PRESETS[config] if isinstance(config, str) else config
+    assert isinstance(preset, LlamaConfig)  # the cases name Llama-family presets ("tiny")
+    return copy.deepcopy(preset)
 
 
 def _random_block_case(rng: random.Random) -> tuple[int, LlamaConfig, int, str]:
@@ -212,7 +217,7 @@ def _engine_blocks(memory: int, config: LlamaConfig, block_size: int, kv_cache_d
     dtype = parse_kv_cache_dtype(kv_cache_dtype, torch.bfloat16)
     fields = dict(num_kv_heads=config.num_key_value_heads, head_size=config.head_dim, dtype=dtype) | field
     spec = FullAttentionSpec(block_size=block_size, **fields)
-    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(config.num_hidden_layers)}
+    specs: dict[str, KVCacheSpec] = {f"model.layers.{i}.self_attn.attn": spec for i in range(config.num_hidden_layers)}
     return get_kv_cache_config(specs, memory_bytes=memory).num_blocks
 
 
@@ -295,6 +300,7 @@ def check_num_blocks(fn: Callable[[int, LlamaConfig, int, str], Any], num_hidden
             memory: int = memory, config: LlamaConfig = config, bs: int = block_size, d: str = kv_cache_dtype
         ) -> str:
             dtype = parse_kv_cache_dtype(d, torch.bfloat16)
+            assert config.num_key_value_heads is not None and config.head_dim is not None  # __post_init__ sets them
             page = FullAttentionSpec(bs, config.num_key_value_heads, config.head_dim, dtype).page_size_bytes
             per_block = page * config.num_hidden_layers
             return "\n".join(

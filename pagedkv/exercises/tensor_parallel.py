@@ -33,8 +33,8 @@ PACKAGE: list[Callable[..., Any]] = [
     build_attention,
     LlamaAttention.__init__,
     QKVParallelLinear.__init__,
-    KVCacheSpec.page_size_bytes.fget,
-    MLAAttentionSpec.page_size_bytes.fget,  # type: ignore[attr-defined]
+    vars(KVCacheSpec)["page_size_bytes"].fget,  # the properties' getters (vars: the property objects)
+    vars(MLAAttentionSpec)["page_size_bytes"].fget,
 ]
 """What an answer may not call: the layout it is asked for, and every way to build or size it."""
 
@@ -158,6 +158,7 @@ def check_kv_cache_bytes(fn: KvBytesFn, num_hidden: int = 12) -> CheckResult:
         except TypeError as error:
             return CheckResult(False, f"{call}: {error}; return a number of bytes (an int).")
         spec = build_attention(hq, hkv, tp, head_dim, hidden_size=64 * hq).attn.get_kv_cache_spec()
+        assert spec is not None  # a decoder's attention layer has a KV cache
         expected = spec.page_size_bytes * layers * blocks
         if got == expected:
             continue
