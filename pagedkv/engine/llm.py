@@ -19,6 +19,7 @@ Speed on a GPU is the default (compiled, CUDA graphs: pagedkv.worker.cudagraph);
 from __future__ import annotations
 
 import logging
+import textwrap
 import threading
 import time
 from collections import deque
@@ -31,7 +32,7 @@ from tqdm.auto import tqdm
 
 from pagedkv.checks import check_optional_bool
 from pagedkv.config import CUDAGraphMode
-from pagedkv.engine.arg_utils import EngineArgs
+from pagedkv.engine.arg_utils import EngineArgs, engine_args_doc
 from pagedkv.engine.checks import check_prompt
 from pagedkv.engine.detokenizer import IncrementalDetokenizer, detokenize_batch
 from pagedkv.engine.events import EngineStats, StepEvent, StepListener
@@ -755,3 +756,7 @@ class LLM:
         # The Request objects hold the final state, also of one aborted meanwhile (by a listener, say).
         outputs = iter(self._outputs(requests))
         return [merge_outputs(request_id, [next(outputs) for _ in rs]) for request_id, rs in per_prompt]
+
+
+# help(LLM) lists every argument with its default and docstring, made from EngineArgs (so never stale).
+LLM.__doc__ = f"{(LLM.__doc__ or '').rstrip()}\n\n{textwrap.indent(engine_args_doc(), '    ')}\n"

@@ -667,3 +667,17 @@ def test_request_token_ids_between_is_a_slice_of_all_token_ids() -> None:
     for start in range(6):
         for end in range(start, 6):
             assert req.token_ids_between(start, end) == full[start:end], (start, end)
+
+
+def test_help_shows_every_engine_argument():
+    """help(LLM) documents each argument with its default and its docstring (the README promises it)."""
+    import pydoc
+
+    from pagedkv.engine.arg_utils import attribute_docs
+
+    text = pydoc.render_doc(LLM, renderer=pydoc.plaintext)
+    words = " ".join(text.replace("|", " ").split())  # pydoc starts each line of a class with "|"
+    docs = attribute_docs(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        assert f"{f.name} (default {f.default!r})" in text, f.name
+        assert " ".join(docs[f.name].replace("|", " ").split()[:8]) in words, f.name
