@@ -337,8 +337,10 @@ def writes(lab: Lab) -> str:
     value its one name is set to."""
     if lab.value is not None:
         return f"{lab.defines[0]} = {lab.value}"
-    definitions = {defined_name(node): node for node in exercise_of(lab).definitions}
-    return "; ".join(signature(definitions[name]) for name in lab.defines)
+    functions = {
+        defined_name(node): node for node in exercise_of(lab).definitions if isinstance(node, ast.FunctionDef)
+    }  # a lab without a value defines functions only
+    return "; ".join(signature(functions[name]) for name in lab.defines)
 
 
 def starter(lab: Lab, path: Path) -> str:

@@ -61,7 +61,7 @@ def _transformers_config(model: LlamaForCausalLM, attn_implementation: str) -> t
     c = model.config
     windows = {c.layer_sliding_window(i) for i in range(c.num_hidden_layers)} - {None}
     rope = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
-    fields = dict(
+    fields: dict[str, Any] = dict(  # what the three transformers configs below share
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
@@ -82,20 +82,20 @@ def _transformers_config(model: LlamaForCausalLM, attn_implementation: str) -> t
     if len(windows) > 1:
         raise NotImplementedError("the export maps one window size onto transformers' layer_types")
     if isinstance(c, Qwen3Config):  # q_norm / k_norm: only transformers' Qwen3 has them
-        config = transformers.Qwen3Config(
+        qwen3 = transformers.Qwen3Config(
             **fields,
             attention_bias=c.attention_bias,
             use_sliding_window=bool(windows),
             sliding_window=next(iter(windows), None),
             layer_types=layer_types,
         )
-        return config, transformers.Qwen3ForCausalLM
+        return qwen3, transformers.Qwen3ForCausalLM
     if not windows:
-        config = transformers.LlamaConfig(**fields, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
-        return config, transformers.LlamaForCausalLM
+        llama = transformers.LlamaConfig(**fields, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
+        return llama, transformers.LlamaForCausalLM
     if c.attention_bias or c.mlp_bias:
         raise NotImplementedError("the export maps no o_proj/MLP biases onto Qwen2")
-    config = transformers.Qwen2Config(
+    qwen2 = transformers.Qwen2Config(
         **fields, sliding_window=windows.pop(), use_sliding_window=True, layer_types=layer_types
     )
-    return config, transformers.Qwen2ForCausalLM
+    return qwen2, transformers.Qwen2ForCausalLM
