@@ -30,12 +30,10 @@ import datetime
 import gc
 import json
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.entrypoints.openai.api_server import free_port, wait_until_healthy
 from pagedkv.models.loader import load_config
 from workloads import Workload, w2
 
@@ -61,12 +60,6 @@ class Timing:
     expected: int
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def engine_flags(engine: dict[str, object]) -> list[str]:
     """`LLM` keyword arguments as `pagedkv serve` flags (None: left out, the default)."""
     flags = []
@@ -82,17 +75,12 @@ def start_server(model: str, engine: dict[str, object], port: int, timeout_s: fl
     command = [sys.executable, "-m", "pagedkv", "serve", model, "--port", str(port), *engine_flags(engine)]
     print("$", " ".join(command), flush=True)
     server = subprocess.Popen(command)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"online: the server exited with {server.returncode} before it answered /health")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return server
-        except OSError:
-            time.sleep(0.5)
-    server.terminate()
-    raise SystemExit(f"online: the server did not answer /health within {timeout_s:.0f} s")
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", timeout_s, lambda: server.poll() is None)
+    except RuntimeError as error:
+        server.terminate()
+        raise SystemExit(f"online: {error}") from None
+    return server
 
 
 async def one_request(client: openai.AsyncOpenAI, model: str, prompt: list[int], params: SamplingParams) -> Timing:

@@ -7,9 +7,6 @@ missing; this file imports them only inside the fixtures.
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -32,12 +29,6 @@ def needs_server_packages() -> None:
         pytest.importorskip(module, reason=f"the server tests need {module} (pip install 'pagedkv[serve]' openai)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Server:
     base_url: str
@@ -57,29 +48,11 @@ class Server:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
-    import httpx
-    import uvicorn
-
-    from pagedkv.entrypoints.openai.api_server import build_app
+    from pagedkv.entrypoints.openai.api_server import BackgroundServer
 
     engine = AsyncLLM(MODEL, **ENGINE_ARGS)
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, name="test-server", daemon=True)
-    thread.start()
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
-        time.sleep(0.05)
-    yield Server(base_url, engine)
-    uv.should_exit = True
-    thread.join(timeout=30)
+    with BackgroundServer(engine) as background:
+        yield Server(background.url, engine)
     engine.shutdown()
 
 

@@ -7,11 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.entrypoints.conftest import MODEL, free_port, needs_server_packages
+from tests.entrypoints.conftest import MODEL, needs_server_packages
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
@@ -19,24 +18,19 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 @pytest.mark.slow
 def test_serve_answers_and_stops_on_ctrl_c() -> None:
     needs_server_packages()
-    import httpx
     import openai
+
+    from pagedkv.entrypoints.openai.api_server import free_port, wait_until_healthy
 
     port = free_port()
     command = [sys.executable, "-m", "pagedkv", "serve", MODEL, "--port", str(port), "--device", "cpu"]
     command += ["--served-model-name", "pydoc", "--log-level", "warning"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, f"the server exited: {server.communicate()[1][-2000:]}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not answer /health within 120 s"
-            time.sleep(0.2)
+        try:
+            wait_until_healthy(f"http://127.0.0.1:{port}", 120, lambda: server.poll() is None)
+        except RuntimeError as error:
+            raise AssertionError(f"{error} Its stderr: {server.communicate(timeout=30)[1][-2000:]}") from None
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         assert [m.id for m in client.models.list()] == ["pydoc"]  # --served-model-name
         response = client.completions.create(model="pydoc", prompt="def f(x):", max_tokens=4, temperature=0)

@@ -13,6 +13,10 @@ from __future__ import annotations
 import logging
 import reprlib
 import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -152,3 +156,73 @@ def run_server(
         _Server(config, announcement).run()
     finally:
         engine.shutdown()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the kernel's pick), for a server about to start."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until_healthy(url: str, timeout_s: float, alive: Callable[[], bool]) -> None:
+    """Return once GET `url`/health answers 200; raise if `alive()` turns False (the server exited)
+    or `timeout_s` passes first. A GPU server compiles and captures CUDA graphs before it answers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if not alive():
+            raise RuntimeError(f"The server for {url} exited before it answered /health.")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"The server at {url} did not answer /health within {timeout_s:.0f} s.")
+        time.sleep(0.05)
+
+
+class BackgroundServer:
+    """The server inside this process, on a thread of its own: what a notebook or a test starts
+    next to its own code (the command line's `pagedkv serve` runs it in the foreground instead).
+
+        engine = AsyncLLM("tiny-pydoc")
+        server = BackgroundServer(engine)          # a free loopback port; returns once /health answers
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+        ...
+        server.stop()                              # the engine stays yours: engine.shutdown()
+    """
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        served_model_name: str | None = None,
+        startup_timeout_s: float = 60.0,
+    ) -> None:
+        port = port or free_port(host)
+        config = uvicorn.Config(build_app(engine, served_model_name), host=host, port=port, log_level="warning")
+        self._server = uvicorn.Server(config)
+        self.url = f"http://{host}:{port}"
+        """Where it answers: the openai client's base_url is this + "/v1"."""
+        self._thread = threading.Thread(target=self._server.run, name="pagedkv-server", daemon=True)
+        self._thread.start()
+        try:
+            wait_until_healthy(self.url, startup_timeout_s, self._thread.is_alive)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop taking requests and end the thread (requests in flight get uvicorn's grace period)."""
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> BackgroundServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
