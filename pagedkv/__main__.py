@@ -17,6 +17,7 @@ from tqdm import tqdm
 from pagedkv import LLM, SamplingParams, StepEvent
 from pagedkv.engine.arg_utils import CLI_ARGS, add_cli_args
 from pagedkv.engine.llm import Prompt
+from pagedkv.entrypoints.cli import add_serve_parser
 from pagedkv.plugins import load_plugin
 from pagedkv.workbook import DEFAULT_DIR as DEFAULT_WORKBOOK_DIR
 
@@ -355,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("name", help="the lab (pagedkv lab list)")
     check.add_argument("file", help="the Python file that defines what the lab asks for")
     lab.set_defaults(func=_lab)
+    add_serve_parser(sub, [common, plugins])
     return parser
 
 

@@ -17,11 +17,12 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client", "jinja2")
 """What `pagedkv serve` needs (pyproject.toml's `serve` extra; each module is named as its package)."""
 
 
-def add_serve_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    """Register `serve` among the sub-commands of `python -m pagedkv`."""
+def add_serve_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
+    """Register `serve` among the sub-commands of `python -m pagedkv` (`parents`: the options every
+    engine-building sub-command shares, --debug and --load)."""
     serve = sub.add_parser(
         "serve",
-        parents=[common],
+        parents=parents,
         help="serve MODEL over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /metrics)",
         description="An OpenAI-compatible server (pip install 'pagedkv[serve]'): point the openai client at "
         "http://HOST:PORT/v1. The engine options are LLM's arguments (pagedkv.engine.arg_utils.EngineArgs).",

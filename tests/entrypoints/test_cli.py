@@ -72,3 +72,18 @@ def test_serve_on_a_taken_port_says_so() -> None:
     assert done.returncode == 3  # uvicorn's start-up failure
     assert "address already in use" in done.stderr and "Traceback" not in done.stderr
     assert "serving" not in done.stdout  # no line announcing a server that never listened
+
+
+def test_serve_loads_the_users_code_first(tmp_path) -> None:
+    """`pagedkv serve --load FILE` imports FILE before the engine is built (as generate and backends
+    do), so a backend it registers can be served; here the file says it ran, then stops the command."""
+    plugin = tmp_path / "my_backend.py"
+    plugin.write_text("import sys\nprint('plugin loaded')\nsys.exit(7)\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "pagedkv", "serve", MODEL, "--load", str(plugin)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert done.returncode == 7 and "plugin loaded" in done.stdout, done.stderr[-2000:]
