@@ -169,8 +169,10 @@ def _first_wrong_field(call: _Call) -> CheckResult | None:
             reveal=lambda: _worked_lookup(call),
         )
     layer = context.no_compile_layers[name]
+    metadata = context.attn_metadata
+    assert not isinstance(metadata, list)  # the exercise's contexts hold one dict (no micro-batches)
     right = (
-        None if context.attn_metadata is None else context.attn_metadata[name],
+        None if metadata is None else metadata[name],
         layer,
         layer.kv_cache,
         context.slot_mapping.get(name),
@@ -196,6 +198,7 @@ def _same(got: Any, expected: Any) -> bool:
 def _explain(field: str, got: Any, name: str, context: ForwardContext) -> str:
     """Why `got` is not this layer's `field`, as a rule and a hint (never the object it should be)."""
     metadata, slots, layers = context.attn_metadata, context.slot_mapping, context.no_compile_layers
+    assert not isinstance(metadata, list)  # the exercise's contexts hold one dict (no micro-batches)
     if field == "attn_metadata" and metadata is None:
         return "this context has no metadata at all (a profile run: attn_metadata is None), so the lookup gives None"
     if field == "attn_metadata" and got is metadata:
@@ -227,11 +230,13 @@ def _worked_lookup(call: _Call) -> str:
     """The lookup of `call`, step by step, with what each step finds."""
     context, name = call.context, call.name
     layer = context.no_compile_layers[name]
-    if context.attn_metadata is None:
+    by_layer = context.attn_metadata
+    assert not isinstance(by_layer, list)  # the exercise's contexts hold one dict (no micro-batches)
+    if by_layer is None:
         metadata = "None: this is a profile run (attn_metadata is None), so the metadata is None"
     else:
-        entry = context.attn_metadata[name]
-        sharing = [n for n, m in context.attn_metadata.items() if m is entry]
+        entry = by_layer[name]
+        sharing = [n for n, m in by_layer.items() if m is entry]
         metadata = f"a {type(entry).__name__} object, the very one of layers {sharing}"
     slots = context.slot_mapping.get(name)
     slot_text = (
