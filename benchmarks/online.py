@@ -72,7 +72,8 @@ def engine_flags(engine: dict[str, object]) -> list[str]:
 def start_server(model: str, engine: dict[str, object], port: int, timeout_s: float) -> subprocess.Popen[bytes]:
     """`pagedkv serve` in a subprocess, returned once its /health answers (start-up compiles and
     captures CUDA graphs on a GPU: minutes are allowed)."""
-    command = [sys.executable, "-m", "pagedkv", "serve", model, "--port", str(port), *engine_flags(engine)]
+    command = [sys.executable, "-m", "pagedkv", "serve", model, "--port", str(port), "--log-level", "warning"]
+    command += engine_flags(engine)
     print("$", " ".join(command), flush=True)
     server = subprocess.Popen(command)
     try:
