@@ -118,7 +118,9 @@ M = TypeVar("M")
 class AttentionMetadataBuilder(ABC, Generic[M]):
     """Turns CommonAttentionMetadata into one backend's metadata; one per attention group."""
 
-    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    cudagraph_support: AttentionCGSupport = AttentionCGSupport.NEVER
+    """What CUDA graphs this builder's metadata allows. A class attribute, not a ClassVar: a builder may
+    narrow it per instance (FLASH_ATTN with flash-attn 2); the runner reads it from its builders."""
 
     def __init__(
         self,

@@ -208,6 +208,7 @@ def check_tensor_parallel(tp_size: int, model: HFConfig, device: torch.device, c
             f"tensor_parallel_size={tp_size}: {model.architecture} models run on one rank only here (their "
             "attention heads and experts are not split over ranks); use tensor_parallel_size=1."
         )
+    assert model.num_key_value_heads is not None  # LlamaConfig.__post_init__ fills it in
     head_layout(model.num_attention_heads, model.num_key_value_heads, tp_size)  # raises naming the heads
     if model.intermediate_size % tp_size:
         raise ValueError(

@@ -79,7 +79,8 @@ class SamplerOutput:
             return self
         names = ("token_ids", "failed", "logprob_token_ids", "logprobs", "num_tokens")
         copies = {n: t.to("cpu", non_blocking=True) for n in names if (t := getattr(self, n)) is not None}
-        ready = torch.cuda.Event()
+        # torch.cuda.Event.__new__ has no annotations in torch (torch/cuda/streams.py).
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record()
         return dataclasses.replace(self, **copies, ready=ready)
 

@@ -168,7 +168,9 @@ class KVCacheManager:
         hashes = self._block_hashes(request_id, token_ids, num_tokens)
         for pool, row in zip(self.block_pools, self.req_to_blocks[request_id]):
             cached = pool.cache_full_blocks(row[done:num_full], hashes[done:num_full])
-            self._pending += [(pool, block, block.block_hash) for block in cached]
+            for block in cached:
+                assert block.block_hash is not None  # cache_full_blocks hashed it
+                self._pending.append((pool, block, block.block_hash))
         self._pending_num_cached.setdefault(request_id, done)
         self.num_cached_blocks[request_id] = num_full
 

@@ -170,7 +170,7 @@ class RequestStates:
         self.block_columns = [0] * len(max_blocks)
         """Per group, the columns any row has used: a step gathers only these."""
 
-    def remove(self, req_ids: list[str]) -> None:
+    def remove(self, req_ids: Sequence[str]) -> None:
         """Give the rows of these requests back (finished, aborted or preempted; unknown ids pass)."""
         for req_id in req_ids:
             row = self.row_of.pop(req_id, None)
@@ -238,8 +238,8 @@ class RequestStates:
                 flat += w.index
                 flat += w.values
             packed = to_device(np.array(flat, dtype=np.int64), self.token_ids.device)
-            for w, pairs in zip(writes, packed.split([2 * len(w.index) for w in writes])):
-                index, values = pairs.split(len(w.index))
+            for w, pairs in zip(writes, torch.split(packed, [2 * len(w.index) for w in writes])):
+                index, values = torch.split(pairs, len(w.index))
                 w.target.view(-1).index_copy_(0, index, values.to(w.target.dtype))
                 w.discard()
         if self._admitted:
