@@ -253,10 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     debug_help = "show the traceback of an error instead of one line (or set PAGEDKV_DEBUG=1)"
     parser.add_argument("--debug", action="store_true", help=debug_help)
     # Also after the command (`pagedkv generate ... --debug`); SUPPRESS keeps the top-level value when absent.
-    common = argparse.ArgumentParser(add_help=False)
+    common = _OneLineErrorParser(add_help=False)  # parents share the subparsers' class
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     # The sub-commands that build an engine can import the user's code first (pagedkv/plugins.py).
-    plugins = argparse.ArgumentParser(add_help=False)
+    plugins = _OneLineErrorParser(add_help=False)
     plugins.add_argument(
         "--load",
         action="append",

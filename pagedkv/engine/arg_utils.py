@@ -203,14 +203,13 @@ class EngineArgs:
         model_cfg = load_config(model)
         check_tensor_parallel(tensor_parallel_size, model_cfg, device, compilation)
         speculative = check_speculative_config(self.speculative_config, model_cfg)
-        draft_cfg = None if speculative is None or speculative.model is None else load_config(speculative.model)
+        draft_model = None if speculative is None else speculative.model
+        draft_cfg = None if draft_model is None else load_config(draft_model)
         if draft_cfg is not None:
             try:
                 check_tensor_parallel(tensor_parallel_size, draft_cfg, device, compilation)
             except (ValueError, NotImplementedError) as error:  # its message speaks of "the model": say which
-                raise type(error)(
-                    f"The draft model {speculative.model!r} (speculative_config['model']): {error}"
-                ) from None
+                raise type(error)(f"The draft model {draft_model!r} (speculative_config['model']): {error}") from None
         if speculative is not None and self.async_scheduling:
             raise ValueError(
                 "async_scheduling=True cannot run with speculative_config: a step's drafts are proposed from the "
@@ -228,7 +227,7 @@ class EngineArgs:
             # The draft runs at the target's positions (its RoPE table ends at its own limit): refused
             # here, not as an IndexError once a request grows past it.
             raise ValueError(
-                f"The draft model {speculative.model!r} (speculative_config['model']) has max_position_embeddings "
+                f"The draft model {draft_model!r} (speculative_config['model']) has max_position_embeddings "
                 f"{draft_cfg.max_position_embeddings}, below the target {model!r}'s max_model_len {max_model_len}: "
                 "it proposes at every position of a request. Pass max_model_len <= "
                 f"{draft_cfg.max_position_embeddings}, or a draft model with a longer context."

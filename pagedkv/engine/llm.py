@@ -672,8 +672,12 @@ class LLM:
         outputs a caller reads, and requests with `stop` strings)."""
         texts = [""] * len(requests)
         if self.tokenizer is not None:
+            items = []
+            for r in requests:
+                assert r.detokenizer is not None  # with a tokenizer, every request is given one when added
+                items.append((r.detokenizer, r.output_token_ids))
             try:
-                texts = detokenize_batch(self.tokenizer, [(r.detokenizer, r.output_token_ids) for r in requests])
+                texts = detokenize_batch(self.tokenizer, items)
             except Exception:  # whose text raised is not known: each on its own (a detokenizer that
                 texts = [self._text(r) for r in requests]  # settled in the batch gives the same text again)
         return texts

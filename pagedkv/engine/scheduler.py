@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.config import SchedulerConfig
 from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.kv_cache.block_pool import KVCacheBlock
 from pagedkv.kv_cache.manager import KVCacheManager
 from pagedkv.worker.input_batch import PLACEHOLDER_TOKEN_ID, ScheduledTokens
 
@@ -241,13 +242,14 @@ class Scheduler:
         # 1. Running requests, oldest first; preempt the newest when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
-            request: Request | None = self.running[i]
+            request = self.running[i]
             n = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
             if request.num_output_placeholders and request.surely_finished(self.max_model_len):
                 i += 1  # its step in flight is its last
                 continue
             drafts = self._drafts(request, budget) if n == 1 else []
             n += len(drafts)
+            preempted_itself = False
             while not kv.allocate_slots(
                 request.request_id, request.num_computed_tokens, n, token_ids=request.all_token_ids
             ):
@@ -256,9 +258,9 @@ class Scheduler:
                 self.running.pop()
                 preempted.append(victim.request_id)
                 if victim is request:
-                    request = None
+                    preempted_itself = True
                     break
-            if request is None:
+            if preempted_itself:
                 break
             scheduled.append(ScheduledRequest(request, n, draft_token_ids=drafts))
             budget -= n
@@ -269,7 +271,8 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_output_placeholders:  # preempted with a token in flight: admitted once it is read
                 break
-            hits, num_hit = [], 0
+            hits: list[list[KVCacheBlock]] = []
+            num_hit = 0
             admitting.append((request, request.status))
             # New or preempted: holds no blocks. One that asked for prompt logprobs computes every prompt
             # position, so it reads no cached prefix (as vllm/v1/core/kv_cache_manager.py get_computed_blocks).
@@ -402,6 +405,7 @@ class Scheduler:
         for token in tokens:
             request.append_output_token_id(token)
             if request.check_stop(self.max_model_len):
+                assert request.finish_reason is not None  # check_stop sets it when it stops the request
                 self.finish_request(request, request.finish_reason)
                 return True
         if s.draft_token_ids and request.status is RequestStatus.RUNNING:

@@ -102,8 +102,8 @@ def check_step(where: str, step: StepRecord, engine: EngineInfo) -> None:
         for i, (block, _) in enumerate(_pairs(f"{at}.cached", pool.cached)):
             check_int(f"{at}.cached[{i}][0]", block, 0, blocks, in_pool)
         for i, (first, last) in enumerate(_pairs(f"{at}.free_queue", pool.free_queue)):
-            check_int(f"{at}.free_queue[{i}][0]", first, 0, blocks, in_pool)
-            check_int(f"{at}.free_queue[{i}][1]", last, first, blocks, " (a run [first, last] of block ids)")
+            start = check_int(f"{at}.free_queue[{i}][0]", first, 0, blocks, in_pool)
+            check_int(f"{at}.free_queue[{i}][1]", last, start, blocks, " (a run [first, last] of block ids)")
 
 
 def _pairs(where: str, value: object) -> Iterable[list[object]]:

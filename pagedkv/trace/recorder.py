@@ -81,7 +81,8 @@ def _summarize(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         head = f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
         return f"{head} {value.tolist()}" if value.numel() <= 16 else head
-    if type(value).__repr__ is object.__repr__:
+    # mypy reads type(value).__repr__ as a method bound to nothing and calls the identity impossible.
+    if type(value).__repr__ is object.__repr__:  # type: ignore[comparison-overlap]
         return f"<{type(value).__name__}>"  # the default repr holds a memory address: not replayable
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -183,7 +183,7 @@ def _from_plain(tp: Any, value: Any) -> Any:
 
     A field missing from an older trace takes its default (a field without one is required).
     """
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a dataclass type, not an instance
         hints = typing.get_type_hints(tp)
         fields = [f.name for f in dataclasses.fields(tp) if f.name in value]
         return tp(**{name: _from_plain(hints[name], value[name]) for name in fields})

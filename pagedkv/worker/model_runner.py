@@ -238,6 +238,7 @@ class ModelRunner:
         if compiled is None:
             compile_part = "not compiled"
         elif compiled.traced:
+            assert compiled.cache is not None  # the trace reported on its cache
             compile_part = f"torch.compile {compiled.compile_seconds:.1f} s, {compiled.cache.describe()}"
         else:  # no profile run (num_kv_blocks given) and no capture: the first step of >= 2 tokens traces
             compile_part = "torch.compile at the first step of 2 tokens or more"
@@ -271,7 +272,8 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The model, through the FULL graph wrapper when there is one (it obeys the context)."""
-        return (self.full_graph or self.model)(input_ids, positions)
+        hidden_states: torch.Tensor = (self.full_graph or self.model)(input_ids, positions)
+        return hidden_states
 
     # ---- one step -------------------------------------------------------------------
 
