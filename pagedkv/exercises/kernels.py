@@ -36,8 +36,8 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import ModuleType
-from typing import Any
+from types import FrameType, ModuleType
+from typing import Any, Literal
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _push_mode
@@ -225,7 +225,9 @@ def _watching_torch(watch: _LaunchWatch) -> Iterator[None]:
     """
     inner = threading.getprofile()
 
-    def start_thread(frame: Any, event: str, arg: Any) -> None:
+    def start_thread(
+        frame: FrameType, event: Literal["call", "return", "c_call", "c_return", "c_exception"], arg: Any
+    ) -> None:
         _push_mode(_Recorder(watch))
         sys.setprofile(inner)
         if inner is not None:
@@ -301,7 +303,7 @@ def _package_code_used(fn: Any, jit_types: tuple[type, ...], seen: set[int] | No
     seen.add(id(fn))
     scope = dict(getattr(fn, "__globals__", {}))
     scope.update(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
-    codes, names = [fn.__code__], set()
+    codes, names = [fn.__code__], set[str]()
     while codes:  # the names of nested code objects too (comprehensions, lambdas)
         code = codes.pop()
         names.update(code.co_names, code.co_freevars)
@@ -496,7 +498,8 @@ def check_launches(
             return CheckResult(
                 False,
                 f"{what}: the right values, but {problems[0]}{more}.\nCase: {case.description}.\nHint: {ACCESS_HINT}",
-                reveal=lambda problems=problems: "Every memory rule the kernel broke:\n" + "\n".join(problems),
+                # partial binds this try's `problems` now (a closure over the loop variable would not).
+                reveal=functools.partial("\n".join, ["Every memory rule the kernel broke:", *problems]),
             )
     case = make_cases[0]()
     _, rejected = _run_launcher(kernels, launch, case, what, run=False)
