@@ -152,7 +152,7 @@ class TensorInfo:
     @functools.cached_property
     def _layout(self) -> tuple[np.ndarray, np.ndarray]:
         """Byte offsets of the elements, sorted, and the flat index of each (strided tensors only)."""
-        rel = np.zeros((), dtype=np.int64)
+        rel: np.ndarray = np.zeros((), dtype=np.int64)  # a 0-d start: each dimension adds an axis
         for size, stride in zip(self.shape, self.strides):
             rel = rel[..., None] + np.arange(size, dtype=np.int64) * stride * self.itemsize
         rel = rel.reshape(-1)
@@ -200,7 +200,8 @@ class KernelLaunch:
 
     def programs(self) -> list[Program]:
         """Every program id of the grid, in launch order (x slowest, as the interpreter runs them)."""
-        return list(itertools.product(*(range(n) for n in self.grid)))
+        x, y, z = self.grid
+        return list(itertools.product(range(x), range(y), range(z)))
 
     def of(self, program: Program) -> list[Access]:
         """The accesses of one program, in program order."""
@@ -332,12 +333,12 @@ class AccessLog:
             info = self.tensors[name]
             verb = "loaded" if kind == "load" else "stored"
             if not inside:
-                parts = _outside_parts(info, offsets)
+                outside = _outside_parts(info, offsets)
                 found.append(
                     (
-                        ("outside", kind, name, *(where for where, _ in parts)),
+                        ("outside", kind, name, *(where for where, _ in outside)),
                         f"{verb} {count_text(offsets.size)} outside every tensor it was given: "
-                        f"{'; '.join(text for _, text in parts)}",
+                        f"{'; '.join(text for _, text in outside)}",
                     )
                 )
                 continue
@@ -495,7 +496,7 @@ class _Recorder:
 
     def start_launch(self, executor: Any, args_dev: tuple, kwargs: dict, args_hst: list, kwargs_hst: dict) -> None:
         run = KernelLaunch(getattr(executor.fn, "__name__", "kernel"))
-        self.moved, fresh = [], []
+        self.moved, fresh = [], list[TensorInfo]()
         pairs = [*zip(executor.arg_names, args_dev, args_hst), *((k, kwargs[k], kwargs_hst[k]) for k in kwargs)]
         for param, dev, hst in pairs:
             for dev_t, hst_t in _tensor_pairs(dev, hst):
@@ -566,6 +567,7 @@ class _Recorder:
 
     def _record_outside(self, kind: Kind, program: Program, addresses: np.ndarray, atomic: bool, op: int) -> None:
         """Addresses in no tensor: one Access per nearest tensor, offsets counted in its elements."""
+        assert self.run is not None, "record() returns before this outside a launch"
         if not self.order:
             self.run.accesses.append(Access(kind, program, "", addresses, False, atomic, op))
             return
@@ -598,7 +600,10 @@ def _tensor_pairs(dev: Any, hst: Any) -> Iterator[tuple[torch.Tensor, torch.Tens
     elif hasattr(dev, "base") and hasattr(dev, "block_shape"):  # a TensorDescriptor
         yield from _tensor_pairs(dev.base, hst.base)
     elif hasattr(dev, "data_ptr"):
-        unwrap = lambda t: getattr(t, "base", t) if not isinstance(t, torch.Tensor) else t
+
+        def unwrap(t: Any) -> torch.Tensor:  # triton.reinterpret's TensorWrapper -> its tensor
+            return t if isinstance(t, torch.Tensor) else getattr(t, "base", t)
+
         yield unwrap(dev), unwrap(hst)
 
 
