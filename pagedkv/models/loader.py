@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -29,6 +29,17 @@ HFConfig = LlamaConfig | DeepseekV2Config  # Qwen3Config is a LlamaConfig
 """The architecture config of any model pagedkv serves (the fields it reads off `config.json`)."""
 CausalLM = LlamaForCausalLM | DeepseekV2ForCausalLM
 """Any model pagedkv serves: forward(input_ids, positions), compute_logits, load_weights."""
+
+
+class CausalLMClass(Protocol):
+    """A model class of MODEL_REGISTRY: built from a config and the prefix its attention layers register under.
+
+    `config` is Any because each class takes only the config class the registry pairs it with
+    (LlamaForCausalLM a LlamaConfig, DeepseekV2ForCausalLM a DeepseekV2Config), a pairing by
+    architecture name that a type cannot spell; `load_config` builds the config from that same pair.
+    """
+
+    def __call__(self, config: Any, prefix: str = "model") -> CausalLM: ...
 
 
 def _tiny(**extra: Any) -> LlamaConfig:
@@ -100,7 +111,7 @@ TRAINED_PRESETS: dict[str, Path] = {
 }
 
 # architecture -> (config class, model class): which model file serves a checkpoint.
-MODEL_REGISTRY: dict[str, tuple[type[HFConfig], type[CausalLM]]] = {
+MODEL_REGISTRY: dict[str, tuple[type[HFConfig], CausalLMClass]] = {
     "LlamaForCausalLM": (LlamaConfig, LlamaForCausalLM),
     "MistralForCausalLM": (LlamaConfig, LlamaForCausalLM),
     "Qwen2ForCausalLM": (LlamaConfig, LlamaForCausalLM),
@@ -297,8 +308,9 @@ def generation_eos_token_ids(model: str, vocab_size: int) -> list[int]:
 
 def _eos_ids(eos: object, file: Path, vocab_size: int) -> list[int]:
     """An `eos_token_id` entry (None, an id or a list of ids) as a list; ids are ints in [0, vocab_size)."""
-    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+    entries: list[object] = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    ids = [t for t in entries if isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size]
+    if len(ids) != len(entries):
         raise ValueError(
             f"{file}: eos_token_id {eos!r} must be a token id or a list of them, ints in [0, {vocab_size}) "
             "(the model's vocab_size)."
@@ -388,6 +400,8 @@ def load_model(
         # ranks serve exactly the weights of the single-rank engine.
         with single_rank():
             whole = model_cls(config, prefix)
+        # MLA models never get here: DeepseekV2Config.supports_tensor_parallel is False.
+        assert isinstance(whole, LlamaForCausalLM), f"{type(whole).__name__} cannot be split over ranks"
         init_preset_weights(whole, model, seed)
         net.load_weights(whole.hf_state_dict().items())
     elif model in PRESETS:  # the big benchmark presets: each rank draws its own shard
@@ -400,6 +414,7 @@ def load_model(
         if name in keep:
             param.data = keep[name]
     for module in net.modules():
-        if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading()
+        process = getattr(module, "process_weights_after_loading", None)
+        if process is not None:
+            process()
     return net
