@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,9 @@ EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 ShardId = int | str | tuple[int, str] | None
 """Which piece of a fused parameter a checkpoint tensor fills: q/k/v or gate/up index, or for
 stacked experts (expert id, "w1" | "w3" | "w2"); None for a parameter loaded whole."""
+
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
+"""(parameter, whole checkpoint tensor, shard id) -> None: copies this rank's slice into the parameter."""
 
 
 def _divide(total: int, tp_size: int, what: str) -> int:
@@ -72,6 +76,19 @@ def copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None:
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
     """The loader of parameters every rank holds whole (the norms): copy, shapes checked."""
     copy_checked(param.data, loaded, "a whole parameter")
+
+
+def set_weight_attrs(param: nn.Parameter, attrs: Mapping[str, Any]) -> None:
+    """Attach attributes to a parameter (its `weight_loader`), as vllm/model_executor/utils.py does:
+    `nn.Parameter` declares no such fields, so they are set, and read back, by name."""
+    for key, value in attrs.items():
+        setattr(param, key, value)
+
+
+def weight_loader_of(param: nn.Parameter) -> WeightLoader:
+    """The loader a layer attached to `param` (`set_weight_attrs`); a plain copy for a parameter without one."""
+    loader: WeightLoader = getattr(param, "weight_loader", default_weight_loader)
+    return loader
 
 
 def load_hf_weights(
@@ -106,7 +123,7 @@ def load_hf_weights(
             raise ValueError(f"Checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}.")
         param = params[name]
         try:
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
+            weight_loader_of(param)(param, tensor, shard)
         except ValueError as error:
             raise ValueError(f"Checkpoint tensor {hf_name!r}: {error}") from error
         loaded.add(name if shard is None else f"{name}#{shard}")
@@ -137,11 +154,17 @@ def _load_tied(model: nn.Module, held: dict[str, torch.Tensor]) -> None:
             LM_HEAD,
         )
         lm_head = model.get_submodule(LM_HEAD.rsplit(".", 1)[0])
+        assert isinstance(lm_head, ParallelLMHead), f"{LM_HEAD} of a tied model is a {type(lm_head).__name__}"
         lm_head.weight = nn.Parameter(torch.empty_like(embedding), requires_grad=False)
-        lm_head.weight.weight_loader = lm_head.weight_loader
+        set_weight_attrs(lm_head.weight, {"weight_loader": lm_head.weight_loader})
         lm_head.weight_loader(lm_head.weight, head)
-        model.config.tie_word_embeddings = False
-    embedding.weight_loader(embedding, embed if embed is not None else head)
+        # Any: a plain attribute (the model's config dataclass), which mypy reads through
+        # nn.Module.__getattr__ as a Tensor | Module.
+        config: Any = model.config
+        config.tie_word_embeddings = False
+    table = embed if embed is not None else head
+    assert table is not None, "load_hf_weights calls this only once it holds one of the two"
+    weight_loader_of(embedding)(embedding, table, None)
 
 
 def linear_op() -> Callable[..., torch.Tensor]:
@@ -158,11 +181,11 @@ class _ParallelLinear(nn.Module):
         # For the repr: the rank is the active group's only while the engine builds or runs.
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
         self.linear = linear_op()
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            set_weight_attrs(self.bias, {"weight_loader": self.weight_loader})
         else:
             self.register_parameter("bias", None)
 
@@ -210,6 +233,8 @@ class ColumnParallelLinear(_ParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         if shard_id is None and len(self.output_sizes) > 1:
             raise ValueError(f"{type(self).__name__} loads its {len(self.output_sizes)} pieces one at a time.")
+        if isinstance(shard_id, tuple):  # (expert id, "w1" | "w3" | "w2") is FusedMoE's
+            raise TypeError(f"{type(self).__name__} takes a piece index as shard id, not {shard_id!r}.")
         offset, rows, start, full_rows = self._rows(0 if shard_id is None else shard_id)
         check_checkpoint_shape(loaded, (full_rows, *param.shape[1:]), type(self).__name__)
         copy_checked(param.data.narrow(0, offset, rows), loaded.narrow(0, start, rows), type(self).__name__)
@@ -292,7 +317,7 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = -(-num_embeddings // self.tp_size)
         self.start = get_tp_rank() * self.per_rank
         self.weight = nn.Parameter(torch.zeros(self.per_rank, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         rows = max(0, min(self.per_rank, self.num_embeddings - self.start))
