@@ -31,9 +31,12 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # for annotations only: transformers is imported where a model is built (`--dump-topics` needs none)
+    from transformers import LlamaForCausalLM
 
 BOS_ID, EOS_ID = 256, 257
 VOCAB_SIZE = 258  # 256 bytes + BOS + EOS, the ids of pagedkv's ByteTokenizer
@@ -90,7 +93,7 @@ def hf_config(args: argparse.Namespace) -> Any:
 
 
 @torch.no_grad()
-def held_out_loss(model: torch.nn.Module, val: torch.Tensor, seq_len: int) -> float:
+def held_out_loss(model: LlamaForCausalLM, val: torch.Tensor, seq_len: int) -> float:
     """Mean next-token cross entropy (nats per byte) over the whole held-out stream.
 
     The stream is cut into consecutive windows of `seq_len + 1` tokens that overlap by one, so
@@ -115,7 +118,7 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def train(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, Any]]:
+def train(args: argparse.Namespace) -> tuple[LlamaForCausalLM, dict[str, Any]]:
     """Train from scratch; returns the model and the log that `training_log.json` records."""
     from transformers import LlamaForCausalLM
 
@@ -123,7 +126,8 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, Any]]:
     device = torch.device(args.device)
     topics, topics_python = pydoc_topics(args.topics)
     train_ids, val_ids = pydoc_splits(topics)
-    model = LlamaForCausalLM(hf_config(args)).to(device)
+    # transformers wraps `to` with functools.wraps, whose typeshed stub does not bind `self`: mypy takes `device` for it.
+    model: LlamaForCausalLM = LlamaForCausalLM(hf_config(args)).to(device)  # type: ignore[arg-type]
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     data_gen = torch.Generator().manual_seed(args.seed)  # window order: independent of the model
     curve: list[dict[str, float]] = []
