@@ -34,7 +34,7 @@ from torch import nn
 from pagedkv.config import get_current_engine_config
 from pagedkv.forward_context import register_layer
 from pagedkv.models.layers import SiluAndMul
-from pagedkv.models.parallel_layers import ShardId, copy_checked
+from pagedkv.models.parallel_layers import ShardId, copy_checked, set_weight_attrs
 
 CHUNK_ELEMENTS = 2**25
 """The dense way runs tokens in chunks whose [tokens, E, 2I] intermediate holds at most this many
@@ -106,7 +106,7 @@ class FusedMoE(nn.Module):
         )
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         for param in (self.w13_weight, self.w2_weight):
-            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            set_weight_attrs(param, {"weight_loader": self.weight_loader})
         if get_current_engine_config().model_config.batch_invariant:
             # Each expert's matmul has as many rows as tokens routed to it, which the batch decides.
             raise NotImplementedError(
