@@ -60,10 +60,14 @@ def check_logit_bias(value: object) -> dict[int, float] | None:
     if not isinstance(value, dict):
         raise TypeError(f"logit_bias must be a dict of token id -> bias, or None, got {describe(value)}.")
     checked = {}
-    for key, bias in value.items():
-        token = int(key) if isinstance(key, str) and key.isdigit() else key
-        token = check_int("a logit_bias token id", token, 0)
-        checked[token] = check_float(f"logit_bias[{token}]", bias, *LOGIT_BIAS_RANGE)
+    try:
+        for key, bias in value.items():
+            token = check_int("a token id", int(key) if isinstance(key, str) and key.isdigit() else key, 0)
+            checked[token] = check_float(f"the bias of token {token}", bias, *LOGIT_BIAS_RANGE)
+    except (TypeError, ValueError) as e:
+        raise type(e)(
+            f"logit_bias maps token ids (ints >= 0) to numbers in [-100, 100], got {reprlib.repr(value)}: {e}"
+        ) from None
     return checked
 
 

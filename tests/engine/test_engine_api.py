@@ -79,6 +79,25 @@ BAD_SAMPLING = [
     (dict(stop_token_ids=[-3]), ValueError, "stop_token_ids"),
     (dict(temperature=None), TypeError, "temperature"),
     (dict(max_tokens=None), TypeError, "max_tokens"),
+    (dict(n=0), ValueError, "n must"),
+    (dict(n=1.5), TypeError, "n must"),
+    (dict(presence_penalty=2.5), ValueError, "presence_penalty"),
+    (dict(frequency_penalty=-3), ValueError, "frequency_penalty"),
+    (dict(repetition_penalty=0.0), ValueError, "repetition_penalty"),
+    (dict(repetition_penalty=math.inf), ValueError, "repetition_penalty"),
+    (dict(logit_bias=[1, 2]), TypeError, "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), ValueError, "logit_bias"),
+    (dict(logit_bias={"a": 1.0}), TypeError, "logit_bias"),
+    (dict(logit_bias={5: 101.0}), ValueError, "logit_bias"),
+    (dict(logit_bias={5: "up"}), TypeError, "logit_bias"),
+    (dict(min_tokens=-1), ValueError, "min_tokens"),
+    (dict(min_tokens=17), ValueError, "min_tokens"),  # above max_tokens (16)
+    (dict(stop=[""]), ValueError, "stop"),
+    (dict(stop=5), TypeError, "stop"),
+    (dict(stop=["a", 3]), TypeError, "stop"),
+    (dict(include_stop_str_in_output=1), TypeError, "include_stop_str_in_output"),
+    (dict(prompt_logprobs=21), ValueError, "prompt_logprobs"),
+    (dict(prompt_logprobs=-1), ValueError, "prompt_logprobs"),
 ]
 
 

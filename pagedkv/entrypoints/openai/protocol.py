@@ -111,8 +111,8 @@ class SamplingRequest(OpenAIBaseModel):
 
     def param_of(self, message: str) -> str | None:
         """The request field a refusal of SamplingParams or of the engine is about: such messages begin
-        with the field's name ("temperature must be ...", "logit_bias[5] must ...", "a logit_bias token
-        id ...", "stop_token_ids names token id ..."); or the prompt + max_tokens that do not fit."""
+        with the field's name ("temperature must be ...", "logit_bias maps token ids ...", "stop_token_ids
+        names token id ..."); or the prompt + max_tokens that do not fit."""
         for word in re.findall(r"\w+", message)[:3]:
             if word in SamplingParams.__dataclass_fields__:
                 return self.RENAMED.get(word, word)
