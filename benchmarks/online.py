@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.engine.arg_utils import cli_flag
 from pagedkv.entrypoints.openai.api_server import free_port, wait_until_healthy
 from pagedkv.models.loader import load_config
 from workloads import Workload, w2
@@ -61,11 +62,15 @@ class Timing:
 
 
 def engine_flags(engine: dict[str, object]) -> list[str]:
-    """`LLM` keyword arguments as `pagedkv serve` flags (None: left out, the default)."""
+    """`LLM` keyword arguments as `pagedkv serve` flags, named as the CLI names them (`cli_flag`);
+    None is left out (the default)."""
     flags = []
     for name, value in engine.items():
+        flag = cli_flag(name)
+        if flag is None:
+            raise SystemExit(f"online: engine argument {name} has no command-line flag for pagedkv serve")
         if value is not None:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
+            flags += [flag, str(value)]
     return flags
 
 
